@@ -1,0 +1,38 @@
+# The two README commands: `make demo` and `make test`. Each sets up .venv when needed.
+VENV    ?= .venv
+PYTHON  ?= python3
+PY      := $(VENV)/bin/python
+# The CPU wheel on this machine's disk; an already installed torch (e.g. a CUDA build) is kept.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export DO_NOT_TRACK := 1
+export MLFLOW_DISABLE_TELEMETRY := true
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup demo test lint bench
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/thresher demo
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .

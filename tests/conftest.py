@@ -1,0 +1,47 @@
+"""Shared fixtures: offline environment, the trained demo model, random-init family models."""
+
+from __future__ import annotations
+
+import os
+
+for _k, _v in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "DO_NOT_TRACK": "1", "MLFLOW_DISABLE_TELEMETRY": "true",
+               "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false"}.items():
+    os.environ.setdefault(_k, _v)
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_demo() -> Path:
+    """The trained `tiny` demo model (built once, then reused from the cache)."""
+    from thresher.data.demo_model import build_demo_model
+
+    return build_demo_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_demo):
+    from thresher.models import load_tokenizer
+
+    return load_tokenizer(tiny_demo)
+
+
+def build_random_model(model_type: str, seed: int = 0, **kw):
+    """A random-init model of ``model_type`` with non-trivial norms and router weights."""
+    from transformers import AutoModelForCausalLM
+
+    from thresher.models.random_init import random_config
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(random_config(model_type, **kw))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)  # distinct per channel, so a wrong mapping shows up
+            elif "gate.weight" in name and p.dim() == 2 and "gate_proj" not in name:
+                p.normal_(0, 0.5)  # routers start at zero in some families
+    return model.eval()

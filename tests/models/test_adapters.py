@@ -1,0 +1,69 @@
+import pytest
+import torch
+
+from tests.conftest import build_random_model
+from thresher.errors import UnsupportedArchitectureError
+from thresher.models import get_adapter
+from thresher.models.random_init import DENSE_FAMILIES, MOE_FAMILIES
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_adapter_exposes_modules_and_expert_views(family):
+    model = build_random_model(family)
+    ad = get_adapter(model.config)
+    assert ad.is_moe and ad.num_experts(model.config) == 8 and ad.top_k(model.config) == 2
+    layer = ad.layers(model)[0]
+    projs = ad.attention_projections(layer)
+    assert set(projs) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert projs["q_proj"].in_features == model.config.hidden_size
+    assert ad.input_norm(layer).weight.shape == (model.config.hidden_size,)
+    assert ad.is_moe_layer(layer)
+    assert ad.router(layer).weight.shape == (8, model.config.hidden_size)
+    experts = ad.experts(layer)
+    inter = experts.down_proj.shape[-1]
+    for e in (0, 5):
+        view = ad.expert_view(layer, e)
+        assert view.gate.shape == (inter, model.config.hidden_size)
+        assert torch.equal(view.gate, experts.gate_up_proj[e, :inter])
+        assert torch.equal(view.up, experts.gate_up_proj[e, inter:])
+        assert torch.equal(view.down, experts.down_proj[e])
+        # a view, not a copy: writing through it changes the model
+        assert view.down.data_ptr() == experts.down_proj[e].data_ptr()
+    assert (ad.shared_expert(layer) is not None) == (family == "qwen2_moe")
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_route_and_expert_forward_reproduce_the_moe_block(family):
+    """Routing + per-expert outputs through the adapter == the model's own MoE forward."""
+    model = build_random_model(family)
+    ad = get_adapter(model.config)
+    layer = ad.layers(model)[0]
+    x = torch.randn(10, model.config.hidden_size)
+    routing = ad.route(layer, x, model.config)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(routing.top_k_index.shape[1]):
+            e = int(routing.top_k_index[t, j])
+            out[t] += routing.top_k_weights[t, j] * ad.expert_forward(layer, e, x[t : t + 1])[0]
+    shared = ad.shared_expert(layer)
+    if shared is not None:
+        out += torch.sigmoid(ad.shared_expert_gate(layer)(x)) * shared(x)
+    with torch.no_grad():
+        ref = ad.mlp(layer)(x.unsqueeze(0))[0]
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", DENSE_FAMILIES)
+def test_dense_adapter(family):
+    model = build_random_model(family)
+    ad = get_adapter(model.config)
+    layer = ad.layers(model)[0]
+    assert not ad.is_moe and not ad.is_moe_layer(layer)
+    assert set(ad.dense_mlp_projections(layer)) == {"gate_proj", "up_proj", "down_proj"}
+    assert ad.num_experts(model.config) == 0
+
+
+def test_unknown_architecture_lists_supported():
+    with pytest.raises(UnsupportedArchitectureError) as exc:
+        get_adapter("gpt2")
+    assert "gpt2" in str(exc.value) and "qwen3_moe" in str(exc.value) and "mixtral" in str(exc.value)

@@ -1,0 +1,89 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from thresher.errors import RecipeError
+from thresher.recipe import load_recipe, parse_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def base_recipe() -> dict:
+    return {
+        "name": "t",
+        "model": "demo:tiny",
+        "variants": [
+            {"name": "base", "stages": []},
+            {"name": "r-g", "stages": [{"prune": {"method": "reap", "ratio": 0.5}},
+                                       {"quantize": {"method": "gptq", "bits": 4}}]},
+        ],
+    }
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")))
+def test_shipped_recipes_validate(path):
+    if path.name == "schedules.yaml":
+        pytest.skip("not a recipe")
+    recipe = load_recipe(path)
+    assert recipe.variants
+
+
+def test_demo_recipe_shares_prefixes():
+    recipe = load_recipe(ROOT / "configs" / "demo.yaml")
+    plan = recipe.plan()
+    prunes = [s for s in plan if s.stage.kind == "prune"]
+    assert len(prunes) == 1, "REAP-50% is computed once for all reap50 variants"
+    assert set(prunes[0].variants) == {"reap50", "reap50-gptq4", "reap50-awq4", "reap50-nf4"}
+    children = [s for s in plan if s.parent == prunes[0].index]
+    assert {s.stage.quantize.method for s in children} == {"gptq", "awq", "nf4"}
+
+
+@pytest.mark.parametrize(
+    "mutate, field, words",
+    [
+        (lambda r: r["variants"][1]["stages"][1]["quantize"].update(bits=5),
+         "variants.1.stages.1.quantize.bits", "2, 3, 4 or 8"),
+        (lambda r: r.update(calibration={"sampels": 3}), "calibration.sampels", "unknown key"),
+        (lambda r: r["variants"][1]["stages"][0]["prune"].update(ratio=1.5),
+         "variants.1.stages.0.prune.ratio", "(0, 1)"),
+        (lambda r: r["variants"][1]["stages"][1].update(quantize={"method": "awq", "bits": 3}),
+         "variants.1.stages.1.quantize", "4-bit"),
+        (lambda r: r["variants"].append({"name": "base"}), "variants", "used twice"),
+        (lambda r: r["variants"][1]["stages"].reverse(), "variants.1.stages", "before the quantize"),
+        (lambda r: r["variants"][1]["stages"][0].update(quantize={"method": "rtn"}),
+         "variants.1.stages.0", "exactly one"),
+        (lambda r: r.pop("model"), "model", "Field required"),
+        (lambda r: r["variants"][1]["stages"][1]["quantize"].update(group_size=100),
+         "variants.1.stages.1.quantize.group_size", "multiple of 8"),
+    ],
+)
+def test_errors_name_the_field(mutate, field, words):
+    data = base_recipe()
+    mutate(data)
+    with pytest.raises(RecipeError) as exc:
+        parse_recipe(data)
+    text = str(exc.value)
+    assert f"  {field}:" in text, text
+    assert words in text, text
+
+
+def test_yaml_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        load_recipe(bad)
+    with pytest.raises(RecipeError, match="no such recipe"):
+        load_recipe(tmp_path / "missing.yaml")
+    listy = tmp_path / "list.yaml"
+    listy.write_text(yaml.safe_dump([1, 2]))
+    with pytest.raises(RecipeError, match="mapping"):
+        load_recipe(listy)
+
+
+def test_defaults_fill_in():
+    r = parse_recipe(base_recipe())
+    assert r.calibration.source == "stdlib" and r.calibration.samples == 128
+    assert r.validate_.concurrency == [1, 4, 16]
+    q = r.variants[1].stages[1].quantize
+    assert q.group_size == 128 and q.keep_16bit == ["router", "embeddings", "lm_head"]

@@ -1,0 +1,3 @@
+from thresher.cli import run
+
+run()

@@ -1,0 +1,194 @@
+"""The ``thresher`` command line.
+
+Every command prints a ThresherError as one clear message (``--debug`` shows the traceback);
+every option has help text, so ``thresher COMMAND --help`` explains itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+
+from thresher.errors import ThresherError
+
+app = typer.Typer(
+    help="thresher: compress Mixture-of-Experts LLMs (REAP pruning; GPTQ / AWQ / NF4 / RTN "
+    "quantization), track them in MLflow, publish standard checkpoints and serve them.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+demo_model_app = typer.Typer(help="Build the demo MoE models trained on the stdlib source.",
+                             no_args_is_help=True)
+app.add_typer(demo_model_app, name="demo-model")
+
+console = Console(stderr=False)
+err_console = Console(stderr=True)
+_state = {"debug": False}
+
+
+@app.callback()
+def main(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks and debug logs.")] = False,
+) -> None:
+    _state["debug"] = debug
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.INFO,
+        format="%(message)s",
+        handlers=[RichHandler(console=err_console, show_path=False, show_time=False)],
+    )
+    for noisy in ("httpx", "urllib3", "filelock", "alembic", "mlflow", "prefect"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def handles_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Print a ThresherError as a message and exit 2; with --debug, show the traceback too."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ThresherError as err:
+            if _state["debug"]:
+                raise
+            err_console.print(f"[bold red]error:[/] {err}", highlight=False)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+# --- recipes ------------------------------------------------------------------------------------
+
+
+@app.command()
+@handles_errors
+def check(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")]) -> None:
+    """Validate a recipe and print the resolved plan (shared stage prefixes run once)."""
+    from thresher.recipe import load_recipe
+
+    r = load_recipe(recipe)
+    console.print(f"[bold]{r.name}[/]: model [cyan]{r.model}[/] ({r.dtype})")
+    cal = r.calibration
+    console.print(f"calibration: {cal.source} x {cal.samples} windows of {cal.seq_len} tokens, "
+                  f"seed {cal.seed}")
+    ppl = r.eval.perplexity
+    console.print(f"evaluation: perplexity on {ppl.source} (held-out), seq_len {ppl.seq_len}, "
+                  f"max_windows {ppl.max_windows}; tasks: {', '.join(r.eval.tasks) or 'none'}")
+    table = Table(title="plan: stage computations")
+    for col in ("step", "stage", "reads", "used by"):
+        table.add_column(col)
+    for step in r.plan():
+        reads = "base model" if step.parent is None else f"step {step.parent}"
+        table.add_row(str(step.index), step.stage.describe(), reads, ", ".join(step.variants))
+    console.print(table)
+    for v in r.variants:
+        chain = " -> ".join(s.describe() for s in v.stages) or "(base model, no stages)"
+        console.print(f"  variant [bold]{v.name}[/]: {chain}")
+    console.print("[green]recipe is valid[/]")
+
+
+@app.command()
+def schema() -> None:
+    """Print the recipe JSON schema (for editors and validators)."""
+    from thresher.recipe import recipe_json_schema
+
+    print(json.dumps(recipe_json_schema(), indent=2))
+
+
+# --- demo model ---------------------------------------------------------------------------------
+
+
+def _build_demo(size: str, force: bool = False) -> Path:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from thresher.data.demo_model import build_demo_model, demo_model_dir
+
+    if (demo_model_dir(size) / "config.json").is_file() and not force:
+        return demo_model_dir(size)
+    with Progress(TextColumn("[bold]training demo:" + size), BarColumn(),
+                  TextColumn("step {task.completed}/{task.total}  loss {task.fields[loss]}"),
+                  TimeElapsedColumn(), console=err_console) as bar:
+        task = bar.add_task("train", total=None, loss="-")
+
+        def progress(step: int, total: int, loss: float) -> None:
+            bar.update(task, completed=step, total=total, loss=f"{loss:.3f}")
+
+        return build_demo_model(size, force=force, progress=progress)
+
+
+@demo_model_app.command("build")
+@handles_errors
+def demo_model_build(
+    size: Annotated[str, typer.Argument(help="tiny (tests, ~1 min) or small (the demo default).")] = "small",
+    force: Annotated[bool, typer.Option(help="Retrain even if a cached model exists.")] = False,
+) -> None:
+    """Train the demo tokenizer and Qwen3-MoE on the stdlib train split (cached)."""
+    path = _build_demo(size, force)
+    meta = json.loads((path / "demo_model.json").read_text())
+    console.print(f"demo:{size} at {path}")
+    console.print(f"  {meta['parameters']:,} parameters, trained {meta['spec']['steps']} steps in "
+                  f"{meta['train_seconds']} s, final loss {meta['final_loss']:.3f}")
+
+
+# --- evaluation ---------------------------------------------------------------------------------
+
+
+@app.command("perplexity")
+@handles_errors
+def perplexity_cmd(
+    model: Annotated[str, typer.Option(help="Hub id, local dir, models:/name/version or demo:size.")],
+    seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 256,
+    max_windows: Annotated[int, typer.Option(help="Cap on windows scored (0 = all).")] = 64,
+    batch_size: Annotated[int, typer.Option(help="Windows per forward pass.")] = 8,
+) -> None:
+    """Held-out perplexity of a model on the stdlib held-out split."""
+    result = _heldout_perplexity(model, seq_len, max_windows or None, batch_size)
+    console.print(f"perplexity {result.perplexity:.3f} over {result.tokens:,} tokens in "
+                  f"{result.windows} windows of {result.seq_len} ({result.convention})")
+
+
+def _heldout_perplexity(model: str, seq_len: int, max_windows: int | None, batch_size: int):
+    from thresher.data.windows import eval_windows
+    from thresher.evaluate.perplexity import perplexity
+    from thresher.models import load_model, load_tokenizer, resolve_model
+    from thresher.recipe import PerplexityConfig
+
+    if model.startswith("demo:"):
+        _build_demo(model.removeprefix("demo:"))
+    path = resolve_model(model)
+    cfg = PerplexityConfig(seq_len=seq_len, max_windows=max_windows, batch_size=batch_size)
+    windows = eval_windows(load_tokenizer(path), cfg)
+    return perplexity(load_model(path), windows, batch_size=batch_size)
+
+
+# --- the embedded default -----------------------------------------------------------------------
+
+
+@app.command()
+@handles_errors
+def demo(
+    size: Annotated[str, typer.Option(help="Demo model size.")] = "small",
+) -> None:
+    """Run the embedded default end to end: build the demo model and evaluate it."""
+    path = _build_demo(size)
+    meta = json.loads((path / "demo_model.json").read_text())
+    console.print(f"demo:{size}: {meta['parameters']:,} parameters, trained in "
+                  f"{meta['train_seconds']} s ({path})")
+    result = _heldout_perplexity(f"demo:{size}", 256, 64, 8)
+    console.print(f"held-out perplexity: [bold]{result.perplexity:.3f}[/] "
+                  f"({result.tokens:,} tokens, {result.windows} windows of {result.seq_len}; "
+                  f"{result.convention})")
+
+
+def run() -> None:
+    """Entry point of `python -m thresher`."""
+    sys.exit(app())

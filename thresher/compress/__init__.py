@@ -1,0 +1,1 @@
+"""Quantization: RTN, GPTQ, AWQ, NF4; the sequential calibration driver; checkpoint formats."""

@@ -1,0 +1,1 @@
+"""Text sources, tokenized calibration / evaluation windows, and the demo model builder."""

@@ -1,0 +1,32 @@
+"""One exception type per class of user-facing failure.
+
+The CLI prints these without a traceback (``--debug`` shows it); anything else is a bug.
+"""
+
+
+class ThresherError(Exception):
+    """Base class: a failure the user can act on, with a message that says how."""
+
+
+class RecipeError(ThresherError):
+    """A recipe that does not validate; the message names the field path."""
+
+
+class ModelError(ThresherError):
+    """A model that cannot be resolved, loaded or adapted."""
+
+
+class UnsupportedArchitectureError(ModelError):
+    """A model family without an adapter."""
+
+
+class DataError(ThresherError):
+    """A text source that cannot be read or yields too little text."""
+
+
+class ArtifactError(ThresherError):
+    """A published artifact that is missing, incomplete or fails its hash check."""
+
+
+class CompressionError(ThresherError):
+    """A pruning or quantization stage whose options do not fit the model."""

@@ -1,0 +1,1 @@
+"""Evaluation: perplexity, task scores (lm-evaluation-harness), and the comparison report."""

@@ -1,0 +1,66 @@
+"""Token-level perplexity on non-overlapping windows (the GPTQ / AWQ papers' convention).
+
+The held-out text is tokenized once, cut into windows of ``seq_len`` tokens with the remainder
+dropped, and every window is scored independently: ppl = exp(total NLL / tokens scored), where a
+window of n tokens scores n - 1 predictions. This is not lm-evaluation-harness's word perplexity;
+the result says which convention it used.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+CONVENTION = "token-level, non-overlapping windows, remainder dropped"
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    perplexity: float
+    nll: float  # mean negative log-likelihood per scored token (nats)
+    tokens: int  # tokens scored
+    windows: int
+    seq_len: int
+    convention: str = CONVENTION
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@torch.no_grad()
+def window_nll(logits: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+    """Summed NLL of each window's next-token predictions: logits [B, S, V], windows [B, S] -> [B]."""
+    logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    target = windows[:, 1:].unsqueeze(-1)
+    return -logprobs.gather(-1, target).squeeze(-1).sum(dim=-1)
+
+
+@torch.no_grad()
+def perplexity(model: nn.Module | LogitsFn, windows: torch.Tensor, batch_size: int = 8,
+               show_progress: bool = True) -> PerplexityResult:
+    """Perplexity of ``model`` (a causal LM, or a function ids -> logits) on ``windows`` [N, S]."""
+    if isinstance(model, nn.Module):
+        model.eval()
+
+        def logits_fn(ids: torch.Tensor) -> torch.Tensor:
+            return model(input_ids=ids).logits
+    else:
+        logits_fn = model
+    total = 0.0
+    n, seq_len = windows.shape
+    for start in tqdm(range(0, n, batch_size), desc="perplexity", unit="batch",
+                      disable=not show_progress, leave=False):
+        batch = windows[start : start + batch_size]
+        total += float(window_nll(logits_fn(batch), batch).sum())
+    tokens = n * (seq_len - 1)
+    nll = total / tokens
+    return PerplexityResult(perplexity=math.exp(nll), nll=nll, tokens=tokens, windows=n,
+                            seq_len=seq_len)

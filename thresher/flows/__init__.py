@@ -1,0 +1,1 @@
+"""Prefect flows and tasks, MLflow tracking, publishing, deployments and schedules."""

@@ -1,0 +1,218 @@
+"""Architecture adapters: where a family keeps its layers, attention, router and experts.
+
+Family quirks live here and nowhere else. The rest of thresher asks an adapter for "the router
+of layer 3" or "expert 5's up projection" and never branches on a model name.
+
+transformers 5 keeps MoE experts fused as 3-D parameters (``experts.gate_up_proj`` [E, 2I, H],
+``experts.down_proj`` [E, H, I]); hub checkpoints and vLLM use per-expert names. An adapter
+gives per-expert views of the fused tensors and the canonical on-disk names of each expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from thresher.errors import UnsupportedArchitectureError
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """Views (not copies) of one expert's matrices, in nn.Linear layout [out, in]."""
+
+    gate: torch.Tensor  # [I, H]
+    up: torch.Tensor  # [I, H]
+    down: torch.Tensor  # [H, I]
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The router's decision for a batch of tokens, as the model's forward computes it."""
+
+    logits: torch.Tensor  # [T, E] raw router logits
+    probs: torch.Tensor  # [T, E] softmax over all experts, fp32
+    top_k_index: torch.Tensor  # [T, k] selected experts (top-k of the raw logits)
+    top_k_weights: torch.Tensor  # [T, k] gate values the forward pass multiplies expert outputs by
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """The facts that differ between families; everything else is shared."""
+
+    model_types: tuple[str, ...]
+    moe: bool
+    num_experts_key: str = "num_experts"
+    disk_moe_prefix: str = "mlp"  # where experts live in hub checkpoints (Mixtral: block_sparse_moe)
+    disk_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    shared_expert: bool = False
+    always_renormalize: bool = False  # the forward renormalizes top-k regardless of config
+
+
+FAMILIES: dict[str, FamilySpec] = {
+    "qwen3_moe": FamilySpec(("qwen3_moe",), moe=True),
+    "qwen2_moe": FamilySpec(("qwen2_moe",), moe=True, shared_expert=True),
+    "mixtral": FamilySpec(
+        ("mixtral",),
+        moe=True,
+        num_experts_key="num_local_experts",
+        disk_moe_prefix="block_sparse_moe",
+        disk_expert_names=("w1", "w3", "w2"),
+        always_renormalize=True,
+    ),
+    "olmoe": FamilySpec(("olmoe",), moe=True),
+    "llama": FamilySpec(("llama",), moe=False),
+    "qwen2": FamilySpec(("qwen2",), moe=False),
+    "qwen3": FamilySpec(("qwen3",), moe=False),
+}
+
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class Adapter:
+    """Uniform access to one model family's modules (Llama-style decoder layout)."""
+
+    def __init__(self, spec: FamilySpec, model_type: str):
+        self.spec = spec
+        self.model_type = model_type
+
+    # -- model level --------------------------------------------------------------------------
+
+    @property
+    def is_moe(self) -> bool:
+        return self.spec.moe
+
+    def decoder(self, model: nn.Module) -> nn.Module:
+        return model.model
+
+    def layers(self, model: nn.Module) -> nn.ModuleList:
+        return model.model.layers
+
+    def embeddings(self, model: nn.Module) -> nn.Embedding:
+        return model.model.embed_tokens
+
+    def final_norm(self, model: nn.Module) -> nn.Module:
+        return model.model.norm
+
+    def lm_head(self, model: nn.Module) -> nn.Linear:
+        return model.lm_head
+
+    # -- config -------------------------------------------------------------------------------
+
+    def num_experts(self, config) -> int:
+        if not self.is_moe:
+            return 0
+        return int(getattr(config, self.spec.num_experts_key))
+
+    def set_num_experts(self, config, n: int) -> None:
+        setattr(config, self.spec.num_experts_key, int(n))
+
+    def top_k(self, config) -> int:
+        return int(config.num_experts_per_tok) if self.is_moe else 0
+
+    def norm_topk_prob(self, config) -> bool:
+        """Whether the config asks for top-k renormalization (REAP's gate follows this flag)."""
+        return bool(getattr(config, "norm_topk_prob", False))
+
+    def forward_renormalizes(self, config) -> bool:
+        """Whether the model's forward pass renormalizes the top-k gate values."""
+        return self.spec.always_renormalize or self.norm_topk_prob(config)
+
+    # -- decoder layer ------------------------------------------------------------------------
+
+    def attention(self, layer: nn.Module) -> nn.Module:
+        return layer.self_attn
+
+    def attention_projections(self, layer: nn.Module) -> dict[str, nn.Linear]:
+        attn = layer.self_attn
+        return {name: getattr(attn, name) for name in ATTENTION_PROJECTIONS}
+
+    def input_norm(self, layer: nn.Module) -> nn.Module:
+        return layer.input_layernorm
+
+    def post_attention_norm(self, layer: nn.Module) -> nn.Module:
+        return layer.post_attention_layernorm
+
+    def mlp(self, layer: nn.Module) -> nn.Module:
+        return layer.mlp
+
+    def is_moe_layer(self, layer: nn.Module) -> bool:
+        return self.is_moe and hasattr(layer.mlp, "experts")
+
+    def dense_mlp_projections(self, layer: nn.Module) -> dict[str, nn.Linear]:
+        """gate/up/down of a dense MLP layer (dense families, or dense layers of an MoE)."""
+        return {name: getattr(layer.mlp, name) for name in MLP_PROJECTIONS}
+
+    def router(self, layer: nn.Module) -> nn.Module:
+        """The router module; ``.weight`` is [E, H]."""
+        return layer.mlp.gate
+
+    def experts(self, layer: nn.Module) -> nn.Module:
+        return layer.mlp.experts
+
+    def expert_view(self, layer: nn.Module, e: int) -> ExpertWeights:
+        experts = self.experts(layer)
+        inter = experts.down_proj.shape[-1]
+        gate_up = experts.gate_up_proj.data[e]
+        return ExpertWeights(
+            gate=gate_up[:inter], up=gate_up[inter:], down=experts.down_proj.data[e]
+        )
+
+    def shared_expert(self, layer: nn.Module) -> nn.Module | None:
+        return getattr(layer.mlp, "shared_expert", None) if self.spec.shared_expert else None
+
+    def shared_expert_gate(self, layer: nn.Module) -> nn.Module | None:
+        return getattr(layer.mlp, "shared_expert_gate", None) if self.spec.shared_expert else None
+
+    def route(self, layer: nn.Module, hidden: torch.Tensor, config) -> Routing:
+        """Routing of ``hidden`` [T, H] (the MoE block's input) exactly as the forward does it."""
+        router = self.router(layer)
+        logits = torch.nn.functional.linear(hidden, router.weight)
+        probs = torch.softmax(logits.float(), dim=-1)
+        top_w, top_i = torch.topk(probs, self.top_k(config), dim=-1)
+        if self.forward_renormalizes(config):
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        return Routing(logits=logits, probs=probs, top_k_index=top_i, top_k_weights=top_w)
+
+    def expert_forward(self, layer: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
+        """One expert's output f_e(x) before gating, for tokens x [T, H]."""
+        w = self.expert_view(layer, e)
+        act = self.experts(layer).act_fn
+        return torch.nn.functional.linear(
+            act(torch.nn.functional.linear(x, w.gate)) * torch.nn.functional.linear(x, w.up), w.down
+        )
+
+    # -- on-disk names ------------------------------------------------------------------------
+
+    def disk_expert_key(self, layer_idx: int, e: int, proj: str) -> str:
+        """Hub-canonical name (without ``.weight``) of expert ``e``'s ``proj`` in ``gate|up|down``."""
+        name = dict(zip(("gate", "up", "down"), self.spec.disk_expert_names, strict=True))[proj]
+        return f"model.layers.{layer_idx}.{self.spec.disk_moe_prefix}.experts.{e}.{name}"
+
+    def disk_router_key(self, layer_idx: int) -> str:
+        return f"model.layers.{layer_idx}.{self.spec.disk_moe_prefix}.gate"
+
+    def memory_key_from_disk(self, key: str) -> str:
+        """Map a non-expert on-disk key to the in-memory parameter name."""
+        prefix = self.spec.disk_moe_prefix
+        if prefix != "mlp":
+            key = key.replace(f".{prefix}.", ".mlp.")
+        return key
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for spec in FAMILIES.values() for t in spec.model_types)
+
+
+def get_adapter(config_or_type) -> Adapter:
+    """The adapter for a transformers config (or a ``model_type`` string)."""
+    model_type = config_or_type if isinstance(config_or_type, str) else config_or_type.model_type
+    for spec in FAMILIES.values():
+        if model_type in spec.model_types:
+            return Adapter(spec, model_type)
+    raise UnsupportedArchitectureError(
+        f"model type {model_type!r} has no thresher adapter; supported: "
+        + ", ".join(supported_model_types())
+    )

@@ -1,0 +1,110 @@
+"""Layer-by-layer access to a checkpoint: a weightless skeleton, one decoder layer materialized at a time.
+
+Calibration (REAP observation, GPTQ, AWQ) walks the decoder layers in order and needs only the
+current layer's weights and the activations flowing between layers. The skeleton is built on the
+``meta`` device (no memory); ``load_layer`` reads one layer from the safetensors files and
+``release_layer`` returns it to ``meta``. Peak weight memory is one layer plus the embeddings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from thresher.models.adapters import Adapter, get_adapter
+from thresher.models.checkpoint import CheckpointReader, read_layer_state
+
+
+def load_config(path: str | Path):
+    config = AutoConfig.from_pretrained(path)
+    get_adapter(config)  # unsupported families fail here, before any weights are read
+    return config
+
+
+class LayerwiseModel:
+    """A causal LM whose decoder layers are materialized one at a time from disk."""
+
+    def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32):
+        self.path = Path(path)
+        self.dtype = dtype
+        self.config = load_config(self.path)
+        self.config._attn_implementation = "sdpa"
+        self.adapter: Adapter = get_adapter(self.config)
+        with torch.device("meta"):
+            self.model = AutoModelForCausalLM.from_config(self.config, dtype=dtype)
+        self.model.eval()
+        self.reader = CheckpointReader(self.path)
+        with torch.device("cpu"):
+            rotary_cls = type(self.adapter.decoder(self.model).rotary_emb)
+            self.rotary = rotary_cls(config=self.config)
+        self._resident: set[int] = set()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.adapter.layers(self.model))
+
+    def layer(self, i: int) -> nn.Module:
+        return self.adapter.layers(self.model)[i]
+
+    # -- materialization ----------------------------------------------------------------------
+
+    def load_layer(self, i: int) -> nn.Module:
+        """Read decoder layer ``i`` from disk into memory and return it."""
+        layer = self.layer(i)
+        state = read_layer_state(self.reader, self.adapter, i, self.adapter.num_experts(self.config))
+        state = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in state.items()}
+        layer.load_state_dict(state, strict=True, assign=True)
+        self._resident.add(i)
+        return layer
+
+    def release_layer(self, i: int) -> None:
+        """Drop layer ``i``'s weights (back to the meta device)."""
+        self.layer(i).to("meta")
+        self._resident.discard(i)
+
+    def resident_layers(self) -> list[int]:
+        """Indices of decoder layers whose weights are in memory (checked on the tensors)."""
+        return [
+            i for i in range(self.num_layers)
+            if any(not p.is_meta for p in self.layer(i).parameters())
+        ]
+
+    def load_outer(self) -> None:
+        """Materialize the embeddings, the final norm and the LM head (small next to the layers)."""
+        emb = self.adapter.embeddings(self.model)
+        emb.load_state_dict({"weight": self.reader.get("model.embed_tokens.weight").to(self.dtype)},
+                            assign=True)
+        norm = self.adapter.final_norm(self.model)
+        norm.load_state_dict({"weight": self.reader.get("model.norm.weight").to(self.dtype)}, assign=True)
+        head = self.adapter.lm_head(self.model)
+        if "lm_head.weight" in self.reader:
+            head.load_state_dict({"weight": self.reader.get("lm_head.weight").to(self.dtype)}, assign=True)
+        else:  # tied embeddings
+            head.weight = emb.weight
+
+    # -- computation --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.adapter.embeddings(self.model)(input_ids)
+
+    def position_embeddings(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(hidden.shape[1]).unsqueeze(0).expand(hidden.shape[0], -1)
+        return self.rotary(hidden, pos)
+
+    @torch.no_grad()
+    def layer_forward(self, i: int, hidden: torch.Tensor,
+                      position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> torch.Tensor:
+        """Run resident layer ``i`` on ``hidden`` [B, S, H] with a causal mask."""
+        if position_embeddings is None:
+            position_embeddings = self.position_embeddings(hidden)
+        out = self.layer(i)(hidden, attention_mask=None, position_embeddings=position_embeddings)
+        return out[0] if isinstance(out, tuple) else out
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.adapter.lm_head(self.model)(self.adapter.final_norm(self.model)(hidden))

@@ -1,0 +1,49 @@
+"""Load a whole model (and its tokenizer) for evaluation; save one under canonical names."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from thresher.errors import ModelError
+from thresher.models.layerwise import load_config
+from thresher.models.source import resolve_model
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as err:
+        raise ModelError(f"{path}: cannot load the tokenizer ({err})") from err
+
+
+def load_model(source: str | Path, dtype: torch.dtype | str = torch.float32) -> nn.Module:
+    """Any model thresher can evaluate: a source string or directory -> an eval-mode causal LM."""
+    if isinstance(dtype, str):
+        dtype = DTYPES[dtype]
+    path = resolve_model(str(source))
+    load_config(path)  # refuses unsupported families with the list of supported ones
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.eval()
+    return model
+
+
+def save_model(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path) -> Path:
+    """Save a full model in safetensors with hub-canonical (per-expert) names, plus its tokenizer.
+
+    transformers 5's ``save_pretrained`` splits the fused expert tensors back into the per-expert
+    keys that hub checkpoints and vLLM use; tests check that it stays so.
+    """
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out

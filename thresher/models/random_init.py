@@ -1,0 +1,37 @@
+"""Random-init configs of every supported family, for tests, benchmarks and interop checks.
+
+Small enough to build in a second; real enough to exercise each family's layout (Qwen2-MoE's
+shared expert, Mixtral's block_sparse_moe names, OLMoE's full-width q/k norms).
+"""
+
+from __future__ import annotations
+
+from transformers import AutoConfig
+
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+DENSE_FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def random_config(model_type: str, hidden_size: int = 64, num_layers: int = 2,
+                  num_experts: int = 8, top_k: int = 2, intermediate_size: int = 32,
+                  vocab_size: int = 512, **overrides):
+    """A small transformers config of ``model_type`` (any family thresher supports)."""
+    kw: dict = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=intermediate_size * 2,
+        max_position_embeddings=512, tie_word_embeddings=False,
+    )
+    if model_type in ("qwen3_moe", "qwen3"):
+        kw["head_dim"] = hidden_size // 4
+    if model_type == "mixtral":
+        kw.update(num_local_experts=num_experts, num_experts_per_tok=top_k)
+        kw["intermediate_size"] = intermediate_size
+    elif model_type in ("qwen3_moe", "qwen2_moe", "olmoe"):
+        kw.update(num_experts=num_experts, num_experts_per_tok=top_k,
+                  moe_intermediate_size=intermediate_size, norm_topk_prob=True)
+        if model_type == "olmoe":
+            kw["intermediate_size"] = intermediate_size
+        if model_type == "qwen2_moe":
+            kw["shared_expert_intermediate_size"] = intermediate_size * 2
+    kw.update(overrides)
+    return AutoConfig.for_model(model_type, **kw)

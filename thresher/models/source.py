@@ -1,0 +1,113 @@
+"""Resolve a model source (hub id, local dir, ``models:/name/version``, ``demo:size``) to a directory.
+
+Every later step works on a local snapshot; its content hash keys the artifact store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from thresher.errors import ModelError
+
+DEMO_PREFIX = "demo:"
+REGISTRY_PREFIX = "models:/"
+ARTIFACT_DIR_TAG = "thresher.artifact_dir"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "demo" | "registry" | "local" | "hub"
+    value: str
+
+
+def parse_model_source(text: str) -> ModelSource:
+    if text.startswith(DEMO_PREFIX):
+        return ModelSource("demo", text[len(DEMO_PREFIX) :])
+    if text.startswith(REGISTRY_PREFIX):
+        return ModelSource("registry", text[len(REGISTRY_PREFIX) :])
+    if os.path.isdir(text) or text.startswith((".", "/", "~")):
+        return ModelSource("local", str(Path(text).expanduser()))
+    return ModelSource("hub", text)
+
+
+def resolve_model(text: str) -> Path:
+    """A local directory holding config.json and weights for ``text``."""
+    src = parse_model_source(text)
+    if src.kind == "demo":
+        from thresher.data.demo_model import build_demo_model
+
+        return build_demo_model(src.value)
+    if src.kind == "registry":
+        return _resolve_registry(src.value)
+    if src.kind == "local":
+        path = Path(src.value)
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{path}: not a model directory (no config.json)")
+        return path
+    return _resolve_hub(src.value)
+
+
+def _resolve_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+        )
+    except Exception as err:
+        raise ModelError(
+            f"cannot fetch {repo_id!r} from the Hugging Face hub ({type(err).__name__}: {err}). "
+            "Offline, download it elsewhere and give the local directory instead."
+        ) from err
+
+
+def _resolve_registry(name_version: str) -> Path:
+    """``models:/name/version`` (or ``models:/name@alias``) through the MLflow Model Registry."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    try:
+        if "@" in name_version:
+            name, alias = name_version.split("@", 1)
+            mv = client.get_model_version_by_alias(name, alias)
+        else:
+            name, version = name_version.rsplit("/", 1)
+            mv = client.get_model_version(name, version)
+    except Exception as err:
+        raise ModelError(
+            f"models:/{name_version}: not found in the MLflow registry at "
+            f"{mlflow.get_tracking_uri()} ({err})"
+        ) from err
+    artifact_dir = (mv.tags or {}).get(ARTIFACT_DIR_TAG)
+    if artifact_dir and (Path(artifact_dir) / "config.json").is_file():
+        return Path(artifact_dir)
+    local = mlflow.artifacts.download_artifacts(f"models:/{name_version}")
+    for candidate in (Path(local), *Path(local).rglob("config.json")):
+        base = candidate if candidate.is_dir() else candidate.parent
+        if (base / "config.json").is_file():
+            return base
+    raise ModelError(f"models:/{name_version}: the registered artifact holds no config.json")
+
+
+def hash_directory(path: str | Path, exclude: tuple[str, ...] = ("thresher.json",)) -> str:
+    """sha256 over the sorted (relative path, file sha256) pairs of a directory's files."""
+    path = Path(path)
+    outer = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        rel = file.relative_to(path).as_posix()
+        if rel in exclude or rel.startswith("."):
+            continue
+        outer.update(rel.encode() + b"\0" + sha256_file(file).encode() + b"\n")
+    return outer.hexdigest()
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,1 @@
+"""Expert pruning: REAP and its baselines (frequency, EAN, random), and applying an expert mask."""

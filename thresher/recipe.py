@@ -1,0 +1,299 @@
+"""The recipe schema: the one place that defines what a recipe may say.
+
+A recipe names a base model, calibration and evaluation data, and variants; each variant is a
+chain of stages (``prune`` then ``quantize``). Unknown keys are errors, and every error names the
+field path (``variants.1.stages.0.quantize.bits``) and what is wrong with it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from thresher.errors import RecipeError
+
+
+class StrictModel(BaseModel):
+    """Base for every recipe section: unknown keys are refused, values are checked on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --- text sources -------------------------------------------------------------------------------
+
+
+class HFDatasetSource(StrictModel):
+    """A Hugging Face dataset (hub name or a local dataset script/dir)."""
+
+    hf: str = Field(description="dataset name, e.g. 'wikitext' or 'allenai/c4'")
+    config: str | None = Field(None, description="dataset configuration, e.g. 'wikitext-2-raw-v1'")
+    split: str = "train"
+    field: str = Field("text", description="column that holds the text")
+
+
+class FilesSource(StrictModel):
+    """Local files: paths or globs of .txt, .py, .md or .jsonl files."""
+
+    files: list[str] = Field(min_length=1)
+    field: str = Field("text", description="key that holds the text in .jsonl records")
+
+
+TextSource = Annotated[
+    Literal["stdlib"] | HFDatasetSource | FilesSource,
+    Field(
+        description="'stdlib' (the Python standard library's source; calibration uses its train "
+        "split, evaluation its held-out split), {hf: ...} or {files: [...]}"
+    ),
+]
+
+
+class CalibrationConfig(StrictModel):
+    """The text that pruning and quantization observe."""
+
+    source: TextSource = "stdlib"
+    samples: int = Field(128, gt=0, description="number of calibration windows")
+    seq_len: int = Field(256, gt=0, description="tokens per window")
+    seed: int = 0
+
+
+class PerplexityConfig(StrictModel):
+    """Token-level perplexity on non-overlapping windows of held-out text."""
+
+    source: TextSource = "stdlib"
+    seq_len: int = Field(256, gt=0)
+    max_windows: int | None = Field(64, gt=0, description="cap on windows scored (null: all)")
+    batch_size: int = Field(8, gt=0)
+
+
+class EvalConfig(StrictModel):
+    perplexity: PerplexityConfig = Field(default_factory=PerplexityConfig)
+    tasks: list[str] = Field(default_factory=list, description="lm-evaluation-harness task names")
+    task_limit: int | None = Field(None, gt=0, description="cap on documents per task")
+
+
+# --- stages -------------------------------------------------------------------------------------
+
+
+class PruneStage(StrictModel):
+    """Expert pruning: remove the lowest-saliency experts in every MoE layer."""
+
+    method: Literal["reap", "frequency", "ean", "random"] = "reap"
+    ratio: float | None = Field(None, description="fraction of experts removed per layer, in (0, 1)")
+    keep: int | None = Field(None, gt=0, description="number of experts kept per layer")
+    seed: int = Field(0, description="seed of the 'random' control")
+
+    @field_validator("ratio")
+    @classmethod
+    def _ratio_in_range(cls, v: float | None) -> float | None:
+        if v is not None and not 0.0 < v < 1.0:
+            raise ValueError(f"ratio must be in (0, 1), got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _ratio_or_keep(self) -> PruneStage:
+        if (self.ratio is None) == (self.keep is None):
+            raise ValueError("give exactly one of 'ratio' and 'keep'")
+        return self
+
+    def describe(self) -> str:
+        amount = f"ratio={self.ratio}" if self.ratio is not None else f"keep={self.keep}"
+        return f"prune {self.method} {amount}"
+
+
+class QuantizeStage(StrictModel):
+    """Weight quantization of the decoder layers' linear and expert weights."""
+
+    method: Literal["rtn", "gptq", "awq", "nf4"]
+    bits: Literal[2, 3, 4, 8] = 4
+    group_size: int = Field(128, description="-1 = one group per output row")
+    sym: bool | None = Field(None, description="symmetric grid (default: GPTQ yes, RTN/AWQ no)")
+    act_order: bool = Field(False, description="GPTQ: quantize columns by descending Hessian diag")
+    static_groups: bool = Field(
+        True, description="GPTQ act-order: fit groups up front so the checkpoint keeps desc_act false"
+    )
+    damp_percent: float = Field(0.01, gt=0.0, lt=1.0, description="GPTQ Hessian dampening")
+    block_size: int = Field(128, gt=0, description="GPTQ lazy-update block")
+    duo_scaling: bool = Field(True, description="AWQ: s = x^a / w^(1-a)")
+    clip: bool = Field(False, description="AWQ: search weight clipping ranges")
+    double_quant: bool = Field(False, description="NF4: quantize the absmax constants too")
+    compute_dtype: Literal["float16", "bfloat16", "float32"] = "bfloat16"
+    min_expert_tokens: int = Field(
+        8, ge=0, description="experts routed fewer calibration tokens fall back to RTN"
+    )
+    keep_16bit: list[str] = Field(
+        default_factory=lambda: ["router", "embeddings", "lm_head"],
+        description="parts that stay in 16 bits",
+    )
+
+    @field_validator("group_size")
+    @classmethod
+    def _group_size(cls, v: int) -> int:
+        if v != -1 and (v <= 0 or v % 8):
+            raise ValueError(f"group_size must be -1 or a positive multiple of 8, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _method_constraints(self) -> QuantizeStage:
+        if self.method == "awq" and self.bits != 4:
+            raise ValueError("awq writes the 'gemm' format, which holds 4-bit weights only")
+        if self.method == "nf4" and self.bits != 4:
+            raise ValueError("nf4 is a 4-bit format; set bits: 4")
+        return self
+
+    def describe(self) -> str:
+        if self.method == "nf4":
+            return "quantize nf4" + (" double-quant" if self.double_quant else "")
+        text = f"quantize {self.method} {self.bits}-bit g{self.group_size}"
+        if self.method == "gptq" and self.act_order:
+            text += " act-order"
+        return text
+
+
+class Stage(StrictModel):
+    """One step of a variant: exactly one of ``prune`` or ``quantize``."""
+
+    prune: PruneStage | None = None
+    quantize: QuantizeStage | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Stage:
+        if (self.prune is None) == (self.quantize is None):
+            raise ValueError("a stage holds exactly one of 'prune' or 'quantize'")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return "prune" if self.prune is not None else "quantize"
+
+    @property
+    def options(self) -> PruneStage | QuantizeStage:
+        return self.prune if self.prune is not None else self.quantize  # type: ignore[return-value]
+
+    def describe(self) -> str:
+        return self.options.describe()
+
+
+class Variant(StrictModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    stages: list[Stage] = Field(default_factory=list)
+
+    @field_validator("stages")
+    @classmethod
+    def _order(cls, stages: list[Stage]) -> list[Stage]:
+        kinds = [s.kind for s in stages]
+        if kinds.count("quantize") > 1:
+            raise ValueError("a variant has at most one quantize stage")
+        if "quantize" in kinds and "prune" in kinds[kinds.index("quantize") :]:
+            raise ValueError("prune stages come before the quantize stage")
+        return stages
+
+
+# --- publish, validate, tracking ----------------------------------------------------------------
+
+
+class PublishConfig(StrictModel):
+    registry_name: str | None = Field(None, description="MLflow registered model name")
+    dir: str | None = Field(None, description="publish location (default: the state directory)")
+
+
+class ValidateConfig(StrictModel):
+    enabled: bool = True
+    concurrency: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [1, 4, 16])
+    max_tokens: int = Field(64, gt=0)
+
+
+class TrackingConfig(StrictModel):
+    mlflow_uri: str | None = Field(None, description="default: $MLFLOW_TRACKING_URI, else SQLite")
+    experiment: str | None = Field(None, description="default: the recipe name")
+
+
+class Recipe(StrictModel):
+    """A compression job: a base model and the variants to derive from it."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    model: str = Field(description="hub id, local directory, models:/name/version, demo:tiny|small")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    variants: list[Variant] = Field(min_length=1)
+    publish: PublishConfig = Field(default_factory=PublishConfig)
+    validate_: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+    @field_validator("variants")
+    @classmethod
+    def _unique_names(cls, variants: list[Variant]) -> list[Variant]:
+        seen: set[str] = set()
+        for v in variants:
+            if v.name in seen:
+                raise ValueError(f"variant name {v.name!r} is used twice")
+            seen.add(v.name)
+        return variants
+
+    def plan(self) -> list[PlanStep]:
+        """The stages to compute, with equal prefixes shared across variants."""
+        steps: dict[tuple[str, ...], PlanStep] = {}
+        for variant in self.variants:
+            prefix: tuple[str, ...] = ()
+            for stage in variant.stages:
+                prefix = (*prefix, stage.model_dump_json(exclude_none=True))
+                step = steps.get(prefix)
+                if step is None:
+                    parent = steps[prefix[:-1]].index if len(prefix) > 1 else None
+                    step = PlanStep(index=len(steps), stage=stage, parent=parent)
+                    steps[prefix] = step
+                step.variants.append(variant.name)
+        return list(steps.values())
+
+
+class PlanStep(BaseModel):
+    """One stage computation in the resolved plan; ``parent`` is the step whose output it reads."""
+
+    index: int
+    stage: Stage
+    parent: int | None
+    variants: list[str] = Field(default_factory=list)
+
+
+def _format_validation_error(err: ValidationError, where: str) -> str:
+    lines = [f"{where}: the recipe is invalid"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if p not in ("function-after[_exactly_one(), Stage]",))
+        loc = loc.replace("validate_", "validate") or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; see `thresher check --help`)"
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_recipe(data: Any, where: str = "recipe") -> Recipe:
+    """Validate a parsed YAML/JSON document into a Recipe, or raise RecipeError naming fields."""
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where}: a recipe is a mapping of keys to values, got {type(data).__name__}")
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as err:
+        raise RecipeError(_format_validation_error(err, where)) from None
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate a recipe YAML file."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"{path}: no such recipe file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise RecipeError(f"{path}: not valid YAML: {err}") from None
+    return parse_recipe(data, where=str(path))
+
+
+def recipe_json_schema() -> dict[str, Any]:
+    """JSON schema of a recipe (for editors and the Prefect UI's parameter form)."""
+    return Recipe.model_json_schema(by_alias=True)
