@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from thresher.errors import ModelError
 from thresher.models.layerwise import load_config
+from thresher.models.manifest import verify_artifact
 from thresher.models.source import resolve_model
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ def load_model(source: str | Path, dtype: torch.dtype | str = torch.float32) -> 
     if isinstance(dtype, str):
         dtype = DTYPES[dtype]
     path = resolve_model(str(source))
+    verify_artifact(path)  # a published artifact must match its manifest
     load_config(path)  # refuses unsupported families with the list of supported ones
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
