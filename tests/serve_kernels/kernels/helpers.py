@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -128,13 +129,18 @@ def _compile(spec: AotSpec, arch: int) -> None:
     assert compiled.asm["cubin"], f"{spec.kernel}: no cubin for sm_{arch}"
 
 
+def _compile_or_error(job: tuple[dict, int]) -> str:
+    spec, arch = AotSpec(**job[0]), job[1]
+    try:
+        _compile(spec, arch)
+    except Exception as exc:  # report every failing config, not just the first
+        return f"{spec.kernel} {spec.constexprs} sm_{arch}: {exc}"
+    return ""
+
+
 if __name__ == "__main__":
-    failures = []
-    for spec in (AotSpec(**s) for s in json.loads(sys.stdin.read())):
-        for arch in spec.archs:
-            try:
-                _compile(spec, arch)
-            except Exception as exc:  # report every failing config, not just the first
-                failures.append(f"{spec.kernel} {spec.constexprs} sm_{arch}: {exc}")
+    jobs = [(s, arch) for s in json.loads(sys.stdin.read()) for arch in s["archs"]]
+    with ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
+        failures = [f for f in pool.map(_compile_or_error, jobs) if f]
     print("\n\n".join(failures))
     sys.exit(1 if failures else 0)
