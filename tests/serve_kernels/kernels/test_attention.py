@@ -107,7 +107,7 @@ def test_aot_compiles():
     shapes = {"HEAD_DIM": 128, "DOT_DTYPE": "tl.float16", "BLOCK_D": 128,
               "BLOCK_N": attention.BLOCK_N}
     specs = []
-    for group in (1, 4, 8):
+    for group in (1, 8):  # MHA (OLMoE) and the widest GQA group we serve (Qwen3-MoE)
         specs.append(AotSpec(f"{attention.__name__}:_decode_kernel", types,
                              {**shapes, "GROUP": group, "BLOCK_G": 16}))
     specs.append(AotSpec(f"{attention.__name__}:_prefill_kernel", types,

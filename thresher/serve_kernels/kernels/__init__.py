@@ -11,7 +11,7 @@ from thresher.serve_kernels.kernels.attention import (
     paged_prefill_attention,
 )
 from thresher.serve_kernels.kernels.cache import store_kv_cache
-from thresher.serve_kernels.kernels.fused_moe import ExpertWeights, fused_moe, moe_align
+from thresher.serve_kernels.kernels.moe import ExpertWeights, fused_moe, moe_align
 from thresher.serve_kernels.kernels.nf4 import NF4Weight, nf4_matmul
 from thresher.serve_kernels.kernels.norm import rms_norm
 from thresher.serve_kernels.kernels.rotary import apply_rotary, rotary_cos_sin

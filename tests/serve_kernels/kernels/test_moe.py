@@ -14,7 +14,7 @@ from tests.serve_kernels.kernels.helpers import (
     random_gptq,
     rel_err,
 )
-from thresher.serve_kernels.kernels import fused_moe as moe
+from thresher.serve_kernels.kernels import moe
 
 E, H, INTER, TOP_K = 4, 96, 48, 2  # 96 and 2*48 are not multiples of the 64-wide tiles
 
