@@ -238,20 +238,33 @@ def deploy(
 # --- the embedded default -----------------------------------------------------------------------
 
 
+DEMO_RECIPE = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+
+
 @app.command()
 @handles_errors
 def demo(
-    size: Annotated[str, typer.Option(help="Demo model size.")] = "small",
+    recipe: Annotated[Path, typer.Option(help="Recipe to run.")] = DEMO_RECIPE,
 ) -> None:
-    """Run the embedded default end to end: build the demo model and evaluate it."""
-    path = _build_demo(size)
-    meta = json.loads((path / "demo_model.json").read_text())
-    console.print(f"demo:{size}: {meta['parameters']:,} parameters, trained in "
-                  f"{meta['train_seconds']} s ({path})")
-    result = _heldout_perplexity(f"demo:{size}", 256, 64, 8)
-    console.print(f"held-out perplexity: [bold]{result.perplexity:.3f}[/] "
-                  f"({result.tokens:,} tokens, {result.windows} windows of {result.seq_len}; "
-                  f"{result.convention})")
+    """Run the embedded default end to end: the demo model through the compress flow."""
+    from thresher.flows.compress import compress
+    from thresher.flows.tracking import resolve_tracking_uri
+    from thresher.recipe import load_recipe
+
+    r = load_recipe(recipe)
+    if r.model.startswith("demo:"):
+        path = _build_demo(r.model.removeprefix("demo:"))
+        meta = json.loads((path / "demo_model.json").read_text())
+        console.print(f"{r.model}: {meta['parameters']:,} parameters, trained in "
+                      f"{meta['train_seconds']} s ({path})")
+    summary = compress(r)
+    print_comparison(summary["variants"])
+    uri = resolve_tracking_uri(r.tracking.mlflow_uri)
+    console.print(f"\nMLflow runs: parent {summary['parent_run_id']} in {uri}")
+    console.print(f"  open the MLflow UI:  .venv/bin/mlflow ui --backend-store-uri {uri} "
+                  "--workers 1 --port 5000   (then http://127.0.0.1:5000)")
+    console.print("  open the Prefect UI: .venv/bin/prefect server start --port 4200   "
+                  "(then http://127.0.0.1:4200; the flow runs are in its database)")
 
 
 def run() -> None:
