@@ -125,6 +125,17 @@ def test_echo_logprobs_match_engine_scores(client, reference, tiny_tokenizer):
                    for i, top in enumerate(lp["top_logprobs"]))
 
 
+def test_top_logprobs(client):
+    body = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "logprobs": 3,
+                                                "temperature": 0, "ignore_eos": True}).json()
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["top_logprobs"]) == 4
+    for tok, tok_lp, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"],
+                                strict=True):
+        assert 3 <= len(top) <= 4 and top[tok] == pytest.approx(tok_lp)
+        assert tok_lp == pytest.approx(max(top.values()))  # greedy picks the most likely
+
+
 def test_stream_completion_matches_unstreamed(client):
     req = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
            "logprobs": 0}

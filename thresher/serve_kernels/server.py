@@ -192,6 +192,7 @@ class _Choice:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[float | None] | None = None
     sent_text: int = 0
     sent_tokens: int = 0
@@ -202,6 +203,8 @@ class _Choice:
         self.finish_reason = out.finish_reason
         if out.logprobs is not None:
             self.logprobs = list(out.logprobs)
+        if out.top_logprobs is not None:
+            self.top_logprobs = list(out.top_logprobs)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = list(out.prompt_logprobs)
 
@@ -340,30 +343,51 @@ class _API:
         await _collect(group, choices, request)
         out = []
         for i, c in enumerate(choices):
-            gen_ids = [] if scoring_only else c.token_ids
-            gen_lps = [] if scoring_only else (c.logprobs or [])
-            text = ("" if scoring_only else c.text)
+            if scoring_only:
+                c.token_ids, c.text, c.logprobs, c.top_logprobs = [], "", [], []
             prompt_text = self.tokenizer.decode(c.prompt_ids) if body.echo else ""
             lp = None
             if body.logprobs is not None:
-                lp = self.completion_logprobs(
-                    (c.prompt_ids if body.echo else []) + gen_ids,
-                    ((c.prompt_logprobs or [None] * len(c.prompt_ids)) if body.echo else [])
-                    + gen_lps, start=0 if body.echo else len(self.tokenizer.decode(c.prompt_ids)))
+                ids, lps, tops = c.token_ids, c.logprobs or [], c.top_logprobs or []
+                if body.echo:
+                    ids, lps, tops = c.prompt_ids + ids, self.prompt_scores(c) + lps, \
+                        [None] * len(c.prompt_ids) + tops
+                lp = self.completion_logprobs(ids, lps, tops,
+                                              0 if body.echo else len(prompt_text))
+            text = c.text
             out.append({"index": i, "text": prompt_text + text, "logprobs": lp,
                         "finish_reason": c.finish_reason})
         return JSONResponse({**head, "choices": out,
                              "usage": _usage(choices, body.n, scoring_only)})
 
+    def prompt_scores(self, c: _Choice) -> list[float | None]:
+        if c.prompt_logprobs is None or len(c.prompt_logprobs) != len(c.prompt_ids):
+            raise APIError(500, "the engine returned no prompt log-probabilities", "server_error")
+        return c.prompt_logprobs
+
+    def top_entries(self, token_id: int, logprob: float | None,
+                    top: dict[int, float] | None) -> dict[str, float] | None:
+        """The alternatives at one position, by token text, always including the chosen token.
+
+        Prompt positions carry only the prompt token's own score (the engine ranks no
+        alternatives there).
+        """
+        if logprob is None:
+            return None
+        entries = {self.token_text(t): lp for t, lp in (top or {}).items()}
+        entries.setdefault(self.token_text(token_id), logprob)
+        return entries
+
     def completion_logprobs(self, ids: list[int], lps: list[float | None],
-                            start: int) -> dict[str, Any]:
+                            tops: list[dict[int, float] | None], start: int) -> dict[str, Any]:
         """OpenAI's completion logprobs object; ``start`` is the first token's text offset."""
         tokens = [self.token_text(t) for t in ids]
         offsets, pos = [], start
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
-        top = [None if lp is None else {tok: lp} for tok, lp in zip(tokens, lps, strict=True)]
+        tops = list(tops) + [None] * (len(ids) - len(tops))
+        top = [self.top_entries(t, lp, tp) for t, lp, tp in zip(ids, lps, tops, strict=True)]
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top,
                 "text_offset": offsets}
 
@@ -376,21 +400,20 @@ class _API:
                 c = choices[i]
                 c.update(out)
                 if scoring_only:
-                    c.token_ids, c.text = [], ""
+                    c.token_ids, c.text, c.logprobs, c.top_logprobs = [], "", [], []
                 prompt_text = ""
                 if body.echo and i not in echoed:  # the prompt (and its scores) come first
                     echoed.add(i)
                     prompt_text = self.tokenizer.decode(c.prompt_ids)
                 text_start = len(self.tokenizer.decode(c.prompt_ids)) + c.sent_text
-                delta, new_ids, new_lps = _advance(c)
+                delta, new_ids, new_lps, new_tops = _advance(c)
                 lp = None
                 if body.logprobs is not None and (new_ids or prompt_text):
-                    ids, lps, start = new_ids, new_lps, text_start
+                    ids, lps, tops, start = new_ids, new_lps, new_tops, text_start
                     if prompt_text:
-                        ids = c.prompt_ids + new_ids
-                        lps = (c.prompt_logprobs or [None] * len(c.prompt_ids)) + new_lps
-                        start = 0
-                    lp = self.completion_logprobs(ids, lps, start)
+                        ids, lps, start = c.prompt_ids + new_ids, self.prompt_scores(c) + new_lps, 0
+                        tops = [None] * len(c.prompt_ids) + new_tops
+                    lp = self.completion_logprobs(ids, lps, tops, start)
                 delta = prompt_text + delta
                 if delta or lp or out.finished:
                     yield _event({**head, "choices": [{
@@ -418,19 +441,27 @@ class _API:
         await _collect(group, choices, request)
         out = []
         for i, c in enumerate(choices):
-            lp = {"content": self.chat_logprobs(c.token_ids, c.logprobs or [])} \
-                if body.logprobs else None
+            lp = {"content": self.chat_logprobs(c.token_ids, c.logprobs or [],
+                                                c.top_logprobs or [])} if body.logprobs else None
             out.append({"index": i, "message": {"role": "assistant", "content": c.text},
                         "logprobs": lp, "finish_reason": c.finish_reason})
         return JSONResponse({**head, "object": "chat.completion", "choices": out,
                              "usage": _usage(choices, body.n, False)})
 
-    def chat_logprobs(self, ids: list[int], lps: list[float]) -> list[dict[str, Any]]:
+    def chat_logprobs(self, ids: list[int], lps: list[float],
+                      tops: list[dict[int, float]]) -> list[dict[str, Any]]:
+        """OpenAI's chat logprobs ``content`` list: each token with its top alternatives."""
+
+        def entry(text: str, lp: float) -> dict[str, Any]:
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+        tops = list(tops) + [None] * (len(ids) - len(tops))
         content = []
-        for t, lp in zip(ids, lps, strict=False):
-            tok = self.token_text(t)
-            entry = {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
-            content.append({**entry, "top_logprobs": [entry]})
+        for t, lp, top in zip(ids, lps, tops, strict=False):
+            alternatives = self.top_entries(t, lp, top) or {}
+            ranked = sorted(alternatives.items(), key=lambda kv: -kv[1])
+            content.append({**entry(self.token_text(t), lp),
+                            "top_logprobs": [entry(k, v) for k, v in ranked]})
         return content
 
     async def _stream_chat(self, group: RequestGroup, choices: list[_Choice],
@@ -444,8 +475,8 @@ class _API:
             async for i, out in group:
                 c = choices[i]
                 c.update(out)
-                delta, new_ids, new_lps = _advance(c)
-                lp = {"content": self.chat_logprobs(new_ids, new_lps)} \
+                delta, new_ids, new_lps, new_tops = _advance(c)
+                lp = {"content": self.chat_logprobs(new_ids, new_lps, new_tops)} \
                     if body.logprobs and new_ids else None
                 if delta or lp or out.finished:
                     yield _event({**head, "choices": [{
@@ -456,14 +487,16 @@ class _API:
             yield "data: [DONE]\n\n"
 
 
-def _advance(c: _Choice) -> tuple[str, list[int], list[float]]:
-    """The text, token ids and log-probs produced since the last chunk (and mark them sent)."""
+def _advance(c: _Choice) -> tuple[str, list[int], list[float], list[dict[int, float]]]:
+    """The text, token ids, log-probs and top alternatives since the last chunk (now sent)."""
     delta = c.text[c.sent_text:] if len(c.text) > c.sent_text else ""
     c.sent_text = max(c.sent_text, len(c.text))
-    new_ids = c.token_ids[c.sent_tokens:]
-    new_lps = (c.logprobs or [])[c.sent_tokens:len(c.token_ids)]
+    new = slice(c.sent_tokens, len(c.token_ids))
+    new_ids = c.token_ids[new]
+    new_lps = (c.logprobs or [])[new]
+    new_tops = (c.top_logprobs or [])[new]
     c.sent_tokens = len(c.token_ids)
-    return delta, new_ids, new_lps
+    return delta, new_ids, new_lps, new_tops
 
 
 def _usage(choices: list[_Choice], n: int, scoring_only: bool) -> dict[str, int]:
