@@ -241,7 +241,7 @@ def deploy(
 def _describe_loaded(name: str, info: dict, max_model_len: int) -> str:
     """The startup line: what was loaded (format, bits, experts, memory)."""
     bits = info.get("bits")
-    fmt = f"{info.get('format', '?')}" + (f" {bits}-bit" if bits else "")
+    fmt = f"{info.get('format', '?')}" + (f", {bits}-bit weights" if bits else "")
     experts = f", {info['num_experts']} experts" if info.get("num_experts") else ""
     params = f", {info['params'] / 1e6:.1f} M parameters" if info.get("params") else ""
     memory = ""
@@ -284,10 +284,11 @@ def serve(
     engine = LLMEngine(path, max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype)
     name = served_model_name or (path.name if not model.startswith("models:/")
                                  else model.removeprefix("models:/"))
-    console.print(_describe_loaded(name, engine.model_info, engine.max_model_len), highlight=False)
+    console.print(_describe_loaded(name, engine.model_info, engine.max_model_len), highlight=False,
+                  soft_wrap=True)
     auth = "API key required" if api_key else "no API key"
     console.print(f"serving '{name}' at http://{host}:{port}/v1 ({auth}); metrics at /metrics",
-                  highlight=False)
+                  highlight=False, soft_wrap=True)
     app_ = build_app(engine, ServerConfig(served_model_name=name, api_key=api_key,
                                           max_num_seqs=max_num_seqs, max_queue=max_queue))
     uvicorn.run(app_, host=host, port=port, log_level="warning")

@@ -26,7 +26,7 @@ def noisy_artifact(tiny_demo, tmp_path_factory):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".layers." in name and p.dim() >= 2:
-                p.add_(torch.randn(p.shape, generator=gen) * p.std() * 0.5)
+                p.add_(torch.randn(p.shape, generator=gen) * p.std() * 2.0)
     out = tmp_path_factory.mktemp("noisy") / "noisy"
     save_model(model, load_tokenizer(tiny_demo), out)
     return out
@@ -55,7 +55,7 @@ def test_validate_base_and_degraded_variant(tiny_demo, noisy_artifact):
     assert base["validate/agreement"] == 1.0 and base["validate/agreement_prefix"] == 1.0
     assert noisy["validate/agreement"] < 0.95
     assert noisy["validate/agreement_prefix"] <= noisy["validate/agreement"]
-    assert noisy["validate/perplexity"] > base["validate/perplexity"] * 1.02
+    assert noisy["validate/perplexity"] > base["validate/perplexity"] * 1.05
     for m in (base, noisy):
         for c in VALIDATE.concurrency:
             assert m[f"validate/throughput_c{c}_tok_s"] > 0

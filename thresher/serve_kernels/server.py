@@ -217,7 +217,7 @@ class _API:
         self.aengine = aengine
         self.config = config
         self.tokenizer = engine.tokenizer
-        self.vocab_size = len(engine.tokenizer)
+        self.vocab_size = engine.vocab_size
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
 
@@ -254,6 +254,10 @@ class _API:
             self._token_text[token_id] = text
         return text
 
+    def encode(self, text: str) -> list[int]:
+        """Text to token ids as the engine encodes a text prompt (no special tokens added)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def completion_prompts(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
             prompt = [prompt]
@@ -261,7 +265,7 @@ class _API:
             prompt = [prompt]
         prompts = []
         for p in prompt:
-            ids = self.tokenizer(p).input_ids if isinstance(p, str) else list(p)
+            ids = self.encode(p) if isinstance(p, str) else list(p)
             if not ids:
                 raise APIError(400, "'prompt': the prompt is empty", param="prompt")
             bad = [t for t in ids if t >= self.vocab_size]
@@ -277,7 +281,7 @@ class _API:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=True,
                                                   chat_template=template)
-        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        ids = self.encode(text)
         return ids, ([FALLBACK_CHAT_STOP] if template else [])
 
     def completion_budget(self, prompt_len: int, requested: int | None) -> int:
