@@ -238,6 +238,71 @@ def deploy(
         serve_deployments(specs)
 
 
+# --- expert pruning -----------------------------------------------------------------------------
+
+
+def _calibration_source(text: str):
+    """``stdlib`` or a comma-separated list of local files / globs."""
+    from thresher.recipe import FilesSource
+
+    if text == "stdlib":
+        return "stdlib"
+    return FilesSource(files=[part.strip() for part in text.split(",") if part.strip()])
+
+
+@app.command("prune")
+@handles_errors
+def prune_cmd(
+    model: Annotated[str, typer.Option(help="Hub id, local dir, models:/name/version or demo:size.")],
+    out: Annotated[Path, typer.Option(help="Output directory for the pruned checkpoint (new).")],
+    method: Annotated[str, typer.Option(help="reap, frequency, ean or random.")] = "reap",
+    ratio: Annotated[float | None, typer.Option(
+        help="Fraction of experts removed in every MoE layer, in (0, 1).")] = None,
+    keep: Annotated[int | None, typer.Option(
+        help="Experts kept in every MoE layer (instead of --ratio).")] = None,
+    calibration: Annotated[str, typer.Option(
+        help="'stdlib' or comma-separated local text files / globs.")] = "stdlib",
+    samples: Annotated[int, typer.Option(help="Calibration windows.")] = 128,
+    seq_len: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 256,
+    seed: Annotated[int, typer.Option(help="Seed of the calibration sample and of 'random'.")] = 0,
+) -> None:
+    """Remove the lowest-saliency experts of every MoE layer (REAP or a baseline) and write a
+    complete pruned checkpoint with prune_report.json."""
+    from pydantic import ValidationError
+
+    from thresher.errors import CompressionError
+    from thresher.models import resolve_model
+    from thresher.prune.api import REPORT_NAME, prune_model
+    from thresher.recipe import CalibrationConfig, PruneStage
+
+    if ratio is None and keep is None:
+        ratio = 0.5
+    try:
+        stage = PruneStage(method=method, ratio=ratio, keep=keep, seed=seed)
+        cal = CalibrationConfig(source=_calibration_source(calibration), samples=samples,
+                                seq_len=seq_len, seed=seed)
+    except ValidationError as err:
+        problems = "; ".join(f"--{'-'.join(str(p) for p in e['loc']) or 'options'}: "
+                             f"{e['msg'].removeprefix('Value error, ')}" for e in err.errors())
+        raise CompressionError(f"prune options: {problems}") from None
+    if model.startswith("demo:"):
+        _build_demo(model.removeprefix("demo:"))
+    report = prune_model(resolve_model(model), stage, cal, out)
+    table = Table(title=f"{stage.describe()}: {report.experts_kept} of {report.num_experts} "
+                        "experts kept per MoE layer")
+    for col in ("layer", "removed experts", "dead experts"):
+        table.add_column(col)
+    for layer in report.layers:
+        dead = "-" if layer.tokens_routed is None else ", ".join(map(str, layer.dead_experts))
+        table.add_row(str(layer.layer), ", ".join(map(str, layer.removed)), dead or "none")
+    console.print(table)
+    m = report.metrics()
+    share = m.get("removed_routed_share")
+    console.print(f"pruned checkpoint: {out} ({REPORT_NAME} beside it); {m['wall_seconds']:.1f} s"
+                  + (f", removed experts had {share:.1%} of routed tokens" if share is not None
+                     else ""))
+
+
 # --- serving -------------------------------------------------------------------------------------
 
 
