@@ -32,7 +32,7 @@ from thresher.data.windows import calibration_windows
 from thresher.errors import ArtifactError, CompressionError
 from thresher.models.checkpoint import INDEX_NAME, CheckpointWriter, canonical_layer_state
 from thresher.models.layerwise import LayerwiseModel
-from thresher.models.loading import load_tokenizer
+from thresher.models.loading import load_model, load_tokenizer
 from thresher.recipe import CalibrationConfig, QuantizeStage
 
 log = logging.getLogger(__name__)
@@ -232,3 +232,25 @@ def quantize_model(model_dir: Path, stage: QuantizeStage, calibration: Calibrati
     log.info("quantized %s with %s in %.1f s -> %s", model_dir, stage.describe(),
              report.wall_seconds, out_dir)
     return report
+
+
+def quantize_in_memory(model_dir: Path, stage: QuantizeStage, calibration: CalibrationConfig,
+                       show_progress: bool = False) -> tuple[torch.nn.Module, list]:
+    """The float model with every quantized weight replaced by its dequantized value.
+
+    For evaluating settings that have no checkpoint format (AWQ below 4 bits) and for comparing
+    an artifact with the model the driver computed. Holds the whole model in memory.
+    """
+    model_dir = Path(model_dir)
+    lw = LayerwiseModel(model_dir, torch.float32)
+    windows = None
+    if stage.method in CALIBRATED:
+        windows = calibration_windows(load_tokenizer(model_dir), calibration)
+    model = load_model(model_dir)
+    layers = lw.adapter.layers(model)
+
+    def copy_layer(i: int, layer: torch.nn.Module, quantized: dict) -> None:
+        layers[i].load_state_dict(layer.state_dict())
+
+    records = SequentialQuantizer(lw, stage, windows, show_progress=show_progress).run(copy_layer)
+    return model, records

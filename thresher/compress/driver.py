@@ -45,6 +45,7 @@ from thresher.compress.targets import (
     ScalingGroup,
     Target,
     all_targets,
+    apply_scale,
     scaling_groups,
     sequential_stages,
 )
@@ -247,8 +248,11 @@ class SequentialQuantizer:
     def _awq_layer(self, parts: LayerParts, hidden: list[torch.Tensor],
                    record: LayerRecord) -> dict[str, Quantized]:
         st = self.stage
-        for group in self._progress(scaling_groups(parts), f"layer {parts.idx} awq"):
-            self._awq_scale(parts, group, hidden, record)
+        groups = scaling_groups(parts)
+        # Folding a scale leaves the float layer unchanged, so one capture serves every group.
+        inputs = self._capture(parts, [g.site for g in groups], hidden)
+        for group in self._progress(groups, f"layer {parts.idx} awq"):
+            self._awq_scale(parts, group, *inputs.pop(group.site.name), record)
         if st.clip:
             self._awq_clip(parts, hidden, record)
         out: dict[str, Quantized] = {}
@@ -256,21 +260,20 @@ class SequentialQuantizer:
             self._commit(t, rtn_quantize(t.weight, self.spec, st.group_size), record, out)
         return out
 
-    def _capture(self, parts: LayerParts, site: InputSite, hidden: list[torch.Tensor]
-                 ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        xs: list[torch.Tensor] = []
-        gates: list[torch.Tensor | None] = []
+    def _capture(self, parts: LayerParts, sites: list[InputSite], hidden: list[torch.Tensor]
+                 ) -> dict[str, tuple[list[torch.Tensor], list[torch.Tensor | None]]]:
+        """Every site's inputs (per batch, or per batch of routed tokens) and expert gates."""
+        captured: dict[str, tuple[list, list]] = {s.name: ([], []) for s in sites}
 
         def keep(s: InputSite, x: torch.Tensor, gate: torch.Tensor | None) -> None:
-            xs.append(x.float())
-            gates.append(gate)
+            captured[s.name][0].append(x.float())
+            captured[s.name][1].append(gate)
 
-        self._collect(parts, [site], hidden, keep)
-        return xs, gates
+        self._collect(parts, sites, hidden, keep)
+        return captured
 
-    def _awq_scale(self, parts: LayerParts, group: ScalingGroup, hidden: list[torch.Tensor],
-                   record: LayerRecord) -> None:
-        xs, gates = self._capture(parts, group.site, hidden)
+    def _awq_scale(self, parts: LayerParts, group: ScalingGroup, xs: list[torch.Tensor],
+                   gates: list[torch.Tensor | None], record: LayerRecord) -> None:
         if group.site.expert is not None:
             tokens = sum(x.shape[0] for x in xs)
             record.expert_tokens[group.site.expert] = tokens
@@ -296,17 +299,7 @@ class SequentialQuantizer:
 
         best = search_scale(x_mean, w_mean, loss, self.stage.duo_scaling)
         record.awq_alpha[group.name] = best.alpha
-        s = best.scale
-        if group.prev_norm is not None:
-            group.prev_norm.weight.data.div_(s)
-        if group.prev_weight is not None:
-            group.prev_weight.div_(s.unsqueeze(1))
-        if group.prev_bias is not None:
-            group.prev_bias.div_(s)
-        for t in targets:
-            t.weight.mul_(s)
-        for w in group.compensate:
-            w.mul_(s)
+        apply_scale(group, best.scale)
 
     def _inspector(self, parts: LayerParts, group: ScalingGroup, xs: list[torch.Tensor],
                    gates: list[torch.Tensor | None]) -> Callable[[], torch.Tensor]:

@@ -198,3 +198,20 @@ def _up_weight_of(parts: LayerParts, site: InputSite) -> torch.Tensor:
     if parts.dense is not None and site.module is parts.dense["down_proj"]:
         return parts.dense["up_proj"].weight.data
     return parts.shared.up_proj.weight.data
+
+
+@torch.no_grad()
+def apply_scale(group: ScalingGroup, s: torch.Tensor) -> None:
+    """Scale the group's weights by s along their inputs and fold 1/s into the op before them;
+    weights that read the same input but stay in float (the router) are multiplied by s too, so
+    the float model, and therefore every routing decision, is unchanged."""
+    if group.prev_norm is not None:
+        group.prev_norm.weight.data.div_(s)
+    if group.prev_weight is not None:
+        group.prev_weight.div_(s.unsqueeze(1))
+    if group.prev_bias is not None:
+        group.prev_bias.div_(s)
+    for t in group.targets:
+        t.weight.mul_(s)
+    for w in group.compensate:
+        w.mul_(s)

@@ -32,7 +32,11 @@ def load_model(source: str | Path, dtype: torch.dtype | str = torch.float32) -> 
         dtype = DTYPES[dtype]
     path = resolve_model(str(source))
     verify_artifact(path)  # a published artifact must match its manifest
-    load_config(path)  # refuses unsupported families with the list of supported ones
+    config = load_config(path)  # refuses unsupported families with the list of supported ones
+    if getattr(config, "quantization_config", None) is not None:
+        from thresher.compress.loader import load_quantized_model
+
+        return load_quantized_model(path, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
     return model

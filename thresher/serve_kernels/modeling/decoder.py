@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from thresher.serve_kernels.kernels import apply_rotary, rms_norm, silu_and_mul, store_kv_cache
-from thresher.serve_kernels.modeling.attention import AttentionMetadata, paged_attention
 from thresher.serve_kernels.kernels.backend import use_triton
+from thresher.serve_kernels.modeling.attention import AttentionMetadata, paged_attention
 from thresher.serve_kernels.modeling.linear import Linear, merge_linears
 
 
