@@ -44,21 +44,17 @@ class ModelRunner:
         s = model.spec
         return 2 * s.num_layers * block_size * s.num_kv_heads * s.head_dim * dtype.itemsize
 
-    def run(self, batch: ScheduledBatch) -> StepResult:
+    def hidden_states(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """Run the batch's new tokens: final hidden states [T, H] and new-token offsets [B + 1]."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         context_lens: list[int] = []
-        sample_rows: list[int] = []
-        last_rows: list[int] = []
-        for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             context_lens.append(start + n)
-            if start + n == seq.num_tokens and seq.num_output_tokens < seq.max_tokens:
-                sample_rows.append(b)
-                last_rows.append(len(input_ids) - 1)
         query_lens = batch.num_new_tokens
         width = max(len(s.block_table) for s in batch.seqs)
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table))
@@ -76,8 +72,18 @@ class ModelRunner:
             query_lens=list(query_lens), context_lens_list=context_lens,
         )
         hidden = self.model(torch.tensor(input_ids, device=dev), pos.to(dev), self.kv_caches, meta)
-        logits = self.model.logits(hidden[last_rows]) if last_rows else None
-        return StepResult(sample_rows, logits, self._prompt_logprobs(batch, hidden, cu.tolist()))
+        return hidden, cu.tolist()
+
+    def run(self, batch: ScheduledBatch) -> StepResult:
+        """Forward the batch; logits where a sequence samples, prompt log-probs where asked."""
+        hidden, cu = self.hidden_states(batch)
+        sample_rows = [b for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens,
+                                                          strict=True))
+                       if seq.num_computed_tokens + n == seq.num_tokens
+                       and seq.num_output_tokens < seq.max_tokens]
+        logits = self.model.logits(hidden[[cu[b + 1] - 1 for b in sample_rows]]) if sample_rows \
+            else None
+        return StepResult(sample_rows, logits, self._prompt_logprobs(batch, hidden, cu))
 
     def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor,
                          cu: list[int]) -> dict[int, list[float]]:

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from thresher.serve_kernels.kernels import apply_rotary, rms_norm, silu_and_mul, store_kv_cache
+from thresher.serve_kernels.kernels.backend import use_triton
 from thresher.serve_kernels.modeling.attention import AttentionMetadata, paged_attention
-from thresher.serve_kernels.modeling.linear import Linear
+from thresher.serve_kernels.modeling.linear import Linear, merge_linears
 
 
 @dataclass(frozen=True)
@@ -37,41 +38,74 @@ class ModelSpec:
 
 
 class Attention(nn.Module):
-    """Rotary GQA self-attention over the paged KV cache."""
+    """Rotary GQA self-attention over the paged KV cache.
+
+    q, k and v travel as one [T, Hq + 2 Hkv, D] tensor (a single matmul when the three weights
+    are 16-bit), so norms, clipping and rotary run once on the joint tensor on a CPU.
+    """
 
     def __init__(self, spec: ModelSpec, q_proj: Linear, k_proj: Linear, v_proj: Linear,
                  o_proj: Linear, q_norm: torch.Tensor | None = None,
                  k_norm: torch.Tensor | None = None, clip_qkv: float | None = None):
         super().__init__()
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
-        self.register_buffer("q_norm", q_norm)
-        self.register_buffer("k_norm", k_norm)
-        self.per_head_norm = q_norm is not None and q_norm.numel() == spec.head_dim
-        self.clip_qkv = clip_qkv
+        self.qkv = merge_linears([q_proj, k_proj, v_proj])
+        self.o_proj = o_proj
         self.num_heads, self.num_kv_heads, self.head_dim = (spec.num_heads, spec.num_kv_heads,
                                                             spec.head_dim)
+        self.per_head_norm = q_norm is not None and q_norm.numel() == spec.head_dim
+        self.register_buffer("q_norm", q_norm)
+        self.register_buffer("k_norm", k_norm)
+        joint = None
+        if self.per_head_norm:  # one weight row per head of the joint q|k tensor
+            joint = torch.cat([q_norm.expand(self.num_heads, -1),
+                               k_norm.expand(self.num_kv_heads, -1)])
+        self.register_buffer("qk_norm", joint)
+        self.clip_qkv = clip_qkv
         self.eps = spec.rms_norm_eps
         self.scale = spec.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
                 ) -> torch.Tensor:
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.q_norm is not None and not self.per_head_norm:
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv(x)
+        if self.q_norm is not None and not self.per_head_norm:  # over the full width (OLMoE)
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            qkv = torch.cat([rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps),
+                             v], dim=-1)
         if self.clip_qkv is not None:
-            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         tokens = x.shape[0]
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.per_head_norm:
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
-        q, k = apply_rotary(q, k, positions, cos_sin)
+        qkv = qkv.view(tokens, hq + 2 * hkv, d)
+        qk, v = qkv[:, : hq + hkv], qkv[:, hq + hkv :]
+        if use_triton(x):
+            q, k = qk[:, :hq], qk[:, hq:]
+            if self.per_head_norm:
+                q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+            q, k = apply_rotary(q, k, positions, rope.cos_sin)
+        else:
+            if self.per_head_norm:
+                qk = rms_norm(qk, self.qk_norm, self.eps)
+            q, k = rope.rotate(qk).split([hq, hkv], dim=1)
         k_cache, v_cache = kv_cache
         store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
+        return self.o_proj(o.reshape(tokens, hq * d))
+
+
+class Rope:
+    """Rotary angles of one batch, gathered once per forward and shared by every layer."""
+
+    def __init__(self, cos_sin: torch.Tensor, positions: torch.Tensor):
+        self.cos_sin = cos_sin
+        if not use_triton(positions):
+            self.cos, self.sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``apply_rotary``'s math on x [T, heads, D] (the CPU path)."""
+        x1, x2 = x.chunk(2, dim=-1)
+        cos, sin = self.cos, self.sin
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 class DenseMLP(nn.Module):
@@ -79,10 +113,11 @@ class DenseMLP(nn.Module):
 
     def __init__(self, gate_proj: Linear, up_proj: Linear, down_proj: Linear):
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self.gate_up = merge_linears([gate_proj, up_proj])
+        self.down_proj = down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(torch.cat([self.gate_proj(x), self.up_proj(x)], -1)))
+        return self.down_proj(silu_and_mul(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -97,13 +132,13 @@ class DecoderLayer(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                cos_sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                rope: Rope, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, h = x, rms_norm(x, self.input_norm, self.eps)
         else:
             h, residual = rms_norm(x, self.input_norm, self.eps, residual)
-        h = self.attn(h, positions, cos_sin, kv_cache, meta)
+        h = self.attn(h, positions, rope, kv_cache, meta)
         h, residual = rms_norm(h, self.post_attention_norm, self.eps, residual)
         return self.mlp(h), residual
 
@@ -128,8 +163,9 @@ class CausalLM(nn.Module):
         """Final hidden states [T, H] of the new tokens; their K/V land in ``kv_caches``."""
         x = nn.functional.embedding(input_ids, self.embed_tokens)
         residual = None
+        rope = Rope(self.cos_sin, positions)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, self.cos_sin, kv, meta)
+            x, residual = layer(x, residual, positions, rope, kv, meta)
         x, _ = rms_norm(x, self.norm, self.spec.rms_norm_eps, residual)
         return x
 

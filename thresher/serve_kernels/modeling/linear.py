@@ -106,6 +106,32 @@ NF4_TENSORS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
 Linear = DenseLinear | GPTQLinear | AWQLinear | NF4Linear
 
 
+class ConcatLinear(nn.Module):
+    """Several linears on the same input, outputs concatenated (for layouts kept apart)."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+def merge_linears(parts: list[nn.Module]) -> nn.Module:
+    """One linear computing ``cat([p(x) for p in parts], -1)``: a single matmul when every part
+    is 16-bit (q|k|v, gate|up), else the parts side by side."""
+    if all(isinstance(p, DenseLinear) for p in parts):
+        biases = [p.bias for p in parts]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b if b is not None else p.weight.new_zeros(p.out_features)
+                              for p, b in zip(parts, biases, strict=True)])
+        return DenseLinear(torch.cat([p.weight for p in parts]), bias)
+    return ConcatLinear(parts)
+
+
 def packed_bytes(module: nn.Module) -> int:
     """Bytes the module's weights occupy in memory (packed form for quantized layers)."""
     total = sum(b.numel() * b.element_size() for b in module.buffers())

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from thresher.serve_kernels.kernels import ExpertWeights, fused_moe, silu_and_mul
+from thresher.serve_kernels.kernels.backend import use_triton
+from thresher.serve_kernels.kernels.w4a16 import awq_dequantize, gptq_dequantize
 from thresher.serve_kernels.modeling.linear import (
     AWQLinear,
     DenseLinear,
@@ -40,7 +42,47 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
-        return fused_moe(x, self._weights("gate_up"), self._weights("down"), topk_weights, topk_ids)
+        gate_up, down = self._weights("gate_up"), self._weights("down")
+        if use_triton(x):
+            return fused_moe(x, gate_up, down, topk_weights, topk_ids)
+        return grouped_moe_torch(x, gate_up, down, topk_weights, topk_ids)
+
+
+def _expert_matrix(w: ExpertWeights, e: int) -> torch.Tensor:
+    """Expert ``e``'s [N, K] matrix: a view for 16-bit, dequantized for this call otherwise."""
+    if w.format == "dense":
+        return w.weight[e]
+    if w.format == "gptq":
+        return gptq_dequantize(w.weight[e], w.qzeros[e], w.scales[e], w.g_idx[e]).T
+    return awq_dequantize(w.weight[e], w.qzeros[e], w.scales[e], w.group_size).T
+
+
+def grouped_moe_torch(x: torch.Tensor, w_gate_up: ExpertWeights, w_down: ExpertWeights,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """``fused_moe``'s math for a CPU: (token, expert) pairs sorted by expert, one contiguous
+    slice per expert that got tokens, only those experts' weights touched."""
+    tokens, top_k = topk_ids.shape
+    flat = topk_ids.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=w_gate_up.weight.shape[0]).tolist()
+    xs = x[order // top_k]
+    spans = []
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            spans.append((e, start, start + n))
+            start += n
+    gate_up = torch.empty(xs.shape[0], w_gate_up.out_in[0], device=x.device, dtype=x.dtype)
+    for e, a, b in spans:
+        torch.mm(xs[a:b], _expert_matrix(w_gate_up, e).to(x.dtype).T, out=gate_up[a:b])
+    act = silu_and_mul(gate_up)
+    out = torch.empty(xs.shape[0], w_down.out_in[0], device=x.device, dtype=x.dtype)
+    for e, a, b in spans:
+        torch.mm(act[a:b], _expert_matrix(w_down, e).to(x.dtype).T, out=out[a:b])
+    pairs = torch.empty_like(out)
+    pairs[order] = out
+    y = pairs.view(tokens, top_k, -1).float() * topk_weights.float().unsqueeze(-1)
+    return y.sum(dim=1).to(x.dtype)
 
 
 class ExpertLoop(nn.Module):
