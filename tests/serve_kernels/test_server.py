@@ -253,19 +253,35 @@ def test_disconnect_mid_stream_frees_blocks(server):
         assert engine_stats(server).kv_blocks_used > 0
     stats = wait_idle(server)
     assert stats.kv_blocks_used == 0
-    metrics = httpx.get(f"{server.url}/metrics").text
-    assert "thresher_aborted_sequences_total 1.0" in metrics
+    assert metric_values(server)["thresher_aborted_sequences_total"] >= 1
+
+
+def test_disconnect_while_waiting_unstreamed_frees_blocks(server):
+    wait_idle(server)
+    before = engine_stats(server).generated_tokens_total
+    aborted = metric_values(server)["thresher_aborted_sequences_total"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}, timeout=0.5)
+    stats = wait_idle(server)
+    assert stats.kv_blocks_used == 0
+    assert stats.generated_tokens_total - before < 480  # stopped early, not run to the end
+    assert metric_values(server)["thresher_aborted_sequences_total"] == aborted + 1
+
+
+def metric_values(server) -> dict[str, float]:
+    values = {}
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
 
 
 def test_metrics_exposition(client, server):
     client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True})
     wait_idle(server)
-    text = client.get("/metrics").text
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
+    values = metric_values(server)
     for gauge in ("thresher_queue_depth", "thresher_running_sequences", "thresher_kv_blocks_used",
                   "thresher_generation_tokens_per_second", "thresher_kv_blocks_total"):
         assert gauge in values, gauge

@@ -49,6 +49,7 @@ FALLBACK_CHAT_TEMPLATE = (
 )
 FALLBACK_CHAT_STOP = "\n<|"
 DISCONNECT_POLL_S = 0.25
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
 @dataclass
@@ -79,6 +80,32 @@ class ClientGone(Exception):
     """The client disconnected before the answer was ready."""
 
 
+class RequestCounter:
+    """Counts requests by endpoint and status (plain ASGI: Starlette's BaseHTTPMiddleware would
+    hide client disconnects from the handlers)."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = {"code": "disconnected"}
+
+        async def send_status(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = str(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope["path"] if scope["path"] in ENDPOINTS else "other"
+            self.metrics.requests.labels(path, status["code"]).inc()
+
+
 # --- the app --------------------------------------------------------------------------------------
 
 
@@ -102,11 +129,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     app.state.async_engine = aengine
     app.state.metrics = metrics
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        response = await call_next(request)
-        metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
+    app.add_middleware(RequestCounter, metrics=metrics)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, err: APIError) -> JSONResponse:
@@ -515,8 +538,22 @@ def _event(payload: dict) -> str:
 
 
 def _sse(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
+    return StreamingResponse(_guarded(events), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
+
+
+async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A failure after the stream started (status 200 already sent) ends it with an error event."""
+    try:
+        async for event in events:
+            yield event
+    except EngineDead as err:
+        yield _event(error_body(str(err), "server_error", code="engine_unavailable"))
+        yield "data: [DONE]\n\n"
+    except Exception as err:
+        log.exception("stream failed")
+        yield _event(error_body(f"internal error: {type(err).__name__}: {err}", "server_error"))
+        yield "data: [DONE]\n\n"
 
 
 @contextlib.contextmanager
