@@ -27,12 +27,17 @@ from thresher.serve_kernels.validate import validate_artifact
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def build_variants(model: str, recipe_path: Path, work: Path) -> dict[str, Path]:
+def build_variants(model: str, recipe_path: Path, work: Path,
+                   group_size: int | None) -> dict[str, Path]:
     """Each variant's artifact directory, computing the stages not yet in ``work``."""
     from thresher.compress.api import quantize_model
     from thresher.prune.api import prune_model
 
     recipe = load_recipe(recipe_path)
+    for variant in recipe.variants:
+        for stage in variant.stages:
+            if group_size and stage.quantize is not None and stage.quantize.method != "nf4":
+                stage.quantize.group_size = group_size
     base = resolve_model(model)
     out = {}
     for variant in recipe.variants:
@@ -59,6 +64,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--windows", type=int, default=32, help="held-out windows of 256 tokens")
+    parser.add_argument("--group-size", type=int, default=None,
+                        help="override the recipe's group size (tiny: 64 divides every layer)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/thresher-load-test"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -68,7 +75,7 @@ def main() -> None:
         from thresher.data.demo_model import build_demo_model
 
         build_demo_model(args.model.removeprefix("demo:"))
-    variants = build_variants(args.model, args.recipe, args.work)
+    variants = build_variants(args.model, args.recipe, args.work, args.group_size)
     base = variants.get("base", resolve_model(args.model))
     eval_cfg = PerplexityConfig(seq_len=256, max_windows=args.windows)
     validate_cfg = ValidateConfig(concurrency=args.concurrency, max_tokens=args.max_tokens,
@@ -82,7 +89,9 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} "
           f"torch threads, python {platform.python_version()}, torch {torch.__version__}; "
           f"{time.strftime('%Y-%m-%d')}")
-    print(f"model {args.model}; {args.max_tokens} tokens per request (ignore_eos, greedy), "
+    print(f"model {args.model}, recipe {args.recipe.name}"
+          + (f" with group size {args.group_size}" if args.group_size else "")
+          + f"; {args.max_tokens} tokens per request (ignore_eos, greedy), "
           f"{args.rounds} requests per client; perplexity on {args.windows} x 256 held-out tokens\n")
     print("| variant | weights (MB) | engine ppl | agreement | agreement (prefix) |")
     print("|---|---|---|---|---|")

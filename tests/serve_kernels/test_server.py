@@ -136,6 +136,24 @@ def test_top_logprobs(client):
         assert tok_lp == pytest.approx(max(top.values()))  # greedy picks the most likely
 
 
+def test_lm_eval_local_completions_scores_through_the_server(server, reference, tiny_demo):
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    lm = LocalCompletionsAPI(model=NAME, base_url=f"{server.url}/v1/completions",
+                             tokenizer_backend="huggingface", tokenizer=str(tiny_demo),
+                             tokenized_requests=True, max_retries=1,
+                             header={"Authorization": f"Bearer {KEY}"})
+    pairs = [("def main(argv", "):\n    return 0"), ("import os", "\nimport sys")]
+    got = lm.loglikelihood([Instance("loglikelihood", {}, pair, i)
+                            for i, pair in enumerate(pairs)], disable_tqdm=True)
+    tok = reference.engine.tokenizer
+    for (ctx, cont), (loglik, _) in zip(pairs, got, strict=True):
+        n_ctx = len(tok.encode(ctx, add_special_tokens=False))
+        scores = reference.score([tok.encode(ctx + cont, add_special_tokens=False)])[0]
+        assert loglik == pytest.approx(sum(scores[n_ctx:]), abs=1e-3)
+
+
 def test_stream_completion_matches_unstreamed(client):
     req = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
            "logprobs": 0}
