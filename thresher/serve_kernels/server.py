@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from thresher.serve_kernels import SamplingParams
 from thresher.serve_kernels.async_engine import AsyncEngine, EngineDead, QueueFull, RequestGroup
 from thresher.serve_kernels.metrics import CONTENT_TYPE, ServerMetrics
 from thresher.serve_kernels.protocol import (
@@ -324,9 +325,7 @@ class _API:
         return requested
 
     def sampling(self, body: SamplingFields, max_tokens: int, choice: int, logprobs: int | None,
-                 prompt_logprobs: bool, extra_stop: list[str]):
-        from thresher.serve_kernels import SamplingParams
-
+                 prompt_logprobs: bool, extra_stop: list[str]) -> SamplingParams:
         return SamplingParams(
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
             max_tokens=max_tokens, stop=[*body.stop, *extra_stop],

@@ -17,7 +17,9 @@ from pathlib import Path
 
 from thresher.data.windows import eval_windows
 from thresher.recipe import PerplexityConfig, ValidateConfig
+from thresher.serve_kernels import LLM, SamplingParams
 from thresher.serve_kernels.loadtest import load_test
+from thresher.serve_kernels.server import BackgroundServer, ServerConfig, build_app
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +57,6 @@ def engine_perplexity(llm, windows: list[list[int]]) -> tuple[float, float, int]
 
 def greedy_tokens(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
     """The greedy continuation of every prompt, ``max_tokens`` long (end-of-sequence ignored)."""
-    from thresher.serve_kernels import SamplingParams
-
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return [list(o.token_ids) for o in llm.generate(prompts, params)]
 
@@ -77,8 +77,6 @@ def token_agreement(got: list[list[int]], want: list[list[int]]) -> tuple[float,
 
 def _base_greedy(base_dir: Path, max_tokens: int, dtype: str) -> list[list[int]]:
     """The base model's greedy continuations (computed once per process and base model)."""
-    from thresher.serve_kernels import LLM
-
     key = (str(Path(base_dir).resolve()), max_tokens, dtype)
     if key not in _base_outputs:
         log.info("validation: greedy continuations of the base model %s", base_dir)
@@ -92,9 +90,6 @@ def _base_greedy(base_dir: Path, max_tokens: int, dtype: str) -> list[list[int]]
 def validate_artifact(artifact_dir: str | Path, base_dir: str | Path, eval_cfg: PerplexityConfig,
                       validate_cfg: ValidateConfig, dtype: str = "float32") -> dict[str, float]:
     """Load ``artifact_dir`` in the engine and measure quality and service; ``validate/...`` keys."""
-    from thresher.serve_kernels import LLM
-    from thresher.serve_kernels.server import BackgroundServer, ServerConfig, build_app
-
     artifact_dir = Path(artifact_dir)
     concurrency = sorted(set(validate_cfg.concurrency))
     start = time.perf_counter()
