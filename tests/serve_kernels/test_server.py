@@ -89,6 +89,16 @@ def test_greedy_completion_matches_offline_engine(client, reference):
                              "total_tokens": len(want.prompt_token_ids) + 12}
 
 
+def test_stop_string_cuts_the_text(client):
+    req = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    full = client.post("/v1/completions", json=req).json()["choices"][0]["text"]
+    at = next(i for i in range(len(full) // 2, len(full) - 1) if not full[i].isspace())
+    stop = full[at:at + 2]
+    cut = client.post("/v1/completions", json={**req, "stop": [stop]}).json()["choices"][0]
+    assert cut["finish_reason"] == "stop"
+    assert cut["text"] == full[:full.index(stop)]
+
+
 def test_token_prompts_batch_and_n(client, tiny_tokenizer):
     prompts = [tiny_tokenizer("import os\n").input_ids, tiny_tokenizer("class A:\n").input_ids]
     body = client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 5, "n": 2,
