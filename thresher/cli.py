@@ -254,7 +254,8 @@ def prune_cmd(
     out: Annotated[Path, typer.Option(help="Output directory for the pruned checkpoint (new).")],
     method: Annotated[str, typer.Option(help="reap, frequency, ean or random.")] = "reap",
     ratio: Annotated[float | None, typer.Option(
-        help="Fraction of experts removed in every MoE layer, in (0, 1).")] = None,
+        help="Fraction of experts removed in every MoE layer, in (0, 1); 0.5 unless --keep "
+        "is given.")] = None,
     keep: Annotated[int | None, typer.Option(
         help="Experts kept in every MoE layer (instead of --ratio).")] = None,
     calibration: Annotated[str, typer.Option(
