@@ -1,0 +1,1 @@
+"""Sequences, paged KV block manager, continuous-batching scheduler, model runner, sampler."""

@@ -1,0 +1,247 @@
+"""The engine: requests in, one scheduler step at a time, outputs out.
+
+``LLMEngine`` is the streaming interface a server drives from one thread (add_request,
+abort_request, step); ``LLM`` is the offline API that runs the loop to completion. One step =
+schedule, run the model on the packed batch, sample, update every sequence (detokenize, stop
+conditions), release the finished ones.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from thresher.models.loading import load_tokenizer
+from thresher.serve_kernels.engine.block_manager import BlockManager
+from thresher.serve_kernels.engine.detokenizer import append_text, find_stop, visible_text
+from thresher.serve_kernels.engine.model_runner import ModelRunner
+from thresher.serve_kernels.engine.sampler import Sampler
+from thresher.serve_kernels.engine.sampling_params import (
+    EngineStats,
+    RequestOutput,
+    SamplingParams,
+)
+from thresher.serve_kernels.engine.scheduler import Scheduler
+from thresher.serve_kernels.engine.sequence import Sequence
+from thresher.serve_kernels.loader import DTYPES, load_engine_model
+
+log = logging.getLogger(__name__)
+
+KV_BUDGET_BYTES = 1 << 30  # default KV-cache size when num_kv_blocks is not given
+
+
+def _eos_ids(config, tokenizer, path: Path) -> set[int]:
+    """Token ids that end generation: the config's, generation_config.json's, the tokenizer's."""
+    values = [getattr(config, "eos_token_id", None), tokenizer.eos_token_id]
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        values.append(json.loads(gen.read_text()).get("eos_token_id"))
+    ids: set[int] = set()
+    for value in values:
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    return ids
+
+
+class LLMEngine:
+    """Continuous-batching generation over a paged KV cache (single-threaded)."""
+
+    def __init__(self, model: str | Path, *, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, block_size: int = 16,
+                 num_kv_blocks: int | None = None, max_model_len: int | None = None,
+                 dtype: str = "float32", enable_prefix_caching: bool = True):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r}: expected one of {list(DTYPES)}")
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or block_size < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and block_size must be >= 1")
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        loaded = load_engine_model(model, dtype, self.device)
+        self.path = loaded.path
+        self.tokenizer = load_tokenizer(loaded.path)
+        spec = loaded.model.spec
+        limit = spec.max_position_embeddings
+        self.max_model_len = max_model_len or limit
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings ({limit})")
+        torch_dtype = DTYPES[dtype]
+        per_block = ModelRunner.kv_bytes_per_block(loaded.model, block_size, torch_dtype)
+        blocks_per_seq = -(-self.max_model_len // block_size)
+        if num_kv_blocks is None:
+            num_kv_blocks = max(blocks_per_seq,
+                                min(max_num_seqs * blocks_per_seq, KV_BUDGET_BYTES // per_block))
+        if num_kv_blocks < blocks_per_seq:
+            raise ValueError(f"num_kv_blocks={num_kv_blocks} cannot hold one sequence of "
+                             f"max_model_len={self.max_model_len} ({blocks_per_seq} blocks of "
+                             f"{block_size}); raise it or lower max_model_len")
+        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(loaded.model, num_kv_blocks, block_size, torch_dtype,
+                                  self.device)
+        self.sampler = Sampler()
+        self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer, loaded.path)
+        self.vocab_size = spec.vocab_size
+        self.model_info = {**loaded.info, "kv_cache_bytes": num_kv_blocks * per_block,
+                           "kv_blocks": num_kv_blocks, "block_size": block_size,
+                           "max_model_len": self.max_model_len, "device": str(self.device)}
+        self._seqs: dict[str, Sequence] = {}
+        self._aborted: list[Sequence] = []
+        self._generated_total = 0
+        self._prompt_total = 0
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Queue a request; it joins the running batch at the next step that has room."""
+        if request_id in self._seqs:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(
+            prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ValueError(f"request {request_id!r}: prompt token ids must lie in "
+                             f"[0, {self.vocab_size})")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if room < max(max_tokens, 0) or (params.max_tokens is None and room < 1):
+            raise ValueError(
+                f"request {request_id!r}: prompt of {len(ids)} tokens plus max_tokens="
+                f"{params.max_tokens} exceeds max_model_len={self.max_model_len}; shorten the "
+                "prompt or lower max_tokens")
+        seq = Sequence(request_id, ids, params, max_tokens)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        self._prompt_total += len(ids)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; the next step reports it as aborted."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None or seq.is_finished:
+            return
+        self.scheduler.finish(seq, "abort")
+        self._aborted.append(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step; outputs of every request that produced tokens or finished."""
+        outputs = [self._output(seq, []) for seq in self._aborted]
+        self._aborted = []
+        batch = self.scheduler.schedule()
+        if not len(batch):
+            return outputs
+        result = self.runner.run(batch)
+        sampled = None
+        if result.sample_rows:
+            seqs = [batch.seqs[b] for b in result.sample_rows]
+            sampled = self.sampler(result.logits, [s.params for s in seqs],
+                                   [s.generator for s in seqs])
+        for b, lps in result.prompt_logprobs.items():
+            batch.seqs[b].prompt_logprobs.extend(lps)
+        row_of = {b: r for r, b in enumerate(result.sample_rows)}
+        for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq)
+            r = row_of.get(b)
+            if r is not None:
+                outputs.append(self._append_token(seq, sampled, r))
+            elif seq.num_computed_tokens == seq.num_tokens and seq.max_tokens == 0:
+                self._finish(seq, "length")
+                outputs.append(self._output(seq, []))
+        return outputs
+
+    def _append_token(self, seq: Sequence, sampled, row: int) -> RequestOutput:
+        token = sampled.token_ids[row]
+        seq.token_ids.append(token)
+        self._generated_total += 1
+        if seq.logprobs is not None:
+            seq.logprobs.append(sampled.logprobs[row])
+            if seq.top_logprobs is not None:
+                seq.top_logprobs.append(sampled.top_logprobs[row])
+        before = len(seq.text)
+        append_text(self.tokenizer, seq)
+        p = seq.params
+        reason = None
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            reason = "stop"
+        elif p.stop and (at := find_stop(seq, len(seq.text) - before)) is not None:
+            seq.text = seq.text[:at]
+            reason = "stop"
+        elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self._finish(seq, reason)
+        return self._output(seq, [token])
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self._seqs.pop(seq.request_id, None)
+
+    def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids, text=visible_text(seq), finished=seq.is_finished,
+            finish_reason=seq.finish_reason, new_token_ids=new_token_ids,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
+            top_logprobs=list(seq.top_logprobs) if seq.top_logprobs is not None else None,
+        )
+
+    def stats(self) -> EngineStats:
+        bm, sched = self.block_manager, self.scheduler
+        return EngineStats(
+            num_waiting=len(sched.waiting), num_running=len(sched.running),
+            num_preempted_total=sched.num_preempted_total, kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used_blocks, kv_blocks_cached_free=bm.num_cached_free_blocks,
+            prefix_cache_hit_tokens=sched.prefix_hit_tokens_total,
+            generated_tokens_total=self._generated_total, prompt_tokens_total=self._prompt_total,
+        )
+
+
+class LLM:
+    """Offline, synchronous generation and scoring over an ``LLMEngine``."""
+
+    def __init__(self, model: str | Path, **engine_kwargs):
+        self.engine = LLMEngine(model, **engine_kwargs)
+        self._counter = 0
+
+    def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool
+             ) -> list[RequestOutput]:
+        ids = []
+        for prompt, p in zip(prompts, params, strict=True):
+            request_id = f"llm-{self._counter}"
+            self._counter += 1
+            self.engine.add_request(request_id, prompt, p)
+            ids.append(request_id)
+        final: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        bar.update(1)
+        return [final[i] for i in ids]
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 params: SamplingParams | None = None, use_tqdm: bool = False
+                 ) -> list[RequestOutput]:
+        """Final outputs, in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        return self._run(list(prompts), [params] * len(prompts), use_tqdm)
+
+    def score(self, token_windows: list[list[int]]) -> list[list[float | None]]:
+        """Prompt log-probs of each window (the first token's is None): perplexity input."""
+        params = SamplingParams(max_tokens=0, prompt_logprobs=True)
+        outs = self._run([list(w) for w in token_windows], [params] * len(token_windows), False)
+        return [o.prompt_logprobs for o in outs]

@@ -1,0 +1,189 @@
+"""A published artifact (directory or ``models:/name/version``) -> the engine's model.
+
+Reads safetensors directly under the hub-canonical names thresher publishes (per-expert keys,
+GPTQ/AWQ tensor sets, bitsandbytes NF4 state), checks ``thresher.json`` hashes first when the
+artifact has one, and builds ``modeling.decoder.CausalLM`` layer by layer. Which switches a family
+needs (q/k norms, biases, shared expert, dense layers) is read from the tensors present; the
+adapter supplies the family facts that are not in the checkpoint (expert names, router rule).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from thresher.errors import ArtifactError
+from thresher.models.adapters import Adapter, get_adapter
+from thresher.models.checkpoint import CheckpointReader
+from thresher.models.manifest import verify_artifact
+from thresher.models.source import resolve_model
+from thresher.serve_kernels.kernels import rotary_cos_sin
+from thresher.serve_kernels.modeling.decoder import (
+    Attention,
+    CausalLM,
+    DecoderLayer,
+    DenseMLP,
+    ModelSpec,
+)
+from thresher.serve_kernels.modeling.linear import (
+    DenseLinear,
+    Linear,
+    QuantFormat,
+    load_linear,
+    packed_bytes,
+)
+from thresher.serve_kernels.modeling.moe import MoE, stack_experts
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """The engine model plus what the engine reports about it."""
+
+    model: CausalLM
+    path: Path
+    config: object
+    info: dict = field(default_factory=dict)
+    manifest: dict | None = None
+
+
+def quant_format(config, path: Path) -> QuantFormat | None:
+    """The artifact's packed layout from ``quantization_config`` (None: plain 16-bit weights)."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return None
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    method = qc.get("quant_method")
+    if method == "gptq" and qc.get("checkpoint_format", "gptq") == "gptq":
+        return QuantFormat("gptq", int(qc["bits"]), int(qc.get("group_size", -1)))
+    if method == "awq" and qc.get("version", "gemm") == "gemm" and qc.get("bits") == 4:
+        return QuantFormat("awq", 4, int(qc.get("group_size", 128)))
+    if method == "bitsandbytes" and qc.get("load_in_4bit") and qc.get("bnb_4bit_quant_type") == "nf4":
+        return QuantFormat("nf4", 4, 64)
+    raise ArtifactError(f"{path}: unsupported quantization_config {qc}; the engine serves GPTQ v1, "
+                        "AWQ gemm (4-bit) and bitsandbytes NF4 artifacts, or plain 16-bit ones")
+
+
+class _Builder:
+    """Reads one artifact's tensors into engine modules, counting parameters as it goes."""
+
+    def __init__(self, reader: CheckpointReader, quant: QuantFormat | None, dtype: torch.dtype):
+        self.reader, self.quant, self.dtype = reader, quant, dtype
+        self.params = 0
+
+    def linear(self, prefix: str) -> Linear:
+        module = load_linear(self.reader, prefix, self.quant, self.dtype)
+        self.params += module.in_features * module.out_features
+        self.params += 0 if module.bias is None else module.bias.numel()
+        return module
+
+    def tensor(self, key: str) -> torch.Tensor:
+        t = self.reader.get(key).to(self.dtype)
+        self.params += t.numel()
+        return t
+
+    def has_linear(self, prefix: str) -> bool:
+        return any(f"{prefix}.{n}" in self.reader for n in ("weight", "qweight"))
+
+
+def _rotary(config, adapter: Adapter) -> tuple[torch.Tensor, float]:
+    """The family's own inverse frequencies (any RoPE scaling in the config applied)."""
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    rotary = type(adapter.decoder(skeleton).rotary_emb)(config=config)
+    return rotary.inv_freq.float(), float(getattr(rotary, "attention_scaling", 1.0))
+
+
+def _moe(b: _Builder, adapter: Adapter, config, i: int, router_key: str) -> MoE:
+    roles = ("gate", "up", "down")
+    experts = {r: [b.linear(adapter.disk_expert_key(i, e, r)) for e in range(adapter.num_experts(config))]
+               for r in roles}
+    block = router_key.rsplit(".", 1)[0]
+    shared = shared_gate = None
+    if b.has_linear(f"{block}.shared_expert.gate_proj"):
+        shared = DenseMLP(*(b.linear(f"{block}.shared_expert.{p}")
+                            for p in ("gate_proj", "up_proj", "down_proj")))
+        if b.has_linear(f"{block}.shared_expert_gate"):
+            shared_gate = b.linear(f"{block}.shared_expert_gate")
+    return MoE(b.linear(router_key), stack_experts(*(experts[r] for r in roles)),
+               adapter.top_k(config), adapter.forward_renormalizes(config), shared, shared_gate)
+
+
+def _spec(config) -> ModelSpec:
+    heads = config.num_attention_heads
+    return ModelSpec(
+        num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        vocab_size=config.vocab_size, rms_norm_eps=float(config.rms_norm_eps),
+        max_position_embeddings=config.max_position_embeddings,
+    )
+
+
+@torch.no_grad()
+def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
+                      device: str | torch.device = "cpu", show_progress: bool = False
+                      ) -> LoadedModel:
+    """Build the engine model of an artifact directory or ``models:/name/version`` URI."""
+    path = resolve_model(str(source))
+    manifest = verify_artifact(path)
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    config = AutoConfig.from_pretrained(path)
+    adapter = get_adapter(config)
+    quant = quant_format(config, path)
+    if quant is not None:
+        del config.quantization_config
+    spec = _spec(config)
+    reader = CheckpointReader(path)
+    b = _Builder(reader, quant, dtype)
+
+    layers = []
+    for i in tqdm(range(spec.num_layers), desc="loading layers", disable=not show_progress):
+        p = f"model.layers.{i}"
+        attn_norms = {n: b.tensor(f"{p}.self_attn.{n}.weight")
+                      for n in ("q_norm", "k_norm") if f"{p}.self_attn.{n}.weight" in reader}
+        attn = Attention(spec, *(b.linear(f"{p}.self_attn.{n}")
+                                 for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                         attn_norms.get("q_norm"), attn_norms.get("k_norm"),
+                         getattr(config, "clip_qkv", None))
+        router_key = adapter.disk_router_key(i)
+        if adapter.is_moe and b.has_linear(router_key):
+            mlp = _moe(b, adapter, config, i, router_key)
+        else:
+            mlp = DenseMLP(*(b.linear(f"{p}.mlp.{n}") for n in ("gate_proj", "up_proj", "down_proj")))
+        layers.append(DecoderLayer(attn, mlp, b.tensor(f"{p}.input_layernorm.weight"),
+                                   b.tensor(f"{p}.post_attention_layernorm.weight"),
+                                   spec.rms_norm_eps))
+
+    embed = b.tensor("model.embed_tokens.weight")
+    if b.has_linear("lm_head"):
+        lm_head = b.linear("lm_head")
+    elif getattr(config, "tie_word_embeddings", False):
+        lm_head = DenseLinear(embed)
+    else:
+        raise ArtifactError(f"{path}: no lm_head.weight and tie_word_embeddings is off")
+    inv_freq, scaling = _rotary(config, adapter)
+    cos_sin = rotary_cos_sin(inv_freq, spec.max_position_embeddings, scaling)
+    model = CausalLM(spec, embed, layers, b.tensor("model.norm.weight"), lm_head, cos_sin)
+    weight_bytes = packed_bytes(model) - cos_sin.numel() * cos_sin.element_size()
+    model = model.to(device).eval()
+    info = {
+        "format": "bf16" if quant is None else quant.kind,
+        "bits": 16 if quant is None else quant.bits,
+        "dtype": str(dtype).removeprefix("torch."),
+        "model_type": config.model_type,
+        "num_experts": adapter.num_experts(config),
+        "params": b.params,
+        "weight_bytes": weight_bytes,
+    }
+    log.info("loaded %s (%s, %d params, %.1f MB of weights)", path, info["format"], b.params,
+             weight_bytes / 2**20)
+    return LoadedModel(model, path, config, info, manifest)

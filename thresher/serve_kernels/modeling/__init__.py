@@ -1,0 +1,1 @@
+"""Engine-side model definitions built from quantized linear and MoE modules."""

@@ -1,0 +1,92 @@
+"""Paged attention for one engine step: which cache slots the new tokens fill, what they attend to.
+
+The model runner packs every scheduled sequence's new tokens into one flat batch, decode
+sequences (one new token) first, then prefill chunks. ``AttentionMetadata`` carries the paged-KV
+mapping for that batch (nano-vllm's context, passed explicitly instead of held in a global).
+
+On a GPU the Triton kernels run: the decode kernel when every sequence has one new token, the
+varlen prefill kernel otherwise. On a CPU the same math runs batched in PyTorch: all decode rows
+gather their blocks at once and go through one ``scaled_dot_product_attention`` call, and each
+prefill chunk attends causally over its cached prefix plus itself. (The kernels' own references
+loop over sequences in Python, which would dominate a CPU decode step.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from thresher.serve_kernels.kernels import paged_decode_attention, paged_prefill_attention
+from thresher.serve_kernels.kernels.backend import use_triton
+
+
+@dataclass
+class AttentionMetadata:
+    """The paged-KV view of one packed batch of new tokens."""
+
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token (-1: do not store)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    context_lens: torch.Tensor  # [B] int32, tokens in the cache once this step's are stored
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32, new-token offsets
+    num_decodes: int  # sequences 0 .. num_decodes-1 have exactly one new token
+    query_lens: list[int]
+    context_lens_list: list[int]
+
+    @property
+    def all_decode(self) -> bool:
+        return self.num_decodes == len(self.query_lens)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, Hq, D] of the packed new tokens -> attention output [T, Hq, D]."""
+    if use_triton(q):
+        if meta.all_decode:
+            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
+                                          meta.context_lens, scale)
+        return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                       meta.context_lens, scale)
+    return _paged_attention_torch(q, k_cache, v_cache, meta, scale)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, blocks] tables -> [B, Hkv, length, D] keys or values (positions past a row's end junk)."""
+    block_size = cache.shape[1]
+    tables = block_tables[:, : -(-length // block_size)].long()
+    kv = cache[tables].flatten(1, 2)[:, :length]  # [B, length, Hkv, D]
+    return kv.transpose(1, 2)
+
+
+def _paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    out = torch.empty_like(q)
+    gqa = q.shape[1] != k_cache.shape[2]
+    nd = meta.num_decodes
+    if nd:
+        length = max(meta.context_lens_list[:nd])
+        k = _gather(k_cache, meta.block_tables[:nd], length)
+        v = _gather(v_cache, meta.block_tables[:nd], length)
+        mask = (torch.arange(length, device=q.device)[None, :]
+                < meta.context_lens[:nd, None]).view(nd, 1, 1, length)
+        o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                           enable_gqa=gqa)
+        out[:nd] = o.squeeze(2)
+    start = nd
+    for b in range(nd, len(meta.query_lens)):
+        q_len, length = meta.query_lens[b], meta.context_lens_list[b]
+        k = _gather(k_cache, meta.block_tables[b : b + 1], length)
+        v = _gather(v_cache, meta.block_tables[b : b + 1], length)
+        qb = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
+        if q_len == length:
+            o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=gqa)
+        else:
+            pos = torch.arange(length - q_len, length, device=q.device)
+            mask = torch.arange(length, device=q.device)[None, :] <= pos[:, None]
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
+                                               enable_gqa=gqa)
+        out[start : start + q_len] = o[0].transpose(0, 1)
+        start += q_len
+    return out

@@ -1,0 +1,175 @@
+"""The engine's decoder-only transformer, shared by every supported family.
+
+Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Llama, Qwen2 and Qwen3 are one layout (pre-norm RMSNorm,
+rotary GQA attention, SwiGLU MLP or MoE) with a few switches, all read from the checkpoint or the
+config by the loader rather than from the family name: q/k RMSNorm per head (Qwen3) or over the
+full projection width (OLMoE), q/k/v biases (Qwen2), a shared expert with a sigmoid gate
+(Qwen2-MoE), top-k renormalization, ``clip_qkv`` (OLMoE), dense layers inside an MoE.
+
+The model works on a flat batch of new tokens ([T] ids and positions) and reads and writes the
+paged KV cache, so any mix of prefill chunks and decode tokens runs in one forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from thresher.serve_kernels.kernels import apply_rotary, rms_norm, silu_and_mul, store_kv_cache
+from thresher.serve_kernels.kernels.backend import use_triton
+from thresher.serve_kernels.modeling.attention import AttentionMetadata, paged_attention
+from thresher.serve_kernels.modeling.linear import Linear, merge_linears
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shapes the engine needs to size the KV cache and the sampler."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+
+
+class Attention(nn.Module):
+    """Rotary GQA self-attention over the paged KV cache.
+
+    q, k and v travel as one [T, Hq + 2 Hkv, D] tensor (a single matmul when the three weights
+    are 16-bit), so norms, clipping and rotary run once on the joint tensor on a CPU.
+    """
+
+    def __init__(self, spec: ModelSpec, q_proj: Linear, k_proj: Linear, v_proj: Linear,
+                 o_proj: Linear, q_norm: torch.Tensor | None = None,
+                 k_norm: torch.Tensor | None = None, clip_qkv: float | None = None):
+        super().__init__()
+        self.qkv = merge_linears([q_proj, k_proj, v_proj])
+        self.o_proj = o_proj
+        self.num_heads, self.num_kv_heads, self.head_dim = (spec.num_heads, spec.num_kv_heads,
+                                                            spec.head_dim)
+        self.per_head_norm = q_norm is not None and q_norm.numel() == spec.head_dim
+        self.register_buffer("q_norm", q_norm)
+        self.register_buffer("k_norm", k_norm)
+        joint = None
+        if self.per_head_norm:  # one weight row per head of the joint q|k tensor
+            joint = torch.cat([q_norm.expand(self.num_heads, -1),
+                               k_norm.expand(self.num_kv_heads, -1)])
+        self.register_buffer("qk_norm", joint)
+        self.clip_qkv = clip_qkv
+        self.eps = spec.rms_norm_eps
+        self.scale = spec.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                ) -> torch.Tensor:
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv(x)
+        if self.q_norm is not None and not self.per_head_norm:  # over the full width (OLMoE)
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            qkv = torch.cat([rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps),
+                             v], dim=-1)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        tokens = x.shape[0]
+        qkv = qkv.view(tokens, hq + 2 * hkv, d)
+        qk, v = qkv[:, : hq + hkv], qkv[:, hq + hkv :]
+        if use_triton(x):
+            q, k = qk[:, :hq], qk[:, hq:]
+            if self.per_head_norm:
+                q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+            q, k = apply_rotary(q, k, positions, rope.cos_sin)
+        else:
+            if self.per_head_norm:
+                qk = rms_norm(qk, self.qk_norm, self.eps)
+            q, k = rope.rotate(qk).split([hq, hkv], dim=1)
+        k_cache, v_cache = kv_cache
+        store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(tokens, hq * d))
+
+
+class Rope:
+    """Rotary angles of one batch, gathered once per forward and shared by every layer."""
+
+    def __init__(self, cos_sin: torch.Tensor, positions: torch.Tensor):
+        self.cos_sin = cos_sin
+        if not use_triton(positions):
+            self.cos, self.sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``apply_rotary``'s math on x [T, heads, D] (the CPU path)."""
+        x1, x2 = x.chunk(2, dim=-1)
+        cos, sin = self.cos, self.sin
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate x) * up x)."""
+
+    def __init__(self, gate_proj: Linear, up_proj: Linear, down_proj: Linear):
+        super().__init__()
+        self.gate_up = merge_linears([gate_proj, up_proj])
+        self.down_proj = down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block; the residual add is fused into the following RMSNorm."""
+
+    def __init__(self, attn: Attention, mlp: nn.Module, input_norm: torch.Tensor,
+                 post_attention_norm: torch.Tensor, eps: float):
+        super().__init__()
+        self.attn, self.mlp = attn, mlp
+        self.register_buffer("input_norm", input_norm)
+        self.register_buffer("post_attention_norm", post_attention_norm)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rope: Rope, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = x, rms_norm(x, self.input_norm, self.eps)
+        else:
+            h, residual = rms_norm(x, self.input_norm, self.eps, residual)
+        h = self.attn(h, positions, rope, kv_cache, meta)
+        h, residual = rms_norm(h, self.post_attention_norm, self.eps, residual)
+        return self.mlp(h), residual
+
+
+class CausalLM(nn.Module):
+    """Embeddings, decoder layers, final norm and LM head, over packed new tokens."""
+
+    def __init__(self, spec: ModelSpec, embed_tokens: torch.Tensor, layers: list[DecoderLayer],
+                 norm: torch.Tensor, lm_head: Linear, cos_sin: torch.Tensor):
+        super().__init__()
+        self.spec = spec
+        self.register_buffer("embed_tokens", embed_tokens)
+        self.layers = nn.ModuleList(layers)
+        self.register_buffer("norm", norm)
+        self.lm_head = lm_head
+        self.register_buffer("cos_sin", cos_sin)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states [T, H] of the new tokens; their K/V land in ``kv_caches``."""
+        x = nn.functional.embedding(input_ids, self.embed_tokens)
+        residual = None
+        rope = Rope(self.cos_sin, positions)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, positions, rope, kv, meta)
+        x, _ = rms_norm(x, self.norm, self.spec.rms_norm_eps, residual)
+        return x
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [N, V] for selected final hidden states [N, H]."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,164 @@
+"""Linear layers that hold their weight exactly as the artifact publishes it.
+
+One class per on-disk layout: 16-bit (``weight`` [N, K]), GPTQ v1 (``qweight/qzeros/scales/g_idx``),
+AWQ gemm (``qweight/qzeros/scales``) and bitsandbytes NF4 (``weight`` bytes + quant state). The
+packed tensors are the only copy kept; each forward calls the matching kernel, which dequantizes
+tile by tile (Triton) or, on a CPU, runs the kernel's PyTorch reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from thresher.compress.formats.gptq import unpack_gptq
+from thresher.compress.formats.nf4 import STATE_KEY, unpack_nf4
+from thresher.errors import ArtifactError
+from thresher.models.checkpoint import CheckpointReader
+from thresher.serve_kernels.kernels import NF4Weight, awq_matmul, gptq_matmul, nf4_matmul
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """What ``quantization_config`` says about the packed layers of an artifact."""
+
+    kind: str  # "gptq" | "awq" | "nf4"
+    bits: int = 4
+    group_size: int = -1
+
+
+class DenseLinear(nn.Module):
+    """A 16-bit (or fp32) weight [N, K]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("bias", bias)
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class GPTQLinear(nn.Module):
+    """A GPTQ v1 weight; 4-bit runs the W4A16 kernel, other widths unpack per call."""
+
+    def __init__(self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                 g_idx: torch.Tensor, bits: int, group_size: int, bias: torch.Tensor | None):
+        super().__init__()
+        for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales),
+                        ("g_idx", g_idx.int()), ("bias", bias)):
+            self.register_buffer(name, t)
+        self.bits, self.group_size = bits, group_size
+        self.in_features, self.out_features = g_idx.numel(), qweight.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bits == 4:
+            y = gptq_matmul(x, self.qweight, self.qzeros, self.scales, self.g_idx)
+        else:
+            tensors = {"qweight": self.qweight, "qzeros": self.qzeros, "scales": self.scales,
+                       "g_idx": self.g_idx}
+            w = unpack_gptq(tensors, self.bits, self.group_size).dequantize()
+            y = nn.functional.linear(x.float(), w.to(x.device)).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class AWQLinear(nn.Module):
+    """A 4-bit AWQ gemm weight."""
+
+    def __init__(self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                 group_size: int, bias: torch.Tensor | None):
+        super().__init__()
+        for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales),
+                        ("bias", bias)):
+            self.register_buffer(name, t)
+        self.group_size = group_size
+        self.in_features, self.out_features = qweight.shape[0], qweight.shape[1] * 8
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = awq_matmul(x, self.qweight, self.qzeros, self.scales, self.group_size)
+        return y if self.bias is None else y + self.bias
+
+
+class NF4Linear(nn.Module):
+    """A bitsandbytes NF4 weight (absmax double-quantized or not)."""
+
+    def __init__(self, weight: NF4Weight, bias: torch.Tensor | None):
+        super().__init__()
+        self.nf4 = weight
+        self.register_buffer("bias", bias)
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nf4_matmul(x, self.nf4)
+        return y if self.bias is None else y + self.bias
+
+    def _apply(self, fn, recurse: bool = True):  # move the packed tensors with the module
+        w = self.nf4
+        moved = {k: (fn(v) if isinstance(v, torch.Tensor) else v) for k, v in vars(w).items()}
+        self.nf4 = NF4Weight(**moved)
+        return super()._apply(fn, recurse)
+
+
+NF4_TENSORS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
+Linear = DenseLinear | GPTQLinear | AWQLinear | NF4Linear
+
+
+class ConcatLinear(nn.Module):
+    """Several linears on the same input, outputs concatenated (for layouts kept apart)."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+def merge_linears(parts: list[nn.Module]) -> nn.Module:
+    """One linear computing ``cat([p(x) for p in parts], -1)``: a single matmul when every part
+    is 16-bit (q|k|v, gate|up), else the parts side by side."""
+    if all(isinstance(p, DenseLinear) for p in parts):
+        biases = [p.bias for p in parts]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b if b is not None else p.weight.new_zeros(p.out_features)
+                              for p, b in zip(parts, biases, strict=True)])
+        return DenseLinear(torch.cat([p.weight for p in parts]), bias)
+    return ConcatLinear(parts)
+
+
+def packed_bytes(module: nn.Module) -> int:
+    """Bytes the module's weights occupy in memory (packed form for quantized layers)."""
+    total = sum(b.numel() * b.element_size() for b in module.buffers())
+    for m in module.modules():
+        if isinstance(m, NF4Linear):
+            total += sum(v.numel() * v.element_size() for v in vars(m.nf4).values()
+                         if isinstance(v, torch.Tensor))
+    return total
+
+
+def load_linear(reader: CheckpointReader, prefix: str, quant: QuantFormat | None,
+                dtype: torch.dtype) -> Linear:
+    """The linear layer stored under ``prefix`` (e.g. ``model.layers.0.self_attn.q_proj``)."""
+    bias = reader.get(f"{prefix}.bias").to(dtype) if f"{prefix}.bias" in reader else None
+    if f"{prefix}.qweight" in reader:
+        if quant is None or quant.kind not in ("gptq", "awq"):
+            raise ArtifactError(f"{reader.path}: {prefix} is GPTQ/AWQ-packed but config.json's "
+                                "quantization_config does not say gptq or awq")
+        qweight, qzeros = reader.get(f"{prefix}.qweight"), reader.get(f"{prefix}.qzeros")
+        scales = reader.get(f"{prefix}.scales")
+        if quant.kind == "gptq":
+            return GPTQLinear(qweight, qzeros, scales, reader.get(f"{prefix}.g_idx"), quant.bits,
+                              quant.group_size, bias)
+        return AWQLinear(qweight, qzeros, scales, quant.group_size, bias)
+    if f"{prefix}.{STATE_KEY}" in reader:
+        names = [f"weight.{n}" for n in NF4_TENSORS] + ["weight", STATE_KEY]
+        tensors = {n: reader.get(f"{prefix}.{n}") for n in names if f"{prefix}.{n}" in reader}
+        packed = unpack_nf4(tensors)
+        return NF4Linear(NF4Weight.from_quant_state(packed.packed, packed.state), bias)
+    return DenseLinear(reader.get(f"{prefix}.weight").to(dtype), bias)

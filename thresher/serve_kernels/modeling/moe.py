@@ -1,0 +1,166 @@
+"""The mixture-of-experts MLP: router, routed experts, optional shared expert.
+
+Routed experts are stacked along a leading expert dim in their published layout (16-bit, GPTQ
+4-bit or AWQ), gate and up concatenated along the output dim, so ``fused_moe`` runs every expert
+of a projection in one launch. The stacking moves packed words, never dequantizes them. Layouts
+the fused kernel does not read (NF4, GPTQ at other widths, act-order g_idx that differs between
+gate and up) keep one linear per expert and loop over the experts that received tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from thresher.serve_kernels.kernels import ExpertWeights, fused_moe, silu_and_mul
+from thresher.serve_kernels.kernels.backend import use_triton
+from thresher.serve_kernels.kernels.w4a16 import awq_dequantize, gptq_dequantize
+from thresher.serve_kernels.modeling.linear import (
+    AWQLinear,
+    DenseLinear,
+    GPTQLinear,
+    Linear,
+)
+
+
+class FusedExperts(nn.Module):
+    """All experts of a layer as two stacked projections for ``fused_moe``."""
+
+    def __init__(self, fmt: str, gate_up: dict[str, torch.Tensor], down: dict[str, torch.Tensor],
+                 group_size: int = -1):
+        super().__init__()
+        self.format, self.group_size = fmt, group_size
+        self._names = sorted(gate_up)
+        for name in self._names:
+            self.register_buffer(f"gate_up_{name}", gate_up[name])
+            self.register_buffer(f"down_{name}", down[name])
+
+    def _weights(self, proj: str) -> ExpertWeights:
+        t = {name: getattr(self, f"{proj}_{name}") for name in self._names}
+        return ExpertWeights(self.format, t["weight"], t.get("scales"), t.get("qzeros"),
+                             t.get("g_idx"), self.group_size)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        gate_up, down = self._weights("gate_up"), self._weights("down")
+        if use_triton(x):
+            return fused_moe(x, gate_up, down, topk_weights, topk_ids)
+        return grouped_moe_torch(x, gate_up, down, topk_weights, topk_ids)
+
+
+def _expert_matrix(w: ExpertWeights, e: int) -> torch.Tensor:
+    """Expert ``e``'s [N, K] matrix: a view for 16-bit, dequantized for this call otherwise."""
+    if w.format == "dense":
+        return w.weight[e]
+    if w.format == "gptq":
+        return gptq_dequantize(w.weight[e], w.qzeros[e], w.scales[e], w.g_idx[e]).T
+    return awq_dequantize(w.weight[e], w.qzeros[e], w.scales[e], w.group_size).T
+
+
+def grouped_moe_torch(x: torch.Tensor, w_gate_up: ExpertWeights, w_down: ExpertWeights,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """``fused_moe``'s math for a CPU: (token, expert) pairs sorted by expert, one contiguous
+    slice per expert that got tokens, only those experts' weights touched."""
+    tokens, top_k = topk_ids.shape
+    flat = topk_ids.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=w_gate_up.weight.shape[0]).tolist()
+    xs = x[order // top_k]
+    spans = []
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            spans.append((e, start, start + n))
+            start += n
+    gate_up = torch.empty(xs.shape[0], w_gate_up.out_in[0], device=x.device, dtype=x.dtype)
+    for e, a, b in spans:
+        torch.mm(xs[a:b], _expert_matrix(w_gate_up, e).to(x.dtype).T, out=gate_up[a:b])
+    act = silu_and_mul(gate_up)
+    out = torch.empty(xs.shape[0], w_down.out_in[0], device=x.device, dtype=x.dtype)
+    for e, a, b in spans:
+        torch.mm(act[a:b], _expert_matrix(w_down, e).to(x.dtype).T, out=out[a:b])
+    pairs = torch.empty_like(out)
+    pairs[order] = out
+    y = pairs.view(tokens, top_k, -1).float() * topk_weights.float().unsqueeze(-1)
+    return y.sum(dim=1).to(x.dtype)
+
+
+class ExpertLoop(nn.Module):
+    """Experts as separate linears; each forward visits only the experts that got tokens."""
+
+    def __init__(self, gate: list[Linear], up: list[Linear], down: list[Linear]):
+        super().__init__()
+        self.gate, self.up, self.down = nn.ModuleList(gate), nn.ModuleList(up), nn.ModuleList(down)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(x.shape[0], x.shape[1], device=x.device, dtype=torch.float32)
+        for e in topk_ids.unique().tolist():
+            token, slot = (topk_ids == e).nonzero(as_tuple=True)
+            h = x[token]
+            act = silu_and_mul(torch.cat([self.gate[e](h), self.up[e](h)], dim=-1))
+            y = self.down[e](act).float() * topk_weights[token, slot, None].float()
+            out.index_add_(0, token, y)
+        return out.to(x.dtype)
+
+
+def stack_experts(gate: list[Linear], up: list[Linear], down: list[Linear]) -> nn.Module:
+    """``FusedExperts`` when the kernel reads the layout, else an ``ExpertLoop``."""
+    kinds = {type(m) for m in (*gate, *up, *down)}
+    if kinds == {DenseLinear}:
+        return FusedExperts(
+            "dense",
+            {"weight": torch.stack([torch.cat([g.weight, u.weight]) for g, u in zip(gate, up, strict=True)])},
+            {"weight": torch.stack([d.weight for d in down])},
+        )
+    if kinds == {GPTQLinear} and all(m.bits == 4 for m in (*gate, *up, *down)) and all(
+        torch.equal(g.g_idx, u.g_idx) for g, u in zip(gate, up, strict=True)
+    ):
+        return FusedExperts("gptq", _stack_packed(gate, up, ("qweight", "qzeros", "scales"),
+                                                  {"g_idx": [g.g_idx for g in gate]}),
+                            _stack_packed(down, None, ("qweight", "qzeros", "scales"),
+                                          {"g_idx": [d.g_idx for d in down]}))
+    if kinds == {AWQLinear} and len({m.group_size for m in (*gate, *up, *down)}) == 1:
+        names = ("qweight", "qzeros", "scales")
+        return FusedExperts("awq", _stack_packed(gate, up, names, {}),
+                            _stack_packed(down, None, names, {}), gate[0].group_size)
+    return ExpertLoop(gate, up, down)
+
+
+def _stack_packed(first: list[Linear], second: list[Linear] | None, names: tuple[str, ...],
+                  extra: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack packed tensors over experts; with ``second``, concatenate along the output dim."""
+    out = {}
+    for name in names:
+        per_expert = [getattr(m, name) for m in first]
+        if second is not None:
+            per_expert = [torch.cat([a, getattr(b, name)], dim=1)
+                          for a, b in zip(per_expert, second, strict=True)]
+        out["weight" if name == "qweight" else name] = torch.stack(per_expert)
+    out.update({k: torch.stack(v) for k, v in extra.items()})
+    return out
+
+
+class MoE(nn.Module):
+    """Softmax top-k routing over the experts, plus a sigmoid-gated shared expert if present."""
+
+    def __init__(self, router: Linear, experts: nn.Module, top_k: int, renormalize: bool,
+                 shared_expert: nn.Module | None = None, shared_gate: Linear | None = None):
+        super().__init__()
+        self.router, self.experts = router, experts
+        self.top_k, self.renormalize = top_k, renormalize
+        self.shared_expert, self.shared_gate = shared_expert, shared_gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.router(x)
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = self.experts(x, weights.to(x.dtype), ids)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x)) * shared
+            out = out + shared
+        return out
