@@ -15,5 +15,7 @@ for _key, _value in {
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "TOKENIZERS_PARALLELISM": "false",
+    # Prefect's temporary local server needs more than its default 20 s on a busy 2-core machine.
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
 }.items():
     os.environ.setdefault(_key, _value)

@@ -170,6 +170,136 @@ def _heldout_perplexity(model: str, seq_len: int, max_windows: int | None, batch
     return perplexity(load_model(path), windows, batch_size=batch_size)
 
 
+# --- flows ---------------------------------------------------------------------------------------
+
+
+def print_comparison(rows: list[dict]) -> None:
+    """The comparison table of a flow run on the console."""
+    table = Table(title="variants")
+    for col in ("variant", "stages", "size MB", "bits/param", "experts", "perplexity", "vs base",
+                "model"):
+        table.add_column(col)
+    base = next((r["perplexity"] for r in rows if r["stages"] == "base"), None)
+    for r in rows:
+        delta = f"{100 * (r['perplexity'] / base - 1):+.2f}%" if base else "-"
+        experts = str(int(r["experts_kept"])) if "experts_kept" in r else "-"
+        table.add_row(r["variant"], r["stages"], f"{r['size_bytes'] / 1e6:.2f}",
+                      f"{r['bits_per_param']:.2f}", experts, f"{r['perplexity']:.3f}", delta,
+                      r.get("model_uri", "-"))
+    console.print(table)
+
+
+@app.command("run")
+@handles_errors
+def run_cmd(
+    recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")],
+    tracking_uri: Annotated[str | None, typer.Option(
+        help="MLflow tracking URI (default: the recipe's, $MLFLOW_TRACKING_URI, else SQLite "
+        "under the state directory).")] = None,
+    store_dir: Annotated[str | None, typer.Option(help="Artifact store directory.")] = None,
+    publish_dir: Annotated[str | None, typer.Option(help="Where published variants go.")] = None,
+) -> None:
+    """Run a recipe through the Prefect `compress` flow and print the comparison table."""
+    from thresher.flows.compress import compress
+    from thresher.recipe import load_recipe
+
+    r = load_recipe(recipe)  # validated before Prefect or any compute starts
+    summary = compress(r, tracking_uri=tracking_uri, store_dir=store_dir, publish_dir=publish_dir)
+    print_comparison(summary["variants"])
+    console.print(f"MLflow: parent run {summary['parent_run_id']} at {summary['tracking_uri']}")
+
+
+@app.command()
+@handles_errors
+def deploy(
+    schedules: Annotated[Path, typer.Argument(help="Schedules YAML (see configs/schedules.yaml).")],
+    work_pool: Annotated[str | None, typer.Option(
+        help="Register against this Prefect work pool (workers on any machine run the flows) "
+        "instead of serving the deployments from this process.")] = None,
+) -> None:
+    """Register compress deployments (recipe + cron) with the Prefect server at $PREFECT_API_URL.
+
+    Without --work-pool this process serves them: runs triggered from the Prefect UI, from
+    `prefect deployment run 'compress-file/NAME'` or by their schedule execute here.
+    """
+    from thresher.flows.deploy import deploy_to_work_pool, load_schedules, serve_deployments
+
+    specs = load_schedules(schedules)
+    for s in specs:
+        console.print(f"deployment compress-file/{s.name}: {s.recipe}, schedule {s.cron or 'none'}")
+    if work_pool:
+        deploy_to_work_pool(specs, work_pool)
+        console.print(f"registered with work pool {work_pool!r}; start workers with "
+                      f"`prefect worker start --pool {work_pool}`")
+    else:
+        serve_deployments(specs)
+
+
+# --- expert pruning -----------------------------------------------------------------------------
+
+
+def _calibration_source(text: str):
+    """``stdlib`` or a comma-separated list of local files / globs."""
+    from thresher.recipe import FilesSource
+
+    if text == "stdlib":
+        return "stdlib"
+    return FilesSource(files=[part.strip() for part in text.split(",") if part.strip()])
+
+
+@app.command("prune")
+@handles_errors
+def prune_cmd(
+    model: Annotated[str, typer.Option(help="Hub id, local dir, models:/name/version or demo:size.")],
+    out: Annotated[Path, typer.Option(help="Output directory for the pruned checkpoint (new).")],
+    method: Annotated[str, typer.Option(help="reap, frequency, ean or random.")] = "reap",
+    ratio: Annotated[float | None, typer.Option(
+        help="Fraction of experts removed in every MoE layer, in (0, 1).")] = None,
+    keep: Annotated[int | None, typer.Option(
+        help="Experts kept in every MoE layer (instead of --ratio).")] = None,
+    calibration: Annotated[str, typer.Option(
+        help="'stdlib' or comma-separated local text files / globs.")] = "stdlib",
+    samples: Annotated[int, typer.Option(help="Calibration windows.")] = 128,
+    seq_len: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 256,
+    seed: Annotated[int, typer.Option(help="Seed of the calibration sample and of 'random'.")] = 0,
+) -> None:
+    """Remove the lowest-saliency experts of every MoE layer (REAP or a baseline) and write a
+    complete pruned checkpoint with prune_report.json."""
+    from pydantic import ValidationError
+
+    from thresher.errors import CompressionError
+    from thresher.models import resolve_model
+    from thresher.prune.api import REPORT_NAME, prune_model
+    from thresher.recipe import CalibrationConfig, PruneStage
+
+    if ratio is None and keep is None:
+        ratio = 0.5
+    try:
+        stage = PruneStage(method=method, ratio=ratio, keep=keep, seed=seed)
+        cal = CalibrationConfig(source=_calibration_source(calibration), samples=samples,
+                                seq_len=seq_len, seed=seed)
+    except ValidationError as err:
+        problems = "; ".join(f"--{'-'.join(str(p) for p in e['loc']) or 'options'}: "
+                             f"{e['msg'].removeprefix('Value error, ')}" for e in err.errors())
+        raise CompressionError(f"prune options: {problems}") from None
+    if model.startswith("demo:"):
+        _build_demo(model.removeprefix("demo:"))
+    report = prune_model(resolve_model(model), stage, cal, out)
+    table = Table(title=f"{stage.describe()}: {report.experts_kept} of {report.num_experts} "
+                        "experts kept per MoE layer")
+    for col in ("layer", "removed experts", "dead experts"):
+        table.add_column(col)
+    for layer in report.layers:
+        dead = "-" if layer.tokens_routed is None else ", ".join(map(str, layer.dead_experts))
+        table.add_row(str(layer.layer), ", ".join(map(str, layer.removed)), dead or "none")
+    console.print(table)
+    m = report.metrics()
+    share = m.get("removed_routed_share")
+    console.print(f"pruned checkpoint: {out} ({REPORT_NAME} beside it); {m['wall_seconds']:.1f} s"
+                  + (f", removed experts had {share:.1%} of routed tokens" if share is not None
+                     else ""))
+
+
 # --- task evaluation and the comparison report (issue 5) ----------------------------------------
 
 
@@ -237,20 +367,33 @@ def compare(
 # --- the embedded default -----------------------------------------------------------------------
 
 
+DEMO_RECIPE = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+
+
 @app.command()
 @handles_errors
 def demo(
-    size: Annotated[str, typer.Option(help="Demo model size.")] = "small",
+    recipe: Annotated[Path, typer.Option(help="Recipe to run.")] = DEMO_RECIPE,
 ) -> None:
-    """Run the embedded default end to end: build the demo model and evaluate it."""
-    path = _build_demo(size)
-    meta = json.loads((path / "demo_model.json").read_text())
-    console.print(f"demo:{size}: {meta['parameters']:,} parameters, trained in "
-                  f"{meta['train_seconds']} s ({path})")
-    result = _heldout_perplexity(f"demo:{size}", 256, 64, 8)
-    console.print(f"held-out perplexity: [bold]{result.perplexity:.3f}[/] "
-                  f"({result.tokens:,} tokens, {result.windows} windows of {result.seq_len}; "
-                  f"{result.convention})")
+    """Run the embedded default end to end: the demo model through the compress flow."""
+    from thresher.flows.compress import compress
+    from thresher.flows.tracking import resolve_tracking_uri
+    from thresher.recipe import load_recipe
+
+    r = load_recipe(recipe)
+    if r.model.startswith("demo:"):
+        path = _build_demo(r.model.removeprefix("demo:"))
+        meta = json.loads((path / "demo_model.json").read_text())
+        console.print(f"{r.model}: {meta['parameters']:,} parameters, trained in "
+                      f"{meta['train_seconds']} s ({path})")
+    summary = compress(r)
+    print_comparison(summary["variants"])
+    uri = resolve_tracking_uri(r.tracking.mlflow_uri)
+    console.print(f"\nMLflow runs: parent {summary['parent_run_id']} in {uri}")
+    console.print(f"  open the MLflow UI:  .venv/bin/mlflow ui --backend-store-uri {uri} "
+                  "--workers 1 --port 5000   (then http://127.0.0.1:5000)")
+    console.print("  open the Prefect UI: .venv/bin/prefect server start --port 4200   "
+                  "(then http://127.0.0.1:4200; the flow runs are in its database)")
 
 
 def run() -> None:

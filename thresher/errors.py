@@ -30,3 +30,7 @@ class ArtifactError(ThresherError):
 
 class CompressionError(ThresherError):
     """A pruning or quantization stage whose options do not fit the model."""
+
+
+class TrackingError(ThresherError):
+    """The MLflow tracking server or the Prefect API cannot be reached or refuses a request."""

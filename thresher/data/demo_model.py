@@ -62,8 +62,8 @@ SPECS: dict[str, DemoSpec] = {
                      steps=300, batch_size=8, seq_len=256, lr=4e-3),
     # The demo default: hidden 256 leaves two groups of 128 per row for group-wise quantization.
     "small": DemoSpec(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
-                      head_dim=32, moe_intermediate_size=256, num_experts=8, top_k=2,
-                      steps=500, batch_size=16, seq_len=256, lr=2e-3),
+                      head_dim=32, moe_intermediate_size=128, num_experts=8, top_k=2,
+                      steps=640, batch_size=8, seq_len=256, lr=3e-3),
 }
 
 

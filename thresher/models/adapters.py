@@ -178,11 +178,14 @@ class Adapter:
 
     def expert_forward(self, layer: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
         """One expert's output f_e(x) before gating, for tokens x [T, H]."""
+        return torch.nn.functional.linear(self.expert_hidden(layer, e, x),
+                                          self.expert_view(layer, e).down)
+
+    def expert_hidden(self, layer: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
+        """act(gate x) * up x: the input of expert ``e``'s down projection, for tokens x [T, H]."""
         w = self.expert_view(layer, e)
         act = self.experts(layer).act_fn
-        return torch.nn.functional.linear(
-            act(torch.nn.functional.linear(x, w.gate)) * torch.nn.functional.linear(x, w.up), w.down
-        )
+        return act(torch.nn.functional.linear(x, w.gate)) * torch.nn.functional.linear(x, w.up)
 
     # -- on-disk names ------------------------------------------------------------------------
 

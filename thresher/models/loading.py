@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from thresher.errors import ModelError
 from thresher.models.layerwise import load_config
+from thresher.models.manifest import verify_artifact
 from thresher.models.source import resolve_model
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,12 @@ def load_model(source: str | Path, dtype: torch.dtype | str = torch.float32) -> 
     if isinstance(dtype, str):
         dtype = DTYPES[dtype]
     path = resolve_model(str(source))
-    load_config(path)  # refuses unsupported families with the list of supported ones
+    verify_artifact(path)  # a published artifact must match its manifest
+    config = load_config(path)  # refuses unsupported families with the list of supported ones
+    if getattr(config, "quantization_config", None) is not None:
+        from thresher.compress.loader import load_quantized_model
+
+        return load_quantized_model(path, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
     return model

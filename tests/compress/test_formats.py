@@ -1,0 +1,130 @@
+"""Checkpoint layouts: exact round trips, an independent GPTQ unpacker, AutoAWQ's packer as oracle."""
+
+import pytest
+import torch
+
+from thresher.compress.formats.awq import pack_awq, unpack_awq
+from thresher.compress.formats.gptq import pack_gptq, unpack_gptq
+from thresher.compress.formats.nf4 import STATE_KEY, pack_nf4, unpack_nf4
+from thresher.compress.gptq import GPTQ
+from thresher.compress.nf4 import nf4_quantize
+from thresher.compress.quantizer import GridSpec, QuantizedWeight, quantize_grouped
+
+
+def random_quantized(n: int, k: int, bits: int, group_size: int, shuffle_groups: bool = False,
+                     seed: int = 0) -> QuantizedWeight:
+    gen = torch.Generator().manual_seed(seed)
+    maxq = 2**bits - 1
+    groups = k // group_size
+    g_idx = torch.arange(k) // group_size
+    if shuffle_groups:
+        g_idx = g_idx[torch.randperm(k, generator=gen)]
+    return QuantizedWeight(
+        codes=torch.randint(0, maxq + 1, (n, k), generator=gen).to(torch.uint8),
+        scales=torch.rand(n, groups, generator=gen).add(0.01).half().float(),
+        zeros=torch.randint(1, maxq + 1, (n, groups), generator=gen).to(torch.int32),
+        g_idx=g_idx.to(torch.int32), bits=bits, group_size=group_size,
+    )
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_gptq_pack_unpack_is_exact(bits, shuffle):
+    qw = random_quantized(64, 128, bits, 32, shuffle_groups=shuffle, seed=bits)
+    tensors = pack_gptq(qw)
+    assert tensors["qweight"].shape == (128 * bits // 32, 64)
+    assert tensors["qzeros"].shape == (4, 64 * bits // 32)
+    assert tensors["scales"].shape == (4, 64) and tensors["scales"].dtype == torch.float16
+    assert tensors["qweight"].dtype == tensors["qzeros"].dtype == tensors["g_idx"].dtype == torch.int32
+    back = unpack_gptq(tensors, bits, 32)
+    assert torch.equal(back.codes, qw.codes)
+    assert torch.equal(back.zeros, qw.zeros)
+    assert torch.equal(back.g_idx, qw.g_idx)
+    assert torch.equal(back.dequantize(), qw.dequantize())
+
+
+def independent_gptq_dequant(t: dict, bits: int) -> torch.Tensor:
+    """formats.md, read literally: one bit stream per output column along K, qzeros along N
+    holding zero - 1; W^T[k, n] = scales[g_idx[k], n] * (q[k, n] - (qzeros[g_idx[k], n] + 1))."""
+    qweight = t["qweight"].tolist()
+    qzeros = t["qzeros"].tolist()
+    scales, g_idx = t["scales"].float(), t["g_idx"].tolist()
+    k, n = len(g_idx), len(qweight[0])
+    mask = (1 << bits) - 1
+
+    def field(words: list[int], index: int) -> int:
+        stream = 0
+        for i, word in enumerate(words):
+            stream |= (word & 0xFFFFFFFF) << (32 * i)
+        return (stream >> (index * bits)) & mask
+
+    columns = [[row[c] for row in qweight] for c in range(n)]
+    w = torch.zeros(n, k)
+    for c in range(n):
+        for r in range(k):
+            g = g_idx[r]
+            q = field(columns[c], r)
+            z = field(qzeros[g], c) + 1
+            w[c, r] = scales[g, c] * (q - z)
+    return w
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_gptq_layout_matches_an_independent_unpacker_with_act_order(bits):
+    torch.manual_seed(0)
+    x = torch.randn(512, 64) * torch.linspace(0.1, 3, 64)  # distinct diag(H): a real permutation
+    w = torch.randn(32, 64)
+    gptq = GPTQ(64, "test")
+    gptq.add_batch(x)
+    qw, _ = gptq.quantize(w, GridSpec(bits, sym=True, min_zero=1), group_size=32, act_order=True,
+                          static_groups=False)
+    assert not torch.equal(qw.g_idx, qw.g_idx.sort().values), "act-order g_idx is permuted"
+    tensors = pack_gptq(qw)
+    torch.testing.assert_close(independent_gptq_dequant(tensors, bits), qw.dequantize(),
+                               rtol=0, atol=0)
+
+
+def test_gptq_symmetric_4bit_zeros_are_0x77777777():
+    qw = quantize_grouped(torch.randn(16, 64), GridSpec(4, sym=True, min_zero=1), 32)
+    words = pack_gptq(qw)["qzeros"]
+    assert (words == 0x77777777).all()
+
+
+def test_awq_pack_unpack_is_exact():
+    qw = random_quantized(64, 256, 4, 128)
+    tensors = pack_awq(qw)
+    assert tensors["qweight"].shape == (256, 8) and tensors["qzeros"].shape == (2, 8)
+    back = unpack_awq(tensors, 128)
+    assert torch.equal(back.codes, qw.codes) and torch.equal(back.zeros, qw.zeros)
+    assert torch.equal(back.dequantize(), qw.dequantize())
+
+
+def test_awq_packing_is_bit_identical_to_autoawq():
+    from awq.modules.linear.gemm import WQLinear_GEMM
+
+    torch.manual_seed(0)
+    qw = quantize_grouped(torch.randn(64, 256), GridSpec(4, sym=False), 128)
+    linear = torch.nn.Linear(256, 64, bias=False)
+    linear.weight.data = qw.dequantize()
+    oracle = WQLinear_GEMM.from_linear(linear, 4, 128, scales=qw.scales.T.contiguous(),
+                                       zeros=qw.zeros.T.contiguous().float())
+    ours = pack_awq(qw)
+    assert torch.equal(ours["qweight"], oracle.qweight)
+    assert torch.equal(ours["qzeros"], oracle.qzeros)
+    assert torch.equal(ours["scales"], oracle.scales)
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_nf4_serialization_round_trips_through_bitsandbytes(double_quant):
+    w = torch.randn(64, 128)
+    q = nf4_quantize(w, double_quant, torch.float32)
+    tensors = pack_nf4(q)
+    expected = {"weight", "weight.absmax", "weight.quant_map", STATE_KEY}
+    if double_quant:
+        expected |= {"weight.nested_absmax", "weight.nested_quant_map"}
+    assert set(tensors) == expected
+    assert tensors["weight"].dtype == torch.uint8 and tensors["weight"].numel() == 64 * 128 // 2
+    back = unpack_nf4(tensors)
+    assert torch.equal(back.dequantize(), q.dequantize())
+    assert back.state.blocksize == 64 and back.state.quant_type == "nf4"
+    assert (q.dequantize() - w).abs().mean() < 0.1

@@ -1,0 +1,97 @@
+"""GPTQ against its own claims: lower output error than RTN, dead columns, act-order groups,
+dampening retries and a clear error when the Hessian cannot be factored."""
+
+import logging
+
+import pytest
+import torch
+
+from thresher.compress.gptq import GPTQ
+from thresher.compress.quantizer import GridSpec, fit_grid, quantize_grouped
+from thresher.errors import CompressionError
+
+
+def correlated_inputs(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    mix = torch.randn(k, k, generator=gen) / k**0.5 + torch.eye(k)
+    return torch.randn(n, k, generator=gen) @ mix * torch.linspace(0.2, 2.0, k)
+
+
+def output_error(w, w_hat, x):
+    return float(((w - w_hat) @ x.T).pow(2).sum())
+
+
+def test_grid_asymmetric_range_includes_zero_and_symmetric_zero_is_mid():
+    w = torch.tensor([[0.5, 1.0, 2.0], [-3.0, -1.0, -0.5]])
+    scale, zero = fit_grid(w, GridSpec(4, sym=False))
+    assert torch.allclose(scale[:, 0], torch.tensor([2.0 / 15, 3.0 / 15]).half().float())
+    assert zero[0, 0] == 0 and zero[1, 0] == 15  # min 0 and max 0 both representable
+    _, zero = fit_grid(w, GridSpec(4, sym=True))
+    assert (zero == 8).all()
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, -1), (3, 32), (2, 32)])
+def test_gptq_beats_rtn_on_output_error(bits, group_size):
+    x = correlated_inputs(1024, 64)
+    w = torch.randn(48, 64)
+    gptq = GPTQ(64, "test")
+    for chunk in x.split(256):
+        gptq.add_batch(chunk)
+    spec = GridSpec(bits, sym=True, min_zero=1)
+    qw, loss = gptq.quantize(w, spec, group_size)
+    rtn = quantize_grouped(w, spec, group_size)
+    assert loss > 0
+    assert output_error(w, qw.dequantize(), x) < 0.9 * output_error(w, rtn.dequantize(), x)
+
+
+def test_token_weights_scale_the_hessian_like_repeated_tokens():
+    x = correlated_inputs(64, 16)
+    weighted, repeated = GPTQ(16, "a"), GPTQ(16, "b")
+    weighted.add_batch(x, torch.full((64,), 2.0))
+    repeated.add_batch(torch.cat([x, x]))
+    torch.testing.assert_close(weighted.H, repeated.H)
+
+
+def test_dead_input_columns_are_zeroed():
+    x = correlated_inputs(256, 32)
+    x[:, 5] = 0
+    gptq = GPTQ(32, "test")
+    gptq.add_batch(x)
+    qw, _ = gptq.quantize(torch.randn(8, 32), GridSpec(4, sym=True, min_zero=1), 16)
+    assert torch.all(qw.dequantize()[:, 5] == 0)
+
+
+def test_act_order_with_static_groups_keeps_g_idx_monotonic():
+    x = correlated_inputs(512, 64)
+    gptq = GPTQ(64, "test")
+    gptq.add_batch(x)
+    w = torch.randn(16, 64)
+    spec = GridSpec(4, sym=True, min_zero=1)
+    static, _ = gptq.quantize(w, spec, 16, act_order=True, static_groups=True)
+    assert torch.equal(static.g_idx, (torch.arange(64) // 16).to(torch.int32))
+    dynamic, _ = gptq.quantize(w, spec, 16, act_order=True, static_groups=False)
+    order = torch.argsort(torch.diag(gptq.H), descending=True)
+    expected = torch.empty(64, dtype=torch.int32)
+    expected[order] = (torch.arange(64) // 16).to(torch.int32)
+    assert torch.equal(dynamic.g_idx, expected)
+    for qw in (static, dynamic):
+        assert output_error(w, qw.dequantize(), x) < output_error(
+            w, quantize_grouped(w, spec, 16).dequantize(), x)
+
+
+def test_indefinite_hessian_is_retried_with_more_dampening(caplog):
+    gptq = GPTQ(16, "model.layers.0.self_attn.q_proj")
+    gptq.add_batch(correlated_inputs(64, 16))
+    gptq.H -= 0.05 * torch.diag(gptq.H).mean() * torch.eye(16)  # 0.01 dampening is not enough
+    with caplog.at_level(logging.WARNING):
+        qw, _ = gptq.quantize(torch.randn(8, 16), GridSpec(4, sym=True, min_zero=1))
+    assert torch.isfinite(qw.dequantize()).all()
+    assert "needed dampening" in caplog.text
+
+
+def test_unfactorable_hessian_names_the_layer():
+    gptq = GPTQ(16, "model.layers.3.mlp.experts.5.gate_proj")
+    gptq.add_batch(correlated_inputs(64, 16))
+    gptq.H[0, 1] = gptq.H[1, 0] = float("nan")
+    with pytest.raises(CompressionError, match=r"layers\.3\.mlp\.experts\.5\.gate_proj"):
+        gptq.quantize(torch.randn(8, 16), GridSpec(4, sym=True, min_zero=1))

@@ -1,0 +1,225 @@
+"""The compress flow end to end on the tiny demo model: real Prefect, real MLflow (SQLite)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import mlflow
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from tests.flows.conftest import thresher_cmd
+from thresher.errors import ArtifactError
+from thresher.models import load_model
+from thresher.models.source import hash_directory, resolve_model
+from thresher.recipe import parse_recipe
+
+pytestmark = pytest.mark.slow
+
+
+def recipe_dict(model: Path, name: str = "ft") -> dict:
+    return {
+        "name": name,
+        "model": str(model),
+        "calibration": {"samples": 8, "seq_len": 64},
+        "eval": {"perplexity": {"seq_len": 64, "max_windows": 4}},
+        "variants": [
+            {"name": "base", "stages": []},
+            {"name": "p25", "stages": [{"prune": {"method": "frequency", "ratio": 0.25}}]},
+            {"name": "p25-rtn4", "stages": [{"prune": {"method": "frequency", "ratio": 0.25}},
+                                            {"quantize": {"method": "rtn", "bits": 4,
+                                                          "group_size": 64}}]},
+            {"name": "rtn4", "stages": [{"quantize": {"method": "rtn", "bits": 4,
+                                                      "group_size": 64}}]},
+        ],
+        "publish": {"registry_name": name},
+    }
+
+
+@pytest.fixture(scope="module")
+def flow_env(tmp_path_factory, tiny_demo):
+    root = tmp_path_factory.mktemp("flow")
+    return {"uri": f"sqlite:///{root / 'mlflow.db'}", "store": str(root / "store"),
+            "publish": str(root / "published"), "root": root, "model": tiny_demo}
+
+
+@pytest.fixture(scope="module")
+def first_run(flow_env, prefect_server):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from thresher.flows.compress import compress
+
+    recipe = parse_recipe(recipe_dict(flow_env["model"]))
+    with temporary_settings(updates={PREFECT_API_URL: prefect_server["url"]}):
+        summary = compress(recipe, tracking_uri=flow_env["uri"], store_dir=flow_env["store"],
+                           publish_dir=flow_env["publish"])
+    return summary
+
+
+def test_runs_metrics_and_registry(first_run, flow_env):
+    client = MlflowClient(flow_env["uri"], flow_env["uri"])
+    parent = client.get_run(first_run["parent_run_id"])
+    assert parent.data.tags["thresher.base_hash"] == hash_directory(flow_env["model"])
+    assert parent.data.params["variants.1.stages.0.prune.method"] == "frequency"
+    children = client.search_runs([parent.info.experiment_id],
+                                  f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    by_name = {r.info.run_name: r for r in children}
+    assert set(by_name) == {"base", "p25", "p25-rtn4", "rtn4"}
+    for run in children:
+        for metric in ("perplexity", "size_bytes", "bits_per_param", "compression_ratio",
+                       "experts_kept"):
+            assert metric in run.data.metrics, (run.info.run_name, metric)
+    assert by_name["p25"].data.metrics["experts_kept"] == 6
+    assert by_name["base"].data.metrics["experts_kept"] == 8
+    assert by_name["rtn4"].data.metrics["bits_per_param"] < 8
+    assert by_name["rtn4"].data.metrics["compression_ratio"] > 3
+    assert "quantize.wall_seconds" in by_name["rtn4"].data.metrics
+    assert "prune_report.json" in {a.path for a in client.list_artifacts(by_name["p25"].info.run_id)}
+    # the shared prefix (frequency-25%) was computed once: p25-rtn4 found it in the store
+    assert by_name["p25-rtn4"].data.metrics["stage_cache_hits"] == 1
+    assert "comparison.md" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+    # every published variant is registered and models:/ resolves back to the artifact
+    mlflow.set_tracking_uri(flow_env["uri"])
+    mlflow.set_registry_uri(flow_env["uri"])
+    try:
+        for row in first_run["variants"]:
+            if row["variant"] == "base":
+                continue
+            assert row["model_uri"] == f"models:/ft-{row['variant']}/1"
+            assert resolve_model(row["model_uri"]) == Path(row["artifact"])
+    finally:
+        mlflow.set_tracking_uri(None)
+
+
+def test_rerun_uses_the_cache(first_run, flow_env, prefect_server):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from thresher.flows.compress import compress
+
+    store = Path(flow_env["store"])
+    before = sorted(p.name for p in store.glob("*/*") if p.is_dir())
+    with temporary_settings(updates={PREFECT_API_URL: prefect_server["url"]}):
+        again = compress(parse_recipe(recipe_dict(flow_env["model"])),
+                         tracking_uri=flow_env["uri"], store_dir=flow_env["store"],
+                         publish_dir=flow_env["publish"])
+    after = sorted(p.name for p in store.glob("*/*") if p.is_dir())
+    assert before == after
+    stages = {"base": 0, "p25": 1, "p25-rtn4": 2, "rtn4": 1}
+    for row in again["variants"]:
+        assert row["stage_cache_hits"] == stages[row["variant"]], row
+        assert row.get("model_uri", "").endswith("/1") or row["variant"] == "base"
+    first = {r["variant"]: r["perplexity"] for r in first_run["variants"]}
+    assert {r["variant"]: r["perplexity"] for r in again["variants"]} == first
+
+
+def test_tampered_published_artifact_is_refused(first_run, tmp_path):
+    published = Path(next(r["artifact"] for r in first_run["variants"] if r["variant"] == "p25"))
+    copy = tmp_path / "p25"
+    shutil.copytree(published, copy)
+    load_model(copy)  # intact: loads
+    weights = next(copy.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="does not match its manifest"):
+        load_model(copy)
+
+
+def test_invalid_recipe_fails_before_compute(tmp_path, tiny_demo):
+    data = recipe_dict(tiny_demo)
+    data["variants"][1]["stages"][0]["prune"]["ratio"] = 2
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    env = {**os.environ, "THRESHER_HOME": str(tmp_path / "home")}
+    start = time.time()
+    proc = subprocess.run(thresher_cmd("run", str(bad)), env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert "variants.1.stages.0.prune.ratio" in proc.stdout + proc.stderr
+    assert not (tmp_path / "home" / "store").exists() and not (tmp_path / "home" / "mlflow.db").exists()
+    assert time.time() - start < 60
+
+
+def _write(tmp_path: Path, data: dict, name: str) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_sigkill_mid_stage_then_resume(tmp_path, tiny_demo, prefect_server):
+    """Kill -9 while the second stage runs; the rerun keeps the first and recomputes the second."""
+    data = recipe_dict(tiny_demo, name="kill")
+    data["calibration"] = {"samples": 48, "seq_len": 128}
+    data["variants"] = [{"name": "p25-gptq4", "stages": [
+        {"prune": {"method": "frequency", "ratio": 0.25}},
+        {"quantize": {"method": "gptq", "bits": 4, "group_size": 64}}]}]
+    recipe = _write(tmp_path, data, "kill")
+    store = tmp_path / "store"
+    env = {**prefect_server["env"], "THRESHER_HOME": str(tmp_path / "home")}
+    args = ["run", str(recipe), "--store-dir", str(store),
+            "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]
+    proc = subprocess.Popen(thresher_cmd(*args), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 300
+    killed = False
+    while time.time() < deadline and proc.poll() is None:
+        complete = list(store.glob("*/*/.thresher-complete.json"))
+        partial = list((store / ".scratch").glob("*")) if (store / ".scratch").exists() else []
+        if len(complete) == 1 and partial:
+            time.sleep(1.0)  # well inside the GPTQ stage
+            os.killpg(proc.pid, signal.SIGKILL)
+            killed = True
+            break
+        time.sleep(0.2)
+    proc.wait(30)
+    assert killed, "the flow finished before it could be killed; the test needs a slower stage"
+    prune_entry = next(store.glob("*/*/.thresher-complete.json")).parent
+    prune_mtime = prune_entry.stat().st_mtime_ns
+    rerun = subprocess.run(thresher_cmd(*args), env=env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert prune_entry.stat().st_mtime_ns == prune_mtime, "the finished stage was not recomputed"
+    assert len(list(store.glob("*/*/.thresher-complete.json"))) == 2
+    assert not list((store / ".scratch").glob("*")), "partial output of the killed run removed"
+    # Same artifacts as an uninterrupted run in a fresh store.
+    clean_store = tmp_path / "clean-store"
+    clean = subprocess.run(thresher_cmd("run", str(recipe), "--store-dir", str(clean_store),
+                                        "--tracking-uri", f"sqlite:///{tmp_path / 'm2.db'}"),
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+
+    def hashes(root: Path) -> set[str]:
+        return {json.loads(p.read_text())["content_hash"]
+                for p in root.glob("*/*/.thresher-complete.json")}
+
+    assert hashes(store) == hashes(clean_store)
+
+
+def test_two_flows_at_once_write_distinct_artifacts(tmp_path, tiny_demo, prefect_server):
+    env = {**prefect_server["env"], "THRESHER_HOME": str(tmp_path / "home")}
+    store = tmp_path / "store"
+    procs = []
+    for bits in (3, 4):
+        data = recipe_dict(tiny_demo, name=f"par{bits}")
+        data["variants"] = [{"name": f"rtn{bits}", "stages": [
+            {"quantize": {"method": "rtn", "bits": bits, "group_size": 64}}]}]
+        recipe = _write(tmp_path, data, f"par{bits}")
+        procs.append(subprocess.Popen(
+            thresher_cmd("run", str(recipe), "--store-dir", str(store),
+                         "--publish-dir", str(tmp_path / "pub"),
+                         "--tracking-uri", f"sqlite:///{tmp_path / f'm{bits}.db'}"),
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for p in procs:
+        out, _ = p.communicate(timeout=600)
+        assert p.returncode == 0, out
+    entries = list(store.glob("*/*/.thresher-complete.json"))
+    assert len(entries) == 2
+    pub3, pub4 = tmp_path / "pub" / "par3" / "rtn3", tmp_path / "pub" / "par4" / "rtn4"
+    assert hash_directory(pub3) != hash_directory(pub4)
+    assert json.loads((pub3 / "config.json").read_text())["quantization_config"]["bits"] == 3

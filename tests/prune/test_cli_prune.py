@@ -1,0 +1,40 @@
+"""`thresher prune` on a saved random-init MoE."""
+
+import json
+
+from typer.testing import CliRunner
+
+from tests.conftest import build_random_model
+from thresher.cli import app
+from thresher.models import save_model
+from thresher.prune import api
+
+runner = CliRunner()
+
+
+def test_prune_command_writes_checkpoint_and_report(tmp_path, tiny_tokenizer):
+    save_model(build_random_model("qwen2_moe", vocab_size=len(tiny_tokenizer)), tiny_tokenizer,
+               tmp_path / "base")
+    out = tmp_path / "pruned"
+    result = runner.invoke(app, ["prune", "--model", str(tmp_path / "base"), "--method", "frequency",
+                                 "--ratio", "0.25", "--calibration", api.__file__,
+                                 "--samples", "3", "--seq-len", "16", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "prune_report.json").read_text())
+    assert report["method"] == "frequency" and report["experts_kept"] == 6
+    assert report["calibration_samples"] == 3
+    assert json.loads((out / "config.json").read_text())["num_experts"] == 6
+    assert "removed experts" in result.output
+
+
+def test_prune_command_reports_bad_options_without_traceback(tmp_path):
+    save_model(build_random_model("llama", num_layers=1), None, tmp_path / "dense")
+    for args, message in (
+        (["--ratio", "1.5"], "ratio must be in (0, 1)"),
+        (["--method", "magnitude"], "--method"),
+        (["--ratio", "0.5"], "dense model"),
+    ):
+        result = runner.invoke(app, ["prune", "--model", str(tmp_path / "dense"),
+                                     "--out", str(tmp_path / "o"), *args])
+        assert result.exit_code == 2, result.output
+        assert message in result.output and "Traceback" not in result.output

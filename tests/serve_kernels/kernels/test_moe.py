@@ -1,0 +1,115 @@
+"""Fused MoE: alignment invariants, the reference against a per-token dense computation, the
+Triton path against the reference for dense, GPTQ and AWQ experts, AOT builds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.serve_kernels.kernels.helpers import (
+    DEVICE,
+    AotSpec,
+    aot_compile_all,
+    random_awq,
+    random_gptq,
+    rel_err,
+)
+from thresher.serve_kernels.kernels import moe
+
+E, H, INTER, TOP_K = 4, 96, 48, 2  # 96 and 2*48 are not multiples of the 64-wide tiles
+
+
+def stacked(fmt: str, k: int, n: int, dtype=torch.float16) -> moe.ExpertWeights:
+    """Random weights of E experts for a [K -> N] projection in ``fmt``."""
+    if fmt == "dense":
+        return moe.ExpertWeights("dense", (torch.randn(E, n, k, device=DEVICE) / k**0.5).to(dtype))
+    if fmt == "gptq":
+        sets = [random_gptq(k, n, 32, act_order=True, dtype=dtype, seed=e)[0] for e in range(E)]
+        q, z, s, g = (torch.stack(t) for t in zip(*sets, strict=True))
+        return moe.ExpertWeights("gptq", q, scales=s, qzeros=z, g_idx=g)
+    sets = [random_awq(k, n, 16, dtype=dtype, seed=e)[0] for e in range(E)]
+    q, z, s = (torch.stack(t) for t in zip(*sets, strict=True))
+    return moe.ExpertWeights("awq", q, scales=s, qzeros=z, group_size=16)
+
+
+def routing(tokens: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, E, generator=gen)
+    weights, ids = logits.softmax(-1).topk(TOP_K, dim=-1)
+    return weights.to(DEVICE), ids.to(DEVICE)
+
+
+def test_moe_align_groups_every_pair_once():
+    _, ids = routing(11)
+    sorted_ids, expert_ids = moe.moe_align(ids, E, 4)
+    assert sorted_ids.numel() == 4 * expert_ids.numel()
+    real = sorted_ids[sorted_ids < ids.numel()]
+    assert sorted(real.tolist()) == list(range(ids.numel()))
+    block_expert = expert_ids.repeat_interleave(4)
+    is_real = sorted_ids < ids.numel()
+    assert torch.equal(ids.flatten()[sorted_ids[is_real].long()], block_expert[is_real])
+
+
+@pytest.mark.parametrize("fmt", ["dense", "gptq", "awq"])
+def test_ref_matches_per_token_dense(fmt):
+    w1, w2 = stacked(fmt, H, 2 * INTER), stacked(fmt, INTER, H)
+    x = torch.randn(5, H, device=DEVICE)
+    weights, ids = routing(5)
+    d1, d2 = w1.dequantize(), w2.dequantize()
+    expected = torch.zeros(5, H)
+    for t in range(5):
+        for j in range(TOP_K):
+            e = ids[t, j]
+            h = d1[e] @ x[t]
+            expected[t] += weights[t, j].cpu() * (d2[e] @ (torch.nn.functional.silu(h[:INTER])
+                                                         * h[INTER:])).cpu()
+    assert rel_err(moe.fused_moe_ref(x, w1, w2, weights, ids), expected) < 1e-5
+
+
+def test_dequantized_layouts_agree_with_dense_weight():
+    """GPTQ/AWQ ExpertWeights.dequantize gives [E, N, K] like the dense layout."""
+    (q, z, s, g), w = random_gptq(H, 2 * INTER, 32, act_order=True)
+    ew = moe.ExpertWeights("gptq", q[None], scales=s[None], qzeros=z[None], g_idx=g[None])
+    assert ew.out_in == (2 * INTER, H)
+    assert torch.equal(ew.dequantize()[0].cpu(), w.T)
+    (q, z, s), w = random_awq(H, 2 * INTER, 16)
+    ew = moe.ExpertWeights("awq", q[None], scales=s[None], qzeros=z[None], group_size=16)
+    assert ew.out_in == (2 * INTER, H)
+    assert torch.equal(ew.dequantize()[0].cpu(), w.T)
+
+
+@pytest.mark.parametrize("fmt", ["dense", "gptq", "awq"])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_triton_matches_ref(fmt, tokens):
+    w1, w2 = stacked(fmt, H, 2 * INTER), stacked(fmt, INTER, H)
+    x = torch.randn(tokens, H, device=DEVICE).half()
+    weights, ids = routing(tokens, seed=tokens)
+    out = moe.fused_moe_triton(x, w1, w2, weights, ids)
+    assert out.shape == (tokens, H) and out.dtype == x.dtype
+    assert rel_err(out, moe.fused_moe_ref(x, w1, w2, weights, ids)) < 1e-2
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_other_dtypes_and_configs(dtype, tol):
+    w1, w2 = stacked("dense", H, 2 * INTER, dtype), stacked("gptq", INTER, H, dtype)
+    x = torch.randn(6, H, device=DEVICE).to(dtype)
+    weights, ids = routing(6)
+    ref = moe.fused_moe_ref(x, w1, w2, weights, ids)
+    for cfg in moe.CONFIGS.values():
+        assert rel_err(moe.fused_moe_triton(x, w1, w2, weights, ids, cfg), ref) < tol
+
+
+def test_aot_compiles():
+    specs = []
+    for cfg in moe.CONFIGS.values():
+        for fmt, code in moe.FORMATS.items():
+            b = "*fp16" if fmt == "dense" else "*i32"
+            types = {"a_ptr": "*fp16", "b_ptr": b, "scales_ptr": "*fp16", "zeros_ptr": "*i32",
+                     "g_idx_ptr": "*i32", "out_ptr": "*fp16", "sorted_ids_ptr": "*i32",
+                     "expert_ids_ptr": "*i32", "topk_weights_ptr": "*fp32"}
+            for mul in (False, True):
+                consts = {**cfg.constexprs, "FORMAT": code, "MUL_WEIGHT": mul,
+                          "DOT_DTYPE": "tl.float16"}
+                specs.append(AotSpec(f"{moe.__name__}:_moe_matmul_kernel", types, consts,
+                                     cfg.num_warps, cfg.num_stages))
+    aot_compile_all(specs)

@@ -1,0 +1,68 @@
+"""NF4: the reference against bitsandbytes' own dequantization, the kernel against the reference."""
+
+from __future__ import annotations
+
+import bitsandbytes.functional as bnbf
+import pytest
+import torch
+
+from tests.serve_kernels.kernels.helpers import DEVICE, AotSpec, aot_compile_all, rel_err
+from thresher.serve_kernels.kernels import nf4
+
+N, K = 72, 101  # odd K: bytes and 64-element blocks straddle rows, N*K not a multiple of 64
+
+
+def quantized(n: int, k: int, double_quant: bool, dtype=torch.float32, seed=0):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    packed, state = bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4",
+                                       compress_statistics=double_quant)
+    return nf4.NF4Weight.from_quant_state(packed, state), (packed, state)
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("shape", [(72, 100), (33, 66)])
+def test_dequantize_matches_bitsandbytes(double_quant, shape):
+    # even K: for odd K bitsandbytes' CPU backend falls back to a torch.compile'd path (slow)
+    weight, (packed, state) = quantized(*shape, double_quant)
+    assert (weight.nested_absmax is not None) == double_quant
+    expected = bnbf.dequantize_4bit(packed, state).float()
+    assert torch.allclose(nf4.nf4_dequantize(weight), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 40])
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_triton_matches_ref(m, double_quant):
+    weight, _ = quantized(N, K, double_quant, dtype=torch.float16, seed=m)
+    weight = nf4.NF4Weight(**{f: getattr(weight, f).to(DEVICE) if torch.is_tensor(getattr(weight, f))
+                              else getattr(weight, f) for f in weight.__dataclass_fields__})
+    x = torch.randn(m, K, dtype=torch.float16, device=DEVICE)
+    out = nf4.nf4_matmul_triton(x, weight)
+    assert out.shape == (m, N) and out.dtype == x.dtype
+    assert rel_err(out, nf4.nf4_matmul_ref(x, weight)) < 1e-2
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_other_dtypes_and_configs(dtype, tol):
+    weight, _ = quantized(N, K, True)
+    x = torch.randn(5, K, dtype=dtype)
+    for cfg in nf4.CONFIGS.values():
+        assert rel_err(nf4.nf4_matmul_triton(x, weight, cfg), nf4.nf4_matmul_ref(x, weight)) < tol
+
+
+def test_dispatch_torch_on_cpu(monkeypatch):
+    monkeypatch.delenv("THRESHER_KERNELS", raising=False)
+    weight, (packed, state) = quantized(N, 100, False)
+    x = torch.randn(2, 100)
+    expected = x @ bnbf.dequantize_4bit(packed, state).float().T
+    assert rel_err(nf4.nf4_matmul(x, weight), expected) < 1e-6
+
+
+def test_aot_compiles():
+    specs = []
+    for cfg in nf4.CONFIGS.values():
+        types = {"x_ptr": "*fp16", "packed_ptr": "*u8", "absmax_ptr": "*fp32",
+                 "quant_map_ptr": "*fp32", "out_ptr": "*fp32" if cfg.split_k > 1 else "*fp16"}
+        consts = {**cfg.constexprs, "DOT_DTYPE": "tl.float16", "SPLIT_K": cfg.split_k}
+        specs.append(AotSpec(f"{nf4.__name__}:_nf4_matmul_kernel", types, consts,
+                             cfg.num_warps, cfg.num_stages))
+    aot_compile_all(specs)

@@ -1,0 +1,98 @@
+"""W4A16 matmuls: references vs. the dense weight, Triton kernels vs. references, AOT builds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.serve_kernels.kernels.helpers import (
+    DEVICE,
+    AotSpec,
+    aot_compile_all,
+    random_awq,
+    random_gptq,
+    rel_err,
+)
+from thresher.serve_kernels.kernels import w4a16
+
+K, N = 256, 72  # N is not a multiple of the 64-wide tiles, K not of the split-K stride
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128, -1])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_dequantize_matches_dense(group_size, act_order):
+    (qweight, qzeros, scales, g_idx), w = random_gptq(K, N, group_size, act_order)
+    assert torch.equal(w4a16.gptq_dequantize(qweight, qzeros, scales, g_idx).cpu(), w)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128, -1])
+def test_awq_dequantize_matches_dense(group_size):
+    (qweight, qzeros, scales), w = random_awq(K, N, group_size)
+    assert torch.equal(w4a16.awq_dequantize(qweight, qzeros, scales, group_size).cpu(), w)
+
+
+def test_gptq_symmetric_v1_zero_word():
+    """Symmetric v1 checkpoints store 0x77777777: zero 8, so q=8 dequantizes to 0."""
+    qweight = torch.full((1, 8), 0x88888888 - 2**32, dtype=torch.int32)
+    qzeros = torch.full((1, 1), 0x77777777, dtype=torch.int32)
+    w = w4a16.gptq_dequantize(qweight, qzeros, torch.ones(1, 8), torch.zeros(8, dtype=torch.int32))
+    assert torch.equal(w, torch.zeros(8, 8))
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 40])
+@pytest.mark.parametrize("group_size,act_order", [(32, True), (64, False), (128, True), (-1, False)])
+def test_gptq_triton_matches_ref(m, group_size, act_order):
+    tensors, _ = random_gptq(K, N, group_size, act_order, seed=m)
+    x = torch.randn(m, K, dtype=torch.float16, device=DEVICE)
+    out = w4a16.gptq_matmul_triton(x, *tensors)
+    assert out.dtype == x.dtype and out.shape == (m, N)
+    assert rel_err(out, w4a16.gptq_matmul_ref(x, *tensors)) < 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 40])
+@pytest.mark.parametrize("group_size", [32, 64, 128, -1])
+def test_awq_triton_matches_ref(m, group_size):
+    tensors, _ = random_awq(K, N, group_size, seed=m)
+    x = torch.randn(m, K, dtype=torch.float16, device=DEVICE)
+    out = w4a16.awq_matmul_triton(x, *tensors, group_size)
+    assert out.dtype == x.dtype and out.shape == (m, N)
+    assert rel_err(out, w4a16.awq_matmul_ref(x, *tensors, group_size)) < 1e-2
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_other_activation_dtypes(dtype, tol):
+    gptq, _ = random_gptq(K, N, 64, True, dtype=dtype)
+    awq, _ = random_awq(K, N, 64, dtype=dtype)
+    x = torch.randn(2, 5, K, dtype=dtype, device=DEVICE)  # leading dims are flattened
+    for cfg in w4a16.CONFIGS.values():
+        out = w4a16.gptq_matmul_triton(x, *gptq, config=cfg)
+        assert out.shape == (2, 5, N)
+        assert rel_err(out, w4a16.gptq_matmul_ref(x, *gptq)) < tol
+        assert rel_err(w4a16.awq_matmul_triton(x, *awq, 64, config=cfg),
+                       w4a16.awq_matmul_ref(x, *awq, 64)) < tol
+
+
+def test_dispatch_follows_env(monkeypatch):
+    tensors, w = random_gptq(K, N, 64, False)
+    x = torch.randn(3, K, device=DEVICE)
+    for choice in ("torch", "triton"):
+        monkeypatch.setenv("THRESHER_KERNELS", choice)
+        assert rel_err(w4a16.gptq_matmul(x, *tensors), x.cpu() @ w) < 1e-5
+    monkeypatch.setenv("THRESHER_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="THRESHER_KERNELS"):
+        w4a16.gptq_matmul(x, *tensors)
+
+
+def test_aot_compiles():
+    specs = []
+    for cfg in w4a16.CONFIGS.values():
+        types = {"x_ptr": "*fp16", "qweight_ptr": "*i32", "qzeros_ptr": "*i32",
+                 "scales_ptr": "*fp16", "g_idx_ptr": "*i32",
+                 "out_ptr": "*fp32" if cfg.split_k > 1 else "*fp16"}
+        # fp16 operands for both targets; bf16 lowers the same way, so one target suffices
+        for dot, archs in (("tl.float16", (80, 90)), ("tl.bfloat16", (90,))):
+            consts = {**cfg.constexprs, "DOT_DTYPE": dot, "SPLIT_K": cfg.split_k}
+            for kernel in ("_gptq_matmul_kernel", "_awq_matmul_kernel"):
+                specs.append(AotSpec(f"{w4a16.__name__}:{kernel}", types, consts,
+                                     cfg.num_warps, cfg.num_stages, archs))
+    aot_compile_all(specs)

@@ -1,0 +1,256 @@
+"""The quantize stage: a model directory in, a complete quantized checkpoint directory out.
+
+``quantize_model`` checks every option against the model before any compute, streams the model
+through the sequential driver one decoder layer at a time, packs each finished layer into the
+method's standard format (RTN and GPTQ: GPTQ v1; AWQ: gemm; NF4: bitsandbytes) under hub-canonical
+per-expert names, and writes into a temporary sibling directory renamed at the end, so a crash
+never leaves a partial artifact at ``out_dir``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import resource
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from thresher.compress.driver import CALIBRATED, LayerCallback, SequentialQuantizer, grid_spec
+from thresher.compress.formats import awq as awq_format
+from thresher.compress.formats import gptq as gptq_format
+from thresher.compress.formats import nf4 as nf4_format
+from thresher.compress.formats.registry import FORMAT_OF_METHOD, PACKERS
+from thresher.compress.targets import ALWAYS_16BIT, OPTIONAL_16BIT, LayerParts, all_targets
+from thresher.data.windows import calibration_windows
+from thresher.errors import ArtifactError, CompressionError
+from thresher.models.checkpoint import INDEX_NAME, CheckpointWriter, canonical_layer_state
+from thresher.models.layerwise import LayerwiseModel
+from thresher.models.loading import load_model, load_tokenizer
+from thresher.recipe import CalibrationConfig, QuantizeStage
+
+log = logging.getLogger(__name__)
+
+REPORT_NAME = "quantize_report.json"
+NOT_COPIED = ("config.json", INDEX_NAME)
+
+
+@dataclass
+class QuantizeReport:
+    """What a quantize stage did: per-layer timings, errors, expert fallbacks."""
+
+    method: str
+    format: str
+    bits: int
+    group_size: int
+    sym: bool
+    act_order: bool
+    model_dir: str
+    out_dir: str
+    calibration_tokens: int
+    wall_seconds: float = 0.0
+    peak_rss_mb: float = 0.0
+    artifact_mb: float = 0.0
+    layers: list[dict] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        errors = [e for layer in self.layers for e in layer["errors"].values()]
+        return {
+            "wall_seconds": self.wall_seconds,
+            "peak_rss_mb": self.peak_rss_mb,
+            "artifact_mb": self.artifact_mb,
+            "layers": float(len(self.layers)),
+            "bits": float(self.bits),
+            "quantized_matrices": float(len(errors)),
+            "mean_quant_error": sum(errors) / max(1, len(errors)),
+            "max_quant_error": max(errors, default=0.0),
+            "fallback_experts": float(sum(len(la["fallback_experts"]) for la in self.layers)),
+            "calibration_tokens": float(self.calibration_tokens),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "metrics": self.metrics()}, indent=2)
+
+
+def check_stage(stage: QuantizeStage, lw: LayerwiseModel) -> None:
+    """Refuse options that do not fit the model or the format, before any compute."""
+    where = f"{lw.path}"
+    keep = set(stage.keep_16bit)
+    missing = [p for p in ALWAYS_16BIT if p not in keep]
+    if missing:
+        raise CompressionError(
+            f"{where}: keep_16bit must include {', '.join(missing)}: thresher keeps the router, "
+            "the embeddings and the lm_head in 16 bits (the GPTQ/AWQ/NF4 formats and vLLM expect "
+            f"them so); you may add {', '.join(OPTIONAL_16BIT)}")
+    unknown = keep - set(ALWAYS_16BIT) - set(OPTIONAL_16BIT)
+    if unknown:
+        raise CompressionError(f"{where}: keep_16bit names unknown parts {sorted(unknown)}; "
+                               f"choose from {', '.join(ALWAYS_16BIT + OPTIONAL_16BIT)}")
+    fmt = FORMAT_OF_METHOD[stage.method]
+    if fmt == "gptq" and stage.bits not in gptq_format.BITS:
+        raise CompressionError(f"bits={stage.bits}: the GPTQ format holds {gptq_format.BITS} bits")
+    if fmt == "awq" and stage.bits != awq_format.BITS:
+        raise CompressionError(f"bits={stage.bits}: the AWQ gemm format holds 4-bit weights only; "
+                               "use method gptq for other widths")
+    if fmt == "awq" and stage.group_size == -1:
+        raise CompressionError("group_size=-1: the AWQ gemm format needs a group size (e.g. 128)")
+    if stage.act_order and stage.method != "gptq":
+        raise CompressionError(f"act_order applies to method gptq, not {stage.method}")
+    if stage.act_order and not stage.static_groups:
+        log.warning("act_order without static_groups writes desc_act=true: vLLM refuses such "
+                    "GPTQ checkpoints")
+    if fmt == "bitsandbytes":
+        return
+    for i in range(lw.num_layers):
+        parts = LayerParts(lw.adapter, lw.layer(i), i, keep)  # on the meta device: shapes only
+        for t in all_targets(parts):
+            _check_shape(stage, fmt, t.key, *t.weight.shape)
+
+
+def _check_shape(stage: QuantizeStage, fmt: str, key: str, n: int, k: int) -> None:
+    gs = stage.group_size
+    if gs != -1 and k % gs:
+        raise CompressionError(f"group_size={gs} does not divide the {k} inputs of {key}; "
+                               "choose a divisor of every layer's input size or -1 (per row)")
+    if fmt == "gptq":
+        period = 32 // math.gcd(stage.bits, 32)
+        if k % period or n % period:
+            raise CompressionError(
+                f"bits={stage.bits}: {key} is [{n}, {k}], but GPTQ packs {stage.bits}-bit codes "
+                f"in runs of {period} rows and columns; use 4 or 8 bits")
+    if fmt == "awq" and n % 8:
+        raise CompressionError(f"{key} has {n} outputs; the AWQ gemm format packs 8 per word")
+
+
+def quantization_config(stage: QuantizeStage, skip: list[str]) -> dict:
+    fmt = FORMAT_OF_METHOD[stage.method]
+    if fmt == "gptq":
+        return gptq_format.quantization_config(
+            stage.bits, stage.group_size, grid_spec(stage).sym,
+            desc_act=stage.act_order and not stage.static_groups,
+            static_groups=stage.static_groups, damp_percent=stage.damp_percent,
+            true_sequential=stage.method == "gptq", modules_to_not_convert=skip)
+    if fmt == "awq":
+        return awq_format.quantization_config(stage.group_size, skip)
+    return nf4_format.quantization_config(stage.double_quant, stage.compute_dtype, skip)
+
+
+def _float_modules(lw: LayerwiseModel, keep: set[str]) -> list[str]:
+    """Hub-canonical names of the linear-like modules left in 16 bits."""
+    names = ["lm_head"]
+    adapter = lw.adapter
+    for i in range(lw.num_layers):
+        layer = lw.layer(i)
+        quantized = {t.key for t in all_targets(LayerParts(adapter, layer, i, keep))}
+        if adapter.is_moe_layer(layer):
+            names.append(adapter.disk_router_key(i))
+            if adapter.shared_expert_gate(layer) is not None:
+                names.append(adapter.disk_router_key(i).removesuffix("gate") + "shared_expert_gate")
+        for rel, module in layer.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                (key,) = canonical_layer_state(adapter, i, {f"{rel}.weight": torch.empty(0)})
+                key = key.removesuffix(".weight")
+                if key not in quantized and key not in names:
+                    names.append(key)
+    return names
+
+
+def quantize_model(model_dir: Path, stage: QuantizeStage, calibration: CalibrationConfig,
+                   out_dir: Path, *, observer: LayerCallback | None = None,
+                   max_shard_bytes: int = 1 << 30, show_progress: bool = True) -> QuantizeReport:
+    """Quantize ``model_dir`` into a new checkpoint at ``out_dir`` (refused if it exists).
+
+    ``observer`` also receives each finished layer (with dequantized weights), for evaluating the
+    in-memory quantized model next to the artifact.
+    """
+    start = time.perf_counter()
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if out_dir.exists():
+        raise ArtifactError(f"{out_dir}: already exists; choose a new output directory")
+    lw = LayerwiseModel(model_dir, torch.float32)
+    check_stage(stage, lw)
+    windows = None
+    if stage.method in CALIBRATED:
+        windows = calibration_windows(load_tokenizer(model_dir), calibration)
+    fmt = FORMAT_OF_METHOD[stage.method]
+    pack = PACKERS[fmt]
+    store_dtype = getattr(lw.config, "dtype", None) or torch.float32
+    if isinstance(store_dtype, str):
+        store_dtype = getattr(torch, store_dtype)
+    skip = _float_modules(lw, set(stage.keep_16bit))
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        writer = CheckpointWriter(tmp, max_shard_bytes)
+
+        def write_layer(i: int, layer: torch.nn.Module, quantized: dict) -> None:
+            state = canonical_layer_state(lw.adapter, i, layer.state_dict())
+            state = {k: v.to(store_dtype) if v.is_floating_point() else v for k, v in state.items()}
+            for key, q in quantized.items():
+                del state[f"{key}.weight"]
+                state.update({f"{key}.{name}": t for name, t in pack(q).items()})
+            writer.add(state)
+            if observer is not None:
+                observer(i, layer, quantized)
+
+        driver = SequentialQuantizer(lw, stage, windows, nf4_dtype=store_dtype,
+                                     show_progress=show_progress)
+        records = driver.run(write_layer)
+        reader = lw.reader
+        writer.add({k: reader.get(k) for k in reader.tensor_names()
+                    if not k.startswith("model.layers.")})
+        writer.close()
+        config = json.loads((model_dir / "config.json").read_text())
+        config["quantization_config"] = quantization_config(stage, skip)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        for f in model_dir.iterdir():
+            if (f.is_file() and f.name not in NOT_COPIED and f.suffix != ".safetensors"
+                    and not f.name.endswith("_report.json")):
+                shutil.copy2(f, tmp / f.name)
+        report = QuantizeReport(
+            method=stage.method, format=fmt, bits=stage.bits, group_size=stage.group_size,
+            sym=grid_spec(stage).sym, act_order=stage.act_order, model_dir=str(model_dir),
+            out_dir=str(out_dir),
+            calibration_tokens=0 if windows is None else int(windows.numel()),
+            layers=[dataclasses.asdict(r) for r in records],
+        )
+        report.wall_seconds = time.perf_counter() - start
+        report.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        report.artifact_mb = sum(f.stat().st_size for f in tmp.glob("*.safetensors")) / 2**20
+        (tmp / REPORT_NAME).write_text(report.to_json())
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("quantized %s with %s in %.1f s -> %s", model_dir, stage.describe(),
+             report.wall_seconds, out_dir)
+    return report
+
+
+def quantize_in_memory(model_dir: Path, stage: QuantizeStage, calibration: CalibrationConfig,
+                       show_progress: bool = False) -> tuple[torch.nn.Module, list]:
+    """The float model with every quantized weight replaced by its dequantized value.
+
+    For evaluating settings that have no checkpoint format (AWQ below 4 bits) and for comparing
+    an artifact with the model the driver computed. Holds the whole model in memory.
+    """
+    model_dir = Path(model_dir)
+    lw = LayerwiseModel(model_dir, torch.float32)
+    windows = None
+    if stage.method in CALIBRATED:
+        windows = calibration_windows(load_tokenizer(model_dir), calibration)
+    model = load_model(model_dir)
+    layers = lw.adapter.layers(model)
+
+    def copy_layer(i: int, layer: torch.nn.Module, quantized: dict) -> None:
+        layers[i].load_state_dict(layer.state_dict())
+
+    records = SequentialQuantizer(lw, stage, windows, show_progress=show_progress).run(copy_layer)
+    return model, records

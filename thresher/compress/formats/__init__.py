@@ -1,0 +1,1 @@
+"""Checkpoint layouts that other tools load: GPTQ v1 ``gptq``, AWQ ``gemm``, bitsandbytes NF4."""

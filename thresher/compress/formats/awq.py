@@ -1,0 +1,76 @@
+"""The AWQ ``gemm`` checkpoint layout (AutoAWQ, transformers, vLLM); 4-bit only.
+
+For a linear layer with K inputs and N outputs, group size G:
+
+- ``qweight`` int32 [K, N / 8]: word c of row k holds columns 8c..8c+7, nibble i holding column
+  8c + AWQ_ORDER[i] (the interleaving the GEMM kernel expects);
+- ``qzeros`` int32 [K / G, N / 8]: the true zero points, same interleaving;
+- ``scales`` fp16 [K / G, N].
+
+Dequantized: W^T[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from thresher.compress.formats.bits import to_int32
+from thresher.compress.quantizer import QuantizedWeight
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+TENSORS = ("qweight", "qzeros", "scales")
+BITS = 4
+
+
+def _pack_interleaved(values: torch.Tensor) -> torch.Tensor:
+    """[R, C] 4-bit codes -> int32 [R, C / 8] in AWQ's nibble order."""
+    rows, cols = values.shape
+    v = values.to(torch.int64).reshape(rows, cols // 8, 8)
+    out = torch.zeros(rows, cols // 8, dtype=torch.int64)
+    for i, col in enumerate(AWQ_ORDER):
+        out |= v[:, :, col] << (4 * i)
+    return to_int32(out)
+
+
+def _unpack_interleaved(packed: torch.Tensor) -> torch.Tensor:
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    out = torch.zeros(*words.shape, 8, dtype=torch.int64)
+    for i, col in enumerate(AWQ_ORDER):
+        out[:, :, col] = (words >> (4 * i)) & 0xF
+    return out.reshape(words.shape[0], -1).to(torch.int32)
+
+
+def pack_awq(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """A 4-bit quantized [N, K] weight with monotonic groups -> the three gemm tensors."""
+    if qw.bits != BITS:
+        raise ValueError(f"the AWQ gemm format holds 4-bit weights, got {qw.bits}")
+    return {
+        "qweight": _pack_interleaved(qw.codes.T),
+        "qzeros": _pack_interleaved(qw.zeros.T),
+        "scales": qw.scales.T.contiguous().to(torch.float16),
+    }
+
+
+def unpack_awq(tensors: dict[str, torch.Tensor], group_size: int) -> QuantizedWeight:
+    codes = _unpack_interleaved(tensors["qweight"]).T.contiguous()
+    zeros = _unpack_interleaved(tensors["qzeros"]).T.contiguous()
+    k = codes.shape[1]
+    return QuantizedWeight(
+        codes=codes.to(torch.uint8),
+        scales=tensors["scales"].float().T.contiguous(),
+        zeros=zeros,
+        g_idx=(torch.arange(k) // group_size).to(torch.int32),
+        bits=BITS,
+        group_size=group_size,
+    )
+
+
+def quantization_config(group_size: int, modules_to_not_convert: list[str]) -> dict:
+    return {
+        "quant_method": "awq",
+        "bits": BITS,
+        "group_size": group_size,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": modules_to_not_convert,
+    }

@@ -1,0 +1,40 @@
+"""NF4 (QLoRA, Dettmers et al., arXiv 2305.14314) through bitsandbytes' functional API.
+
+16 codes at the quantiles of a normal distribution, block-wise absmax scaling (block 64), two codes
+per byte (first in the high nibble); double quantization re-quantizes the absmax constants to 8
+bits. bitsandbytes quantizes and dequantizes NF4 on the CPU, so every expert matrix is quantized
+here directly (transformers' own 4-bit loading leaves fused experts in full precision).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import bitsandbytes.functional as bnbf
+import torch
+
+BLOCK_SIZE = 64
+
+
+@dataclass
+class NF4Weight:
+    """One matrix in bitsandbytes' 4-bit representation: packed bytes plus its QuantState."""
+
+    packed: torch.Tensor  # uint8 [numel / 2, 1]
+    state: bnbf.QuantState
+
+    def dequantize(self) -> torch.Tensor:
+        return bnbf.dequantize_4bit(self.packed, self.state, quant_type="nf4").float()
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.state.shape
+
+
+def nf4_quantize(w: torch.Tensor, double_quant: bool, dtype: torch.dtype) -> NF4Weight:
+    """Quantize ``w`` (held as ``dtype``, the dtype the artifact dequantizes to) to NF4."""
+    packed, state = bnbf.quantize_4bit(
+        w.detach().to(dtype).contiguous(), blocksize=BLOCK_SIZE, compress_statistics=double_quant,
+        quant_type="nf4", quant_storage=torch.uint8,
+    )
+    return NF4Weight(packed=packed, state=state)

@@ -1,0 +1,106 @@
+"""The uniform min-max grid shared by RTN, GPTQ and AWQ: fit, quantize, dequantize.
+
+A grid maps a weight w to an integer code q in [0, 2^bits - 1] with a scale and a zero point:
+q = clamp(round(w / scale) + zero, 0, maxq), w ~ scale * (q - zero). Asymmetric grids span
+[min(w), max(w)] (always including 0); symmetric grids span [-max|w|, max|w|] with the zero in
+the middle (8 for 4 bits), as GPTQ's reference quantizer does. Scales are rounded to fp16 when
+fitted, because every checkpoint format stores them so: the dequantized weights the driver
+computes are then exactly those a loader reconstructs from the artifact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class GridSpec:
+    """How to fit a grid: bit width, symmetry, and the smallest storable zero point."""
+
+    bits: int
+    sym: bool
+    min_zero: int = 0  # GPTQ v1 stores zero - 1 unsigned, so it needs zero >= 1
+
+    @property
+    def maxq(self) -> int:
+        return 2**self.bits - 1
+
+
+@dataclass
+class QuantizedWeight:
+    """Integer codes of one [out, in] matrix with a scale and zero per (row, group).
+
+    ``g_idx[k]`` is the group of input column k; with act-order (without static groups) it is not
+    monotonic.
+    """
+
+    codes: torch.Tensor  # uint8 [out, in]
+    scales: torch.Tensor  # float32 [out, groups], fp16-representable
+    zeros: torch.Tensor  # int32 [out, groups]
+    g_idx: torch.Tensor  # int32 [in]
+    bits: int
+    group_size: int  # -1 = one group per row
+
+    def dequantize(self) -> torch.Tensor:
+        g = self.g_idx.long()
+        return self.scales[:, g] * (self.codes.float() - self.zeros[:, g].float())
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+
+def fit_grid(w: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero (each [rows, 1]) of the min-max grid of each row of ``w`` [rows, cols]."""
+    w = w.float()
+    xmin = w.amin(dim=1).clamp(max=0)
+    xmax = w.amax(dim=1).clamp(min=0)
+    if spec.sym:
+        xmax = torch.maximum(xmin.abs(), xmax)
+        xmin = -xmax
+    dead = (xmin == 0) & (xmax == 0)
+    xmin = torch.where(dead, -1.0, xmin)
+    xmax = torch.where(dead, 1.0, xmax)
+    scale = ((xmax - xmin) / spec.maxq).half().float().clamp(min=torch.finfo(torch.float16).tiny)
+    zero = torch.full_like(scale, (spec.maxq + 1) // 2) if spec.sym else torch.round(-xmin / scale)
+    zero = zero.clamp(spec.min_zero, spec.maxq)
+    return scale.unsqueeze(1), zero.unsqueeze(1)
+
+
+def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
+    """Integer codes (as float) of ``w`` on the grid (scale, zero), broadcast along columns."""
+    return torch.clamp(torch.round(w / scale) + zero, 0, maxq)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return scale * (q - zero)
+
+
+def group_count(columns: int, group_size: int) -> int:
+    return 1 if group_size == -1 else columns // group_size
+
+
+def quantize_grouped(w: torch.Tensor, spec: GridSpec, group_size: int) -> QuantizedWeight:
+    """Round-to-nearest of ``w`` [out, in] with one grid per row and group of input columns."""
+    rows, cols = w.shape
+    gs = cols if group_size == -1 else group_size
+    groups = w.float().reshape(rows, cols // gs, gs)
+    flat = groups.reshape(-1, gs)
+    scale, zero = fit_grid(flat, spec)
+    codes = quantize(flat, scale, zero, spec.maxq).reshape(rows, cols)
+    return QuantizedWeight(
+        codes=codes.to(torch.uint8),
+        scales=scale.reshape(rows, cols // gs),
+        zeros=zero.reshape(rows, cols // gs).to(torch.int32),
+        g_idx=(torch.arange(cols) // gs).to(torch.int32),
+        bits=spec.bits,
+        group_size=group_size,
+    )
+
+
+def relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:
+    """||w - w_hat||^2 / ||w||^2: the weight-space error reported for every method."""
+    w = w.float()
+    return float((w - w_hat.float()).pow(2).sum() / w.pow(2).sum().clamp(min=1e-30))

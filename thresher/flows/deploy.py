@@ -1,0 +1,107 @@
+"""Deployments and schedules: compress jobs started from the Prefect UI, the CLI or a cron schedule.
+
+``configs/schedules.yaml`` lists deployments, each a recipe file and an optional cron schedule.
+Two ways to run them:
+
+- ``serve`` (one machine): this process registers the deployments with the Prefect server and
+  executes their runs itself, as they are triggered from the UI, ``prefect deployment run`` or the
+  schedule.
+- a work pool (many machines): the deployments are registered against a Prefect work pool, and
+  ``prefect worker start --pool NAME`` on any machine with thresher installed picks the runs up.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from thresher.errors import RecipeError
+from thresher.recipe import load_recipe
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ENTRYPOINT = "thresher/flows/compress.py:compress_file"
+
+
+class DeploymentSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    recipe: str = Field(description="recipe YAML path (relative to the schedules file)")
+    cron: str | None = Field(None, description="cron schedule, e.g. '0 3 * * *'")
+    timezone: str = "UTC"
+    paused: bool = False
+    tracking_uri: str | None = None
+
+
+class SchedulesFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    deployments: list[DeploymentSpec] = Field(min_length=1)
+
+
+def load_schedules(path: str | Path) -> list[DeploymentSpec]:
+    """Read a schedules file; recipe paths become absolute and every recipe is validated."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"{path}: no such schedules file")
+    try:
+        parsed = SchedulesFile.model_validate(yaml.safe_load(path.read_text()))
+    except (ValidationError, yaml.YAMLError) as err:
+        raise RecipeError(f"{path}: invalid schedules file:\n{err}") from None
+    specs = []
+    for spec in parsed.deployments:
+        recipe = Path(spec.recipe)
+        if not recipe.is_absolute():
+            recipe = (path.parent / recipe).resolve()
+            if not recipe.is_file():  # paths may also be relative to the repository root
+                recipe = (REPO_ROOT / spec.recipe).resolve()
+        load_recipe(recipe)  # refuse a broken recipe now, not at 3 am
+        specs.append(spec.model_copy(update={"recipe": str(recipe)}))
+    return specs
+
+
+def _schedules(spec: DeploymentSpec) -> list:
+    from prefect.schedules import Cron
+
+    return [Cron(spec.cron, timezone=spec.timezone)] if spec.cron else []
+
+
+def _parameters(spec: DeploymentSpec) -> dict:
+    params: dict = {"recipe_path": spec.recipe}
+    if spec.tracking_uri:
+        params["tracking_uri"] = spec.tracking_uri
+    return params
+
+
+def serve_deployments(specs: list[DeploymentSpec]) -> None:
+    """Register the deployments and execute their runs in this process (blocks)."""
+    from prefect import serve
+
+    from thresher.flows.compress import compress_file
+
+    deployments = [
+        compress_file.to_deployment(
+            name=s.name, parameters=_parameters(s), schedules=_schedules(s), paused=s.paused,
+            tags=["thresher"], description=f"thresher compress: {s.recipe}",
+        )
+        for s in specs
+    ]
+    serve(*deployments)
+
+
+def deploy_to_work_pool(specs: list[DeploymentSpec], work_pool: str, source: str | None = None
+                        ) -> list[str]:
+    """Register the deployments against ``work_pool``; workers run them. Returns deployment ids."""
+    from prefect import flow
+
+    ids = []
+    for s in specs:
+        remote = flow.from_source(source=source or str(REPO_ROOT), entrypoint=ENTRYPOINT)
+        ids.append(str(remote.deploy(
+            name=s.name, work_pool_name=work_pool, parameters=_parameters(s), schedules=_schedules(s),
+            paused=s.paused, tags=["thresher"], description=f"thresher compress: {s.recipe}",
+            print_next_steps=False,
+        )))
+    return ids

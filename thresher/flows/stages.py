@@ -1,0 +1,133 @@
+"""The Prefect tasks of the compress flow: resolve, stage, evaluate, publish.
+
+Each task is a plain function of paths and configs, so the flow stays a short loop over the plan.
+Stage outputs live in the content-addressed store; evaluation results are cached by the artifact's
+content hash; publishing copies into place atomically and writes the manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+
+from thresher import __version__
+from thresher.errors import ThresherError
+from thresher.flows.resources import measure
+from thresher.flows.store import COMPLETE_MARKER, ArtifactStore, stage_key
+from thresher.models.manifest import read_manifest, write_manifest
+from thresher.models.source import hash_directory, resolve_model
+from thresher.recipe import CalibrationConfig, EvalConfig, Stage
+
+log = logging.getLogger(__name__)
+
+
+def _retry_unless_user_error(task, task_run, state) -> bool:
+    """Retry transient failures only: a ThresherError (bad option, bad input) fails the same way."""
+    try:
+        state.result()
+    except ThresherError:
+        return False
+    except Exception:
+        return True
+    return False
+
+
+@task(name="resolve-model", retries=2, retry_delay_seconds=5)
+def resolve_base(model: str) -> tuple[str, str]:
+    """A local snapshot of the base model and its content hash."""
+    path = resolve_model(model)
+    return str(path), hash_directory(path)
+
+
+def execute_stage(input_dir: Path, stage: Stage, calibration: CalibrationConfig, out_dir: Path):
+    """Run one stage's algorithm (no caching, no tracking): the unit the store caches."""
+    if stage.prune is not None:
+        from thresher.prune.api import prune_model
+
+        return prune_model(input_dir, stage.prune, calibration, out_dir)
+    from thresher.compress.api import quantize_model
+
+    return quantize_model(input_dir, stage.quantize, calibration, out_dir)
+
+
+@task(name="stage", retries=1, retry_delay_seconds=5, retry_condition_fn=_retry_unless_user_error,
+      task_run_name="{label}")
+def run_stage(input_dir: str, input_hash: str, stage: Stage, calibration: CalibrationConfig,
+              store_root: str, label: str) -> dict[str, Any]:
+    """The store entry for ``stage`` on the input artifact, computing it only when missing."""
+    store = ArtifactStore(store_root)
+    key = stage_key(input_hash, stage, calibration)
+    with store.locked(key) as entry:
+        if entry.complete:
+            record = entry.record()
+            log.info("%s: found in the store (%s), not recomputed", label, key[:12])
+            return {"path": str(entry.path), "content_hash": record["content_hash"], "key": key,
+                    "cache_hit": True, "metrics": record.get("metrics", {})}
+        out = store.scratch_dir(key)
+        log.info("%s: computing (store key %s)", label, key[:12])
+        with measure() as usage:
+            report = execute_stage(Path(input_dir), stage, calibration, out)
+        metrics = {**report.metrics(), "wall_seconds": usage.wall_seconds,
+                   "peak_rss_mb": usage.peak_rss_mb}
+        entry = store.commit(key, out, {"stage": stage.model_dump(mode="json", exclude_none=True),
+                                        "input_hash": input_hash, "metrics": metrics})
+    return {"path": str(entry.path), "content_hash": entry.content_hash, "key": key,
+            "cache_hit": False, "metrics": metrics}
+
+
+@task(name="evaluate", retries=1, retry_delay_seconds=5, retry_condition_fn=_retry_unless_user_error,
+      task_run_name="evaluate-{label}")
+def evaluate_artifact(path: str, content_hash: str, eval_cfg: EvalConfig, store_root: str,
+                      label: str) -> dict[str, float]:
+    """Perplexity (and tasks, when the recipe lists them) of an artifact, cached by content hash."""
+    blob = json.dumps({"artifact": content_hash, "eval": eval_cfg.model_dump(mode="json"),
+                       "thresher": __version__}, sort_keys=True)
+    cache = Path(store_root) / "evals" / f"{hashlib.sha256(blob.encode()).hexdigest()}.json"
+    if cache.is_file():
+        log.info("%s: evaluation found in the store, not recomputed", label)
+        return json.loads(cache.read_text())
+    from thresher.data.windows import eval_windows
+    from thresher.evaluate.perplexity import perplexity
+    from thresher.models import load_model, load_tokenizer
+
+    tokenizer = load_tokenizer(path)
+    model = load_model(path)
+    start = time.perf_counter()
+    ppl = perplexity(model, eval_windows(tokenizer, eval_cfg.perplexity),
+                     batch_size=eval_cfg.perplexity.batch_size)
+    metrics = {"perplexity": ppl.perplexity, "nll": ppl.nll, "eval_tokens": float(ppl.tokens),
+               "eval_seconds": time.perf_counter() - start}
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".tmp-{time.time_ns()}")
+    tmp.write_text(json.dumps(metrics))
+    tmp.rename(cache)
+    return metrics
+
+
+@task(name="publish", retries=2, retry_delay_seconds=5, task_run_name="publish-{variant}")
+def publish_artifact(path: str, content_hash: str, dest_root: str, variant: str,
+                     manifest_fields: dict[str, Any]) -> str:
+    """Copy the artifact to ``dest_root/variant`` atomically, with its ``thresher.json`` manifest."""
+    dest = Path(dest_root) / variant
+    existing = read_manifest(dest) if dest.is_dir() else None
+    if existing and existing.get("content_hash") == content_hash:
+        return str(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{variant}.publishing-{time.time_ns()}"
+    shutil.copytree(path, tmp, ignore=shutil.ignore_patterns(COMPLETE_MARKER))
+    write_manifest(tmp, content_hash=content_hash, **manifest_fields)
+    old = None
+    if dest.exists():
+        old = dest.parent / f".{variant}.replaced-{time.time_ns()}"
+        dest.rename(old)
+    tmp.rename(dest)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return str(dest)

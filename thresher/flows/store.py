@@ -1,0 +1,109 @@
+"""The content-addressed artifact store: every stage output, keyed by what determines it.
+
+A stage's key hashes (input artifact hash, stage config, calibration config, thresher version).
+Equal prefixes of different variants therefore share one artifact (REAP-50% feeds both
+reap50-gptq4 and reap50-awq4), a rerun finds every finished stage, and a flow killed in the middle
+of a stage resumes from there: stages write into a temporary sibling and rename on success, so an
+entry either exists whole or not at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from thresher import __version__
+from thresher.models.source import hash_directory
+from thresher.paths import state_dir
+from thresher.recipe import CalibrationConfig, Stage
+
+log = logging.getLogger(__name__)
+
+COMPLETE_MARKER = ".thresher-complete.json"
+
+
+@dataclass(frozen=True)
+class StoreEntry:
+    key: str
+    path: Path
+
+    @property
+    def complete(self) -> bool:
+        return (self.path / COMPLETE_MARKER).is_file()
+
+    def record(self) -> dict:
+        return json.loads((self.path / COMPLETE_MARKER).read_text())
+
+    @property
+    def content_hash(self) -> str:
+        return self.record()["content_hash"]
+
+
+def stage_key(input_hash: str, stage: Stage, calibration: CalibrationConfig) -> str:
+    """The store key of ``stage`` applied to the artifact whose content hash is ``input_hash``."""
+    blob = json.dumps(
+        {
+            "input": input_hash,
+            "stage": stage.model_dump(mode="json", exclude_none=True),
+            "calibration": calibration.model_dump(mode="json"),
+            "thresher": __version__,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+class ArtifactStore:
+    """Directories under ``root/<key[:2]>/<key>``; complete when the marker file exists."""
+
+    def __init__(self, root: str | Path | None = None):
+        self.root = Path(root) if root else state_dir() / "store"
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def entry(self, key: str) -> StoreEntry:
+        return StoreEntry(key, self.root / key[:2] / key)
+
+    @contextlib.contextmanager
+    def locked(self, key: str) -> Iterator[StoreEntry]:
+        """Hold the entry's lock: two flows computing the same stage at once compute it once."""
+        entry = self.entry(key)
+        entry.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(entry.path.parent / f"{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield entry
+
+    def scratch_dir(self, key: str) -> Path:
+        """A path (not yet created) for a stage to write into before it is committed.
+
+        It lies in its own scratch folder, with any temporary siblings the stage makes; the
+        leftovers of a killed run for the same key are removed first. Call under ``locked``.
+        """
+        scratch = self.root / ".scratch"
+        scratch.mkdir(parents=True, exist_ok=True)
+        for stale in scratch.glob(f"{key}-*"):
+            log.info("removing the partial output of an interrupted run: %s", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        folder = scratch / f"{key}-{time.time_ns()}"
+        folder.mkdir()
+        return folder / "out"
+
+    def commit(self, key: str, produced: Path, meta: dict) -> StoreEntry:
+        """Move a stage's finished output into the store under ``key``."""
+        entry = self.entry(key)
+        record = {**meta, "key": key, "content_hash": hash_directory(produced),
+                  "thresher": __version__, "created": time.time()}
+        (produced / COMPLETE_MARKER).write_text(json.dumps(record, indent=2, sort_keys=True))
+        entry.path.parent.mkdir(parents=True, exist_ok=True)
+        if entry.path.exists():  # an incomplete leftover under the final name
+            shutil.rmtree(entry.path)
+        produced.rename(entry.path)
+        shutil.rmtree(produced.parent, ignore_errors=True)
+        return entry

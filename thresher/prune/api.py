@@ -1,0 +1,216 @@
+"""The prune stage: model directory in, complete pruned Hugging Face checkpoint directory out.
+
+``prune_model`` checks every option against the model before any compute, observes the
+calibration data layer by layer (unless the method is the ``random`` control), chooses the experts
+each MoE layer keeps, and writes the pruned checkpoint one decoder layer at a time under the
+hub-canonical names, with the tokenizer files and ``prune_report.json`` (every expert's saliency,
+routed-token counts, and the removed experts of each layer). The output is written into a hidden
+sibling directory and renamed at the end, so a crash never leaves a partial artifact behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import resource
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PretrainedConfig
+
+from thresher.data.windows import calibration_windows
+from thresher.errors import ArtifactError, CompressionError
+from thresher.models.adapters import Adapter, get_adapter
+from thresher.models.checkpoint import (
+    CheckpointReader,
+    CheckpointWriter,
+    canonical_layer_state,
+    read_layer_state,
+)
+from thresher.models.layerwise import LayerwiseModel, load_config
+from thresher.models.loading import load_tokenizer
+from thresher.prune.mask import choose_experts, experts_to_keep, prune_layer_state
+from thresher.prune.observer import ExpertStats, observe_experts
+from thresher.prune.saliency import random_saliency, saliency
+from thresher.recipe import CalibrationConfig, PruneStage
+
+log = logging.getLogger(__name__)
+
+REPORT_NAME = "prune_report.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+                   "chat_template.jinja", "chat_template.json", "generation_config.json")
+
+
+@dataclass
+class LayerPruneReport:
+    """One MoE layer: every expert's saliency and routed-token count, and what was removed."""
+
+    layer: int
+    saliency: list[float]
+    tokens_routed: list[int] | None  # None for the random control, which observes nothing
+    kept: list[int]
+    removed: list[int]
+
+    @property
+    def dead_experts(self) -> list[int]:
+        return [] if self.tokens_routed is None else [
+            e for e, n in enumerate(self.tokens_routed) if n == 0]
+
+
+@dataclass
+class PruneReport:
+    """What a prune stage did, for MLflow (``metrics``) and the artifact (``to_json``)."""
+
+    model_dir: str
+    out_dir: str
+    method: str
+    ratio: float | None
+    keep: int | None
+    seed: int
+    num_experts: int
+    experts_kept: int
+    top_k: int
+    calibration_samples: int
+    calibration_seq_len: int
+    observe_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    peak_rss_mb: float = 0.0
+    layers: list[LayerPruneReport] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        """Flat numbers for MLflow."""
+        m = {
+            "wall_seconds": self.wall_seconds,
+            "observe_seconds": self.observe_seconds,
+            "peak_rss_mb": self.peak_rss_mb,
+            "experts_before": float(self.num_experts),
+            "experts_kept": float(self.experts_kept),
+            "experts_removed": float(self.num_experts - self.experts_kept),
+            "layers": float(len(self.layers)),
+        }
+        observed = [r for r in self.layers if r.tokens_routed is not None]
+        if observed:
+            routed = sum(sum(r.tokens_routed) for r in observed)
+            removed = sum(sum(r.tokens_routed[e] for e in r.removed) for r in observed)
+            m["calibration_tokens"] = float(sum(observed[0].tokens_routed) // self.top_k)
+            m["dead_experts"] = float(sum(len(r.dead_experts) for r in observed))
+            m["removed_routed_share"] = removed / routed if routed else 0.0
+        return m
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        for layer, report in zip(data["layers"], self.layers, strict=True):
+            layer["dead_experts"] = report.dead_experts
+        data["metrics"] = self.metrics()
+        return json.dumps(data, indent=2)
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def check_prune(model_dir: Path, stage: PruneStage) -> tuple[PretrainedConfig, int]:
+    """Refuse, before any compute, a stage that does not fit the model: unsupported family, dense
+    model, ratio or keep out of range, fewer experts left than top-k. Returns (config, kept)."""
+    config = load_config(model_dir)  # UnsupportedArchitectureError for families without adapter
+    adapter = get_adapter(config)
+    if not adapter.is_moe:
+        raise CompressionError(
+            f"{model_dir}: {config.model_type} is a dense model (no experts to prune); "
+            "expert pruning needs a Mixture-of-Experts model")
+    n_keep = experts_to_keep(adapter.num_experts(config), adapter.top_k(config), stage.ratio,
+                             stage.keep, str(model_dir))
+    return config, n_keep
+
+
+def prune_model(model_dir: Path, stage: PruneStage, calibration: CalibrationConfig,
+                out_dir: Path, *, observed: list[ExpertStats] | None = None,
+                show_progress: bool = True) -> PruneReport:
+    """Prune ``model_dir`` by ``stage`` and write the pruned checkpoint to ``out_dir``.
+
+    ``observed`` may pass statistics of this model on this calibration from an earlier
+    ``observe_experts`` call, so that several methods can be compared on one observation.
+    """
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    start = time.perf_counter()
+    if out_dir.exists():
+        raise ArtifactError(f"{out_dir} already exists; choose a new output directory or remove it")
+    config, n_keep = check_prune(model_dir, stage)
+    lw = LayerwiseModel(model_dir)
+    adapter = lw.adapter
+    num_experts, top_k = adapter.num_experts(config), adapter.top_k(config)
+    moe_layers = [i for i in range(lw.num_layers) if adapter.is_moe_layer(lw.layer(i))]
+    report = PruneReport(
+        model_dir=str(model_dir), out_dir=str(out_dir), method=stage.method, ratio=stage.ratio,
+        keep=stage.keep, seed=stage.seed, num_experts=num_experts, experts_kept=n_keep,
+        top_k=top_k, calibration_samples=calibration.samples,
+        calibration_seq_len=calibration.seq_len)
+
+    if stage.method == "random":
+        gen = torch.Generator().manual_seed(stage.seed)
+        scores = {i: random_saliency(num_experts, gen) for i in moe_layers}
+        stats: dict[int, ExpertStats] = {}
+    else:
+        if observed is None:
+            windows = calibration_windows(load_tokenizer(model_dir), calibration)
+            t0 = time.perf_counter()
+            observed = observe_experts(lw, windows, show_progress=show_progress)
+            report.observe_seconds = time.perf_counter() - t0
+        stats = {s.layer: s for s in observed}
+        if sorted(stats) != moe_layers or any(s.num_experts != num_experts for s in observed):
+            raise CompressionError(
+                f"{model_dir}: the observed statistics cover layers {sorted(stats)}, the model's "
+                f"MoE layers are {moe_layers} with {num_experts} experts; observe this model again")
+        scores = {i: saliency(stage.method, stats[i]) for i in moe_layers}
+
+    kept: dict[int, list[int]] = {}
+    for i in moe_layers:
+        kept[i] = choose_experts(scores[i], n_keep)
+        report.layers.append(LayerPruneReport(
+            layer=i, saliency=scores[i].tolist(),
+            tokens_routed=stats[i].count.tolist() if i in stats else None,
+            kept=kept[i], removed=[e for e in range(num_experts) if e not in kept[i]]))
+        log.info("layer %d: removing experts %s", i, report.layers[-1].removed)
+
+    adapter.set_num_experts(config, n_keep)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        _write_checkpoint(lw.reader, adapter, lw.num_layers, num_experts, kept, tmp, show_progress)
+        config.save_pretrained(tmp)
+        for name in TOKENIZER_FILES:
+            if (model_dir / name).is_file():
+                shutil.copy2(model_dir / name, tmp / name)
+        report.wall_seconds = time.perf_counter() - start
+        report.peak_rss_mb = _peak_rss_mb()
+        (tmp / REPORT_NAME).write_text(report.to_json())
+        if out_dir.exists():
+            raise ArtifactError(f"{out_dir} appeared while pruning; refusing to overwrite it")
+        tmp.rename(out_dir)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(tmp)
+    log.info("pruned %s -> %s: %d of %d experts kept in %d layers (%.1f s)", model_dir, out_dir,
+             n_keep, num_experts, len(moe_layers), report.wall_seconds)
+    return report
+
+
+def _write_checkpoint(reader: CheckpointReader, adapter: Adapter, num_layers: int, num_experts: int,
+                      kept: dict[int, list[int]], out: Path, show_progress: bool) -> None:
+    """Copy the non-layer tensors, then each decoder layer with its mask applied."""
+    writer = CheckpointWriter(out)
+    writer.add((k, reader.get(k)) for k in reader.tensor_names() if not k.startswith("model.layers."))
+    for i in tqdm(range(num_layers), desc="write layers", unit="layer", disable=not show_progress,
+                  leave=False):
+        state = read_layer_state(reader, adapter, i, num_experts)
+        if i in kept:
+            state = prune_layer_state(adapter, i, state, kept[i], num_experts)
+        writer.add(canonical_layer_state(adapter, i, state))
+    writer.close()

@@ -1,0 +1,224 @@
+"""Attention over the paged KV cache: decode (one new token per sequence) and causal prefill.
+
+Both read K/V through each sequence's block table from caches of shape
+[num_blocks, block_size, num_kv_heads, head_dim] (see cache.py), with grouped-query attention
+(num_q_heads a multiple of num_kv_heads). Softmax is computed online in fp32 (flash-attention
+style), so no [queries, context] score matrix is ever materialized.
+
+Decode: q [B, Hq, D], context_lens [B] (tokens in the cache, including the new one).
+One program per (sequence, kv head) handles that kv head's whole group of query heads, so each
+K/V byte is read once per group: decode attention is bound by reading the cache.
+
+Prefill is varlen: the new tokens of all sequences packed as q [total_q, Hq, D], sequence b
+owning rows cu_seqlens_q[b]:cu_seqlens_q[b+1]. Its K/V (already stored with store_kv_cache) are
+read from the cache too, so a prefix cached earlier (prefix caching, chunked prefill) is attended
+to: with q_len new tokens and context_lens[b] tokens in all, new token i sits at position
+context_lens[b] - q_len + i and attends to cache positions 0 .. that position (causal).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from thresher.serve_kernels.kernels.backend import dot_dtype, launcher, use_triton
+
+BLOCK_N = 64  # context tokens per step
+PREFILL_BLOCK_M = 32  # queries per prefill program
+
+
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    block_size = cache.shape[1]
+    blocks = block_table[: -(-length // block_size)].long()
+    return cache[blocks].reshape(-1, *cache.shape[2:])[:length].float()  # [length, Hkv, D]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            mask: torch.Tensor | None) -> torch.Tensor:
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    out = torch.empty_like(q)
+    for b, length in enumerate(context_lens.tolist()):
+        k = _gather_kv(k_cache, block_tables[b], length)
+        v = _gather_kv(v_cache, block_tables[b], length)
+        out[b] = _attend(q[b : b + 1], k, v, scale, None)[0].to(q.dtype)
+    return out
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    out = torch.empty_like(q)
+    bounds = cu_seqlens_q.tolist()
+    for b, length in enumerate(context_lens.tolist()):
+        start, end = bounds[b], bounds[b + 1]
+        k = _gather_kv(k_cache, block_tables[b], length)
+        v = _gather_kv(v_cache, block_tables[b], length)
+        pos = torch.arange(length - (end - start), length, device=q.device)
+        mask = torch.arange(length, device=q.device)[None, :] <= pos[:, None]
+        out[start:end] = _attend(q[start:end], k, v, scale, mask).to(q.dtype)
+    return out
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
+    scale, stride_qb, stride_bt, num_kv_heads, block_size,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    length = tl.load(context_lens_ptr + seq)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_gd = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=mask_gd, other=0.0).to(tl.float32)
+    m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    denom = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+    for start in range(0, length, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        mask_n = pos < length
+        block = tl.load(block_tables_ptr + seq * stride_bt + pos // block_size, mask=mask_n,
+                        other=0).to(tl.int64)
+        row = ((block * block_size + pos % block_size) * num_kv_heads + kv_head) * HEAD_DIM
+        mask_nd = mask_n[:, None] & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
+        s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(tl.float32).to(DOT_DTYPE))) * scale
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        denom = denom * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(tl.float32).to(DOT_DTYPE))
+        m = m_new
+    out = acc / denom[:, None]
+    tl.store(out_ptr + seq * stride_qb + heads[:, None] * HEAD_DIM + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask_gd)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+    out_ptr, scale, stride_qt, stride_bt, num_kv_heads, block_size,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    length = tl.load(context_lens_ptr + seq)
+    prefix = length - q_len
+    kv_head = head // GROUP
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    mask_md = (offs_m[:, None] < q_len) & mask_d[None, :]
+    q_rows = (q_start + offs_m).to(tl.int64) * stride_qt + head * HEAD_DIM
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=mask_md, other=0.0)
+    q = q.to(tl.float32)
+    q_pos = prefix + offs_m
+    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    denom = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    end = tl.minimum(length, prefix + (tile + 1) * BLOCK_M)  # causal: nothing past the last query
+    for start in range(0, end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        mask_n = pos < end
+        block = tl.load(block_tables_ptr + seq * stride_bt + pos // block_size, mask=mask_n,
+                        other=0).to(tl.int64)
+        row = ((block * block_size + pos % block_size) * num_kv_heads + kv_head) * HEAD_DIM
+        mask_nd = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
+        s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(tl.float32).to(DOT_DTYPE))) * scale
+        s = tl.where(mask_n[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        denom = denom * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(tl.float32).to(DOT_DTYPE))
+        m = m_new
+    out = acc / denom[:, None]
+    tl.store(out_ptr + q_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mask_md)
+
+
+def _shape_constexprs(q: torch.Tensor, k_cache: torch.Tensor) -> dict:
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    return {"GROUP": q.shape[1] // num_kv_heads, "HEAD_DIM": head_dim,
+            "DOT_DTYPE": dot_dtype(q), "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
+            "BLOCK_N": BLOCK_N}
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    consts = _shape_constexprs(q, k_cache)
+    if q.shape[0]:
+        launcher(_decode_kernel, q)[(q.shape[0], k_cache.shape[2])](
+            q, k_cache, v_cache, block_tables, context_lens, out, scale, q.stride(0),
+            block_tables.stride(0), k_cache.shape[2], k_cache.shape[1],
+            BLOCK_G=max(16, triton.next_power_of_2(consts["GROUP"])), **consts,
+        )
+    return out
+
+
+def paged_prefill_attention_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
+    max_q_len: int | None = None,
+) -> torch.Tensor:
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if q.shape[0] else 0
+    grid = (triton.cdiv(max_q_len, PREFILL_BLOCK_M), context_lens.shape[0], q.shape[1])
+    if q.shape[0]:
+        launcher(_prefill_kernel, q)[grid](
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, scale,
+            q.stride(0), block_tables.stride(0), k_cache.shape[2], k_cache.shape[1],
+            BLOCK_M=PREFILL_BLOCK_M, **_shape_constexprs(q, k_cache),
+        )
+    return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """One query token per sequence against its cached context, on the selected backend."""
+    attend = paged_decode_attention_triton if use_triton(q) else paged_decode_attention_ref
+    return attend(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Causal varlen attention of the new tokens over their cached context, selected backend."""
+    attend = paged_prefill_attention_triton if use_triton(q) else paged_prefill_attention_ref
+    return attend(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)

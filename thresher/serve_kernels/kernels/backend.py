@@ -1,0 +1,90 @@
+"""Which implementation a kernel call runs: the Triton kernel or its PyTorch reference.
+
+Triton needs a GPU; without one the engine runs each kernel's PyTorch reference. The default is
+therefore decided by where the input lives (CUDA tensor -> Triton, CPU tensor -> PyTorch), and
+``THRESHER_KERNELS=triton|torch`` overrides it for the whole process.
+
+Tests run the Triton kernels on CPU tensors through Triton's interpreter (``TRITON_INTERPRET=1``).
+``@triton.jit`` decides between a compiled and an interpreted kernel when the decorator runs, so a
+kernel module imported before the variable was set holds compiled kernels; ``launcher`` wraps such
+a kernel in the interpreter at launch time, which makes the result independent of import order.
+Kernels therefore call no other ``@triton.jit`` function (a nested compiled helper cannot run
+inside the interpreter, nor an interpreted one inside the compiler).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton.language as tl
+
+ENV_VAR = "THRESHER_KERNELS"
+_interpreted: dict[Any, Any] = {}
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """True when calls on ``x`` should run the Triton kernel rather than the reference."""
+    choice = os.environ.get(ENV_VAR, "").strip().lower()
+    if choice not in ("", "triton", "torch"):
+        raise ValueError(f"{ENV_VAR}={choice!r}: expected 'triton' or 'torch' (or unset)")
+    if choice:
+        return choice == "triton"
+    return x.is_cuda
+
+
+def interpreting() -> bool:
+    """True when Triton's interpreter is switched on (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
+
+
+def launcher(kernel: Any, x: torch.Tensor) -> Any:
+    """The object to launch ``kernel[grid](...)`` with for tensors on ``x``'s device."""
+    if x.is_cuda:
+        return kernel
+    if not interpreting():
+        raise RuntimeError(
+            "Triton kernels need a CUDA device; set TRITON_INTERPRET=1 to run them on CPU tensors "
+            f"(slowly), or {ENV_VAR}=torch to use the PyTorch references"
+        )
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(kernel, InterpretedFunction):
+        return kernel
+    if kernel.fn not in _interpreted:
+        _interpreted[kernel.fn] = InterpretedFunction(kernel.fn)
+    return _interpreted[kernel.fn]
+
+
+def dot_dtype(x: torch.Tensor) -> tl.dtype:
+    """Operand type for ``tl.dot`` on activations ``x``: their own 16-bit type, else fp32.
+
+    The interpreter (CPU tensors) computes bf16 arithmetic wrongly, so there bf16 goes through fp32.
+    """
+    if x.dtype == torch.float16:
+        return tl.float16
+    if x.dtype == torch.bfloat16 and x.is_cuda:
+        return tl.bfloat16
+    return tl.float32
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One shipped launch configuration of a tiled matmul kernel (tests AOT-compile each)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @property
+    def constexprs(self) -> dict[str, int]:
+        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k}
+
+    @property
+    def launch(self) -> dict[str, int]:
+        return {**self.constexprs, "num_warps": self.num_warps, "num_stages": self.num_stages}

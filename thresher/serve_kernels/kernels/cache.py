@@ -1,0 +1,64 @@
+"""Writing new keys and values into the paged KV cache.
+
+Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] per layer for K and for V. The
+engine's block manager gives every new token a slot = block * block_size + offset; slot -1 marks
+a token whose K/V must not be stored (padding, or a prefix already cached).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from thresher.serve_kernels.kernels.backend import launcher, use_triton
+
+
+def store_kv_cache_ref(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+
+
+@triton.jit
+def _store_kv_cache_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_k, stride_v, width,
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    offs = tl.arange(0, BLOCK)
+    mask = offs < width
+    k = tl.load(k_ptr + token * stride_k + offs, mask=mask)
+    v = tl.load(v_ptr + token * stride_v + offs, mask=mask)
+    tl.store(k_cache_ptr + slot * width + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + slot * width + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv_cache_triton(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    tokens = k.shape[0]
+    width = k.shape[1] * k.shape[2]
+    k2, v2 = k.reshape(tokens, width), v.reshape(tokens, width)  # copies only if heads are strided
+    if tokens:
+        launcher(_store_kv_cache_kernel, k)[(tokens,)](
+            k2, v2, k_cache, v_cache, slot_mapping.contiguous(), k2.stride(0), v2.stride(0),
+            width, BLOCK=triton.next_power_of_2(width),
+        )
+
+
+def store_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """k, v [tokens, kv_heads, D] -> the caches at ``slot_mapping`` [tokens] (in place)."""
+    store = store_kv_cache_triton if use_triton(k) else store_kv_cache_ref
+    store(k, v, k_cache, v_cache, slot_mapping)

@@ -1,0 +1,216 @@
+"""Fused mixture-of-experts MLP: every expert's tokens in one kernel launch per projection.
+
+A loop over experts launches one small matmul per expert and reads the routing tensors from
+the host each time; at decode most experts get zero or one token. Here (token, expert) pairs are
+sorted by expert and padded so each BLOCK_M-row tile belongs to a single expert (``moe_align``);
+one launch then computes all tiles of a projection, each reading only its expert's weight.
+
+Flow: gate_up = x @ W1[e].T for each pair -> silu(gate) * up -> down = act @ W2[e].T multiplied
+by the pair's routing weight -> sum over the top-k pairs of each token.
+
+Expert weights, one ``ExpertWeights`` per projection, stacked on a leading expert dim E:
+- "dense": [E, N, K], the 16-bit layout transformers 5 keeps in memory
+  (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]).
+- "gptq": GPTQ v1 per expert (see w4a16): qweight [E, K/8, N], qzeros [E, groups, N/8],
+  scales [E, groups, N], g_idx [E, K].
+- "awq": AWQ gemm per expert: qweight [E, K, N/8], qzeros [E, K/G, N/8], scales [E, K/G, N].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from thresher.serve_kernels.kernels.activation import silu_and_mul_triton
+from thresher.serve_kernels.kernels.backend import TileConfig, dot_dtype, launcher, use_triton
+from thresher.serve_kernels.kernels.w4a16 import awq_dequantize, gptq_dequantize
+
+FORMATS = {"dense": 0, "gptq": 1, "awq": 2}
+DECODE = TileConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3)
+PREFILL = TileConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
+CONFIGS = {"decode": DECODE, "prefill": PREFILL}
+
+
+@dataclass
+class ExpertWeights:
+    """One projection (gate_up or down) of all experts in one of the layouts above."""
+
+    format: str
+    weight: torch.Tensor  # dense weight or packed qweight
+    scales: torch.Tensor | None = None
+    qzeros: torch.Tensor | None = None
+    g_idx: torch.Tensor | None = None  # gptq only
+    group_size: int = -1  # awq only; -1 = one group
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"expert weight format {self.format!r}: expected one of {list(FORMATS)}")
+
+    @property
+    def out_in(self) -> tuple[int, int]:
+        """(N, K): output and input features of each expert's matrix."""
+        shape = self.weight.shape
+        return {"dense": (shape[1], shape[2]), "gptq": (shape[2], shape[1] * 8),
+                "awq": (shape[2] * 8, shape[1])}[self.format]
+
+    def dequantize(self) -> torch.Tensor:
+        """Dense fp32 [E, N, K]."""
+        if self.format == "dense":
+            return self.weight.float()
+        if self.format == "gptq":
+            mats = [gptq_dequantize(*t) for t in
+                    zip(self.weight, self.qzeros, self.scales, self.g_idx, strict=True)]
+        else:
+            mats = [awq_dequantize(q, z, s, self.group_size) for q, z, s in
+                    zip(self.weight, self.qzeros, self.scales, strict=True)]
+        return torch.stack(mats).transpose(1, 2)
+
+
+def fused_moe_ref(
+    x: torch.Tensor, w_gate_up: ExpertWeights, w_down: ExpertWeights,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The MoE MLP as a loop over experts, in fp32. x [T, H], topk_* [T, top_k] -> [T, H]."""
+    w1, w2 = w_gate_up.dequantize(), w_down.dequantize()
+    out = torch.zeros(x.shape[0], w2.shape[1], device=x.device, dtype=torch.float32)
+    for e in topk_ids.unique().tolist():
+        token, slot = (topk_ids == e).nonzero(as_tuple=True)
+        gate, up = (x[token].float() @ w1[e].T).chunk(2, dim=-1)
+        y = (torch.nn.functional.silu(gate) * up) @ w2[e].T
+        out.index_add_(0, token, y * topk_weights[token, slot, None].float())
+    return out.to(x.dtype)
+
+
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group (token, k) pairs by expert, each expert's run padded to a multiple of ``block_m``.
+
+    Returns sorted_ids [P] (pair index t * top_k + k, or the sentinel T * top_k for padding) and
+    expert_ids [P / block_m] (the expert of each block of ``block_m`` rows).
+    """
+    flat = topk_ids.flatten().long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    expert_of_sorted = flat[order]
+    rank = torch.arange(flat.numel(), device=flat.device) - (counts.cumsum(0) - counts)[expert_of_sorted]
+    sorted_ids = torch.full((int(padded.sum()),), flat.numel(), device=flat.device, dtype=torch.int32)
+    sorted_ids[(padded.cumsum(0) - padded)[expert_of_sorted] + rank] = order.int()
+    expert_ids = torch.repeat_interleave(
+        torch.arange(num_experts, device=flat.device, dtype=torch.int32), padded // block_m
+    )
+    return sorted_ids, expert_ids
+
+
+@triton.jit
+def _moe_matmul_kernel(
+    a_ptr, b_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr,
+    sorted_ids_ptr, expert_ids_ptr, topk_weights_ptr,
+    num_pairs, N, K, group_size, pairs_per_row,
+    stride_be, stride_bk, stride_bn, stride_se, stride_ze, stride_ge,
+    FORMAT: tl.constexpr, MUL_WEIGHT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pairs = tl.load(sorted_ids_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    mask_m = pairs < num_pairs
+    rows = (pairs // pairs_per_row).to(tl.int64)  # row of A: the token (gate_up) or the pair
+    expert = tl.load(expert_ids_ptr + tl.program_id(0)).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    b_base = b_ptr + expert * stride_be
+    col = offs_n % 8
+    awq_shift = ((col // 2) + (col % 2) * 4) * 4
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        mask_kn = mask_k[:, None] & mask_n[None, :]
+        a = tl.load(a_ptr + rows[:, None] * K + offs_k[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if FORMAT == 0:
+            w = tl.load(b_base + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+                        mask=mask_kn, other=0.0).to(tl.float32)
+        else:
+            if FORMAT == 1:  # GPTQ: packed along K, zero - 1 packed along N, g_idx per row
+                packed = tl.load(b_base + (offs_k[:, None] // 8) * N + offs_n[None, :],
+                                 mask=mask_kn, other=0)
+                q = (packed >> ((offs_k[:, None] % 8) * 4)) & 0xF
+                g = tl.load(g_idx_ptr + expert * stride_ge + offs_k, mask=mask_k, other=0)
+                zero_shift = (offs_n[None, :] % 8) * 4
+                zero_add = 1
+            else:  # AWQ: packed along N in the interleaved order, true zero, groups of rows
+                packed = tl.load(b_base + offs_k[:, None] * (N // 8) + offs_n[None, :] // 8,
+                                 mask=mask_kn, other=0)
+                q = (packed >> awq_shift[None, :]) & 0xF
+                g = offs_k // group_size
+                zero_shift = awq_shift[None, :]
+                zero_add = 0
+            packed_z = tl.load(zeros_ptr + expert * stride_ze + g[:, None] * (N // 8)
+                               + offs_n[None, :] // 8, mask=mask_kn, other=0)
+            z = ((packed_z >> zero_shift) & 0xF) + zero_add
+            s = tl.load(scales_ptr + expert * stride_se + g[:, None] * N + offs_n[None, :],
+                        mask=mask_kn, other=0.0)
+            w = (q - z).to(tl.float32) * s.to(tl.float32)
+        acc += tl.dot(a.to(tl.float32).to(DOT_DTYPE), w.to(DOT_DTYPE))
+    if MUL_WEIGHT:
+        routed = tl.load(topk_weights_ptr + pairs, mask=mask_m, other=0.0).to(tl.float32)
+        acc = acc * routed[:, None]
+    out = out_ptr + pairs[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def moe_matmul_triton(
+    a: torch.Tensor, w: ExpertWeights, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
+    num_pairs: int, pairs_per_row: int, topk_weights: torch.Tensor | None, config: TileConfig,
+) -> torch.Tensor:
+    """out[p] = a[p // pairs_per_row] @ W[expert of p].T (times topk_weights[p] if given)."""
+    n, k = w.out_in
+    out = torch.empty(num_pairs, n, device=a.device, dtype=a.dtype)
+    dummy = sorted_ids  # stands in for tensors a format does not use; never read
+    scales = w.scales if w.scales is not None else dummy
+    qzeros = w.qzeros if w.qzeros is not None else dummy
+    g_idx = w.g_idx.int().contiguous() if w.g_idx is not None else dummy
+    weight = w.weight if w.format == "dense" else w.weight.contiguous()
+    stride_bk, stride_bn = (weight.stride(2), weight.stride(1)) if w.format == "dense" else (0, 0)
+    grid = (sorted_ids.numel() // config.block_m, triton.cdiv(n, config.block_n))
+    launcher(_moe_matmul_kernel, a)[grid](
+        a.contiguous(), weight, scales.contiguous(), qzeros.contiguous(), g_idx, out,
+        sorted_ids, expert_ids, topk_weights if topk_weights is not None else dummy,
+        num_pairs, n, k, k if w.group_size == -1 else w.group_size, pairs_per_row,
+        weight.stride(0), stride_bk, stride_bn, scales.stride(0), qzeros.stride(0),
+        g_idx.stride(0), FORMAT=FORMATS[w.format], MUL_WEIGHT=topk_weights is not None,
+        DOT_DTYPE=dot_dtype(a), **config.launch,
+    )
+    return out
+
+
+def fused_moe_triton(
+    x: torch.Tensor, w_gate_up: ExpertWeights, w_down: ExpertWeights,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, config: TileConfig | None = None,
+) -> torch.Tensor:
+    """The MoE MLP with two kernel launches. x [T, H], topk_* [T, top_k] -> [T, H]."""
+    tokens, top_k = topk_ids.shape
+    num_pairs = tokens * top_k
+    if num_pairs == 0:
+        return torch.zeros_like(x[:, : w_down.out_in[0]])
+    cfg = config or (DECODE if num_pairs <= 64 else PREFILL)
+    sorted_ids, expert_ids = moe_align(topk_ids, w_gate_up.weight.shape[0], cfg.block_m)
+    gate_up = moe_matmul_triton(x, w_gate_up, sorted_ids, expert_ids, num_pairs, top_k, None, cfg)
+    act = silu_and_mul_triton(gate_up)
+    weights = topk_weights.float().flatten().contiguous()
+    down = moe_matmul_triton(act, w_down, sorted_ids, expert_ids, num_pairs, 1, weights, cfg)
+    return down.view(tokens, top_k, -1).float().sum(dim=1).to(x.dtype)
+
+
+def fused_moe(
+    x: torch.Tensor, w_gate_up: ExpertWeights, w_down: ExpertWeights,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The MoE MLP on the selected backend (see ``backend.use_triton``)."""
+    if use_triton(x):
+        return fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids)
+    return fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids)

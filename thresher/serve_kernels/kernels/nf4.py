@@ -1,0 +1,136 @@
+"""NF4 dequantize-matmul over bitsandbytes' 4-bit layout, as transformers serializes it.
+
+bitsandbytes keeps a [N, K] weight flattened in row-major order: two 4-bit codes per uint8 (the
+first element in the high nibble), blocks of ``blocksize`` (64) consecutive elements sharing an
+absmax, and a 16-entry code table (``quant_map``): W.flat[i] = quant_map[code_i] * absmax[i // 64].
+With double quantization the absmax itself is stored as uint8 codes into ``nested_quant_map``,
+scaled per 256 codes by ``nested_absmax``, plus ``nested_offset``; ``NF4Weight.absmax_fp32``
+undoes that once (it is 1/64 of the weight's size) so the kernel reads fp32 absmax either way.
+
+The kernel indexes the flattened weight directly, so blocks may straddle rows and K need not be a
+multiple of anything. out = x @ W.T, accumulated in fp32, in x's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from thresher.serve_kernels.kernels.backend import TileConfig, dot_dtype, launcher, use_triton
+
+DECODE = TileConfig(block_m=16, block_n=64, block_k=64, split_k=4, num_warps=4, num_stages=3)
+PREFILL = TileConfig(block_m=64, block_n=64, block_k=64, split_k=1, num_warps=4, num_stages=3)
+CONFIGS = {"decode": DECODE, "prefill": PREFILL}
+
+
+@dataclass
+class NF4Weight:
+    """One bitsandbytes NF4 matrix: the tensors transformers writes for a ``Linear4bit``."""
+
+    packed: torch.Tensor  # uint8, N*K/2 bytes in any shape
+    absmax: torch.Tensor  # fp32 [ceil(N*K / blocksize)], or uint8 codes with double quant
+    quant_map: torch.Tensor  # fp32 [16]
+    shape: tuple[int, int]  # (N, K) = (out_features, in_features)
+    blocksize: int = 64
+    nested_absmax: torch.Tensor | None = None  # fp32 [ceil(len(absmax) / nested_blocksize)]
+    nested_quant_map: torch.Tensor | None = None  # fp32 [256]
+    nested_offset: float = 0.0
+    nested_blocksize: int = 256
+
+    @classmethod
+    def from_quant_state(cls, packed: torch.Tensor, state) -> NF4Weight:
+        """From ``bitsandbytes.functional.quantize_4bit``'s output (packed bytes, QuantState)."""
+        nested = {}
+        if state.nested:
+            nested = dict(nested_absmax=state.state2.absmax, nested_quant_map=state.state2.code,
+                          nested_offset=float(state.offset),
+                          nested_blocksize=state.state2.blocksize)
+        return cls(packed, state.absmax, state.code, tuple(state.shape), state.blocksize, **nested)
+
+    def absmax_fp32(self) -> torch.Tensor:
+        """Per-block absmax in fp32, dequantizing the double-quantized form if present."""
+        if self.nested_absmax is None:
+            return self.absmax.float()
+        block = torch.arange(self.absmax.numel(), device=self.absmax.device)
+        block = block // self.nested_blocksize
+        scaled = self.nested_quant_map.float()[self.absmax.long()] * self.nested_absmax.float()[block]
+        return scaled + self.nested_offset
+
+
+def nf4_dequantize(weight: NF4Weight) -> torch.Tensor:
+    """Dense fp32 W [N, K]."""
+    n, k = weight.shape
+    packed = weight.packed.reshape(-1)
+    codes = torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(-1)[: n * k].long()
+    block = torch.arange(n * k, device=packed.device) // weight.blocksize
+    return (weight.quant_map.float()[codes] * weight.absmax_fp32()[block]).view(n, k)
+
+
+def nf4_matmul_ref(x: torch.Tensor, weight: NF4Weight) -> torch.Tensor:
+    """x @ W.T in fp32."""
+    return (x.float() @ nf4_dequantize(weight).T).to(x.dtype)
+
+
+@triton.jit
+def _nf4_matmul_kernel(
+    x_ptr, packed_ptr, absmax_ptr, quant_map_ptr, out_ptr,
+    M, N, K, blocksize,
+    DOT_DTYPE: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    row_start = offs_n.to(tl.int64) * K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(tl.program_id(2) * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        mask_kn = mask_k[:, None] & mask_n[None, :]
+        a = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        flat = row_start[None, :] + offs_k[:, None]  # [BLOCK_K, BLOCK_N] index into W.flat
+        byte = tl.load(packed_ptr + flat // 2, mask=mask_kn, other=0).to(tl.int32)
+        code = tl.where(flat % 2 == 0, byte >> 4, byte & 0xF)
+        value = tl.load(quant_map_ptr + code, mask=mask_kn, other=0.0)
+        scale = tl.load(absmax_ptr + flat // blocksize, mask=mask_kn, other=0.0)
+        w = value * scale
+        acc += tl.dot(a.to(tl.float32).to(DOT_DTYPE), w.to(DOT_DTYPE))
+    out = out_ptr + offs_m[:, None] * N + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(out, acc, mask=mask)
+
+
+def nf4_matmul_triton(
+    x: torch.Tensor, weight: NF4Weight, config: TileConfig | None = None
+) -> torch.Tensor:
+    """x @ W.T with the Triton kernel."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    cfg = config or (DECODE if m <= 16 else PREFILL)
+    if cfg.split_k > 1:
+        y = torch.zeros(m, n, device=x.device, dtype=torch.float32)
+    else:
+        y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
+    launcher(_nf4_matmul_kernel, x)[grid](
+        x2, weight.packed.contiguous(), weight.absmax_fp32().contiguous(),
+        weight.quant_map.float().contiguous(), y, m, n, k, weight.blocksize,
+        DOT_DTYPE=dot_dtype(x), SPLIT_K=cfg.split_k, **cfg.launch,
+    )
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def nf4_matmul(x: torch.Tensor, weight: NF4Weight) -> torch.Tensor:
+    """x @ W.T on the selected backend (see ``backend.use_triton``)."""
+    if use_triton(x):
+        return nf4_matmul_triton(x, weight)
+    return nf4_matmul_ref(x, weight)

@@ -1,0 +1,227 @@
+"""4-bit weight, 16-bit activation matmuls over the published GPTQ (v1) and AWQ (gemm) layouts.
+
+The kernels dequantize a weight tile in registers right before ``tl.dot`` so the packed weight
+is the only copy of the matrix ever read from memory: at decode (M <= 16) the matmul is bound by
+reading those bytes, which is what 4-bit quantization buys. Decode tiles split K across programs
+(fp32 atomics) so that a single row still spreads over every SM.
+
+Layouts (K = input features, N = output features, G = group size; see shared/reference/formats.md):
+
+- GPTQ v1: qweight int32 [K/8, N], input row 8r+j of column n at bits 4j of qweight[r, n];
+  qzeros int32 [num_groups, N/8] packed along N the same way, storing zero - 1;
+  scales [num_groups, N]; g_idx int32 [K] (the group of every input row; act-order makes it
+  non-monotonic). W[k, n] = scales[g, n] * (q[k, n] - (qzeros[g, n] + 1)) with g = g_idx[k].
+- AWQ gemm: qweight int32 [K, N/8] packed along N, nibble i of word c holding column
+  8c + [0, 2, 4, 6, 1, 3, 5, 7][i]; qzeros int32 [K/G, N/8] in the same order, the true zero;
+  scales [K/G, N]. W[k, n] = (q[k, n] - z[k // G, n]) * scales[k // G, n].
+
+Both compute out = x @ W for x [..., K], accumulating in fp32, and return x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from thresher.serve_kernels.kernels.backend import TileConfig, dot_dtype, launcher, use_triton
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column (within 8) held by nibble i of an AWQ word
+DECODE = TileConfig(block_m=16, block_n=64, block_k=64, split_k=4, num_warps=4, num_stages=3)
+PREFILL = TileConfig(block_m=64, block_n=64, block_k=64, split_k=1, num_warps=4, num_stages=3)
+CONFIGS = {"decode": DECODE, "prefill": PREFILL}
+
+
+def pick_config(m: int) -> TileConfig:
+    """Decode-shaped tiles for up to 16 rows, prefill-shaped beyond."""
+    return DECODE if m <= 16 else PREFILL
+
+
+# ---------------------------------------------------------------- references (fp32 PyTorch)
+
+def _nibbles(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """Split each int32 into its 8 nibbles (nibble j at bits 4j), laid out along ``dim``."""
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    nib = (packed.unsqueeze(-1) >> shifts) & 0xF  # [..., 8] nibble j last
+    nib = nib.movedim(-1, dim + 1)  # nibble j right after the packed dimension
+    shape = list(packed.shape)
+    shape[dim] *= 8
+    return nib.reshape(shape)
+
+
+def gptq_dequantize(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor
+) -> torch.Tensor:
+    """Dense fp32 W [K, N] from a GPTQ v1 tensor set."""
+    q = _nibbles(qweight, 0)  # [K, N]
+    zeros = _nibbles(qzeros, 1) + 1  # [G, N], v1 stores zero - 1
+    g = g_idx.long()
+    return scales.float()[g] * (q - zeros[g]).float()
+
+
+def awq_dequantize(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """Dense fp32 W [K, N] from an AWQ gemm tensor set (``group_size`` -1 = one group)."""
+    k = qweight.shape[0]
+    group_size = k if group_size == -1 else group_size
+    inverse = torch.tensor([AWQ_ORDER.index(j) for j in range(8)], device=qweight.device)
+
+    def unpack(packed: torch.Tensor) -> torch.Tensor:
+        nib = _nibbles(packed, 1).view(packed.shape[0], -1, 8)  # [rows, N/8, nibble]
+        return nib[:, :, inverse].reshape(packed.shape[0], -1)  # [rows, N] in column order
+
+    g = torch.arange(k, device=qweight.device) // group_size
+    return (unpack(qweight) - unpack(qzeros)[g]).float() * scales.float()[g]
+
+
+def gptq_matmul_ref(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor,
+) -> torch.Tensor:
+    """x @ W for a GPTQ v1 weight, in fp32."""
+    return (x.float() @ gptq_dequantize(qweight, qzeros, scales, g_idx)).to(x.dtype)
+
+
+def awq_matmul_ref(
+    x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:
+    """x @ W for an AWQ gemm weight, in fp32."""
+    return (x.float() @ awq_dequantize(qweight, qzeros, scales, group_size)).to(x.dtype)
+
+
+# ---------------------------------------------------------------- Triton kernels
+
+@triton.jit
+def _gptq_matmul_kernel(
+    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, out_ptr,
+    M, N, K,
+    DOT_DTYPE: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    zero_shift = (offs_n % 8) * 4
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(tl.program_id(2) * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        mask_kn = mask_k[:, None] & mask_n[None, :]
+        a = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        packed = tl.load(qweight_ptr + (offs_k[:, None] // 8) * N + offs_n[None, :],
+                         mask=mask_kn, other=0)
+        q = (packed >> ((offs_k[:, None] % 8) * 4)) & 0xF
+        g = tl.load(g_idx_ptr + offs_k, mask=mask_k, other=0)
+        packed_z = tl.load(qzeros_ptr + g[:, None] * (N // 8) + offs_n[None, :] // 8,
+                           mask=mask_kn, other=0)
+        z = ((packed_z >> zero_shift[None, :]) & 0xF) + 1
+        s = tl.load(scales_ptr + g[:, None] * N + offs_n[None, :], mask=mask_kn, other=0.0)
+        w = (q - z).to(tl.float32) * s.to(tl.float32)
+        acc += tl.dot(a.to(tl.float32).to(DOT_DTYPE), w.to(DOT_DTYPE))
+    out = out_ptr + offs_m[:, None] * N + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(out, acc, mask=mask)
+
+
+@triton.jit
+def _awq_matmul_kernel(
+    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, out_ptr,
+    M, N, K, group_size,
+    DOT_DTYPE: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    col = offs_n % 8
+    shift = ((col // 2) + (col % 2) * 4) * 4  # nibble holding column col: inverse of AWQ_ORDER
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(tl.program_id(2) * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        mask_kn = mask_k[:, None] & mask_n[None, :]
+        a = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        packed = tl.load(qweight_ptr + offs_k[:, None] * (N // 8) + offs_n[None, :] // 8,
+                         mask=mask_kn, other=0)
+        q = (packed >> shift[None, :]) & 0xF
+        g = offs_k // group_size
+        packed_z = tl.load(qzeros_ptr + g[:, None] * (N // 8) + offs_n[None, :] // 8,
+                           mask=mask_kn, other=0)
+        z = (packed_z >> shift[None, :]) & 0xF
+        s = tl.load(scales_ptr + g[:, None] * N + offs_n[None, :], mask=mask_kn, other=0.0)
+        w = (q - z).to(tl.float32) * s.to(tl.float32)
+        acc += tl.dot(a.to(tl.float32).to(DOT_DTYPE), w.to(DOT_DTYPE))
+    out = out_ptr + offs_m[:, None] * N + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(out, acc, mask=mask)
+
+
+def _launch(kernel, x: torch.Tensor, n: int, tensors: tuple, extra: tuple,
+            config: TileConfig | None) -> torch.Tensor:
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    cfg = config or pick_config(m)
+    out_dtype = torch.float32 if cfg.split_k > 1 else x.dtype
+    out = torch.zeros if cfg.split_k > 1 else torch.empty
+    y = out((m, n), device=x.device, dtype=out_dtype)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
+    launcher(kernel, x)[grid](
+        x2, *(t.contiguous() for t in tensors), y, m, n, k, *extra,
+        DOT_DTYPE=dot_dtype(x), SPLIT_K=cfg.split_k, **cfg.launch,
+    )
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def gptq_matmul_triton(
+    x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+    g_idx: torch.Tensor, config: TileConfig | None = None,
+) -> torch.Tensor:
+    """x @ W for a GPTQ v1 weight with the Triton kernel."""
+    n = qweight.shape[1]
+    return _launch(_gptq_matmul_kernel, x, n, (qweight, qzeros, scales, g_idx.int()), (), config)
+
+
+def awq_matmul_triton(
+    x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+    group_size: int, config: TileConfig | None = None,
+) -> torch.Tensor:
+    """x @ W for an AWQ gemm weight with the Triton kernel."""
+    n = qweight.shape[1] * 8
+    group_size = x.shape[-1] if group_size == -1 else group_size
+    return _launch(_awq_matmul_kernel, x, n, (qweight, qzeros, scales), (group_size,), config)
+
+
+def gptq_matmul(
+    x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+    g_idx: torch.Tensor,
+) -> torch.Tensor:
+    """x @ W for a GPTQ v1 weight on the selected backend (see ``backend.use_triton``)."""
+    if use_triton(x):
+        return gptq_matmul_triton(x, qweight, qzeros, scales, g_idx)
+    return gptq_matmul_ref(x, qweight, qzeros, scales, g_idx)
+
+
+def awq_matmul(
+    x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:
+    """x @ W for an AWQ gemm weight on the selected backend (see ``backend.use_triton``)."""
+    if use_triton(x):
+        return awq_matmul_triton(x, qweight, qzeros, scales, group_size)
+    return awq_matmul_ref(x, qweight, qzeros, scales, group_size)
