@@ -80,22 +80,40 @@ def next_line_docs(source: str, corpus: Corpus, rng: random.Random) -> list[Doc]
     """Which line comes next? The true line against three lines of about its length taken from
     other held-out files: telling them apart takes reading the context, not knowing the line."""
     lines = corpus[source]
-    by_length: dict[int, list[str]] = {}
-    for src in sorted(corpus):
-        if src != source:
-            for ln in corpus[src]:
-                if _candidate_line(ln):
-                    by_length.setdefault(len(ln), []).append(ln)
-    docs = []
-    for i in range(CONTEXT_LINES, len(lines)):
+    by_length = _lines_by_length(corpus)
+    positions = list(range(CONTEXT_LINES, len(lines)))
+    rng.shuffle(positions)  # gathering distractors is the costly part: stop at enough questions
+    docs: list[Doc] = []
+    for i in positions:
+        if len(docs) == MAX_DOCS_PER_FILE:
+            break
         answer = lines[i]
         if not _candidate_line(answer) or not any(ln.strip() for ln in lines[i - 3 : i]):
             continue
-        near = [ln for d in range(-2, 3) for ln in by_length.get(len(answer) + d, [])]
+        near = [ln for d in range(-2, 3) for ln, src in by_length.get(len(answer) + d, ())
+                if src != source and ln.strip() != answer.strip()]
+        near = sorted(set(near))
         if len(near) >= NUM_CHOICES - 1:
             docs.append(_doc(source, _context(lines, i), answer,
                              rng.sample(near, NUM_CHOICES - 1), rng))
     return docs
+
+
+_LENGTH_INDEX: dict[tuple[str, ...], dict[int, list[tuple[str, str]]]] = {}
+
+
+def _lines_by_length(corpus: Corpus) -> dict[int, list[tuple[str, str]]]:
+    """Every candidate line of the corpus with its file, by length (built once per corpus)."""
+    key = tuple(corpus)
+    if key not in _LENGTH_INDEX:
+        index: dict[int, list[tuple[str, str]]] = {}
+        for src, lines in corpus.items():
+            for ln in lines:
+                if _candidate_line(ln):
+                    index.setdefault(len(ln), []).append((ln, src))
+        _LENGTH_INDEX.clear()
+        _LENGTH_INDEX[key] = index
+    return _LENGTH_INDEX[key]
 
 
 def identifier_docs(source: str, corpus: Corpus, rng: random.Random) -> list[Doc]:

@@ -74,6 +74,15 @@ class ThresherLM(TemplateLM):
     def tok_decode(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(list(tokens), skip_special_tokens=False)
 
+    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """lm-eval's split (encode the whole, cut at the context's length), except where a BPE
+        merge across the boundary leaves no continuation token: then encode the two apart."""
+        context_enc, continuation_enc = super()._encode_pair(context, continuation)
+        if not continuation_enc:
+            context_enc = self.tok_encode(context)
+            continuation_enc = self.tok_encode(continuation)
+        return context_enc, continuation_enc
+
     @torch.no_grad()
     def _logprobs(self, sequences: list[list[int]]) -> torch.Tensor:
         """Log-softmax over the vocabulary for each position of right-padded ``sequences``."""
