@@ -35,15 +35,14 @@ CALIBRATION = CalibrationConfig(samples=64, seq_len=256)
 VARIANTS = {
     "reap50": [PruneStage(method="reap", ratio=0.5)],
     "random75": [PruneStage(method="random", keep=2)],
-    "gptq4": [QuantizeStage(method="gptq", bits=4, group_size=32)],
     "rtn2": [QuantizeStage(method="rtn", bits=2, group_size=32)],
 }
 
 
-def build_variant(base: Path, stages: list, work: Path) -> Path:
+def build_variant(name: str, base: Path, stages: list, work: Path) -> Path:
     path = base
     for i, stage in enumerate(stages):
-        out = work / f"{path.name}-{i}"
+        out = work / f"{name}-{i}"
         if isinstance(stage, PruneStage):
             prune_model(path, stage, CALIBRATION, out)
         else:
@@ -52,7 +51,7 @@ def build_variant(base: Path, stages: list, work: Path) -> Path:
     return path
 
 
-def noise_damaged(path: Path, relative_std: float = 0.5):
+def noise_damaged(path: Path, relative_std: float = 2.0):
     model = load_model(path)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -66,6 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("size", nargs="?", default="tiny")
     parser.add_argument("--img", type=Path, default=None, help="copy the plots here")
+    parser.add_argument("--limit", type=int, default=None, help="questions per task (default all)")
     args = parser.parse_args()
     base = build_demo_model(args.size)
     tokenizer = load_tokenizer(base)
@@ -76,20 +76,21 @@ def main() -> None:
     try:
         variants: dict[str, tuple[Path, object]] = {"base": (base, load_model(base))}
         for name, stages in VARIANTS.items():
-            path = build_variant(base, stages, work)
+            path = build_variant(name, base, stages, work)
             variants[name] = (path, load_model(path))
-        variants["noise0.5"] = (base, noise_damaged(base))
+        variants["noise2.0"] = (base, noise_damaged(base))
         for name, (path, model) in variants.items():
             ppl = perplexity(model, windows, show_progress=False).perplexity
             start = time.perf_counter()
-            results = run_tasks(model, tokenizer, list(TASKS), batch_size=32, show_progress=False)
+            results = run_tasks(model, tokenizer, list(TASKS), limit=args.limit, batch_size=32,
+                                show_progress=False)
             timings[name] = time.perf_counter() - start
             size = weight_bytes(path)
             records.append(VariantRecord.from_metrics(name, {
                 "size_bytes": float(size), "bits_per_param": 8.0 * size / params,
                 "perplexity": ppl, **results.metrics()},
                 {"stages": " -> ".join(s.describe() for s in VARIANTS.get(name, []))
-                 or ("noise 0.5 std (control)" if name.startswith("noise") else "base")}))
+                 or ("weight noise, 2 x std (control)" if name.startswith("noise") else "base")}))
         report = build_report(records, work / "report", title=f"demo:{args.size} variants")
         if args.img:
             args.img.mkdir(parents=True, exist_ok=True)
@@ -100,7 +101,8 @@ def main() -> None:
 
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} threads, "
           f"python {platform.python_version()}, torch {torch.__version__}; "
-          f"lm-eval {results.lm_eval_version}; {time.strftime('%Y-%m-%d')}\n")
+          f"lm-eval {results.lm_eval_version}; {time.strftime('%Y-%m-%d')}; "
+          f"questions per task: {args.limit or 'all'}\n")
     names = list(TASKS)
     print("| variant | stages | size (MB) | bits/param | perplexity | "
           + " | ".join(f"{t} acc" for t in names) + " | tasks wall (s) |")

@@ -146,6 +146,19 @@ def test_collect_from_mlflow_and_log(tmp_path, mlflow_store):
     assert {"comparison/report.html", "comparison/quality_vs_size.png",
             "comparison/saliency.png"} <= logged
 
+    # the CLI: `thresher compare PARENT --out DIR --log-to PARENT`
+    from typer.testing import CliRunner
+
+    from thresher.cli import app
+
+    result = CliRunner().invoke(app, ["compare", parent.info.run_id, "--out", str(tmp_path / "cli"),
+                                      "--tracking-uri", mlflow_store, "--log-to", by_name["base"].run_id])
+    assert result.exit_code == 0, result.output
+    assert "| reap50 |" in (tmp_path / "cli" / "comparison.md").read_text()
+    assert (tmp_path / "cli" / "report.html").stat().st_size > 0 and "variants" in result.output
+    assert any(a.path == "comparison/comparison.md" for a in MlflowClient(mlflow_store)
+               .list_artifacts(by_name["base"].run_id, "comparison"))
+
     # single variant runs are taken as they are
     one = collect_from_mlflow([by_name["bad"].run_id], tracking_uri=mlflow_store)
     assert [r.name for r in one] == ["bad"]

@@ -220,8 +220,13 @@ def generate_docs(task: BuiltinTask, docs: int = DOCS_PER_TASK, seed: int = 0) -
 
 
 def data_key(seed: int = 0) -> str:
-    """What determines the generated data: generator, Python (its stdlib is the text), seed."""
-    blob = json.dumps({"generator": GENERATOR_VERSION, "python": platform.python_version(),
+    """What determines the generated data: this generator's code and the task configs, the
+    Python whose stdlib is the text, and the seed."""
+    code = hashlib.sha256(Path(__file__).read_bytes())
+    for config in sorted(CONFIG_DIR.glob("*.yaml")):
+        code.update(config.read_bytes())
+    blob = json.dumps({"generator": GENERATOR_VERSION, "code": code.hexdigest(),
+                       "python": platform.python_version(),
                        "stdlib": str(stdlib_root()), "seed": seed, "docs": DOCS_PER_TASK,
                        "tasks": sorted(TASKS)}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
