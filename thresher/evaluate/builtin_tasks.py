@@ -59,7 +59,8 @@ class BuiltinTask:
     name: str
     description: str
     make_docs: Callable[[str, Corpus, random.Random], list[Doc]]
-    balance_answers: bool = False  # cap each answer text at 1/NUM_CHOICES of the questions
+    balance_answers: bool = False  # no answer text on more than 1/NUM_CHOICES of the questions
+    max_per_file: int = MAX_DOCS_PER_FILE
 
     @property
     def chance(self) -> float:
@@ -191,7 +192,7 @@ TASKS: dict[str, BuiltinTask] = {
     "stdlib_closing": BuiltinTask(
         "stdlib_closing",
         "close a cut line with the right run of 2-3 closing brackets", closing_docs,
-        balance_answers=True),
+        balance_answers=True, max_per_file=40),  # rare runs are few: draw from more lines
 }
 
 
@@ -205,12 +206,17 @@ def generate_docs(task: BuiltinTask, docs: int = DOCS_PER_TASK, seed: int = 0) -
     for source in corpus:
         rng = random.Random(f"{seed}:{task.name}:{source}")
         candidates = task.make_docs(source, corpus, rng)
-        pool += rng.sample(candidates, min(MAX_DOCS_PER_FILE, len(candidates)))
+        pool += rng.sample(candidates, min(task.max_per_file, len(candidates)))
     rng = random.Random(f"{seed}:{task.name}")
     rng.shuffle(pool)
     if not task.balance_answers:
         return pool[:docs]
-    cap, count, out = max(1, docs // NUM_CHOICES), Counter[str](), []
+    answers = Counter(d["choices"][d["label"]] for d in pool)
+    # The largest per-answer cap under which no answer exceeds 1/NUM_CHOICES of what is kept.
+    cap = max((c for c in range(1, docs // NUM_CHOICES + 1)
+               if c * NUM_CHOICES <= min(docs, sum(min(n, c) for n in answers.values()))),
+              default=1)
+    count, out = Counter[str](), []
     for doc in pool:
         answer = doc["choices"][doc["label"]]
         if count[answer] < cap and len(out) < docs:

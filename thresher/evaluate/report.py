@@ -204,6 +204,9 @@ def plot_quality_vs_size(panels: list[dict], path: Path) -> Path:
         fx = [by_name[n][0] / 1e6 for n in panel["frontier"]]
         fy = [by_name[n][1] for n in panel["frontier"]]
         ax.step(fx, fy, where="post", color="tab:red", alpha=0.6, label="Pareto frontier")
+        ys = [y for _, _, y in panel["points"]]
+        if min(ys) > 0 and max(ys) / min(ys) > 10:
+            ax.set_yscale("log")  # one wrecked control must not flatten the others
         ax.set_xlabel("size (MB)")
         ax.set_ylabel(panel["label"])
         ax.grid(alpha=0.3)
