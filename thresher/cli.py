@@ -308,8 +308,9 @@ def prune_cmd(
 def tasks_cmd(
     model: Annotated[str, typer.Option(help="Hub id, local dir, models:/name/version or demo:size.")],
     task: Annotated[list[str], typer.Option(
-        "--task", "-t", help="Task to run (repeat). Built-in: stdlib_next_line, stdlib_identifier; "
-        "or any lm-eval task name.")] = ["stdlib_next_line", "stdlib_identifier"],  # noqa: B006
+        "--task", "-t", help="Task to run (repeat). Built-in: stdlib_closing, stdlib_identifier, "
+        "stdlib_next_line; or any lm-eval task name.")] = ["stdlib_closing", "stdlib_identifier",  # noqa: B006
+                                                             "stdlib_next_line"],
     limit: Annotated[int, typer.Option(help="Cap on documents per task (0 = all).")] = 0,
     batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 16,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results here.")] = None,
