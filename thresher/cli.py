@@ -355,6 +355,71 @@ def quantize_cmd(
                   f"({report.format} format) -> {out}")
 
 
+# --- task evaluation and the comparison report ---------------------------------------------------
+
+
+@app.command("tasks")
+@handles_errors
+def tasks_cmd(
+    model: Annotated[str, typer.Option(help="Hub id, local dir, models:/name/version or demo:size.")],
+    task: Annotated[list[str], typer.Option(
+        "--task", "-t", help="Task to run (repeat). Built-in: stdlib_closing, stdlib_identifier, "
+        "stdlib_next_line; or any lm-eval task name.")] = ["stdlib_closing", "stdlib_identifier",  # noqa: B006
+                                                             "stdlib_next_line"],
+    limit: Annotated[int, typer.Option(help="Cap on documents per task (0 = all).")] = 0,
+    batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 16,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results here.")] = None,
+) -> None:
+    """Score a model on lm-evaluation-harness tasks (the built-in ones run offline)."""
+    from thresher.evaluate.tasks import run_tasks
+
+    if model.startswith("demo:"):
+        _build_demo(model.removeprefix("demo:"))
+    results = run_tasks(model, tasks=task, limit=limit or None, batch_size=batch_size)
+    table = Table(title=f"{model}: lm-eval {results.lm_eval_version}, backend {results.backend}, "
+                  f"batch {results.batch_size}")
+    for col in ("task", "metric", "value", "stderr", "docs"):
+        table.add_column(col)
+    for name, metrics in sorted(results.scores.items()):
+        for metric, value in sorted(metrics.items()):
+            stderr = "-" if value.stderr is None else f"{value.stderr:.4f}"
+            table.add_row(name, metric, f"{value.value:.4f}", stderr,
+                          str(results.samples.get(name, "")))
+    console.print(table)
+    if json_out is not None:
+        json_out.write_text(results.to_json())
+        console.print(f"results written to {json_out}")
+
+
+@app.command()
+@handles_errors
+def compare(
+    run_ids: Annotated[list[str], typer.Argument(
+        help="MLflow run ids: variant runs, or a flow's parent run (expands to its variants).")],
+    out: Annotated[Path, typer.Option(help="Directory for the report files.")] = Path("comparison"),
+    tracking_uri: Annotated[str | None, typer.Option(
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI).")] = None,
+    log_to: Annotated[str | None, typer.Option(
+        help="Log the report files to this MLflow run (e.g. the flow's parent run).")] = None,
+) -> None:
+    """Compare variants: a table, quality-vs-size with the Pareto frontier, task bars, saliency."""
+    from thresher.evaluate.report import build_report, collect_from_mlflow, log_report
+
+    records = collect_from_mlflow(run_ids, tracking_uri=tracking_uri)
+    report = build_report(records, out)
+    table = Table(title=f"{len(records)} variants")
+    for col in report.header:
+        table.add_column(col)
+    for row in report.rows:
+        table.add_row(*row)
+    console.print(table)
+    for kind, path in report.files.items():
+        console.print(f"  {kind}: {path}")
+    if log_to:
+        log_report(report, log_to, tracking_uri=tracking_uri)
+        console.print(f"report logged to MLflow run {log_to} (artifacts/comparison)")
+
+
 # --- the embedded default -----------------------------------------------------------------------
 
 
