@@ -29,7 +29,8 @@ def recipe_dict(model: Path, name: str = "ft") -> dict:
         "name": name,
         "model": str(model),
         "calibration": {"samples": 8, "seq_len": 64},
-        "eval": {"perplexity": {"seq_len": 64, "max_windows": 4}},
+        "eval": {"perplexity": {"seq_len": 64, "max_windows": 4}, "tasks": ["stdlib_closing"],
+                 "task_limit": 16},
         "variants": [
             {"name": "base", "stages": []},
             {"name": "p25", "stages": [{"prune": {"method": "frequency", "ratio": 0.25}}]},
@@ -87,6 +88,9 @@ def test_runs_metrics_and_registry(first_run, flow_env):
     # the shared prefix (frequency-25%) was computed once: p25-rtn4 found it in the store
     assert by_name["p25-rtn4"].data.metrics["stage_cache_hits"] == 1
     assert "comparison.md" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+    report = {a.path for a in client.list_artifacts(parent.info.run_id, "comparison")}
+    assert {"comparison/report.html", "comparison/quality_vs_size.png"} <= report, report
+    assert "task/stdlib_closing/acc" in by_name["rtn4"].data.metrics
     # every published variant is registered and models:/ resolves back to the artifact
     mlflow.set_tracking_uri(flow_env["uri"])
     mlflow.set_registry_uri(flow_env["uri"])
@@ -159,6 +163,7 @@ def test_sigkill_mid_stage_then_resume(tmp_path, tiny_demo, prefect_server):
     """Kill -9 while the second stage runs; the rerun keeps the first and recomputes the second."""
     data = recipe_dict(tiny_demo, name="kill")
     data["calibration"] = {"samples": 32, "seq_len": 128}
+    data["eval"] = {"perplexity": {"seq_len": 64, "max_windows": 2}}
     data["variants"] = [{"name": "p25-gptq4", "stages": [
         {"prune": {"method": "frequency", "ratio": 0.25}},
         {"quantize": {"method": "gptq", "bits": 4, "group_size": 64}}]}]
@@ -210,6 +215,7 @@ def test_two_flows_at_once_write_distinct_artifacts(tmp_path, tiny_demo, prefect
     procs = []
     for bits in (3, 4):
         data = recipe_dict(tiny_demo, name=f"par{bits}")
+        data["eval"] = {"perplexity": {"seq_len": 64, "max_windows": 2}}
         data["variants"] = [{"name": f"rtn{bits}", "stages": [
             {"quantize": {"method": "rtn", "bits": bits, "group_size": 64}}]}]
         recipe = _write(tmp_path, data, f"par{bits}")
