@@ -110,12 +110,12 @@ def test_rerun_uses_the_cache(first_run, flow_env, prefect_server):
     from thresher.flows.compress import compress
 
     store = Path(flow_env["store"])
-    before = sorted(p.name for p in store.glob("*/*") if p.is_dir())
+    before = sorted(p.parent.name for p in store.glob("*/*/.thresher-complete.json"))
     with temporary_settings(updates={PREFECT_API_URL: prefect_server["url"]}):
         again = compress(parse_recipe(recipe_dict(flow_env["model"])),
                          tracking_uri=flow_env["uri"], store_dir=flow_env["store"],
                          publish_dir=flow_env["publish"])
-    after = sorted(p.name for p in store.glob("*/*") if p.is_dir())
+    after = sorted(p.parent.name for p in store.glob("*/*/.thresher-complete.json"))
     assert before == after
     stages = {"base": 0, "p25": 1, "p25-rtn4": 2, "rtn4": 1}
     for row in again["variants"]:
