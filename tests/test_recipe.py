@@ -56,6 +56,9 @@ def test_demo_recipe_shares_prefixes():
         (lambda r: r.pop("model"), "model", "Field required"),
         (lambda r: r["variants"][1]["stages"][1]["quantize"].update(group_size=100),
          "variants.1.stages.1.quantize.group_size", "multiple of 8"),
+        (lambda r: r.update(validate={"rounds": 0}), "validate.rounds", "greater than 0"),
+        (lambda r: r.update(validate={"concurrency": [4, 0]}), "validate.concurrency.1",
+         "greater than 0"),
     ],
 )
 def test_errors_name_the_field(mutate, field, words):
@@ -84,6 +87,6 @@ def test_yaml_errors(tmp_path):
 def test_defaults_fill_in():
     r = parse_recipe(base_recipe())
     assert r.calibration.source == "stdlib" and r.calibration.samples == 128
-    assert r.validate_.concurrency == [1, 4, 16]
+    assert r.validate_.concurrency == [1, 4, 16] and r.validate_.rounds == 2
     q = r.variants[1].stages[1].quantize
     assert q.group_size == 128 and q.keep_16bit == ["router", "embeddings", "lm_head"]

@@ -175,17 +175,20 @@ def _heldout_perplexity(model: str, seq_len: int, max_windows: int | None, batch
 
 def print_comparison(rows: list[dict]) -> None:
     """The comparison table of a flow run on the console."""
+    from thresher.flows.compress import validation_columns
+
+    extra = validation_columns(rows)
     table = Table(title="variants")
     for col in ("variant", "stages", "size MB", "bits/param", "experts", "perplexity", "vs base",
-                "model"):
+                *extra, "model"):
         table.add_column(col)
     base = next((r["perplexity"] for r in rows if r["stages"] == "base"), None)
-    for r in rows:
+    for i, r in enumerate(rows):
         delta = f"{100 * (r['perplexity'] / base - 1):+.2f}%" if base else "-"
         experts = str(int(r["experts_kept"])) if "experts_kept" in r else "-"
         table.add_row(r["variant"], r["stages"], f"{r['size_bytes'] / 1e6:.2f}",
                       f"{r['bits_per_param']:.2f}", experts, f"{r['perplexity']:.3f}", delta,
-                      r.get("model_uri", "-"))
+                      *(cells[i] for cells in extra.values()), r.get("model_uri", "-"))
     console.print(table)
 
 
@@ -391,6 +394,23 @@ def tasks_cmd(
         console.print(f"results written to {json_out}")
 
 
+# --- serving -------------------------------------------------------------------------------------
+
+
+def _describe_loaded(name: str, info: dict, max_model_len: int) -> str:
+    """The startup line: what was loaded (format, bits, experts, memory)."""
+    bits = info.get("bits")
+    fmt = f"{info.get('format', '?')}" + (f", {bits}-bit weights" if bits else "")
+    experts = f", {info['num_experts']} experts" if info.get("num_experts") else ""
+    params = f", {info['params'] / 1e6:.1f} M parameters" if info.get("params") else ""
+    memory = ""
+    if info.get("weight_bytes") is not None:
+        memory = f", weights {info['weight_bytes'] / 2**20:.1f} MiB"
+    if info.get("kv_cache_bytes") is not None:
+        memory += f", KV cache {info['kv_cache_bytes'] / 2**20:.1f} MiB"
+    return f"loaded {name}: {fmt}{experts}{params}{memory}, context {max_model_len} tokens"
+
+
 @app.command()
 @handles_errors
 def compare(
@@ -418,6 +438,48 @@ def compare(
     if log_to:
         log_report(report, log_to, tracking_uri=tracking_uri)
         console.print(f"report logged to MLflow run {log_to} (artifacts/comparison)")
+
+
+@app.command()
+@handles_errors
+def serve(
+    model: Annotated[str, typer.Argument(
+        help="Published artifact directory, models:/name/version, or demo:tiny|small.")],
+    host: Annotated[str, typer.Option(help="Interface to bind (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    api_key: Annotated[str | None, typer.Option(
+        envvar="THRESHER_API_KEY",
+        help="Require 'Authorization: Bearer KEY' on /v1 endpoints.")] = None,
+    served_model_name: Annotated[str | None, typer.Option(
+        help="Model name clients send (default: the artifact directory's name).")] = None,
+    max_num_seqs: Annotated[int, typer.Option(help="Sequences in the running batch.")] = 64,
+    max_queue: Annotated[int, typer.Option(
+        help="Sequences allowed to wait beyond the running batch; more get HTTP 429.")] = 256,
+    max_model_len: Annotated[int | None, typer.Option(
+        help="Context length (default: the model's).")] = None,
+    dtype: Annotated[str, typer.Option(help="Activation dtype: float32, bfloat16, float16.")] = "float32",
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    import uvicorn
+
+    from thresher.models import resolve_model
+    from thresher.serve_kernels import LLMEngine
+    from thresher.serve_kernels.server import ServerConfig, build_app
+
+    if model.startswith("demo:"):
+        _build_demo(model.removeprefix("demo:"))
+    path = resolve_model(model)
+    engine = LLMEngine(path, max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype)
+    name = served_model_name or (path.name if not model.startswith("models:/")
+                                 else model.removeprefix("models:/"))
+    console.print(_describe_loaded(name, engine.model_info, engine.max_model_len), highlight=False,
+                  soft_wrap=True)
+    auth = "API key required" if api_key else "no API key"
+    console.print(f"serving '{name}' at http://{host}:{port}/v1 ({auth}); metrics at /metrics",
+                  highlight=False, soft_wrap=True)
+    app_ = build_app(engine, ServerConfig(served_model_name=name, api_key=api_key,
+                                          max_num_seqs=max_num_seqs, max_queue=max_queue))
+    uvicorn.run(app_, host=host, port=port, log_level="warning")
 
 
 # --- the embedded default -----------------------------------------------------------------------

@@ -202,7 +202,9 @@ class PublishConfig(StrictModel):
 class ValidateConfig(StrictModel):
     enabled: bool = True
     concurrency: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [1, 4, 16])
-    max_tokens: int = Field(64, gt=0)
+    max_tokens: int = Field(64, gt=0, description="tokens generated per agreement prompt and "
+                            "per load-test request")
+    rounds: int = Field(2, gt=0, description="requests each load-test client sends in turn")
 
 
 class TrackingConfig(StrictModel):

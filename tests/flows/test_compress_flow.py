@@ -41,6 +41,7 @@ def recipe_dict(model: Path, name: str = "ft") -> dict:
                                                       "group_size": 64}}]},
         ],
         "publish": {"registry_name": name},
+        "validate": {"concurrency": [1, 4], "max_tokens": 8, "rounds": 1},
     }
 
 
@@ -91,6 +92,17 @@ def test_runs_metrics_and_registry(first_run, flow_env):
     report = {a.path for a in client.list_artifacts(parent.info.run_id, "comparison")}
     assert {"comparison/report.html", "comparison/quality_vs_size.png"} <= report, report
     assert "task/stdlib_closing/acc" in by_name["rtn4"].data.metrics
+    # the validation run in the serving engine, logged for every variant
+    for run in children:
+        m = run.data.metrics
+        assert m["validate/perplexity"] == pytest.approx(m["perplexity"], rel=0.02)
+        assert 0 < m["validate/agreement"] <= 1 and m["validate/throughput_c4_tok_s"] > 0
+        assert m["validate/ttft_p50_ms_c1"] > 0 and m["validate/tpot_p99_ms_c4"] > 0
+    assert by_name["base"].data.metrics["validate/agreement"] == 1.0
+    assert by_name["rtn4"].data.metrics["validate/agreement"] < 1.0
+    table = client.download_artifacts(parent.info.run_id, "comparison.md")
+    header = Path(table).read_text().splitlines()[0]
+    assert "agreement" in header and "tok/s @c4" in header and "TTFT p50 ms @c1" in header
     # every published variant is registered and models:/ resolves back to the artifact
     mlflow.set_tracking_uri(flow_env["uri"])
     mlflow.set_registry_uri(flow_env["uri"])

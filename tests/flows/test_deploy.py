@@ -35,6 +35,7 @@ def test_deployment_runs_through_server_and_worker(tmp_path, tiny_demo, prefect_
         "name": "dep", "model": str(tiny_demo),
         "eval": {"perplexity": {"seq_len": 64, "max_windows": 2}},
         "variants": [{"name": "base", "stages": []}],
+        "validate": {"enabled": False},
         "tracking": {"mlflow_uri": uri},
     }))
     schedules = tmp_path / "schedules.yaml"

@@ -18,7 +18,13 @@ from prefect import flow, get_run_logger
 from prefect.context import get_run_context
 
 from thresher import __version__
-from thresher.flows.stages import evaluate_artifact, publish_artifact, resolve_base, run_stage
+from thresher.flows.stages import (
+    evaluate_artifact,
+    publish_artifact,
+    resolve_base,
+    run_stage,
+    validate_variant,
+)
 from thresher.flows.tracking import Tracker, git_sha
 from thresher.models.adapters import get_adapter
 from thresher.models.inspect import parameter_count, weight_bytes
@@ -142,6 +148,11 @@ def _run_variant(recipe: Recipe, variant: Variant, base_path: str, base_hash: st
                 )
                 row["model_uri"] = f"models:/{name}/{version}"
                 tracker.set_tags(run_id, {"thresher.model_uri": row["model_uri"]})
+        if recipe.validate_.enabled:
+            validation = validate_variant(row["artifact"], base_path, recipe.eval.perplexity,
+                                          recipe.validate_, recipe.dtype, label=variant.name)
+            metrics.update(validation)
+            row.update(validation)
         tracker.log_metrics(run_id, metrics)
         status = "FINISHED"
         return row
@@ -168,16 +179,41 @@ def _log_report(rows: list[dict[str, Any]], tracker: Tracker, parent: str, store
     return out
 
 
+def validation_columns(rows: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """The validation run's columns of the comparison table (none when validation was off).
+
+    Agreement with the base, engine throughput at the highest load-test concurrency and TTFT
+    at the lowest, one cell per row.
+    """
+    levels = sorted({int(k.removeprefix("validate/throughput_c").removesuffix("_tok_s"))
+                     for r in rows for k in r if k.startswith("validate/throughput_c")})
+    if not levels:
+        return {}
+    hi, lo = levels[-1], levels[0]
+
+    def cell(r: dict[str, Any], key: str, fmt: str) -> str:
+        return format(r[key], fmt) if key in r else "-"
+
+    return {
+        "agreement": [cell(r, "validate/agreement", ".3f") for r in rows],
+        f"tok/s @c{hi}": [cell(r, f"validate/throughput_c{hi}_tok_s", ".1f") for r in rows],
+        f"TTFT p50 ms @c{lo}": [cell(r, f"validate/ttft_p50_ms_c{lo}", ".0f") for r in rows],
+    }
+
+
 def comparison_markdown(rows: list[dict[str, Any]]) -> str:
     """The comparison table of a flow run, as markdown."""
     base_ppl = next((r["perplexity"] for r in rows if r["stages"] == "base"), None)
-    lines = ["| variant | stages | size (MB) | bits/param | experts | perplexity | vs base |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
+    extra = validation_columns(rows)
+    lines = ["| variant | stages | size (MB) | bits/param | experts | perplexity | vs base |"
+             + "".join(f" {name} |" for name in extra),
+             "|---|---|---|---|---|---|---|" + "---|" * len(extra)]
+    for i, r in enumerate(rows):
         delta = f"{100 * (r['perplexity'] / base_ppl - 1):+.2f}%" if base_ppl else "-"
         experts = f"{int(r['experts_kept'])}" if "experts_kept" in r else "-"
         lines.append(f"| {r['variant']} | {r['stages']} | {r['size_bytes'] / 1e6:.2f} | "
-                     f"{r['bits_per_param']:.2f} | {experts} | {r['perplexity']:.3f} | {delta} |")
+                     f"{r['bits_per_param']:.2f} | {experts} | {r['perplexity']:.3f} | {delta} |"
+                     + "".join(f" {cells[i]} |" for cells in extra.values()))
     return "\n".join(lines) + "\n"
 
 

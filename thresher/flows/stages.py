@@ -23,7 +23,7 @@ from thresher.flows.resources import measure
 from thresher.flows.store import COMPLETE_MARKER, ArtifactStore, stage_key
 from thresher.models.manifest import read_manifest, write_manifest
 from thresher.models.source import hash_directory, resolve_model
-from thresher.recipe import CalibrationConfig, EvalConfig, Stage
+from thresher.recipe import CalibrationConfig, EvalConfig, PerplexityConfig, Stage, ValidateConfig
 
 log = logging.getLogger(__name__)
 
@@ -136,3 +136,13 @@ def publish_artifact(path: str, content_hash: str, dest_root: str, variant: str,
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return str(dest)
+
+
+@task(name="validate", retries=1, retry_delay_seconds=5, retry_condition_fn=_retry_unless_user_error,
+      task_run_name="validate-{label}")
+def validate_variant(path: str, base_path: str, perplexity_cfg: PerplexityConfig,
+                     validate_cfg: ValidateConfig, dtype: str, label: str) -> dict[str, float]:
+    """The validation run in the serving engine: perplexity, agreement with the base, load test."""
+    from thresher.serve_kernels.validate import validate_artifact
+
+    return validate_artifact(path, base_path, perplexity_cfg, validate_cfg, dtype=dtype)

@@ -1,0 +1,34 @@
+"""The comparison table: validation columns appear when the variants were validated."""
+
+from __future__ import annotations
+
+from thresher.flows.compress import comparison_markdown, validation_columns
+
+
+def row(name: str, stages: str, ppl: float, **extra: float) -> dict:
+    return {"variant": name, "stages": stages, "size_bytes": 4e6, "bits_per_param": 4.5,
+            "experts_kept": 8.0, "perplexity": ppl, **extra}
+
+
+def validated(agreement: float, tok_s: float, ttft: float) -> dict:
+    return {"validate/agreement": agreement, "validate/throughput_c1_tok_s": tok_s / 3,
+            "validate/throughput_c16_tok_s": tok_s, "validate/ttft_p50_ms_c1": ttft,
+            "validate/ttft_p50_ms_c16": ttft * 5}
+
+
+def test_validation_columns_pick_highest_throughput_and_lowest_ttft():
+    rows = [row("base", "base", 10.0, **validated(1.0, 300.0, 40.0)),
+            row("gptq4", "quantize gptq 4-bit g128", 10.5, **validated(0.8125, 250.0, 55.0))]
+    cols = validation_columns(rows)
+    assert cols == {"agreement": ["1.000", "0.812"], "tok/s @c16": ["300.0", "250.0"],
+                    "TTFT p50 ms @c1": ["40", "55"]}
+    lines = comparison_markdown(rows).splitlines()
+    assert lines[0].endswith("| agreement | tok/s @c16 | TTFT p50 ms @c1 |")
+    assert lines[1].count("---") == 10
+    assert lines[3].endswith("| +5.00% | 0.812 | 250.0 | 55 |")
+
+
+def test_no_validation_no_columns():
+    rows = [row("base", "base", 10.0), row("p25", "prune frequency ratio=0.25", 12.0)]
+    assert validation_columns(rows) == {}
+    assert comparison_markdown(rows).splitlines()[0].endswith("| perplexity | vs base |")

@@ -1,0 +1,54 @@
+"""`thresher serve` as a user runs it: a subprocess on a loopback port, with an API key."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.flows.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+def test_serve_command(tiny_demo, tmp_path):
+    port = free_port()
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "THRESHER_API_KEY": "k3y"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "thresher", "serve", str(tiny_demo), "--port", str(port),
+             "--served-model-name", "tiny", "--max-num-seqs", "4"],
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, log.read_text()
+            assert time.time() < deadline, log.read_text()
+            time.sleep(0.5)
+        startup = log.read_text()
+        assert "loaded tiny:" in startup and "8 experts" in startup and "MiB" in startup, startup
+        assert f"http://127.0.0.1:{port}/v1" in startup
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "import ", "max_tokens": 3},
+                       timeout=60)
+        assert r.status_code == 401
+        r = httpx.post(f"{url}/v1/completions", headers={"Authorization": "Bearer k3y"},
+                       json={"model": "tiny", "prompt": "import ", "max_tokens": 3,
+                             "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        proc.terminate()
+        proc.wait(30)

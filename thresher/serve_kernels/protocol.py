@@ -1,0 +1,144 @@
+"""The OpenAI API's request bodies and error body, as the server accepts and returns them.
+
+Field names follow OpenAI's (``max_tokens``, ``logprobs``, ``echo``, ``stream_options``...), so
+stock clients and lm-evaluation-harness's ``local-completions`` backend work unchanged. Types are
+strict ("5" is not an integer) and unknown fields are ignored, as OpenAI does. Two extensions that
+vLLM also accepts: ``top_k`` and ``ignore_eos`` (the load test uses the latter for fixed lengths).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_LOGPROBS = 20
+MAX_N = 16
+MAX_STOP = 4
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class SamplingFields(OpenAIModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = Field(None, description="served model name (default: the one loaded)")
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="extension: sample from the k most likely tokens")
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: list[str] = Field(default_factory=list, description="a string or up to 4 strings")
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = Field(False, description="extension: keep generating past end-of-sequence")
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("top_k must be -1 (off) or a positive integer")
+        return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else [] if v is None else v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, stops: list[str]) -> list[str]:
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        return stops
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, v: float) -> float:
+        if v != 0.0:
+            raise ValueError("presence and frequency penalties are not supported by this engine; "
+                             "leave them at 0")
+        return v
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=0, description="0 with echo scores the prompt only")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: None = Field(None, description="not supported (no fill-in-the-middle)")
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Prompt) -> Prompt:
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be an empty list")
+        if isinstance(v, list) and isinstance(v[0], list) and any(not p for p in v):
+            raise ValueError("token-id prompts must not be empty")
+        if isinstance(v, list) and isinstance(v[0], int) and any(t < 0 for t in v):
+            raise ValueError("token ids must be non-negative")
+        return v
+
+    @model_validator(mode="after")
+    def _zero_tokens_needs_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is only meaningful with echo (scoring the prompt)")
+        return self
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_param(loc: tuple[Any, ...]) -> str | None:
+    """The request field a pydantic error location names (``("body", "max_tokens")``)."""
+    parts = [str(p) for p in loc if p != "body"]
+    return parts[0] if parts else None

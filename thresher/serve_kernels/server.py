@@ -1,0 +1,616 @@
+"""OpenAI-compatible HTTP API over the serving engine.
+
+``/v1/completions`` and ``/v1/chat/completions`` (streamed with server-sent events or not),
+``/v1/models``, ``/health`` and ``/metrics`` (Prometheus). Handlers tokenize, check the request
+against the context length, submit to the ``AsyncEngine`` (whose thread alone touches the engine)
+and shape its outputs as OpenAI responses. Every failure is an OpenAI error body with the right
+status; a client that goes away aborts its sequences, which frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from thresher.serve_kernels import SamplingParams
+from thresher.serve_kernels.async_engine import AsyncEngine, EngineDead, QueueFull, RequestGroup
+from thresher.serve_kernels.metrics import CONTENT_TYPE, ServerMetrics
+from thresher.serve_kernels.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    error_body,
+    error_param,
+)
+
+log = logging.getLogger(__name__)
+
+# Used when the tokenizer has no chat template of its own (the demo tokenizer has none): each
+# message as "<|role|>\n" + content + "\n", then "<|assistant|>\n" to prompt the reply. Replies stop
+# at FALLBACK_CHAT_STOP, where the model starts the next turn's tag.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+FALLBACK_CHAT_STOP = "\n<|"
+DISCONNECT_POLL_S = 0.25
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+@dataclass
+class ServerConfig:
+    """What the server needs besides the engine."""
+
+    served_model_name: str
+    api_key: str | None = None
+    max_num_seqs: int = 64
+    max_queue: int = 256
+
+
+class APIError(Exception):
+    """An OpenAI-style error answer."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type_, param, code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code),
+                            status_code=self.status)
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready."""
+
+
+class RequestCounter:
+    """Counts requests by endpoint and status (plain ASGI: Starlette's BaseHTTPMiddleware would
+    hide client disconnects from the handlers)."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = {"code": "disconnected"}
+
+        async def send_status(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = str(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope["path"] if scope["path"] in ENDPOINTS else "other"
+            self.metrics.requests.labels(path, status["code"]).inc()
+
+
+# --- the app --------------------------------------------------------------------------------------
+
+
+def build_app(engine, config: ServerConfig) -> FastAPI:
+    """The FastAPI app serving ``engine`` (an ``LLMEngine``); the engine loop runs while it lives."""
+    metrics = ServerMetrics()
+    aengine = AsyncEngine(engine, config.max_num_seqs, config.max_queue, metrics)
+    metrics.watch_engine(lambda: (aengine.snapshot.stats, aengine.snapshot.tokens_per_second,
+                                  aengine.in_flight))
+    api = _API(engine, aengine, config)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        aengine.start()
+        try:
+            yield
+        finally:
+            aengine.shutdown()
+
+    app = FastAPI(title="thresher", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.async_engine = aengine
+    app.state.metrics = metrics
+
+    app.add_middleware(RequestCounter, metrics=metrics)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, err: APIError) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(err.detail), kind), status_code=err.status_code)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_: Request, err: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it; the sequences were aborted
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, err: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return JSONResponse(error_body(f"internal error: {type(err).__name__}: {err}",
+                                       "server_error"), status_code=500)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if aengine.error is not None:
+            return JSONResponse(error_body(f"the engine failed: {aengine.error}", "server_error"),
+                                status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        api.authorize(request)
+        return JSONResponse({"object": "list", "data": [api.model_card()]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        api.authorize(request)
+        body = _parse(CompletionRequest, await _json_body(request))
+        return await api.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        api.authorize(request)
+        body = _parse(ChatCompletionRequest, await _json_body(request))
+        return await api.chat(body, request)
+
+    return app
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise APIError(400, f"the request body is not valid JSON: {err}", code="invalid_json") \
+            from None
+
+
+def _parse(model: type[SamplingFields], data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = error_param(first["loc"])
+        message = first["msg"].removeprefix("Value error, ")
+        where = f"'{param}': " if param else ""
+        raise APIError(400, f"{where}{message}", param=param, code="invalid_value") from None
+
+
+# --- request handling -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Choice:
+    """What one sequence has produced so far, and how much of it was already streamed."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    sent_text: int = 0
+    sent_tokens: int = 0
+
+    def update(self, out) -> None:
+        self.token_ids = list(out.token_ids)
+        self.text = out.text
+        self.finish_reason = out.finish_reason
+        if out.logprobs is not None:
+            self.logprobs = list(out.logprobs)
+        if out.top_logprobs is not None:
+            self.top_logprobs = list(out.top_logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = list(out.prompt_logprobs)
+
+
+class _API:
+    """The endpoints' logic, sharing the engine, the tokenizer and the config."""
+
+    def __init__(self, engine, aengine: AsyncEngine, config: ServerConfig):
+        self.engine = engine
+        self.aengine = aengine
+        self.config = config
+        self.tokenizer = engine.tokenizer
+        self.vocab_size = engine.vocab_size
+        self.created = int(time.time())
+        self._token_text: dict[int, str] = {}
+
+    def authorize(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+        if not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "incorrect API key", code="invalid_api_key")
+
+    def model_card(self) -> dict[str, Any]:
+        info = {k: v for k, v in dict(self.engine.model_info).items()
+                if isinstance(v, str | int | float | bool)}
+        return {"id": self.config.served_model_name, "object": "model", "created": self.created,
+                "owned_by": "thresher", "max_model_len": self.engine.max_model_len, **info}
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.served_model_name:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                           f"'{self.config.served_model_name}' (see /v1/models)",
+                           param="model", code="model_not_found")
+
+    # --- prompts ---
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._token_text[token_id] = text
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        """Text to token ids as the engine encodes a text prompt (no special tokens added)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def completion_prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if isinstance(prompt[0], int):
+            prompt = [prompt]
+        prompts = []
+        for p in prompt:
+            ids = self.encode(p) if isinstance(p, str) else list(p)
+            if not ids:
+                raise APIError(400, "'prompt': the prompt is empty", param="prompt")
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise APIError(400, f"'prompt': token id {bad[0]} is outside the vocabulary "
+                               f"(size {self.vocab_size})", param="prompt")
+            prompts.append(ids)
+        return prompts
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], list[str]]:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        template = None if self.tokenizer.chat_template else FALLBACK_CHAT_TEMPLATE
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True,
+                                                  chat_template=template)
+        ids = self.encode(text)
+        return ids, ([FALLBACK_CHAT_STOP] if template else [])
+
+    def completion_budget(self, prompt_len: int, requested: int | None) -> int:
+        """Tokens to generate: ``requested``, or what the context leaves; refuse an overflow."""
+        limit = self.engine.max_model_len
+        if requested is None:
+            if prompt_len >= limit:
+                raise APIError(400, f"This model's maximum context length is {limit} tokens; the "
+                               f"prompt has {prompt_len}. Shorten the prompt.", param="prompt",
+                               code="context_length_exceeded")
+            return limit - prompt_len
+        if prompt_len + requested > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens; the "
+                           f"request asks for {prompt_len + requested} ({prompt_len} in the "
+                           f"prompt, {requested} for the completion). Shorten the prompt or "
+                           "lower max_tokens.", param="max_tokens", code="context_length_exceeded")
+        return requested
+
+    def sampling(self, body: SamplingFields, max_tokens: int, choice: int, logprobs: int | None,
+                 prompt_logprobs: bool, extra_stop: list[str]) -> SamplingParams:
+        return SamplingParams(
+            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+            max_tokens=max_tokens, stop=[*body.stop, *extra_stop],
+            seed=None if body.seed is None else body.seed + choice, ignore_eos=body.ignore_eos,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        )
+
+    async def submit(self, prompts: list[list[int]], params: list) -> RequestGroup:
+        try:
+            return await self.aengine.submit(prompts, params)
+        except QueueFull as err:
+            raise APIError(429, f"the server is at capacity ({err}); retry later",
+                           "rate_limit_error", code="queue_full") from None
+        except EngineDead as err:
+            raise APIError(503, str(err), "server_error", code="engine_unavailable") from None
+        except ValueError as err:
+            raise APIError(400, str(err), param="prompt") from None
+
+    # --- /v1/completions ---
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        prompts = self.completion_prompts(body.prompt)
+        scoring_only = body.max_tokens == 0
+        seqs, params = [], []
+        for ids in prompts:
+            # Scoring (max_tokens 0 with echo) runs one hidden generation step: the engine scores
+            # prompts while it prefills them.
+            budget = self.completion_budget(len(ids), 1 if scoring_only else body.max_tokens)
+            for j in range(body.n):
+                seqs.append(ids)
+                params.append(self.sampling(body, budget, j, body.logprobs,
+                                            body.echo and body.logprobs is not None, []))
+        group = await self.submit(seqs, params)
+        choices = [_Choice(ids, []) for ids in seqs]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        head = {"id": rid, "object": "text_completion", "created": int(time.time()),
+                "model": self.config.served_model_name}
+        if body.stream:
+            return _sse(self._stream_completion(group, choices, body, head, scoring_only))
+        await _collect(group, choices, request)
+        out = []
+        for i, c in enumerate(choices):
+            if scoring_only:
+                c.token_ids, c.text, c.logprobs, c.top_logprobs = [], "", [], []
+            prompt_text = self.tokenizer.decode(c.prompt_ids) if body.echo else ""
+            lp = None
+            if body.logprobs is not None:
+                ids, lps, tops = c.token_ids, c.logprobs or [], c.top_logprobs or []
+                if body.echo:
+                    ids, lps, tops = c.prompt_ids + ids, self.prompt_scores(c) + lps, \
+                        [None] * len(c.prompt_ids) + tops
+                lp = self.completion_logprobs(ids, lps, tops,
+                                              0 if body.echo else len(prompt_text))
+            text = c.text
+            out.append({"index": i, "text": prompt_text + text, "logprobs": lp,
+                        "finish_reason": c.finish_reason})
+        return JSONResponse({**head, "choices": out,
+                             "usage": _usage(choices, body.n, scoring_only)})
+
+    def prompt_scores(self, c: _Choice) -> list[float | None]:
+        if c.prompt_logprobs is None or len(c.prompt_logprobs) != len(c.prompt_ids):
+            raise APIError(500, "the engine returned no prompt log-probabilities", "server_error")
+        return c.prompt_logprobs
+
+    def top_entries(self, token_id: int, logprob: float | None,
+                    top: dict[int, float] | None) -> dict[str, float] | None:
+        """The alternatives at one position, by token text, always including the chosen token.
+
+        Prompt positions carry only the prompt token's own score (the engine ranks no
+        alternatives there).
+        """
+        if logprob is None:
+            return None
+        entries = {self.token_text(t): lp for t, lp in (top or {}).items()}
+        entries.setdefault(self.token_text(token_id), logprob)
+        return entries
+
+    def completion_logprobs(self, ids: list[int], lps: list[float | None],
+                            tops: list[dict[int, float] | None], start: int) -> dict[str, Any]:
+        """OpenAI's completion logprobs object; ``start`` is the first token's text offset."""
+        tokens = [self.token_text(t) for t in ids]
+        offsets, pos = [], start
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        tops = list(tops) + [None] * (len(ids) - len(tops))
+        top = [self.top_entries(t, lp, tp) for t, lp, tp in zip(ids, lps, tops, strict=True)]
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top,
+                "text_offset": offsets}
+
+    async def _stream_completion(self, group: RequestGroup, choices: list[_Choice],
+                                 body: CompletionRequest, head: dict,
+                                 scoring_only: bool) -> AsyncIterator[str]:
+        echoed: set[int] = set()
+        with _aborting(group):
+            async for i, out in group:
+                c = choices[i]
+                c.update(out)
+                if scoring_only:
+                    c.token_ids, c.text, c.logprobs, c.top_logprobs = [], "", [], []
+                prompt_text = ""
+                if body.echo and i not in echoed:  # the prompt (and its scores) come first
+                    echoed.add(i)
+                    prompt_text = self.tokenizer.decode(c.prompt_ids)
+                text_start = len(self.tokenizer.decode(c.prompt_ids)) + c.sent_text
+                delta, new_ids, new_lps, new_tops = _advance(c)
+                lp = None
+                if body.logprobs is not None and (new_ids or prompt_text):
+                    ids, lps, tops, start = new_ids, new_lps, new_tops, text_start
+                    if prompt_text:
+                        ids, lps, start = c.prompt_ids + new_ids, self.prompt_scores(c) + new_lps, 0
+                        tops = [None] * len(c.prompt_ids) + new_tops
+                    lp = self.completion_logprobs(ids, lps, tops, start)
+                delta = prompt_text + delta
+                if delta or lp or out.finished:
+                    yield _event({**head, "choices": [{
+                        "index": i, "text": delta, "logprobs": lp,
+                        "finish_reason": c.finish_reason if out.finished else None}]})
+            if body.stream_options and body.stream_options.include_usage:
+                yield _event({**head, "choices": [],
+                              "usage": _usage(choices, body.n, scoring_only)})
+            yield "data: [DONE]\n\n"
+
+    # --- /v1/chat/completions ---
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        ids, extra_stop = self.chat_prompt(body)
+        budget = self.completion_budget(len(ids), body.token_limit)
+        n_lp = (body.top_logprobs or 0) if body.logprobs else None
+        params = [self.sampling(body, budget, j, n_lp, False, extra_stop) for j in range(body.n)]
+        group = await self.submit([ids] * body.n, params)
+        choices = [_Choice(ids, []) for _ in range(body.n)]
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": self.config.served_model_name}
+        if body.stream:
+            return _sse(self._stream_chat(group, choices, body, head))
+        await _collect(group, choices, request)
+        out = []
+        for i, c in enumerate(choices):
+            lp = {"content": self.chat_logprobs(c.token_ids, c.logprobs or [],
+                                                c.top_logprobs or [])} if body.logprobs else None
+            out.append({"index": i, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": lp, "finish_reason": c.finish_reason})
+        return JSONResponse({**head, "object": "chat.completion", "choices": out,
+                             "usage": _usage(choices, body.n, False)})
+
+    def chat_logprobs(self, ids: list[int], lps: list[float],
+                      tops: list[dict[int, float]]) -> list[dict[str, Any]]:
+        """OpenAI's chat logprobs ``content`` list: each token with its top alternatives."""
+
+        def entry(text: str, lp: float) -> dict[str, Any]:
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+        tops = list(tops) + [None] * (len(ids) - len(tops))
+        content = []
+        for t, lp, top in zip(ids, lps, tops, strict=False):
+            alternatives = self.top_entries(t, lp, top) or {}
+            ranked = sorted(alternatives.items(), key=lambda kv: -kv[1])
+            content.append({**entry(self.token_text(t), lp),
+                            "top_logprobs": [entry(k, v) for k, v in ranked]})
+        return content
+
+    async def _stream_chat(self, group: RequestGroup, choices: list[_Choice],
+                           body: ChatCompletionRequest, head: dict) -> AsyncIterator[str]:
+        head = {**head, "object": "chat.completion.chunk"}
+        with _aborting(group):
+            for i in range(len(choices)):
+                yield _event({**head, "choices": [{"index": i, "delta": {"role": "assistant",
+                                                                         "content": ""},
+                                                   "logprobs": None, "finish_reason": None}]})
+            async for i, out in group:
+                c = choices[i]
+                c.update(out)
+                delta, new_ids, new_lps, new_tops = _advance(c)
+                lp = {"content": self.chat_logprobs(new_ids, new_lps, new_tops)} \
+                    if body.logprobs and new_ids else None
+                if delta or lp or out.finished:
+                    yield _event({**head, "choices": [{
+                        "index": i, "delta": {"content": delta} if delta else {}, "logprobs": lp,
+                        "finish_reason": c.finish_reason if out.finished else None}]})
+            if body.stream_options and body.stream_options.include_usage:
+                yield _event({**head, "choices": [], "usage": _usage(choices, body.n, False)})
+            yield "data: [DONE]\n\n"
+
+
+def _advance(c: _Choice) -> tuple[str, list[int], list[float], list[dict[int, float]]]:
+    """The text, token ids, log-probs and top alternatives since the last chunk (now sent)."""
+    delta = c.text[c.sent_text:] if len(c.text) > c.sent_text else ""
+    c.sent_text = max(c.sent_text, len(c.text))
+    new = slice(c.sent_tokens, len(c.token_ids))
+    new_ids = c.token_ids[new]
+    new_lps = (c.logprobs or [])[new]
+    new_tops = (c.top_logprobs or [])[new]
+    c.sent_tokens = len(c.token_ids)
+    return delta, new_ids, new_lps, new_tops
+
+
+def _usage(choices: list[_Choice], n: int, scoring_only: bool) -> dict[str, int]:
+    prompt = sum(len(c.prompt_ids) for c in choices[::n])
+    completion = 0 if scoring_only else sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(_guarded(events), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A failure after the stream started (status 200 already sent) ends it with an error event."""
+    try:
+        async for event in events:
+            yield event
+    except EngineDead as err:
+        yield _event(error_body(str(err), "server_error", code="engine_unavailable"))
+        yield "data: [DONE]\n\n"
+    except Exception as err:
+        log.exception("stream failed")
+        yield _event(error_body(f"internal error: {type(err).__name__}: {err}", "server_error"))
+        yield "data: [DONE]\n\n"
+
+
+@contextlib.contextmanager
+def _aborting(group: RequestGroup) -> Iterator[None]:
+    """Abort the group's unfinished sequences if the body ends early (client gone, error)."""
+    try:
+        yield
+    finally:
+        if not group.finished:
+            group.abort()
+
+
+async def _collect(group: RequestGroup, choices: list[_Choice], request: Request) -> None:
+    """Run a non-streamed request to the end, aborting it if the client disconnects."""
+
+    async def consume() -> None:
+        async for i, out in group:
+            choices[i].update(out)
+
+    task = asyncio.create_task(consume())
+    with _aborting(group):
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                task.result()
+                return
+            if await request.is_disconnected():
+                task.cancel()
+                raise ClientGone("client disconnected")
+
+
+# --- running the server ---------------------------------------------------------------------------
+
+
+class BackgroundServer:
+    """uvicorn serving an app on a thread (tests and the validation load test)."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+        self.host = host
+        self.port = port
+
+    def __enter__(self) -> BackgroundServer:
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.time() > deadline:
+                raise RuntimeError(f"the server did not start on {self.host}:{self.port}")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
