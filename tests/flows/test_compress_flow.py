@@ -176,6 +176,7 @@ def test_sigkill_mid_stage_then_resume(tmp_path, tiny_demo, prefect_server):
     data = recipe_dict(tiny_demo, name="kill")
     data["calibration"] = {"samples": 32, "seq_len": 128}
     data["eval"] = {"perplexity": {"seq_len": 64, "max_windows": 2}}
+    data["validate"] = {"enabled": False}
     data["variants"] = [{"name": "p25-gptq4", "stages": [
         {"prune": {"method": "frequency", "ratio": 0.25}},
         {"quantize": {"method": "gptq", "bits": 4, "group_size": 64}}]}]
@@ -228,6 +229,7 @@ def test_two_flows_at_once_write_distinct_artifacts(tmp_path, tiny_demo, prefect
     for bits in (3, 4):
         data = recipe_dict(tiny_demo, name=f"par{bits}")
         data["eval"] = {"perplexity": {"seq_len": 64, "max_windows": 2}}
+        data["validate"] = {"enabled": False}
         data["variants"] = [{"name": f"rtn{bits}", "stages": [
             {"quantize": {"method": "rtn", "bits": bits, "group_size": 64}}]}]
         recipe = _write(tmp_path, data, f"par{bits}")
