@@ -21,10 +21,10 @@ def base_recipe() -> dict:
     }
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")))
+@pytest.mark.parametrize(
+    "path", sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.name != "schedules.yaml")
+)
 def test_shipped_recipes_validate(path):
-    if path.name == "schedules.yaml":
-        pytest.skip("not a recipe")
     recipe = load_recipe(path)
     assert recipe.variants
 

@@ -257,7 +257,8 @@ def prune_cmd(
     out: Annotated[Path, typer.Option(help="Output directory for the pruned checkpoint (new).")],
     method: Annotated[str, typer.Option(help="reap, frequency, ean or random.")] = "reap",
     ratio: Annotated[float | None, typer.Option(
-        help="Fraction of experts removed in every MoE layer, in (0, 1).")] = None,
+        help="Fraction of experts removed in every MoE layer, in (0, 1); 0.5 unless --keep "
+        "is given.")] = None,
     keep: Annotated[int | None, typer.Option(
         help="Experts kept in every MoE layer (instead of --ratio).")] = None,
     calibration: Annotated[str, typer.Option(
@@ -303,6 +304,96 @@ def prune_cmd(
                      else ""))
 
 
+# --- quantization -------------------------------------------------------------------------------
+
+
+@app.command("quantize")
+@handles_errors
+def quantize_cmd(
+    model: Annotated[str, typer.Option(help="Hub id, local dir, models:/name/version or demo:size.")],
+    out: Annotated[Path, typer.Option(help="Output directory (must not exist).")],
+    method: Annotated[str, typer.Option(help="rtn, gptq, awq or nf4.")] = "gptq",
+    bits: Annotated[int, typer.Option(help="Bit width: 2, 3, 4 or 8 (awq and nf4: 4).")] = 4,
+    group_size: Annotated[int, typer.Option(help="Inputs per scale group; -1 = per row.")] = 128,
+    sym: Annotated[bool | None, typer.Option(
+        "--sym/--asym", help="Symmetric grid (default: gptq sym, rtn/awq asym).")] = None,
+    act_order: Annotated[bool, typer.Option(help="GPTQ: columns by descending Hessian diag.")] = False,
+    static_groups: Annotated[bool, typer.Option(
+        help="GPTQ act-order: fit groups up front (keeps desc_act false for vLLM).")] = True,
+    damp_percent: Annotated[float, typer.Option(help="GPTQ Hessian dampening.")] = 0.01,
+    clip: Annotated[bool, typer.Option(help="AWQ: search clipping ranges.")] = False,
+    double_quant: Annotated[bool, typer.Option(help="NF4: quantize the absmax constants.")] = False,
+    compute_dtype: Annotated[str, typer.Option(help="NF4 compute dtype.")] = "bfloat16",
+    calibration: Annotated[str, typer.Option(
+        help="'stdlib' or a path/glob of local text files.")] = "stdlib",
+    samples: Annotated[int, typer.Option(help="Calibration windows.")] = 128,
+    seq_len: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 256,
+) -> None:
+    """Quantize a model into a GPTQ / AWQ / bitsandbytes-NF4 checkpoint, layer by layer."""
+    from pydantic import ValidationError
+
+    from thresher.compress.api import quantize_model
+    from thresher.errors import RecipeError
+    from thresher.models import resolve_model
+    from thresher.recipe import CalibrationConfig, FilesSource, QuantizeStage
+
+    if model.startswith("demo:"):
+        _build_demo(model.removeprefix("demo:"))
+    source = "stdlib" if calibration == "stdlib" else FilesSource(files=[calibration])
+    try:
+        stage = QuantizeStage(method=method, bits=bits, group_size=group_size, sym=sym,
+                              act_order=act_order, static_groups=static_groups,
+                              damp_percent=damp_percent, clip=clip, double_quant=double_quant,
+                              compute_dtype=compute_dtype)
+    except ValidationError as err:
+        msgs = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'options'}: "
+                         f"{e['msg'].removeprefix('Value error, ')}" for e in err.errors())
+        raise RecipeError(f"quantize options: {msgs}") from None
+    cal = CalibrationConfig(source=source, samples=samples, seq_len=seq_len)
+    report = quantize_model(resolve_model(model), stage, cal, out)
+    m = report.metrics()
+    console.print(f"{stage.describe()}: {int(m['quantized_matrices'])} matrices in "
+                  f"{m['wall_seconds']:.1f} s, mean relative error {m['mean_quant_error']:.4f}, "
+                  f"{int(m['fallback_experts'])} fallback experts, {m['artifact_mb']:.1f} MB "
+                  f"({report.format} format) -> {out}")
+
+
+# --- task evaluation and the comparison report ---------------------------------------------------
+
+
+@app.command("tasks")
+@handles_errors
+def tasks_cmd(
+    model: Annotated[str, typer.Option(help="Hub id, local dir, models:/name/version or demo:size.")],
+    task: Annotated[list[str], typer.Option(
+        "--task", "-t", help="Task to run (repeat). Built-in: stdlib_closing, stdlib_identifier, "
+        "stdlib_next_line; or any lm-eval task name.")] = ["stdlib_closing", "stdlib_identifier",  # noqa: B006
+                                                             "stdlib_next_line"],
+    limit: Annotated[int, typer.Option(help="Cap on documents per task (0 = all).")] = 0,
+    batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 16,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results here.")] = None,
+) -> None:
+    """Score a model on lm-evaluation-harness tasks (the built-in ones run offline)."""
+    from thresher.evaluate.tasks import run_tasks
+
+    if model.startswith("demo:"):
+        _build_demo(model.removeprefix("demo:"))
+    results = run_tasks(model, tasks=task, limit=limit or None, batch_size=batch_size)
+    table = Table(title=f"{model}: lm-eval {results.lm_eval_version}, backend {results.backend}, "
+                  f"batch {results.batch_size}")
+    for col in ("task", "metric", "value", "stderr", "docs"):
+        table.add_column(col)
+    for name, metrics in sorted(results.scores.items()):
+        for metric, value in sorted(metrics.items()):
+            stderr = "-" if value.stderr is None else f"{value.stderr:.4f}"
+            table.add_row(name, metric, f"{value.value:.4f}", stderr,
+                          str(results.samples.get(name, "")))
+    console.print(table)
+    if json_out is not None:
+        json_out.write_text(results.to_json())
+        console.print(f"results written to {json_out}")
+
+
 # --- serving -------------------------------------------------------------------------------------
 
 
@@ -318,6 +409,35 @@ def _describe_loaded(name: str, info: dict, max_model_len: int) -> str:
     if info.get("kv_cache_bytes") is not None:
         memory += f", KV cache {info['kv_cache_bytes'] / 2**20:.1f} MiB"
     return f"loaded {name}: {fmt}{experts}{params}{memory}, context {max_model_len} tokens"
+
+
+@app.command()
+@handles_errors
+def compare(
+    run_ids: Annotated[list[str], typer.Argument(
+        help="MLflow run ids: variant runs, or a flow's parent run (expands to its variants).")],
+    out: Annotated[Path, typer.Option(help="Directory for the report files.")] = Path("comparison"),
+    tracking_uri: Annotated[str | None, typer.Option(
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI).")] = None,
+    log_to: Annotated[str | None, typer.Option(
+        help="Log the report files to this MLflow run (e.g. the flow's parent run).")] = None,
+) -> None:
+    """Compare variants: a table, quality-vs-size with the Pareto frontier, task bars, saliency."""
+    from thresher.evaluate.report import build_report, collect_from_mlflow, log_report
+
+    records = collect_from_mlflow(run_ids, tracking_uri=tracking_uri)
+    report = build_report(records, out)
+    table = Table(title=f"{len(records)} variants")
+    for col in report.header:
+        table.add_column(col)
+    for row in report.rows:
+        table.add_row(*row)
+    console.print(table)
+    for kind, path in report.files.items():
+        console.print(f"  {kind}: {path}")
+    if log_to:
+        log_report(report, log_to, tracking_uri=tracking_uri)
+        console.print(f"report logged to MLflow run {log_to} (artifacts/comparison)")
 
 
 @app.command()

@@ -7,6 +7,7 @@ parent run for the flow and a nested run per variant, and the comparison table c
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -84,6 +85,7 @@ def run_recipe(recipe: Recipe, tracking_uri: str | None = None, store_dir: str |
         summary = {"parent_run_id": parent, "tracking_uri": tracker.uri,
                    "experiment_id": tracker.experiment_id, "variants": rows}
         tracker.log_text(parent, comparison_markdown(rows), "comparison.md")
+        summary["report_dir"] = str(_log_report(rows, tracker, parent, store_root))
         status = "FINISHED"
         return summary
     finally:
@@ -156,6 +158,25 @@ def _run_variant(recipe: Recipe, variant: Variant, base_path: str, base_hash: st
         return row
     finally:
         tracker.end_run(run_id, status)
+
+
+def _log_report(rows: list[dict[str, Any]], tracker: Tracker, parent: str, store_root: str
+                ) -> Path:
+    """The comparison dashboards (table, Pareto plot, task bars, saliency heatmap) on the parent run."""
+    from thresher.evaluate.report import VariantRecord, build_report, log_report
+
+    records = []
+    for row in rows:
+        metrics = {k: v for k, v in row.items() if isinstance(v, int | float)}
+        prune_report = Path(row["artifact"]) / "prune_report.json"
+        records.append(VariantRecord.from_metrics(
+            row["variant"], metrics, {"variant": row["variant"], "stages": row["stages"]},
+            prune_report=json.loads(prune_report.read_text()) if prune_report.is_file() else None,
+            run_id=row["run_id"]))
+    out = Path(store_root) / "reports" / parent
+    report = build_report(records, out)
+    log_report(report, parent, tracking_uri=tracker.uri)
+    return out
 
 
 def validation_columns(rows: list[dict[str, Any]]) -> dict[str, list[str]]:

@@ -104,6 +104,11 @@ def evaluate_artifact(path: str, content_hash: str, eval_cfg: EvalConfig, store_
                      batch_size=eval_cfg.perplexity.batch_size)
     metrics = {"perplexity": ppl.perplexity, "nll": ppl.nll, "eval_tokens": float(ppl.tokens),
                "eval_seconds": time.perf_counter() - start}
+    if eval_cfg.tasks:
+        from thresher.evaluate.tasks import run_tasks
+
+        results = run_tasks(model, tokenizer, eval_cfg.tasks, limit=eval_cfg.task_limit)
+        metrics.update(results.metrics())
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(f".tmp-{time.time_ns()}")
     tmp.write_text(json.dumps(metrics))

@@ -92,16 +92,18 @@ class ExpertObserver:
 
 @torch.no_grad()
 def observe_experts(model: LayerwiseModel, windows: torch.Tensor, batch_size: int = 8,
-                    show_progress: bool = True) -> list[ExpertStats]:
+                    show_progress: bool = True,
+                    observer_cls: type[ExpertObserver] = ExpertObserver) -> list[ExpertStats]:
     """Run calibration ``windows`` [N, S] through ``model`` one decoder layer at a time and return
-    the statistics of every MoE layer, in layer order."""
+    the statistics of every MoE layer, in layer order. ``observer_cls`` is the per-layer
+    accumulator (the observer benchmark passes one that runs every expert on every token)."""
     adapter, config = model.adapter, model.config
     model.load_outer()
     hidden = [model.embed(batch) for batch in windows.split(batch_size)]
     results: list[ExpertStats] = []
     for i in range(model.num_layers):
         layer = model.load_layer(i)
-        observer = ExpertObserver(adapter, layer, config, i) if adapter.is_moe_layer(layer) else None
+        observer = observer_cls(adapter, layer, config, i) if adapter.is_moe_layer(layer) else None
         handle = None
         if observer is not None:
             def capture(_module: nn.Module, args: tuple, obs: ExpertObserver = observer) -> None:

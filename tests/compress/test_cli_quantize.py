@@ -1,0 +1,29 @@
+"""`thresher quantize` writes an artifact and reports bad options without a traceback."""
+
+import json
+
+from typer.testing import CliRunner
+
+from thresher.cli import app
+
+
+def test_quantize_command_writes_an_artifact(tiny_demo, tmp_path):
+    out = tmp_path / "rtn"
+    result = CliRunner().invoke(app, ["quantize", "--model", str(tiny_demo), "--method", "rtn",
+                                      "--bits", "4", "--group-size", "64", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "gptq format" in result.output
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["bits"] == 4
+
+
+def test_quantize_command_refuses_bad_options(tiny_demo, tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(app, ["quantize", "--model", str(tiny_demo), "--method", "gptq",
+                                 "--group-size", "128", "--samples", "2", "--out",
+                                 str(tmp_path / "g")])
+    assert result.exit_code == 2
+    assert "does not divide the 64 inputs" in result.output
+    result = runner.invoke(app, ["quantize", "--model", str(tiny_demo), "--method", "awq",
+                                 "--bits", "3", "--out", str(tmp_path / "a")])
+    assert result.exit_code == 2 and "4-bit" in result.output
+    assert "Traceback" not in result.output and not list(tmp_path.iterdir())

@@ -1,0 +1,79 @@
+"""The built-in tasks' generated questions, and their lm-eval include directory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from thresher.data.sources import stdlib_root
+from thresher.evaluate.builtin_tasks import (
+    CONFIG_DIR,
+    NUM_CHOICES,
+    TASKS,
+    generate_docs,
+    prepare_builtin_tasks,
+)
+
+
+@pytest.fixture(scope="module")
+def docs() -> dict[str, list[dict]]:
+    return {name: generate_docs(task, docs=120) for name, task in TASKS.items()}
+
+
+def test_questions_are_well_formed_and_deterministic(docs):
+    for name, task in TASKS.items():
+        assert len(docs[name]) >= 100, name
+        assert docs[name] == generate_docs(task, docs=120), f"{name} is not deterministic"
+        labels = set()
+        for d in docs[name]:
+            assert len(d["choices"]) == NUM_CHOICES == len(set(d["choices"])), d
+            assert 0 <= d["label"] < NUM_CHOICES
+            labels.add(d["label"])
+        assert labels == set(range(NUM_CHOICES)), f"{name}: the answer is not shuffled"
+    assert TASKS["stdlib_next_line"].chance == 1 / NUM_CHOICES
+
+
+def test_answers_are_the_held_out_text(docs):
+    """The right choice continues the context exactly as the held-out file does."""
+    for name in ("stdlib_next_line", "stdlib_identifier", "stdlib_closing"):
+        for d in docs[name][:40]:
+            source = (stdlib_root() / d["source"]).read_text(encoding="utf-8", errors="replace")
+            assert d["context"] + d["choices"][d["label"]] in source, (name, d)
+            wrong = [c for i, c in enumerate(d["choices"]) if i != d["label"]]
+            assert all(d["context"] + c not in source for c in wrong) or name == "stdlib_closing"
+
+
+def test_identifier_choices_all_come_from_the_context(docs):
+    for d in docs["stdlib_identifier"]:
+        assert all(c in d["context"] for c in d["choices"])
+
+
+def test_closing_answers_are_balanced(docs):
+    answers = [d["choices"][d["label"]] for d in docs["stdlib_closing"]]
+    top = max(answers.count(a) for a in set(answers))
+    assert top <= len(answers) / NUM_CHOICES + 1
+
+
+def test_include_dir_is_an_lm_eval_task_directory(tmp_path, monkeypatch):
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("THRESHER_HOME", str(tmp_path))
+    root = prepare_builtin_tasks()
+    assert root.is_relative_to(tmp_path)
+    assert prepare_builtin_tasks() == root  # generated once
+    for name in TASKS:
+        config = yaml.safe_load((root / f"{name}.yaml").read_text())
+        shipped = yaml.safe_load((CONFIG_DIR / f"{name}.yaml").read_text())
+        data = config["dataset_kwargs"]["data_files"]["test"]
+        assert data == str(root / f"{name}.jsonl")
+        assert {k: v for k, v in config.items() if k != "dataset_kwargs"} == \
+               {k: v for k, v in shipped.items() if k != "dataset_kwargs"}
+        first = json.loads((root / f"{name}.jsonl").read_text().splitlines()[0])
+        assert set(first) == {"context", "choices", "label", "source"}
+    manager = TaskManager(include_path=str(root), include_defaults=False)
+    assert set(TASKS) <= set(manager.all_tasks)
+    task = manager.load(["stdlib_closing"])["tasks"]["stdlib_closing"]
+    doc = next(iter(task.test_docs()))
+    assert task.doc_to_text(doc) == doc["context"] and task.doc_to_choice(doc) == doc["choices"]

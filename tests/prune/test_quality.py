@@ -1,0 +1,59 @@
+"""Pruning quality on the trained `tiny` demo model: REAP against its baselines.
+
+Every method prunes with statistics from the same observation of the same calibration windows;
+perplexity is measured on held-out windows. Orderings and margins only, never absolute values
+(the demo model's training may be retuned).
+"""
+
+import pytest
+
+from thresher.data.windows import calibration_windows, eval_windows
+from thresher.evaluate.perplexity import perplexity
+from thresher.models import load_model
+from thresher.models.layerwise import LayerwiseModel
+from thresher.prune.api import prune_model
+from thresher.prune.observer import observe_experts
+from thresher.recipe import CalibrationConfig, PerplexityConfig, PruneStage
+
+pytestmark = pytest.mark.slow
+
+CAL = CalibrationConfig(samples=32, seq_len=256)
+HELDOUT = PerplexityConfig(max_windows=32)
+RUNS = {"reap-50": PruneStage(method="reap", ratio=0.5),
+        "frequency-50": PruneStage(method="frequency", ratio=0.5),
+        "random-50": PruneStage(method="random", ratio=0.5, seed=0),
+        "reap-25": PruneStage(method="reap", ratio=0.25)}
+
+
+@pytest.fixture(scope="module")
+def heldout_ppl(tiny_demo, tiny_tokenizer, tmp_path_factory) -> dict[str, float]:
+    windows = eval_windows(tiny_tokenizer, HELDOUT)
+    observed = observe_experts(LayerwiseModel(tiny_demo), calibration_windows(tiny_tokenizer, CAL),
+                               show_progress=False)
+    ppl = {"base": perplexity(load_model(tiny_demo), windows, show_progress=False).perplexity}
+    work = tmp_path_factory.mktemp("pruned")
+    for name, stage in RUNS.items():
+        prune_model(tiny_demo, stage, CAL, work / name, observed=observed, show_progress=False)
+        ppl[name] = perplexity(load_model(work / name), windows, show_progress=False).perplexity
+    return ppl
+
+
+def test_reap_beats_random_at_half(heldout_ppl):
+    assert heldout_ppl["reap-50"] < heldout_ppl["random-50"], heldout_ppl
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "measured on the current tiny demo (300 steps, held-out ppl ~187-195): frequency 50% ~189-198, "
+    "REAP 50% ~204-208 with 32 or 64 calibration windows (identical masks at 64 and 256); the observer "
+    "matches a brute-force computation (test_observer.py). Single-expert removal damage on this "
+    "model follows routed-token counts more than REAP's mean gated norm (layer 1 rank correlation "
+    "-0.36 for REAP, 0.76 for frequency). Strict: remove this marker once the demo model "
+    "separates them."))
+def test_reap_beats_frequency_at_half(heldout_ppl):
+    assert heldout_ppl["reap-50"] < heldout_ppl["frequency-50"], heldout_ppl
+
+
+def test_reap_quarter_is_closer_to_the_unpruned_model_than_half(heldout_ppl):
+    base = heldout_ppl["base"]
+    assert abs(heldout_ppl["reap-25"] - base) < abs(heldout_ppl["reap-50"] - base), heldout_ppl
+    assert heldout_ppl["reap-50"] > base, heldout_ppl

@@ -1,0 +1,99 @@
+"""Sampler and stop conditions, on the tiny demo model and on fixed logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from thresher.serve_kernels import LLM, SamplingParams
+from thresher.serve_kernels.engine.sampler import Sampler
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_demo):
+    return LLM(tiny_demo)
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
+    p = SamplingParams(temperature=1.0, max_tokens=24, seed=7, ignore_eos=True)
+    alone = llm.generate("def main():", p)[0].token_ids
+    crowd = llm.generate(["import os", "def main():", "class A:"], p)[1].token_ids
+    assert alone == crowd
+    other = llm.generate("def main():", SamplingParams(temperature=1.0, max_tokens=24, seed=8,
+                                                       ignore_eos=True))[0].token_ids
+    assert other != alone
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(llm):
+    greedy = llm.generate("import os\n", SamplingParams(temperature=0, max_tokens=16,
+                                                        ignore_eos=True))[0].token_ids
+    for p in (SamplingParams(temperature=1.5, top_k=1, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=1.5, top_p=1e-6, max_tokens=16, ignore_eos=True)):
+        assert llm.generate("import os\n", p)[0].token_ids == greedy
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 50)
+    sampler = Sampler()
+    top5 = set(logits[0].topk(5).indices.tolist())
+    probs = logits[0].softmax(-1).sort(descending=True)
+    nucleus = set(probs.indices[: int((probs.values.cumsum(0) < 0.6).sum()) + 1].tolist())
+    gen = torch.Generator().manual_seed(0)
+    seen_k, seen_p, seen_all = set(), set(), set()
+    for _ in range(300):
+        seen_k.add(sampler(logits, [SamplingParams(top_k=5)], [gen]).token_ids[0])
+        seen_p.add(sampler(logits, [SamplingParams(top_p=0.6)], [gen]).token_ids[0])
+        seen_all.add(sampler(logits, [SamplingParams()], [gen]).token_ids[0])
+    assert seen_k <= top5 and len(seen_k) >= 4
+    assert seen_p <= nucleus and len(seen_p) >= len(nucleus) - 1
+    assert not seen_all <= top5 | nucleus
+
+
+def test_logprobs_are_the_models_and_top_n_includes_the_choice(llm):
+    out = llm.generate("def main():", SamplingParams(temperature=0, max_tokens=8, logprobs=3,
+                                                     ignore_eos=True))[0]
+    assert len(out.logprobs) == len(out.top_logprobs) == 8
+    for tok, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True):
+        assert len(top) == 3 and max(top, key=top.get) == tok  # greedy picks the top token
+        assert top[tok] == pytest.approx(lp) and lp <= 0
+    # the same log-probs come back as prompt log-probs when the output is fed back in
+    ids = out.prompt_token_ids + out.token_ids
+    scored = llm.score([ids])[0]
+    assert scored[len(out.prompt_token_ids):] == pytest.approx(out.logprobs, abs=1e-4)
+
+
+def test_stop_strings_cut_the_text_and_stop_tokens_end_generation(llm, tiny_tokenizer):
+    free = llm.generate("class Foo(object):", SamplingParams(temperature=0, max_tokens=40,
+                                                             ignore_eos=True))[0]
+    text = free.text
+    stop = text[10:14]
+    assert stop.strip()
+    cut = llm.generate("class Foo(object):", SamplingParams(temperature=0, max_tokens=40,
+                                                            ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.text == text[: text.index(stop)]
+    assert len(cut.token_ids) < len(free.token_ids)
+    token = free.token_ids[5]
+    by_id = llm.generate("class Foo(object):", SamplingParams(
+        temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[token]))[0]
+    assert by_id.finish_reason == "stop" and by_id.token_ids == free.token_ids[
+        : free.token_ids.index(token) + 1]
+    short = llm.generate("class Foo(object):", SamplingParams(temperature=0, max_tokens=3))[0]
+    assert short.finish_reason == "length" and len(short.token_ids) == 3
+
+
+def test_streamed_text_only_grows(llm):
+    engine = llm.engine
+    engine.add_request("s", "def main():", SamplingParams(temperature=0, max_tokens=30,
+                                                          ignore_eos=True, stop=["zzzz"]))
+    texts = []
+    while engine.has_unfinished_requests():
+        texts += [o.text for o in engine.step() if o.request_id == "s"]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
+
+
+def test_sampling_params_are_checked():
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_k=0), dict(max_tokens=0),
+                dict(stop=[""])):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
