@@ -217,6 +217,7 @@ def test_chat_streamed_and_not(client):
     ({"prompt": [10**7]}, 400, "prompt"),
     ({"prompt": "x", "max_tokens": 100_000}, 400, "max_tokens"),
     ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ({"prompt": ["a", "b"], "n": 5, "max_tokens": 1}, 400, "n"),
 ])
 def test_invalid_requests(client, payload, status, param):
     kw = {"content": payload} if isinstance(payload, bytes) else {"json": payload}

@@ -334,6 +334,9 @@ class _API:
         )
 
     async def submit(self, prompts: list[list[int]], params: list) -> RequestGroup:
+        if len(prompts) > self.aengine.capacity:
+            raise APIError(400, f"the request needs {len(prompts)} sequences (prompts x n); this "
+                           f"server admits at most {self.aengine.capacity} at a time", param="n")
         try:
             return await self.aengine.submit(prompts, params)
         except QueueFull as err:
