@@ -98,6 +98,8 @@ def build_demo_model(size: str = "small", force: bool = False,
         fcntl.flock(lock, fcntl.LOCK_EX)  # two processes asking at once train it once
         if (final / "config.json").is_file() and not force:
             return final
+        for stale in final.parent.glob(f".{final.name}-*"):  # a killed build's leftovers
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
         try:
             _train(spec, tmp, progress)
