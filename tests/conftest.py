@@ -14,6 +14,12 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Without a GPU, every Triton kernel in the session runs in Triton's interpreter. This must hold
+# before any test imports the kernel modules: a kernel decorated in compiled mode and launched
+# later under the interpreter fails ("Cannot call @triton.jit'd outside of the scope of a kernel").
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session")
 def tiny_demo() -> Path:
