@@ -31,7 +31,8 @@ demo_model_app = typer.Typer(help="Build the demo MoE models trained on the stdl
                              no_args_is_help=True)
 app.add_typer(demo_model_app, name="demo-model")
 
-console = Console(stderr=False)
+# Wide enough for the comparison table when the output is a file or a CI log, not a terminal.
+console = Console(stderr=False, width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True)
 _state = {"debug": False}
 
