@@ -175,21 +175,15 @@ def _heldout_perplexity(model: str, seq_len: int, max_windows: int | None, batch
 
 
 def print_comparison(rows: list[dict]) -> None:
-    """The comparison table of a flow run on the console."""
-    from thresher.flows.compress import validation_columns
+    """The comparison table of a flow run on the console, with each variant's registry URI."""
+    from thresher.flows.compress import comparison_table
 
-    extra = validation_columns(rows)
+    header, cells = comparison_table(rows)
     table = Table(title="variants")
-    for col in ("variant", "stages", "size MB", "bits/param", "experts", "perplexity", "vs base",
-                *extra, "model"):
+    for col in (*header, "model"):
         table.add_column(col)
-    base = next((r["perplexity"] for r in rows if r["stages"] == "base"), None)
-    for i, r in enumerate(rows):
-        delta = f"{100 * (r['perplexity'] / base - 1):+.2f}%" if base else "-"
-        experts = str(int(r["experts_kept"])) if "experts_kept" in r else "-"
-        table.add_row(r["variant"], r["stages"], f"{r['size_bytes'] / 1e6:.2f}",
-                      f"{r['bits_per_param']:.2f}", experts, f"{r['perplexity']:.3f}", delta,
-                      *(cells[i] for cells in extra.values()), r.get("model_uri", "-"))
+    for row, r in zip(cells, rows, strict=True):
+        table.add_row(*row, r.get("model_uri", "-"))
     console.print(table)
 
 

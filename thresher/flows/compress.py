@@ -201,19 +201,27 @@ def validation_columns(rows: list[dict[str, Any]]) -> dict[str, list[str]]:
     }
 
 
-def comparison_markdown(rows: list[dict[str, Any]]) -> str:
-    """The comparison table of a flow run, as markdown."""
+def comparison_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """Header and cells of a flow run's comparison table (the markdown log and the console)."""
     base_ppl = next((r["perplexity"] for r in rows if r["stages"] == "base"), None)
     extra = validation_columns(rows)
-    lines = ["| variant | stages | size (MB) | bits/param | experts | perplexity | vs base |"
-             + "".join(f" {name} |" for name in extra),
-             "|---|---|---|---|---|---|---|" + "---|" * len(extra)]
+    header = ["variant", "stages", "size (MB)", "bits/param", "experts", "perplexity", "vs base",
+              *extra]
+    cells = []
     for i, r in enumerate(rows):
         delta = f"{100 * (r['perplexity'] / base_ppl - 1):+.2f}%" if base_ppl else "-"
         experts = f"{int(r['experts_kept'])}" if "experts_kept" in r else "-"
-        lines.append(f"| {r['variant']} | {r['stages']} | {r['size_bytes'] / 1e6:.2f} | "
-                     f"{r['bits_per_param']:.2f} | {experts} | {r['perplexity']:.3f} | {delta} |"
-                     + "".join(f" {cells[i]} |" for cells in extra.values()))
+        cells.append([r["variant"], r["stages"], f"{r['size_bytes'] / 1e6:.2f}",
+                      f"{r['bits_per_param']:.2f}", experts, f"{r['perplexity']:.3f}", delta,
+                      *(column[i] for column in extra.values())])
+    return header, cells
+
+
+def comparison_markdown(rows: list[dict[str, Any]]) -> str:
+    """The comparison table of a flow run, as markdown."""
+    header, cells = comparison_table(rows)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in cells]
     return "\n".join(lines) + "\n"
 
 
