@@ -30,6 +30,18 @@ def tiny_demo() -> Path:
 
 
 @pytest.fixture(scope="session")
+def small_demo() -> Path:
+    """The `small` demo model if it is already cached (`make demo` builds it); tests using it are
+    skipped otherwise, since training it takes about 7.5 minutes on 2 cores."""
+    from thresher.data.demo_model import demo_model_dir
+
+    path = demo_model_dir("small")
+    if not (path / "config.json").is_file():
+        pytest.skip("demo:small is not built here; `thresher demo-model build small` builds it")
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_demo):
     from thresher.models import load_tokenizer
 

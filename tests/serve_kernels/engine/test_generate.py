@@ -143,3 +143,18 @@ def test_add_request_refuses_bad_input(tiny_demo):
         LLMEngine(tiny_demo, max_model_len=64, num_kv_blocks=2)
     assert engine.model_info["format"] == "bf16" and engine.model_info["num_experts"] == 8
     assert engine.model_info["kv_cache_bytes"] > 0 and engine.model_info["params"] > 0
+
+
+def test_greedy_matches_transformers_on_small(small_demo):
+    """The demo default (hidden 256, 8 heads): up to 64 greedy tokens per prompt."""
+    from thresher.models import load_tokenizer
+
+    tok = load_tokenizer(small_demo)
+    hf = load_model(small_demo)
+    llm = LLM(small_demo)
+    outs = llm.generate(PROMPTS, GREEDY)
+    for p, o in zip(PROMPTS, outs, strict=True):
+        ids = torch.tensor([tok.encode(p, add_special_tokens=False)])
+        want = hf.generate(ids, max_new_tokens=64, do_sample=False)
+        assert o.token_ids == want[0, ids.shape[1]:].tolist(), p
+    assert llm.engine.stats().kv_blocks_used == 0

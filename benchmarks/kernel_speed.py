@@ -5,7 +5,7 @@ Decode at batch 1 is bound by reading the weights, so the figure of merit is ach
 device copy reaches on the same machine. Needs a CUDA GPU for the Triton kernels; on a CPU it
 says so and times the references only.
 
-    python benchmarks/kernels.py
+    python benchmarks/kernel_speed.py
 """
 
 from __future__ import annotations
