@@ -1,11 +1,12 @@
 """Scale: GPTQ-4 on a random-init MoE checkpoint of several GB, with the peak memory it takes.
 
-    python benchmarks/quant_scale.py                     # 42 layers, about 4.5 GB in bf16
+    python benchmarks/quant_scale.py                     # 56 layers, about 6 GB in bf16
     python benchmarks/quant_scale.py --layers 4          # a quick trial of the same shapes
 
-Builds a Qwen3-MoE checkpoint (hidden 1024, 32 experts of 512, top-8; bf16) on disk one layer at
-a time, with the tokenizer of the ``tiny`` demo model, then runs ``thresher quantize --method
-gptq`` on it as a separate process under ``/usr/bin/time -v``. The sequential driver keeps one
+Builds a Qwen3-MoE checkpoint with Mixtral's expert layout scaled down (hidden 1024, 8 experts
+of 2048, top-2; bf16) on disk one layer at a time, with the tokenizer of the ``tiny`` demo model,
+then runs ``thresher quantize --method gptq`` on it as a separate process under
+``/usr/bin/time -v``. The sequential driver keeps one
 decoder layer resident, so the peak resident set should be a small fraction of the checkpoint
 (the goal: at most 25%). Prints a table; the checkpoint is deleted at the end unless --keep.
 """
@@ -87,11 +88,11 @@ def max_rss_bytes(time_output: str) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=42)
+    ap.add_argument("--layers", type=int, default=56)
     ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--experts", type=int, default=32)
-    ap.add_argument("--intermediate", type=int, default=512)
-    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--intermediate", type=int, default=2048)
+    ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--dir", type=Path, default=None, help="where to build (default: a temp dir)")

@@ -60,8 +60,8 @@ def thresher_logprobs(model: torch.nn.Module, prompts: list[list[int]]) -> list[
     return out
 
 
-def vllm_logprobs(python: str, path: Path, prompts: list[list[int]]) -> dict:
-    req = {"mode": "logprobs", "path": str(path), "prompts": prompts}
+def vllm_logprobs(python: str, path: Path, prompts: list[list[int]], dtype: str) -> dict:
+    req = {"mode": "logprobs", "path": str(path), "prompts": prompts, "dtype": dtype}
     proc = subprocess.run([python, str(WORKER)], input=json.dumps(req), capture_output=True,
                           text=True, timeout=1800)
     for line in proc.stdout.splitlines():
@@ -110,20 +110,26 @@ def main() -> None:
         rows = []
         for name, path in cases:
             quantized = (path / "quantize_report.json").is_file()
-            model = load_quantized_model(path) if quantized else load_model(path)
-            ours = thresher_logprobs(model, prompts)
-            theirs = vllm_logprobs(args.vllm_python, path, prompts)
+            # vLLM runs GPTQ/AWQ in 16 bits only; the bf16 run of thresher's own loader shows how
+            # far 16-bit arithmetic alone moves the log-probabilities
+            dtype = "bfloat16" if quantized else "float32"
+            load = load_quantized_model if quantized else load_model
+            ours = thresher_logprobs(load(path), prompts)
+            floor = compare(ours, thresher_logprobs(load(path, dtype=getattr(torch, dtype)),
+                                                    prompts))
+            theirs = vllm_logprobs(args.vllm_python, path, prompts, dtype)
             if not theirs.get("loaded"):
-                rows.append(f"| {name} | no: {theirs.get('error', '')[:160]} | - | - | - |")
+                error = " ".join(theirs.get("error", "").split())[:200]
+                rows.append(f"| {name} | no: {error} | {dtype} | - | - | - | - |")
                 continue
             c = compare(ours, theirs["results"])
-            rows.append(f"| {name} | yes | {c['mean_abs']:.2e} | {c['max_abs']:.2e} | "
-                        f"{c['agree']} |")
-        print(f"\n{len(prompts)} held-out prompts x {args.prompt_len} tokens; prompt "
-              "log-probabilities, vLLM-CPU (fp32) vs thresher's loader (fp32)\n")
-        print("| artifact | loads in vLLM | mean abs diff | max abs diff | greedy next token "
-              "agrees |")
-        print("|---|---|---|---|---|")
+            rows.append(f"| {name} | yes | {dtype} | {c['mean_abs']:.2e} | {c['max_abs']:.2e} | "
+                        f"{c['agree']} | {floor['mean_abs']:.2e} |")
+        print(f"\n{len(prompts)} held-out prompts x {args.prompt_len} tokens; |difference| of "
+              "prompt log-probabilities, vLLM-CPU vs thresher's loader in fp32\n")
+        print("| artifact | loads in vLLM | vLLM dtype | mean abs diff | max abs diff | greedy "
+              "next token agrees | thresher in that dtype vs fp32, mean |")
+        print("|---|---|---|---|---|---|---|")
         print("\n".join(rows))
     finally:
         if args.keep:

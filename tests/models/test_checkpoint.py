@@ -82,3 +82,23 @@ def test_writer_shards_and_indexes(tmp_path):
     ids = torch.randint(0, 512, (1, 9))
     with torch.no_grad():
         torch.testing.assert_close(again(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_streamed_shards_read_back_exactly_in_every_dtype(tmp_path):
+    from safetensors.torch import load_file
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "f32": torch.randn(3, 5, generator=g), "bf16": torch.randn(7, generator=g).bfloat16(),
+        "f16": torch.randn(2, 2, 2, generator=g).half(), "i32": torch.randint(-9, 9, (4, 3)),
+        "u8": torch.randint(0, 255, (5,), dtype=torch.uint8), "bool": torch.tensor([True, False]),
+        "i64": torch.arange(6).reshape(2, 3), "empty": torch.empty(0, 4),
+        "slice": torch.randn(6, 6, generator=g)[:, 1:4],  # non-contiguous input
+    }
+    writer = CheckpointWriter(tmp_path)
+    writer.add(tensors)
+    writer.close()
+    back = load_file(tmp_path / "model.safetensors")
+    assert set(back) == set(tensors) and not list(tmp_path.glob("*.data"))
+    for k, t in tensors.items():
+        assert back[k].dtype == t.dtype and torch.equal(back[k], t), k

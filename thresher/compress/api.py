@@ -31,7 +31,7 @@ from thresher.compress.targets import ALWAYS_16BIT, OPTIONAL_16BIT, LayerParts, 
 from thresher.data.windows import calibration_windows
 from thresher.errors import ArtifactError, CompressionError
 from thresher.models.checkpoint import INDEX_NAME, CheckpointWriter, canonical_layer_state
-from thresher.models.layerwise import LayerwiseModel
+from thresher.models.layerwise import LayerwiseModel, release_free_memory
 from thresher.models.loading import load_model, load_tokenizer
 from thresher.recipe import CalibrationConfig, QuantizeStage
 
@@ -178,6 +178,7 @@ def quantize_model(model_dir: Path, stage: QuantizeStage, calibration: Calibrati
     windows = None
     if stage.method in CALIBRATED:
         windows = calibration_windows(load_tokenizer(model_dir), calibration)
+        release_free_memory()  # tokenizing the corpus leaves freed pages behind
     fmt = FORMAT_OF_METHOD[stage.method]
     pack = PACKERS[fmt]
     store_dtype = getattr(lw.config, "dtype", None) or torch.float32

@@ -136,6 +136,7 @@ class SequentialQuantizer:
                 hidden = [self.lw.layer_forward(i, h) for h in hidden]
             record.seconds = time.perf_counter() - start
             on_layer(i, layer, quantized)
+            del quantized, parts  # freed before the next layer is read
             self.lw.release_layer(i)
             records.append(record)
             log.debug("layer %d: %.1f s, mean relative error %.3g", i, record.seconds,

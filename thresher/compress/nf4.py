@@ -9,9 +9,12 @@ here directly (transformers' own 4-bit loading leaves fused experts in full prec
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import bitsandbytes.functional as bnbf
 import torch
+
+if TYPE_CHECKING:  # bitsandbytes costs ~200 MB of resident memory: imported only for NF4 work
+    import bitsandbytes.functional as bnbf
 
 BLOCK_SIZE = 64
 
@@ -24,6 +27,8 @@ class NF4Weight:
     state: bnbf.QuantState
 
     def dequantize(self) -> torch.Tensor:
+        import bitsandbytes.functional as bnbf
+
         return bnbf.dequantize_4bit(self.packed, self.state, quant_type="nf4").float()
 
     @property
@@ -33,6 +38,8 @@ class NF4Weight:
 
 def nf4_quantize(w: torch.Tensor, double_quant: bool, dtype: torch.dtype) -> NF4Weight:
     """Quantize ``w`` (held as ``dtype``, the dtype the artifact dequantizes to) to NF4."""
+    import bitsandbytes.functional as bnbf
+
     packed, state = bnbf.quantize_4bit(
         w.detach().to(dtype).contiguous(), blocksize=BLOCK_SIZE, compress_statistics=double_quant,
         quant_type="nf4", quant_storage=torch.uint8,

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from thresher.errors import ModelError
 from thresher.models.adapters import Adapter
@@ -57,6 +57,11 @@ class CheckpointReader:
             self._handles[file] = handle
         return handle.get_tensor(key)  # type: ignore[attr-defined]
 
+    def close(self) -> None:
+        """Close the open files. Their pages are mapped into this process and count toward its
+        resident set until closed, so a layer-by-layer walk closes them after every layer."""
+        self._handles.clear()
+
     def with_prefix(self, prefix: str) -> list[str]:
         return [k for k in self.weight_map if k.startswith(prefix)]
 
@@ -64,28 +69,43 @@ class CheckpointReader:
 _EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.weight$")
 
 
-def read_layer_state(reader: CheckpointReader, adapter: Adapter, layer_idx: int, num_experts: int
-                     ) -> dict[str, torch.Tensor]:
-    """The in-memory state dict (keys relative to the layer) of decoder layer ``layer_idx``."""
+def read_layer_state(reader: CheckpointReader, adapter: Adapter, layer_idx: int, num_experts: int,
+                     dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The in-memory state dict (keys relative to the layer) of decoder layer ``layer_idx``.
+
+    Floating tensors are converted to ``dtype`` when given. Experts are copied one at a time into
+    preallocated fused tensors, so reading a layer holds about one copy of it, not three.
+    """
     prefix = f"model.layers.{layer_idx}."
     names = dict(zip(adapter.spec.disk_expert_names, ("gate", "up", "down"), strict=True))
-    per_expert: dict[tuple[int, str], torch.Tensor] = {}
+    expert_keys: dict[tuple[int, str], str] = {}
     state: dict[str, torch.Tensor] = {}
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
     for key in reader.with_prefix(prefix):
         m = _EXPERT_KEY.match(key)
         if m and m.group(2) == adapter.spec.disk_moe_prefix and m.group(4) in names:
-            per_expert[(int(m.group(3)), names[m.group(4)])] = reader.get(key)
+            expert_keys[(int(m.group(3)), names[m.group(4)])] = key
         else:
-            state[adapter.memory_key_from_disk(key)[len(prefix) :]] = reader.get(key)
-    if per_expert:
+            state[adapter.memory_key_from_disk(key)[len(prefix) :]] = convert(reader.get(key))
+    if expert_keys:
         missing = [(e, p) for e in range(num_experts) for p in ("gate", "up", "down")
-                   if (e, p) not in per_expert]
+                   if (e, p) not in expert_keys]
         if missing:
             raise ModelError(f"{reader.path}: layer {layer_idx} lacks expert tensors {missing[:4]}...")
-        state["mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([per_expert[(e, "gate")], per_expert[(e, "up")]]) for e in range(num_experts)]
-        )
-        state["mlp.experts.down_proj"] = torch.stack([per_expert[(e, "down")] for e in range(num_experts)])
+        gate = convert(reader.get(expert_keys[(0, "gate")]))
+        down = convert(reader.get(expert_keys[(0, "down")]))
+        inter = gate.shape[0]
+        gate_up = torch.empty(num_experts, 2 * inter, gate.shape[1], dtype=gate.dtype)
+        down_all = torch.empty(num_experts, *down.shape, dtype=down.dtype)
+        for e in range(num_experts):
+            gate_up[e, :inter] = reader.get(expert_keys[(e, "gate")])
+            gate_up[e, inter:] = reader.get(expert_keys[(e, "up")])
+            down_all[e] = reader.get(expert_keys[(e, "down")])
+        state["mlp.experts.gate_up_proj"] = gate_up
+        state["mlp.experts.down_proj"] = down_all
     return state
 
 
@@ -111,39 +131,83 @@ def canonical_layer_state(adapter: Adapter, layer_idx: int, state: dict[str, tor
     return out
 
 
+_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32",
+    torch.uint64: "U64", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+class _ShardStream:
+    """One safetensors file written as tensors arrive: data goes to a side file at once, and
+    ``close`` writes the header (8-byte length, JSON of dtypes, shapes and offsets) and the data."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.data_path = path.with_name(path.name + ".data")
+        self._data = open(self.data_path, "wb")  # noqa: SIM115 - closed in close()
+        self.header: dict[str, dict] = {}
+        self.nbytes = 0
+
+    def add(self, key: str, t: torch.Tensor) -> None:
+        if key in self.header:
+            raise ModelError(f"{self.path}: tensor {key!r} written twice")
+        t = t.detach().cpu().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+        self._data.write(memoryview(raw))
+        size = t.numel() * t.element_size()
+        self.header[key] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
+                            "data_offsets": [self.nbytes, self.nbytes + size]}
+        self.nbytes += size
+
+    def close(self) -> None:
+        self._data.close()
+        header = json.dumps({"__metadata__": {"format": "pt"}, **self.header},
+                            separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)
+        with open(self.path, "wb") as out, open(self.data_path, "rb") as data:
+            out.write(len(header).to_bytes(8, "little"))
+            out.write(header)
+            shutil.copyfileobj(data, out, 16 << 20)
+        self.data_path.unlink()
+
+
 class CheckpointWriter:
-    """Writes tensors into size-capped safetensors shards plus the standard index file."""
+    """Writes tensors into size-capped safetensors shards plus the standard index file.
+
+    Tensors are streamed to disk as they are added, so writing a checkpoint holds no more than
+    the tensors the caller passes in at once, whatever the shard size.
+    """
 
     def __init__(self, out_dir: str | Path, max_shard_bytes: int = 2 << 30):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.max_shard_bytes = max_shard_bytes
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
+        self._shard: _ShardStream | None = None
         self._shards: list[list[str]] = []
         self._total_bytes = 0
 
     def add(self, tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         items = tensors.items() if isinstance(tensors, dict) else tensors
         for key, tensor in items:
-            t = tensor.detach().contiguous().cpu()
-            self._pending[key] = t
-            nbytes = t.numel() * t.element_size()
-            self._pending_bytes += nbytes
-            self._total_bytes += nbytes
-        if self._pending_bytes >= self.max_shard_bytes:
+            if self._shard is None:
+                name = f"shard-{len(self._shards):05d}.safetensors"
+                self._shard = _ShardStream(self.out_dir / name)
+            self._shard.add(key, tensor)
+            self._total_bytes += tensor.numel() * tensor.element_size()
+        if self._shard is not None and self._shard.nbytes >= self.max_shard_bytes:
             self._flush()
 
     def _flush(self) -> None:
-        if not self._pending:
+        if self._shard is None:
             return
-        name = f"shard-{len(self._shards):05d}.safetensors"
-        save_file(self._pending, self.out_dir / name, metadata={"format": "pt"})
-        self._shards.append(list(self._pending))
-        self._pending, self._pending_bytes = {}, 0
+        self._shard.close()
+        self._shards.append(list(self._shard.header))
+        self._shard = None
 
     def close(self) -> None:
-        """Flush and name the shards as transformers does (model-0000i-of-0000n)."""
+        """Finish the last shard and name the shards as transformers does (model-0000i-of-0000n)."""
         self._flush()
         n = len(self._shards)
         weight_map: dict[str, str] = {}

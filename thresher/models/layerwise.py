@@ -8,6 +8,8 @@ current layer's weights and the activations flowing between layers. The skeleton
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from pathlib import Path
 
 import torch
@@ -16,6 +18,28 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from thresher.models.adapters import Adapter, get_adapter
 from thresher.models.checkpoint import CheckpointReader, read_layer_state
+
+
+def release_free_memory() -> None:
+    """Return freed heap pages to the OS (glibc only; elsewhere a no-op).
+
+    A layer's tensors are freed in many few-MB pieces that glibc keeps in its arenas, so without
+    this the resident set grows by about a layer's size with every layer walked.
+    """
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _glibc():
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
+
+
+_LIBC = _glibc()
 
 
 def load_config(path: str | Path):
@@ -54,16 +78,18 @@ class LayerwiseModel:
     def load_layer(self, i: int) -> nn.Module:
         """Read decoder layer ``i`` from disk into memory and return it."""
         layer = self.layer(i)
-        state = read_layer_state(self.reader, self.adapter, i, self.adapter.num_experts(self.config))
-        state = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in state.items()}
+        state = read_layer_state(self.reader, self.adapter, i, self.adapter.num_experts(self.config),
+                                 self.dtype)
         layer.load_state_dict(state, strict=True, assign=True)
+        self.reader.close()
         self._resident.add(i)
         return layer
 
     def release_layer(self, i: int) -> None:
-        """Drop layer ``i``'s weights (back to the meta device)."""
+        """Drop layer ``i``'s weights (back to the meta device) and hand the memory back."""
         self.layer(i).to("meta")
         self._resident.discard(i)
+        release_free_memory()
 
     def resident_layers(self) -> list[int]:
         """Indices of decoder layers whose weights are in memory (checked on the tensors)."""

@@ -9,7 +9,6 @@ bitsandbytes' own ``QuantState.as_dict(packed=True)``.
 
 from __future__ import annotations
 
-import bitsandbytes.functional as bnbf
 import torch
 
 from thresher.compress.nf4 import NF4Weight
@@ -26,6 +25,8 @@ def pack_nf4(w: NF4Weight) -> dict[str, torch.Tensor]:
 
 
 def unpack_nf4(tensors: dict[str, torch.Tensor]) -> NF4Weight:
+    import bitsandbytes.functional as bnbf  # lazily: its import alone holds ~200 MB
+
     state = {k.removeprefix("weight."): v for k, v in tensors.items() if k != "weight"}
     return NF4Weight(packed=tensors["weight"], state=bnbf.QuantState.from_dict(state, "cpu"))
 
