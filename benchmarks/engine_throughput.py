@@ -34,25 +34,7 @@ from thresher.serve_kernels import LLMEngine, SamplingParams
 
 CONCURRENCY = (1, 4, 16)
 
-VLLM_SCRIPT = """
-import json, sys, time
-from vllm import LLM, SamplingParams
-if __name__ == "__main__":
-    path, prompts, n, conc = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
-    llm = LLM(path, dtype="float32", max_model_len=512, enforce_eager=True)
-    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompts[0]}], sp, use_tqdm=False)
-    out = {}
-    for c in conc:
-        start = time.perf_counter()
-        lat = []
-        for i in range(0, len(prompts), c):
-            t = time.perf_counter()
-            llm.generate([{"prompt_token_ids": p} for p in prompts[i:i + c]], sp, use_tqdm=False)
-            lat.append(time.perf_counter() - t)
-        out[c] = {"wall": time.perf_counter() - start, "latency": sum(lat) / len(lat)}
-    print("RESULT" + json.dumps(out))
-"""
+WORKER = Path(__file__).with_name("vllm_worker.py")
 
 
 def default_model() -> str:
@@ -127,13 +109,16 @@ def hf_run(model, prompts: list[list[int]], new_tokens: int, batch: int, pad_id:
     return time.perf_counter() - t0, sum(lat) / len(lat)
 
 
-def vllm_run(python: str, path: Path, prompts: list[list[int]], new_tokens: int) -> dict | None:
-    proc = subprocess.run([python, "-c", VLLM_SCRIPT, str(path), json.dumps(prompts),
-                           str(new_tokens), json.dumps(list(CONCURRENCY))],
-                          capture_output=True, text=True, timeout=1800)
+def vllm_run(python: str, path: Path, prompts: list[list[int]], new_tokens: int,
+             rate: float) -> dict | None:
+    """The same requests through vLLM's engine loop in its own venv (benchmarks/vllm_worker.py)."""
+    req = {"mode": "serve", "path": str(path), "prompts": prompts, "new_tokens": new_tokens,
+           "concurrency": list(CONCURRENCY), "rate": rate}
+    proc = subprocess.run([python, str(WORKER)], input=json.dumps(req), capture_output=True,
+                          text=True, timeout=1800)
     for line in proc.stdout.splitlines():
-        if line.startswith("RESULT"):
-            return {int(k): v for k, v in json.loads(line[6:]).items()}
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
     sys.stderr.write(proc.stderr[-3000:])
     return None
 
@@ -176,10 +161,11 @@ def main() -> None:
         wall, lat_hf = hf_run(hf, prompts, n, c, pad)
         rows[("transformers padded batch" if c > 1 else "transformers one at a time", c)] = (
             total / wall, lat_hf)
-    vllm = vllm_run(args.vllm_python, path, prompts, n) if args.vllm_python else None
+    vllm = vllm_run(args.vllm_python, path, prompts, n, args.rate) if args.vllm_python else None
     if vllm:
         for c in CONCURRENCY:
-            rows[("vLLM-CPU", c)] = (total / vllm[c]["wall"], vllm[c]["latency"])
+            run = vllm["concurrency"][str(c)]
+            rows[("vLLM-CPU", c)] = (total / run["wall"], run["latency"])
 
     print(f"model: {path.name} ({engine.model_info['params']:,} params, "
           f"{engine.model_info['format']}), {len(prompts)} requests x {args.prompt_len} prompt "
@@ -190,12 +176,15 @@ def main() -> None:
         ratio = rows[("engine", c)][0] / tps
         print(f"| {system} | {c} | {tps:,.0f} | {ratio:.2f}x | {lat:.2f} |")
 
-    ttft, tpot = poisson_run(engine, prompts, params, args.rate)
-    print(f"\nPoisson arrivals at {args.rate} req/s ({len(prompts)} requests), engine:\n")
-    print("| metric | p50 (ms) | p99 (ms) |")
-    print("|---|---|---|")
-    print(f"| TTFT | {pct(ttft, 50) * 1e3:.0f} | {pct(ttft, 99) * 1e3:.0f} |")
-    print(f"| TPOT | {pct(tpot, 50) * 1e3:.1f} | {pct(tpot, 99) * 1e3:.1f} |")
+    loads = {"engine": poisson_run(engine, prompts, params, args.rate)}
+    if vllm:
+        loads["vLLM-CPU"] = (vllm["ttft"], vllm["tpot"])
+    print(f"\nPoisson arrivals at {args.rate} req/s ({len(prompts)} requests):\n")
+    print("| system | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) |")
+    print("|---|---|---|---|---|")
+    for system, (ttft, tpot) in loads.items():
+        print(f"| {system} | {pct(ttft, 50) * 1e3:.0f} | {pct(ttft, 99) * 1e3:.0f} | "
+              f"{pct(tpot, 50) * 1e3:.1f} | {pct(tpot, 99) * 1e3:.1f} |")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,6 +71,7 @@ class LayerRecord:
     fallback_experts: list[int] = field(default_factory=list)
     expert_tokens: dict[int, int] = field(default_factory=dict)
     awq_alpha: dict[str, float] = field(default_factory=dict)
+    peak_rss_mb: float = 0.0  # the process's peak resident set so far, after this layer
 
     @property
     def mean_error(self) -> float:
@@ -138,6 +140,7 @@ class SequentialQuantizer:
             on_layer(i, layer, quantized)
             del quantized, parts  # freed before the next layer is read
             self.lw.release_layer(i)
+            record.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             records.append(record)
             log.debug("layer %d: %.1f s, mean relative error %.3g", i, record.seconds,
                       record.mean_error)
