@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import random
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from serving_loops import continuous, poisson  # beside this script
 
 from thresher.data.demo_model import demo_model_dir
 from thresher.data.windows import eval_windows
@@ -40,56 +40,6 @@ WORKER = Path(__file__).with_name("vllm_worker.py")
 def default_model() -> str:
     small = demo_model_dir("small")
     return str(small) if (small / "config.json").is_file() else "demo:tiny"
-
-
-def engine_run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
-               concurrency: int) -> tuple[float, list[float]]:
-    """Wall time and per-request latencies with at most ``concurrency`` requests in flight."""
-    pending = list(enumerate(prompts))
-    started: dict[str, float] = {}
-    latencies = []
-    t0 = time.perf_counter()
-    while pending or engine.has_unfinished_requests():
-        while pending and len(started) < concurrency:
-            i, p = pending.pop(0)
-            engine.add_request(f"c{concurrency}-{i}", p, params)
-            started[f"c{concurrency}-{i}"] = time.perf_counter()
-        for out in engine.step():
-            if out.finished:
-                latencies.append(time.perf_counter() - started.pop(out.request_id))
-    return time.perf_counter() - t0, latencies
-
-
-def poisson_run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
-                rate: float, seed: int = 0) -> tuple[list[float], list[float]]:
-    """TTFT and TPOT of each request when requests arrive as a Poisson process."""
-    rng = random.Random(seed)
-    arrivals, t = [], 0.0
-    for _ in prompts:
-        t += rng.expovariate(rate)
-        arrivals.append(t)
-    pending = list(zip(arrivals, range(len(prompts)), strict=True))
-    first: dict[str, float] = {}
-    arrived: dict[str, float] = {}
-    ttft, tpot = [], []
-    t0 = time.perf_counter()
-    while pending or engine.has_unfinished_requests():
-        now = time.perf_counter() - t0
-        while pending and pending[0][0] <= now:
-            at, i = pending.pop(0)
-            engine.add_request(f"p{i}", prompts[i], params)
-            arrived[f"p{i}"] = at
-        if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, pending[0][0] - now))
-            continue
-        for out in engine.step():
-            now = time.perf_counter() - t0
-            if out.request_id not in first:
-                first[out.request_id] = now
-                ttft.append(now - arrived[out.request_id])
-            if out.finished:
-                tpot.append((now - first[out.request_id]) / max(1, len(out.token_ids) - 1))
-    return ttft, tpot
 
 
 def hf_run(model, prompts: list[list[int]], new_tokens: int, batch: int, pad_id: int
@@ -149,14 +99,18 @@ def main() -> None:
     total = len(prompts) * n
 
     engine = LLMEngine(path, max_num_seqs=max(CONCURRENCY), max_model_len=512)
-    engine_run(engine, prompts[:2], params, 2)  # warm-up
+
+    def submit(rid: str, prompt: list[int]) -> None:
+        engine.add_request(rid, prompt, params)
+
+    continuous(engine, submit, prompts[:2], 2)  # warm-up
     hf = load_model(path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     hf_run(hf, prompts[:1], 4, 1, pad)
 
     rows = {}
     for c in CONCURRENCY:
-        wall, lat = engine_run(engine, prompts, params, c)
+        wall, lat = continuous(engine, submit, prompts, c)
         rows[("engine", c)] = (total / wall, statistics.mean(lat))
         wall, lat_hf = hf_run(hf, prompts, n, c, pad)
         rows[("transformers padded batch" if c > 1 else "transformers one at a time", c)] = (
@@ -176,7 +130,8 @@ def main() -> None:
         ratio = rows[("engine", c)][0] / tps
         print(f"| {system} | {c} | {tps:,.0f} | {ratio:.2f}x | {lat:.2f} |")
 
-    loads = {"engine": poisson_run(engine, prompts, params, args.rate)}
+    loads = {"engine": poisson(engine, submit, lambda out: len(out.token_ids), prompts,
+                               args.rate)}
     if vllm:
         loads["vLLM-CPU"] = (vllm["ttft"], vllm["tpot"])
     print(f"\nPoisson arrivals at {args.rate} req/s ({len(prompts)} requests):\n")

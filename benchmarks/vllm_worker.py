@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import sys
-import time
+
+from serving_loops import continuous, poisson  # beside this script; stdlib only
 
 
 def _llm(path: str, dtype: str, max_model_len: int):
@@ -46,54 +46,6 @@ def logprobs(req: dict) -> dict:
     return {"loaded": True, "results": result}
 
 
-def _continuous(engine, prompts, params, concurrency: int) -> tuple[float, list[float]]:
-    pending = list(enumerate(prompts))
-    started: dict[str, float] = {}
-    latencies = []
-    t0 = time.perf_counter()
-    while pending or engine.has_unfinished_requests():
-        while pending and len(started) < concurrency:
-            i, p = pending.pop(0)
-            rid = f"c{concurrency}-{i}"
-            engine.add_request(rid, {"prompt_token_ids": p}, params)
-            started[rid] = time.perf_counter()
-        for out in engine.step():
-            if out.finished:
-                latencies.append(time.perf_counter() - started.pop(out.request_id))
-    return time.perf_counter() - t0, latencies
-
-
-def _poisson(engine, prompts, params, rate: float, seed: int) -> tuple[list[float], list[float]]:
-    rng = random.Random(seed)
-    arrivals, t = [], 0.0
-    for _ in prompts:
-        t += rng.expovariate(rate)
-        arrivals.append(t)
-    pending = list(zip(arrivals, range(len(prompts)), strict=True))
-    first: dict[str, float] = {}
-    arrived: dict[str, float] = {}
-    ttft, tpot = [], []
-    t0 = time.perf_counter()
-    while pending or engine.has_unfinished_requests():
-        now = time.perf_counter() - t0
-        while pending and pending[0][0] <= now:
-            at, i = pending.pop(0)
-            engine.add_request(f"p{i}", {"prompt_token_ids": prompts[i]}, params)
-            arrived[f"p{i}"] = at
-        if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, pending[0][0] - now))
-            continue
-        for out in engine.step():
-            now = time.perf_counter() - t0
-            rid = out.request_id
-            if rid not in first and out.outputs and out.outputs[0].token_ids:
-                first[rid] = now
-                ttft.append(now - arrived[rid])
-            if out.finished:
-                tpot.append((now - first[rid]) / max(1, len(out.outputs[0].token_ids) - 1))
-    return ttft, tpot
-
-
 def serve(req: dict) -> dict:
     from vllm import SamplingParams
 
@@ -101,13 +53,20 @@ def serve(req: dict) -> dict:
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=req["new_tokens"], ignore_eos=True)
     prompts = req["prompts"]
-    _continuous(engine, prompts[:2], params, 2)  # warm-up
+
+    def submit(rid: str, prompt: list[int]) -> None:
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+
+    def generated(out) -> int:
+        return len(out.outputs[0].token_ids) if out.outputs else 0
+
+    continuous(engine, submit, prompts[:2], 2)  # warm-up
     out: dict = {"concurrency": {}}
     for c in req["concurrency"]:
-        wall, lat = _continuous(engine, prompts, params, c)
+        wall, lat = continuous(engine, submit, prompts, c)
         out["concurrency"][str(c)] = {"wall": wall, "latency": sum(lat) / len(lat)}
     if req.get("rate"):
-        out["ttft"], out["tpot"] = _poisson(engine, prompts, params, req["rate"], 0)
+        out["ttft"], out["tpot"] = poisson(engine, submit, generated, prompts, req["rate"])
     return out
 
 
