@@ -6,7 +6,11 @@ Everything sits under one directory, ``$THRESHER_HOME`` or the user cache direct
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -26,3 +30,18 @@ def demo_models_dir() -> Path:
     path = state_dir() / "demo-models"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@contextlib.contextmanager
+def build_dir_atomically(final: Path) -> Iterator[Path]:
+    """A fresh directory beside ``final`` to build into; when the block succeeds it replaces
+    ``final`` by a rename, and it is removed whatever happens, so ``final`` is never partial."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        yield tmp
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(tmp)

@@ -8,7 +8,6 @@ and keyed by everything that determines it, so a second call reuses it.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import json
@@ -16,7 +15,6 @@ import logging
 import math
 import platform
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -26,7 +24,7 @@ import torch
 
 from thresher.data.sources import iter_documents
 from thresher.errors import ModelError
-from thresher.paths import demo_models_dir
+from thresher.paths import build_dir_atomically, demo_models_dir
 
 log = logging.getLogger(__name__)
 
@@ -100,15 +98,8 @@ def build_demo_model(size: str = "small", force: bool = False,
             return final
         for stale in final.parent.glob(f".{final.name}-*"):  # a killed build's leftovers
             shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-        try:
+        with build_dir_atomically(final) as tmp:
             _train(spec, tmp, progress)
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                shutil.rmtree(tmp)
     return final
 
 

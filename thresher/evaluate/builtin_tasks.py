@@ -14,7 +14,6 @@ path: ``lm_eval --include_path DIR --tasks stdlib_next_line`` runs the same task
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import json
@@ -23,8 +22,6 @@ import logging
 import platform
 import random
 import re
-import shutil
-import tempfile
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +30,7 @@ from pathlib import Path
 import yaml
 
 from thresher.data.sources import stdlib_files, stdlib_root
-from thresher.paths import state_dir
+from thresher.paths import build_dir_atomically, state_dir
 
 log = logging.getLogger(__name__)
 
@@ -246,8 +243,7 @@ def prepare_builtin_tasks(seed: int = 0) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (final / "complete").is_file():
             return final
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-        try:
+        with build_dir_atomically(final) as tmp:
             for task in TASKS.values():
                 data = tmp / f"{task.name}.jsonl"
                 docs = generate_docs(task, seed=seed)
@@ -257,10 +253,4 @@ def prepare_builtin_tasks(seed: int = 0) -> Path:
                 (tmp / f"{task.name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
                 log.info("built-in task %s: %d questions", task.name, len(docs))
             (tmp / "complete").write_text("")
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                shutil.rmtree(tmp)
     return final
