@@ -95,15 +95,16 @@ def read_layer_state(reader: CheckpointReader, adapter: Adapter, layer_idx: int,
                    if (e, p) not in expert_keys]
         if missing:
             raise ModelError(f"{reader.path}: layer {layer_idx} lacks expert tensors {missing[:4]}...")
-        gate = convert(reader.get(expert_keys[(0, "gate")]))
-        down = convert(reader.get(expert_keys[(0, "down")]))
-        inter = gate.shape[0]
-        gate_up = torch.empty(num_experts, 2 * inter, gate.shape[1], dtype=gate.dtype)
-        down_all = torch.empty(num_experts, *down.shape, dtype=down.dtype)
         for e in range(num_experts):
-            gate_up[e, :inter] = reader.get(expert_keys[(e, "gate")])
-            gate_up[e, inter:] = reader.get(expert_keys[(e, "up")])
-            down_all[e] = reader.get(expert_keys[(e, "down")])
+            gate, up, down = (reader.get(expert_keys[(e, p)]) for p in ("gate", "up", "down"))
+            if e == 0:  # the fused tensors take their shapes from the first expert
+                inter = gate.shape[0]
+                fused_dtype = dtype if dtype is not None else gate.dtype
+                gate_up = torch.empty(num_experts, 2 * inter, gate.shape[1], dtype=fused_dtype)
+                down_all = torch.empty(num_experts, *down.shape, dtype=fused_dtype)
+            gate_up[e, :inter] = gate
+            gate_up[e, inter:] = up
+            down_all[e] = down
         state["mlp.experts.gate_up_proj"] = gate_up
         state["mlp.experts.down_proj"] = down_all
     return state
