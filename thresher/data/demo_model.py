@@ -13,10 +13,12 @@ import hashlib
 import json
 import logging
 import math
+import os
 import platform
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -103,6 +105,24 @@ def build_demo_model(size: str = "small", force: bool = False,
     return final
 
 
+@contextmanager
+def tokenizers_parallel() -> Iterator[None]:
+    """Let the Rust tokenizers use every core for a while, then switch them back off.
+
+    thresher keeps ``TOKENIZERS_PARALLELISM=false`` (servers and flows fork); training the demo
+    tokenizer and encoding its corpus are the only bulk tokenizer work, and halve with 2 threads.
+    """
+    previous = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = previous
+
+
 def train_tokenizer(vocab_size: int):
     """A byte-level BPE tokenizer trained on the stdlib train split."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -129,13 +149,14 @@ def _train(spec: DemoSpec, out: Path, progress: Callable[[int, int, float], None
 
     start = time.perf_counter()
     torch.manual_seed(spec.seed)
-    tokenizer = train_tokenizer(spec.vocab_size)
-    eos_id = tokenizer.convert_tokens_to_ids(EOS)
-    ids: list[int] = []
-    docs = list(iter_documents("stdlib", "train"))
-    for enc in tokenizer.backend_tokenizer.encode_batch(docs, add_special_tokens=False):
-        ids.extend(enc.ids)
-        ids.append(eos_id)
+    with tokenizers_parallel():
+        tokenizer = train_tokenizer(spec.vocab_size)
+        eos_id = tokenizer.convert_tokens_to_ids(EOS)
+        ids: list[int] = []
+        docs = list(iter_documents("stdlib", "train"))
+        for enc in tokenizer.backend_tokenizer.encode_batch(docs, add_special_tokens=False):
+            ids.extend(enc.ids)
+            ids.append(eos_id)
     data = torch.tensor(ids, dtype=torch.long)
     log.info("demo model: tokenizer and %d training tokens ready in %.1f s", data.numel(),
              time.perf_counter() - start)
