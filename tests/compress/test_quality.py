@@ -1,8 +1,8 @@
 """Quality on the trained tiny demo MoE: held-out perplexity, same calibration for every method.
 
-Only orderings that hold with a clear margin on this model are asserted. At 3 bits every method
-stays within a fraction of a percent of the float model here, so the 3-bit ordering is noise and
-is reported by benchmarks/quant_quality.py instead of asserted.
+The orderings the GPTQ and AWQ papers report at low bit widths, on the settings where they hold
+on this model (docs/benchmarks.md has every setting): at 3 bits per row, where g64 RTN is
+within noise of the float model, and at 2 bits per row and g64.
 """
 
 import pytest
@@ -34,15 +34,17 @@ def ppl(model, windows):
     return perplexity(model, windows, show_progress=False).perplexity
 
 
-def test_2bit_gptq_and_awq_beat_rtn(tiny_demo, windows, float_ppl):
+@pytest.mark.parametrize(("bits", "group_size"), [(3, -1), (2, -1), (2, GROUP)])
+def test_low_bit_gptq_and_awq_beat_rtn(tiny_demo, windows, float_ppl, bits, group_size):
     def increase(**kw):
-        stage = QuantizeStage(method="rtn").model_copy(update={"bits": 2, "group_size": GROUP, **kw})
+        stage = QuantizeStage(method="rtn").model_copy(
+            update={"bits": bits, "group_size": group_size, **kw})
         model, records = quantize_in_memory(tiny_demo, stage, CAL)
         return ppl(model, windows) - float_ppl
 
     rtn = increase(method="rtn")
     gptq = increase(method="gptq")
-    awq = increase(method="awq", clip=True)  # 2-bit AWQ exists in memory only (gemm is 4-bit)
+    awq = increase(method="awq", clip=True)  # in memory only: the gemm format is 4-bit
     assert rtn > 0
     assert gptq <= 0.5 * rtn, (gptq, rtn)
     assert awq < rtn, (awq, rtn)

@@ -42,13 +42,6 @@ def test_reap_beats_random_at_half(heldout_ppl):
     assert heldout_ppl["reap-50"] < heldout_ppl["random-50"], heldout_ppl
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "measured on the current tiny demo (300 steps, held-out ppl ~187-195): frequency 50% ~189-198, "
-    "REAP 50% ~204-208 with 32 or 64 calibration windows (identical masks at 64 and 256); the observer "
-    "matches a brute-force computation (test_observer.py). Single-expert removal damage on this "
-    "model follows routed-token counts more than REAP's mean gated norm (layer 1 rank correlation "
-    "-0.36 for REAP, 0.76 for frequency). Strict: remove this marker once the demo model "
-    "separates them."))
 def test_reap_beats_frequency_at_half(heldout_ppl):
     assert heldout_ppl["reap-50"] < heldout_ppl["frequency-50"], heldout_ppl
 
