@@ -59,8 +59,8 @@ SPECS: dict[str, DemoSpec] = {
     # The model the tests use: trains in under 90 s on 2 cores. Within that budget, windows of
     # 128 tokens (twice the optimizer steps for the same tokens) gave held-out perplexity 150-200
     # where 256-token windows gave 190-285, and the stronger load-balancing loss (0.1, closer to
-    # the near-uniform expert loads of production MoEs) keeps expert frequency from deciding what
-    # an expert is worth. On a model this small the papers' orderings are marginal and change
+    # the near-uniform expert loads of production MoEs) made REAP competitive with frequency
+    # pruning more often. On a model this small the papers' orderings are marginal and change
     # with the training run; the runs tried and what held on each are in docs/benchmarks.md.
     "tiny": DemoSpec(vocab_size=4096, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
                      head_dim=32, moe_intermediate_size=64, num_experts=8, top_k=2,
