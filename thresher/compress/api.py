@@ -31,7 +31,11 @@ from thresher.compress.targets import ALWAYS_16BIT, OPTIONAL_16BIT, LayerParts, 
 from thresher.data.windows import calibration_windows
 from thresher.errors import ArtifactError, CompressionError
 from thresher.models.checkpoint import INDEX_NAME, CheckpointWriter, canonical_layer_state
-from thresher.models.layerwise import LayerwiseModel, release_free_memory
+from thresher.models.layerwise import (
+    LayerwiseModel,
+    keep_large_blocks_off_heap,
+    release_free_memory,
+)
 from thresher.models.loading import load_model, load_tokenizer
 from thresher.recipe import CalibrationConfig, QuantizeStage
 
@@ -173,6 +177,7 @@ def quantize_model(model_dir: Path, stage: QuantizeStage, calibration: Calibrati
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if out_dir.exists():
         raise ArtifactError(f"{out_dir}: already exists; choose a new output directory")
+    keep_large_blocks_off_heap()
     lw = LayerwiseModel(model_dir, torch.float32)
     check_stage(stage, lw)
     windows = None
