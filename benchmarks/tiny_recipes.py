@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import time
 from pathlib import Path
 
 from thresher.compress.api import quantize_in_memory
@@ -25,7 +24,6 @@ from thresher.data.windows import calibration_windows, eval_windows
 from thresher.evaluate.perplexity import perplexity
 from thresher.models import load_model, load_tokenizer
 from thresher.models.layerwise import LayerwiseModel
-from thresher.paths import build_dir_atomically
 from thresher.prune.api import prune_model
 from thresher.prune.observer import observe_experts
 from thresher.recipe import CalibrationConfig, PerplexityConfig, PruneStage, QuantizeStage
@@ -40,14 +38,9 @@ def ppl(model, windows) -> float:
 
 
 def train(overrides: dict, out: Path) -> tuple[Path, float]:
+    """The variant's checkpoint (trained unless OUT already holds it) and its training seconds."""
     spec = dataclasses.replace(demo_model.SPECS["tiny"], **overrides)
-    path = out / demo_model.demo_key(spec)
-    out.mkdir(parents=True, exist_ok=True)
-    if not (path / "config.json").is_file():
-        start = time.perf_counter()
-        with build_dir_atomically(path) as tmp:
-            demo_model._train(spec, tmp, None)
-        return path, time.perf_counter() - start
+    path = demo_model.build_from_spec(spec, out / f"tiny-{demo_model.demo_key(spec)}")
     return path, float(json.loads((path / "demo_model.json").read_text())["train_seconds"])
 
 
@@ -57,14 +50,15 @@ def measure(path: Path) -> dict[str, float]:
     windows = eval_windows(tok, PerplexityConfig(max_windows=32))
     observed = observe_experts(LayerwiseModel(path), calibration_windows(tok, CAL),
                                show_progress=False)
-    result["ppl"] = ppl(load_model(path), windows)
+    base_model = load_model(path)
+    result["ppl"] = ppl(base_model, windows)
     for method, ratio in PRUNE:
         pruned = path.parent / f"{path.name}-{method}{ratio}"
         prune_model(path, PruneStage(method=method, ratio=ratio, seed=0), CAL, pruned,
                     observed=observed, show_progress=False)
         result[f"{method}{int(ratio * 100)}"] = ppl(load_model(pruned), windows)
     windows = eval_windows(tok, PerplexityConfig(max_windows=24))
-    base = ppl(load_model(path), windows)
+    base = ppl(base_model, windows)
     for bits, group in QUANT:
         for method in ("rtn", "gptq", "awq"):
             stage = QuantizeStage(method="rtn").model_copy(update={

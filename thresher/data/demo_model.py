@@ -96,8 +96,13 @@ def _spec(size: str) -> DemoSpec:
 def build_demo_model(size: str = "small", force: bool = False,
                      progress: Callable[[int, int, float], None] | None = None) -> Path:
     """Train (or reuse) demo model ``size`` and return its checkpoint directory."""
-    spec = _spec(size)
-    final = demo_model_dir(size)
+    return build_from_spec(_spec(size), demo_model_dir(size), force, progress)
+
+
+def build_from_spec(spec: DemoSpec, final: Path, force: bool = False,
+                    progress: Callable[[int, int, float], None] | None = None) -> Path:
+    """Train (or reuse) the model ``spec`` describes into ``final`` (benchmarks try variants)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
     lock_path = final.with_suffix(".lock")
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two processes asking at once train it once
