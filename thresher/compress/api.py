@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 
 from thresher.compress.driver import CALIBRATED, LayerCallback, SequentialQuantizer, grid_spec
-from thresher.compress.formats import awq as awq_format
-from thresher.compress.formats import gptq as gptq_format
-from thresher.compress.formats import nf4 as nf4_format
-from thresher.compress.formats.registry import FORMAT_OF_METHOD, PACKERS
 from thresher.compress.targets import ALWAYS_16BIT, OPTIONAL_16BIT, LayerParts, all_targets
 from thresher.data.windows import calibration_windows
 from thresher.errors import ArtifactError, CompressionError
+from thresher.formats import awq as awq_format
+from thresher.formats import gptq as gptq_format
+from thresher.formats import nf4 as nf4_format
+from thresher.formats.registry import FORMAT_OF_METHOD, PACKERS
 from thresher.models.checkpoint import INDEX_NAME, CheckpointWriter, canonical_layer_state
 from thresher.models.layerwise import (
     LayerwiseModel,

@@ -38,7 +38,7 @@ from thresher.compress.awq import (
 )
 from thresher.compress.gptq import GPTQ
 from thresher.compress.nf4 import NF4Weight, nf4_quantize
-from thresher.compress.quantizer import GridSpec, QuantizedWeight, relative_error
+from thresher.compress.quantizer import GridSpec, relative_error
 from thresher.compress.rtn import rtn_quantize
 from thresher.compress.targets import (
     InputSite,
@@ -50,6 +50,7 @@ from thresher.compress.targets import (
     scaling_groups,
     sequential_stages,
 )
+from thresher.formats.quantized import QuantizedWeight
 from thresher.models.layerwise import LayerwiseModel
 from thresher.recipe import QuantizeStage
 

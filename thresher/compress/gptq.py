@@ -13,8 +13,9 @@ import math
 
 import torch
 
-from thresher.compress.quantizer import GridSpec, QuantizedWeight, dequantize, fit_grid, quantize
+from thresher.compress.quantizer import GridSpec, dequantize, fit_grid, quantize
 from thresher.errors import CompressionError
+from thresher.formats.quantized import QuantizedWeight
 
 log = logging.getLogger(__name__)
 

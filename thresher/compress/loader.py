@@ -18,10 +18,10 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from thresher.compress.formats.awq import unpack_awq
-from thresher.compress.formats.gptq import unpack_gptq
-from thresher.compress.formats.nf4 import STATE_KEY, unpack_nf4
 from thresher.errors import ArtifactError
+from thresher.formats.awq import unpack_awq
+from thresher.formats.gptq import unpack_gptq
+from thresher.formats.nf4 import STATE_KEY, unpack_nf4
 from thresher.models.adapters import get_adapter
 from thresher.models.checkpoint import CheckpointReader
 

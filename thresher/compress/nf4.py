@@ -8,32 +8,11 @@ here directly (transformers' own 4-bit loading leaves fused experts in full prec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:  # bitsandbytes costs ~200 MB of resident memory: imported only for NF4 work
-    import bitsandbytes.functional as bnbf
+from thresher.formats.nf4 import NF4Weight
 
 BLOCK_SIZE = 64
-
-
-@dataclass
-class NF4Weight:
-    """One matrix in bitsandbytes' 4-bit representation: packed bytes plus its QuantState."""
-
-    packed: torch.Tensor  # uint8 [numel / 2, 1]
-    state: bnbf.QuantState
-
-    def dequantize(self) -> torch.Tensor:
-        import bitsandbytes.functional as bnbf
-
-        return bnbf.dequantize_4bit(self.packed, self.state, quant_type="nf4").float()
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.state.shape
 
 
 def nf4_quantize(w: torch.Tensor, double_quant: bool, dtype: torch.dtype) -> NF4Weight:

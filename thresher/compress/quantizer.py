@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from thresher.formats.quantized import QuantizedWeight
+
 
 @dataclass(frozen=True)
 class GridSpec:
@@ -26,30 +28,6 @@ class GridSpec:
     @property
     def maxq(self) -> int:
         return 2**self.bits - 1
-
-
-@dataclass
-class QuantizedWeight:
-    """Integer codes of one [out, in] matrix with a scale and zero per (row, group).
-
-    ``g_idx[k]`` is the group of input column k; with act-order (without static groups) it is not
-    monotonic.
-    """
-
-    codes: torch.Tensor  # uint8 [out, in]
-    scales: torch.Tensor  # float32 [out, groups], fp16-representable
-    zeros: torch.Tensor  # int32 [out, groups]
-    g_idx: torch.Tensor  # int32 [in]
-    bits: int
-    group_size: int  # -1 = one group per row
-
-    def dequantize(self) -> torch.Tensor:
-        g = self.g_idx.long()
-        return self.scales[:, g] * (self.codes.float() - self.zeros[:, g].float())
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.codes.shape
 
 
 def fit_grid(w: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from thresher.compress.quantizer import GridSpec, QuantizedWeight, quantize_grouped
+from thresher.compress.quantizer import GridSpec, quantize_grouped
+from thresher.formats.quantized import QuantizedWeight
 
 
 def rtn_quantize(w: torch.Tensor, spec: GridSpec, group_size: int) -> QuantizedWeight:

@@ -19,11 +19,11 @@ from prefect import task
 
 from thresher import __version__
 from thresher.errors import ThresherError
-from thresher.flows.resources import measure
 from thresher.flows.store import COMPLETE_MARKER, ArtifactStore, stage_key
 from thresher.models.manifest import read_manifest, write_manifest
 from thresher.models.source import hash_directory, resolve_model
 from thresher.recipe import CalibrationConfig, EvalConfig, PerplexityConfig, Stage, ValidateConfig
+from thresher.resources import measure
 
 log = logging.getLogger(__name__)
 

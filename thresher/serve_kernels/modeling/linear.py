@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from thresher.compress.formats.gptq import unpack_gptq
-from thresher.compress.formats.nf4 import STATE_KEY, unpack_nf4
 from thresher.errors import ArtifactError
+from thresher.formats.gptq import unpack_gptq
+from thresher.formats.nf4 import STATE_KEY, unpack_nf4
 from thresher.models.checkpoint import CheckpointReader
 from thresher.serve_kernels.kernels import NF4Weight, awq_matmul, gptq_matmul, nf4_matmul
 

@@ -3,12 +3,13 @@
 import pytest
 import torch
 
-from thresher.compress.formats.awq import pack_awq, unpack_awq
-from thresher.compress.formats.gptq import pack_gptq, unpack_gptq
-from thresher.compress.formats.nf4 import STATE_KEY, pack_nf4, unpack_nf4
 from thresher.compress.gptq import GPTQ
 from thresher.compress.nf4 import nf4_quantize
-from thresher.compress.quantizer import GridSpec, QuantizedWeight, quantize_grouped
+from thresher.compress.quantizer import GridSpec, quantize_grouped
+from thresher.formats.awq import pack_awq, unpack_awq
+from thresher.formats.gptq import pack_gptq, unpack_gptq
+from thresher.formats.nf4 import STATE_KEY, pack_nf4, unpack_nf4
+from thresher.formats.quantized import QuantizedWeight
 
 
 def random_quantized(n: int, k: int, bits: int, group_size: int, shuffle_groups: bool = False,

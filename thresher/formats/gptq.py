@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from thresher.compress.formats.bits import (
+from thresher.formats.bits import (
     pack_along_cols,
     pack_along_rows,
     unpack_along_cols,
     unpack_along_rows,
 )
-from thresher.compress.quantizer import QuantizedWeight
+from thresher.formats.quantized import QuantizedWeight
 
 TENSORS = ("qweight", "qzeros", "scales", "g_idx")
 BITS = (2, 3, 4, 8)

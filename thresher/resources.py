@@ -1,4 +1,9 @@
-"""Wall time and peak resident memory of a piece of work, for the stage metrics."""
+"""Wall time and peak resident memory of a piece of work: the one definition of "peak memory".
+
+CLI reports, flow metrics and benchmarks all read it from here, so the same work reports the same
+number wherever it runs. On Linux the peak is the kernel's VmHWM, reset at the start of the block
+(``/proc/self/clear_refs``); elsewhere it falls back to the process-lifetime ``ru_maxrss``.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ _CLEAR_REFS = Path("/proc/self/clear_refs")
 _STATUS = Path("/proc/self/status")
 
 
-def _reset_peak() -> bool:
+def reset_peak() -> bool:
     """Reset the kernel's peak-RSS counter (VmHWM) for this process, where Linux allows it."""
     try:
         _CLEAR_REFS.write_text("5")
@@ -22,7 +27,8 @@ def _reset_peak() -> bool:
         return False
 
 
-def _peak_rss_mb() -> float:
+def peak_rss_mb() -> float:
+    """The process's peak resident set (MiB) since the last ``reset_peak``."""
     try:
         for line in _STATUS.read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -42,10 +48,10 @@ class Usage:
 def measure() -> Iterator[Usage]:
     """Measure the enclosed block: wall seconds and the process's peak RSS while it ran."""
     usage = Usage()
-    _reset_peak()
+    reset_peak()
     start = time.perf_counter()
     try:
         yield usage
     finally:
         usage.wall_seconds = time.perf_counter() - start
-        usage.peak_rss_mb = _peak_rss_mb()
+        usage.peak_rss_mb = peak_rss_mb()

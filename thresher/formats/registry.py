@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import torch
 
-from thresher.compress.formats.awq import pack_awq
-from thresher.compress.formats.gptq import pack_gptq
-from thresher.compress.formats.nf4 import pack_nf4
+from thresher.formats.awq import pack_awq
+from thresher.formats.gptq import pack_gptq
+from thresher.formats.nf4 import pack_nf4
 
 FORMAT_OF_METHOD = {"rtn": "gptq", "gptq": "gptq", "awq": "awq", "nf4": "bitsandbytes"}
 

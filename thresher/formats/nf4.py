@@ -9,11 +9,32 @@ bitsandbytes' own ``QuantState.as_dict(packed=True)``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
-from thresher.compress.nf4 import NF4Weight
+if TYPE_CHECKING:  # bitsandbytes costs ~200 MB of resident memory: imported only for NF4 work
+    import bitsandbytes.functional as bnbf
 
 STATE_KEY = "weight.quant_state.bitsandbytes__nf4"
+
+
+@dataclass
+class NF4Weight:
+    """One matrix in bitsandbytes' 4-bit representation: packed bytes plus its QuantState."""
+
+    packed: torch.Tensor  # uint8 [numel / 2, 1]
+    state: bnbf.QuantState
+
+    def dequantize(self) -> torch.Tensor:
+        import bitsandbytes.functional as bnbf
+
+        return bnbf.dequantize_4bit(self.packed, self.state, quant_type="nf4").float()
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.state.shape
 
 
 def pack_nf4(w: NF4Weight) -> dict[str, torch.Tensor]:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from thresher.compress.formats.bits import to_int32
-from thresher.compress.quantizer import QuantizedWeight
+from thresher.formats.bits import to_int32
+from thresher.formats.quantized import QuantizedWeight
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 TENSORS = ("qweight", "qzeros", "scales")
