@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 from thresher.compress.api import quantize_in_memory, quantize_model
-from thresher.compress.loader import load_quantized_model
 from thresher.data.windows import eval_windows
 from thresher.evaluate.perplexity import perplexity
 from thresher.models import load_model, load_tokenizer, resolve_model
+from thresher.models.quantized import load_quantized_model
 from thresher.recipe import CalibrationConfig, PerplexityConfig, QuantizeStage
 
 ROWS = [("rtn", 4, {}), ("gptq", 4, {}), ("gptq", 4, {"act_order": True}), ("awq", 4, {}),

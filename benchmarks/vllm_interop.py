@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 
 from thresher.compress.api import quantize_model
-from thresher.compress.loader import load_quantized_model
 from thresher.data.demo_model import build_demo_model
 from thresher.data.windows import eval_windows
 from thresher.models import load_model, load_tokenizer, save_model
+from thresher.models.quantized import load_quantized_model
 from thresher.models.random_init import random_config
 from thresher.prune.api import prune_model
 from thresher.recipe import CalibrationConfig, PerplexityConfig, PruneStage, QuantizeStage

@@ -12,9 +12,9 @@ from safetensors import safe_open
 from tests.conftest import build_random_model
 from thresher import recipe
 from thresher.compress.api import quantize_model
-from thresher.compress.loader import load_quantized_model
 from thresher.errors import ArtifactError, CompressionError
 from thresher.models import get_adapter, load_model, save_model
+from thresher.models.quantized import load_quantized_model
 from thresher.recipe import CalibrationConfig, FilesSource, QuantizeStage
 
 # A small local text keeps calibration fast (the stdlib corpus is tokenized per tokenizer path).

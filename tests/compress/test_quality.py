@@ -8,10 +8,10 @@ model, so that setting is reported (docs/benchmarks.md) and not asserted.
 import pytest
 
 from thresher.compress.api import quantize_in_memory, quantize_model
-from thresher.compress.loader import load_quantized_model
 from thresher.data.windows import eval_windows
 from thresher.evaluate.perplexity import perplexity
 from thresher.models import get_adapter, load_model
+from thresher.models.quantized import load_quantized_model
 from thresher.recipe import CalibrationConfig, PerplexityConfig, QuantizeStage
 
 pytestmark = pytest.mark.slow

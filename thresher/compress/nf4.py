@@ -23,4 +23,4 @@ def nf4_quantize(w: torch.Tensor, double_quant: bool, dtype: torch.dtype) -> NF4
         w.detach().to(dtype).contiguous(), blocksize=BLOCK_SIZE, compress_statistics=double_quant,
         quant_type="nf4", quant_storage=torch.uint8,
     )
-    return NF4Weight(packed=packed, state=state)
+    return NF4Weight.from_quant_state(packed, state)

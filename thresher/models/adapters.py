@@ -10,6 +10,7 @@ gives per-expert views of the fused tensors and the canonical on-disk names of e
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,18 @@ FAMILIES: dict[str, FamilySpec] = {
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+EXPERT_ROLES = ("gate", "up", "down")
+
+# The Llama-style layout every supported family shares, on disk and in transformers' modules.
+DISK_LAYERS = "model.layers"
+DISK_EMBEDDINGS = "model.embed_tokens"
+DISK_FINAL_NORM = "model.norm"
+DISK_LM_HEAD = "lm_head"
+
+# transformers 5's fused experts, as keys of one decoder layer's in-memory state dict.
+MEMORY_EXPERTS_PREFIX = "mlp.experts."
+MEMORY_GATE_UP = MEMORY_EXPERTS_PREFIX + "gate_up_proj"  # [E, 2I, H]
+MEMORY_DOWN = MEMORY_EXPERTS_PREFIX + "down_proj"  # [E, H, I]
 
 
 class Adapter:
@@ -188,20 +201,79 @@ class Adapter:
         return act(torch.nn.functional.linear(x, w.gate)) * torch.nn.functional.linear(x, w.up)
 
     # -- on-disk names ------------------------------------------------------------------------
+    # Module names without ``.weight``, as hub checkpoints and vLLM spell them.
+
+    def disk_layer_prefix(self, layer_idx: int) -> str:
+        """The prefix (trailing dot included) of every tensor of decoder layer ``layer_idx``."""
+        return f"{DISK_LAYERS}.{layer_idx}."
+
+    def is_disk_layer_key(self, key: str) -> bool:
+        """Whether ``key`` belongs to a decoder layer (rather than embeddings, norm, head)."""
+        return key.startswith(DISK_LAYERS + ".")
+
+    def disk_attention_key(self, layer_idx: int, name: str) -> str:
+        """``name`` in ``q_proj|k_proj|v_proj|o_proj|q_norm|k_norm`` of layer ``layer_idx``."""
+        return f"{self.disk_layer_prefix(layer_idx)}self_attn.{name}"
+
+    def disk_input_norm_key(self, layer_idx: int) -> str:
+        return f"{self.disk_layer_prefix(layer_idx)}input_layernorm"
+
+    def disk_post_attention_norm_key(self, layer_idx: int) -> str:
+        return f"{self.disk_layer_prefix(layer_idx)}post_attention_layernorm"
+
+    def disk_dense_mlp_key(self, layer_idx: int, proj: str) -> str:
+        """``proj`` in ``gate_proj|up_proj|down_proj`` of a dense MLP layer."""
+        return f"{self.disk_layer_prefix(layer_idx)}mlp.{proj}"
 
     def disk_expert_key(self, layer_idx: int, e: int, proj: str) -> str:
         """Hub-canonical name (without ``.weight``) of expert ``e``'s ``proj`` in ``gate|up|down``."""
-        name = dict(zip(("gate", "up", "down"), self.spec.disk_expert_names, strict=True))[proj]
-        return f"model.layers.{layer_idx}.{self.spec.disk_moe_prefix}.experts.{e}.{name}"
+        name = dict(zip(EXPERT_ROLES, self.spec.disk_expert_names, strict=True))[proj]
+        return f"{self._disk_moe(layer_idx)}.experts.{e}.{name}"
+
+    def parse_disk_expert_key(self, key: str) -> tuple[int, int, str] | None:
+        """(layer, expert, ``gate|up|down``) of a per-expert module name (without ``.weight``);
+        None for any other name."""
+        m = re.fullmatch(rf"{re.escape(DISK_LAYERS)}\.(\d+)\.{re.escape(self.spec.disk_moe_prefix)}"
+                         r"\.experts\.(\d+)\.(\w+)", key)
+        roles = dict(zip(self.spec.disk_expert_names, EXPERT_ROLES, strict=True))
+        if m is None or m.group(3) not in roles:
+            return None
+        return int(m.group(1)), int(m.group(2)), roles[m.group(3)]
 
     def disk_router_key(self, layer_idx: int) -> str:
-        return f"model.layers.{layer_idx}.{self.spec.disk_moe_prefix}.gate"
+        return f"{self._disk_moe(layer_idx)}.gate"
+
+    def disk_shared_expert_key(self, layer_idx: int, proj: str) -> str:
+        """``proj`` in ``gate_proj|up_proj|down_proj`` of the shared expert (Qwen2-MoE)."""
+        return f"{self._disk_moe(layer_idx)}.shared_expert.{proj}"
+
+    def disk_shared_expert_gate_key(self, layer_idx: int) -> str:
+        return f"{self._disk_moe(layer_idx)}.shared_expert_gate"
+
+    def disk_embeddings_key(self) -> str:
+        return DISK_EMBEDDINGS
+
+    def disk_final_norm_key(self) -> str:
+        return DISK_FINAL_NORM
+
+    def disk_lm_head_key(self) -> str:
+        return DISK_LM_HEAD
+
+    def _disk_moe(self, layer_idx: int) -> str:
+        return f"{self.disk_layer_prefix(layer_idx)}{self.spec.disk_moe_prefix}"
 
     def memory_key_from_disk(self, key: str) -> str:
         """Map a non-expert on-disk key to the in-memory parameter name."""
         prefix = self.spec.disk_moe_prefix
         if prefix != "mlp":
             key = key.replace(f".{prefix}.", ".mlp.")
+        return key
+
+    def disk_key_from_memory(self, key: str) -> str:
+        """Map a non-expert in-memory parameter name to its on-disk key."""
+        prefix = self.spec.disk_moe_prefix
+        if prefix != "mlp":
+            key = key.replace(".mlp.", f".{prefix}.")
         return key
 
 

@@ -9,7 +9,6 @@ memory can be streamed through calibration and written back shard by shard.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -18,7 +17,8 @@ import torch
 from safetensors import safe_open
 
 from thresher.errors import ModelError
-from thresher.models.adapters import Adapter
+from thresher.formats.dtypes import SAFETENSORS_DTYPES
+from thresher.models.adapters import EXPERT_ROLES, MEMORY_DOWN, MEMORY_GATE_UP, Adapter
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -66,9 +66,6 @@ class CheckpointReader:
         return [k for k in self.weight_map if k.startswith(prefix)]
 
 
-_EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.weight$")
-
-
 def read_layer_state(reader: CheckpointReader, adapter: Adapter, layer_idx: int, num_experts: int,
                      dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The in-memory state dict (keys relative to the layer) of decoder layer ``layer_idx``.
@@ -76,8 +73,7 @@ def read_layer_state(reader: CheckpointReader, adapter: Adapter, layer_idx: int,
     Floating tensors are converted to ``dtype`` when given. Experts are copied one at a time into
     preallocated fused tensors, so reading a layer holds about one copy of it, not three.
     """
-    prefix = f"model.layers.{layer_idx}."
-    names = dict(zip(adapter.spec.disk_expert_names, ("gate", "up", "down"), strict=True))
+    prefix = adapter.disk_layer_prefix(layer_idx)
     expert_keys: dict[tuple[int, str], str] = {}
     state: dict[str, torch.Tensor] = {}
 
@@ -85,18 +81,18 @@ def read_layer_state(reader: CheckpointReader, adapter: Adapter, layer_idx: int,
         return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
     for key in reader.with_prefix(prefix):
-        m = _EXPERT_KEY.match(key)
-        if m and m.group(2) == adapter.spec.disk_moe_prefix and m.group(4) in names:
-            expert_keys[(int(m.group(3)), names[m.group(4)])] = key
+        expert = adapter.parse_disk_expert_key(key.removesuffix(".weight"))
+        if expert is not None and key.endswith(".weight"):
+            expert_keys[expert[1:]] = key
         else:
             state[adapter.memory_key_from_disk(key)[len(prefix) :]] = convert(reader.get(key))
     if expert_keys:
-        missing = [(e, p) for e in range(num_experts) for p in ("gate", "up", "down")
+        missing = [(e, p) for e in range(num_experts) for p in EXPERT_ROLES
                    if (e, p) not in expert_keys]
         if missing:
             raise ModelError(f"{reader.path}: layer {layer_idx} lacks expert tensors {missing[:4]}...")
         for e in range(num_experts):
-            gate, up, down = (reader.get(expert_keys[(e, p)]) for p in ("gate", "up", "down"))
+            gate, up, down = (reader.get(expert_keys[(e, p)]) for p in EXPERT_ROLES)
             if e == 0:  # the fused tensors take their shapes from the first expert
                 inter = gate.shape[0]
                 fused_dtype = dtype if dtype is not None else gate.dtype
@@ -105,8 +101,8 @@ def read_layer_state(reader: CheckpointReader, adapter: Adapter, layer_idx: int,
             gate_up[e, :inter] = gate
             gate_up[e, inter:] = up
             down_all[e] = down
-        state["mlp.experts.gate_up_proj"] = gate_up
-        state["mlp.experts.down_proj"] = down_all
+        state[MEMORY_GATE_UP] = gate_up
+        state[MEMORY_DOWN] = down_all
     return state
 
 
@@ -114,30 +110,19 @@ def canonical_layer_state(adapter: Adapter, layer_idx: int, state: dict[str, tor
                           ) -> dict[str, torch.Tensor]:
     """In-memory layer state (relative keys) -> hub-canonical absolute keys, experts split."""
     out: dict[str, torch.Tensor] = {}
-    prefix = f"model.layers.{layer_idx}."
-    disk_moe = adapter.spec.disk_moe_prefix
+    prefix = adapter.disk_layer_prefix(layer_idx)
     for key, tensor in state.items():
-        if key == "mlp.experts.gate_up_proj":
+        if key == MEMORY_GATE_UP:
             inter = tensor.shape[1] // 2
             for e in range(tensor.shape[0]):
                 out[adapter.disk_expert_key(layer_idx, e, "gate") + ".weight"] = tensor[e, :inter]
                 out[adapter.disk_expert_key(layer_idx, e, "up") + ".weight"] = tensor[e, inter:]
-        elif key == "mlp.experts.down_proj":
+        elif key == MEMORY_DOWN:
             for e in range(tensor.shape[0]):
                 out[adapter.disk_expert_key(layer_idx, e, "down") + ".weight"] = tensor[e]
-        elif key.startswith("mlp.") and disk_moe != "mlp" and adapter.is_moe:
-            out[prefix + disk_moe + key[len("mlp") :]] = tensor
         else:
-            out[prefix + key] = tensor
+            out[adapter.disk_key_from_memory(prefix + key)] = tensor
     return out
-
-
-_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32",
-    torch.uint64: "U64", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
 
 
 class _ShardStream:
@@ -158,7 +143,7 @@ class _ShardStream:
         raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
         self._data.write(memoryview(raw))
         size = t.numel() * t.element_size()
-        self.header[key] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
+        self.header[key] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
                             "data_offsets": [self.nbytes, self.nbytes + size]}
         self.nbytes += size
 

@@ -10,13 +10,13 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from thresher.errors import ModelError
+from thresher.formats.dtypes import DTYPES
 from thresher.models.layerwise import load_config
 from thresher.models.manifest import verify_artifact
+from thresher.models.quantized import load_quantized_model
 from thresher.models.source import resolve_model
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
@@ -34,8 +34,6 @@ def load_model(source: str | Path, dtype: torch.dtype | str = torch.float32) -> 
     verify_artifact(path)  # a published artifact must match its manifest
     config = load_config(path)  # refuses unsupported families with the list of supported ones
     if getattr(config, "quantization_config", None) is not None:
-        from thresher.compress.loader import load_quantized_model
-
         return load_quantized_model(path, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()

@@ -4,18 +4,17 @@
 calibration data layer by layer (unless the method is the ``random`` control), chooses the experts
 each MoE layer keeps, and writes the pruned checkpoint one decoder layer at a time under the
 hub-canonical names, with the tokenizer files and ``prune_report.json`` (every expert's saliency,
-routed-token counts, and the removed experts of each layer). The output is written into a hidden
-sibling directory and renamed at the end, so a crash never leaves a partial artifact behind.
+routed-token counts, and the removed experts of each layer). The output is built in a hidden
+sibling directory and renamed at the end (``paths.build_dir_atomically``), so a crash never leaves
+a partial artifact behind; wall time and peak memory come from ``resources.measure``, the number
+the flows report too.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import resource
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,10 +34,12 @@ from thresher.models.checkpoint import (
 )
 from thresher.models.layerwise import LayerwiseModel, load_config
 from thresher.models.loading import load_tokenizer
+from thresher.paths import build_dir_atomically
 from thresher.prune.mask import choose_experts, experts_to_keep, prune_layer_state
 from thresher.prune.observer import ExpertStats, observe_experts
 from thresher.prune.saliency import random_saliency, saliency
 from thresher.recipe import CalibrationConfig, PruneStage
+from thresher.resources import measure
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +113,6 @@ class PruneReport:
         return json.dumps(data, indent=2)
 
 
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
 def check_prune(model_dir: Path, stage: PruneStage) -> tuple[PretrainedConfig, int]:
     """Refuse, before any compute, a stage that does not fit the model: unsupported family, dense
     model, ratio or keep out of range, fewer experts left than top-k. Returns (config, kept)."""
@@ -139,10 +136,28 @@ def prune_model(model_dir: Path, stage: PruneStage, calibration: CalibrationConf
     ``observe_experts`` call, so that several methods can be compared on one observation.
     """
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    start = time.perf_counter()
     if out_dir.exists():
         raise ArtifactError(f"{out_dir} already exists; choose a new output directory or remove it")
     config, n_keep = check_prune(model_dir, stage)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with build_dir_atomically(out_dir) as build:
+        with measure() as usage:
+            report = _prune_into(build, model_dir, out_dir, config, n_keep, stage, calibration,
+                                 observed, show_progress)
+        report.wall_seconds, report.peak_rss_mb = usage.wall_seconds, usage.peak_rss_mb
+        (build / REPORT_NAME).write_text(report.to_json())
+        if out_dir.exists():
+            raise ArtifactError(f"{out_dir} appeared while pruning; refusing to overwrite it")
+    log.info("pruned %s -> %s: %d of %d experts kept in %d layers (%.1f s)", model_dir, out_dir,
+             n_keep, report.num_experts, len(report.layers), report.wall_seconds)
+    return report
+
+
+def _prune_into(build: Path, model_dir: Path, out_dir: Path, config: PretrainedConfig, n_keep: int,
+                stage: PruneStage, calibration: CalibrationConfig,
+                observed: list[ExpertStats] | None, show_progress: bool) -> PruneReport:
+    """Score and choose the experts, then write the pruned checkpoint, config and tokenizer files
+    into ``build``; the report it returns lacks only wall time and peak memory."""
     lw = LayerwiseModel(model_dir)
     adapter = lw.adapter
     num_experts, top_k = adapter.num_experts(config), adapter.top_k(config)
@@ -180,25 +195,11 @@ def prune_model(model_dir: Path, stage: PruneStage, calibration: CalibrationConf
         log.info("layer %d: removing experts %s", i, report.layers[-1].removed)
 
     adapter.set_num_experts(config, n_keep)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    try:
-        _write_checkpoint(lw.reader, adapter, lw.num_layers, num_experts, kept, tmp, show_progress)
-        config.save_pretrained(tmp)
-        for name in TOKENIZER_FILES:
-            if (model_dir / name).is_file():
-                shutil.copy2(model_dir / name, tmp / name)
-        report.wall_seconds = time.perf_counter() - start
-        report.peak_rss_mb = _peak_rss_mb()
-        (tmp / REPORT_NAME).write_text(report.to_json())
-        if out_dir.exists():
-            raise ArtifactError(f"{out_dir} appeared while pruning; refusing to overwrite it")
-        tmp.rename(out_dir)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            shutil.rmtree(tmp)
-    log.info("pruned %s -> %s: %d of %d experts kept in %d layers (%.1f s)", model_dir, out_dir,
-             n_keep, num_experts, len(moe_layers), report.wall_seconds)
+    _write_checkpoint(lw.reader, adapter, lw.num_layers, num_experts, kept, build, show_progress)
+    config.save_pretrained(build)
+    for name in TOKENIZER_FILES:
+        if (model_dir / name).is_file():
+            shutil.copy2(model_dir / name, build / name)
     return report
 
 
@@ -206,7 +207,7 @@ def _write_checkpoint(reader: CheckpointReader, adapter: Adapter, num_layers: in
                       kept: dict[int, list[int]], out: Path, show_progress: bool) -> None:
     """Copy the non-layer tensors, then each decoder layer with its mask applied."""
     writer = CheckpointWriter(out)
-    writer.add((k, reader.get(k)) for k in reader.tensor_names() if not k.startswith("model.layers."))
+    writer.add((k, reader.get(k)) for k in reader.tensor_names() if not adapter.is_disk_layer_key(k))
     for i in tqdm(range(num_layers), desc="write layers", unit="layer", disable=not show_progress,
                   leave=False):
         state = read_layer_state(reader, adapter, i, num_experts)

@@ -14,9 +14,7 @@ import math
 import torch
 
 from thresher.errors import CompressionError
-from thresher.models.adapters import Adapter
-
-EXPERTS_PREFIX = "mlp.experts."  # the fused expert tensors in a layer's in-memory state
+from thresher.models.adapters import MEMORY_EXPERTS_PREFIX, Adapter
 
 
 def experts_to_keep(num_experts: int, top_k: int, ratio: float | None, keep: int | None,
@@ -54,7 +52,7 @@ def choose_experts(saliency: torch.Tensor, n_keep: int) -> list[int]:
 
 def router_prefix(adapter: Adapter, layer_idx: int) -> str:
     """The router's key prefix inside a layer's in-memory state (``mlp.gate.``)."""
-    layer_prefix = f"model.layers.{layer_idx}."
+    layer_prefix = adapter.disk_layer_prefix(layer_idx)
     return adapter.memory_key_from_disk(adapter.disk_router_key(layer_idx))[len(layer_prefix):] + "."
 
 
@@ -67,7 +65,7 @@ def prune_layer_state(adapter: Adapter, layer_idx: int, state: dict[str, torch.T
     router = router_prefix(adapter, layer_idx)
     out: dict[str, torch.Tensor] = {}
     for key, tensor in state.items():
-        if key.startswith((router, EXPERTS_PREFIX)):
+        if key.startswith((router, MEMORY_EXPERTS_PREFIX)):
             if tensor.dim() == 0 or tensor.shape[0] != num_experts:
                 raise CompressionError(
                     f"layer {layer_idx}: {key} has shape {tuple(tensor.shape)}, expected "
@@ -76,8 +74,8 @@ def prune_layer_state(adapter: Adapter, layer_idx: int, state: dict[str, torch.T
         else:
             out[key] = tensor
     if not (any(k.startswith(router) for k in state)
-            and any(k.startswith(EXPERTS_PREFIX) for k in state)):
+            and any(k.startswith(MEMORY_EXPERTS_PREFIX) for k in state)):
         raise CompressionError(
-            f"layer {layer_idx}: found no router ({router}*) or fused experts ({EXPERTS_PREFIX}*) "
-            "in the checkpoint; is this an MoE layer?")
+            f"layer {layer_idx}: found no router ({router}*) or fused experts "
+            f"({MEMORY_EXPERTS_PREFIX}*) in the checkpoint; is this an MoE layer?")
     return out

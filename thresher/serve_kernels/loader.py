@@ -18,7 +18,15 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from thresher.errors import ArtifactError
-from thresher.models.adapters import Adapter, get_adapter
+from thresher.formats.config import PackedFormat, packed_format
+from thresher.formats.dtypes import DTYPES
+from thresher.models.adapters import (
+    ATTENTION_PROJECTIONS,
+    EXPERT_ROLES,
+    MLP_PROJECTIONS,
+    Adapter,
+    get_adapter,
+)
 from thresher.models.checkpoint import CheckpointReader
 from thresher.models.manifest import verify_artifact
 from thresher.models.source import resolve_model
@@ -33,15 +41,12 @@ from thresher.serve_kernels.modeling.decoder import (
 from thresher.serve_kernels.modeling.linear import (
     DenseLinear,
     Linear,
-    QuantFormat,
     load_linear,
     packed_bytes,
 )
 from thresher.serve_kernels.modeling.moe import MoE, stack_experts
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -55,27 +60,10 @@ class LoadedModel:
     manifest: dict | None = None
 
 
-def quant_format(config, path: Path) -> QuantFormat | None:
-    """The artifact's packed layout from ``quantization_config`` (None: plain 16-bit weights)."""
-    qc = getattr(config, "quantization_config", None)
-    if qc is None:
-        return None
-    qc = qc if isinstance(qc, dict) else qc.to_dict()
-    method = qc.get("quant_method")
-    if method == "gptq" and qc.get("checkpoint_format", "gptq") == "gptq":
-        return QuantFormat("gptq", int(qc["bits"]), int(qc.get("group_size", -1)))
-    if method == "awq" and qc.get("version", "gemm") == "gemm" and qc.get("bits") == 4:
-        return QuantFormat("awq", 4, int(qc.get("group_size", 128)))
-    if method == "bitsandbytes" and qc.get("load_in_4bit") and qc.get("bnb_4bit_quant_type") == "nf4":
-        return QuantFormat("nf4", 4, 64)
-    raise ArtifactError(f"{path}: unsupported quantization_config {qc}; the engine serves GPTQ v1, "
-                        "AWQ gemm (4-bit) and bitsandbytes NF4 artifacts, or plain 16-bit ones")
-
-
 class _Builder:
     """Reads one artifact's tensors into engine modules, counting parameters as it goes."""
 
-    def __init__(self, reader: CheckpointReader, quant: QuantFormat | None, dtype: torch.dtype):
+    def __init__(self, reader: CheckpointReader, quant: PackedFormat | None, dtype: torch.dtype):
         self.reader, self.quant, self.dtype = reader, quant, dtype
         self.params = 0
 
@@ -102,18 +90,15 @@ def _rotary(config, adapter: Adapter) -> tuple[torch.Tensor, float]:
     return rotary.inv_freq.float(), float(getattr(rotary, "attention_scaling", 1.0))
 
 
-def _moe(b: _Builder, adapter: Adapter, config, i: int, router_key: str) -> MoE:
-    roles = ("gate", "up", "down")
+def _moe(b: _Builder, adapter: Adapter, config, i: int) -> MoE:
     experts = {r: [b.linear(adapter.disk_expert_key(i, e, r)) for e in range(adapter.num_experts(config))]
-               for r in roles}
-    block = router_key.rsplit(".", 1)[0]
+               for r in EXPERT_ROLES}
     shared = shared_gate = None
-    if b.has_linear(f"{block}.shared_expert.gate_proj"):
-        shared = DenseMLP(*(b.linear(f"{block}.shared_expert.{p}")
-                            for p in ("gate_proj", "up_proj", "down_proj")))
-        if b.has_linear(f"{block}.shared_expert_gate"):
-            shared_gate = b.linear(f"{block}.shared_expert_gate")
-    return MoE(b.linear(router_key), stack_experts(*(experts[r] for r in roles)),
+    if b.has_linear(adapter.disk_shared_expert_key(i, MLP_PROJECTIONS[0])):
+        shared = DenseMLP(*(b.linear(adapter.disk_shared_expert_key(i, p)) for p in MLP_PROJECTIONS))
+        if b.has_linear(adapter.disk_shared_expert_gate_key(i)):
+            shared_gate = b.linear(adapter.disk_shared_expert_gate_key(i))
+    return MoE(b.linear(adapter.disk_router_key(i)), stack_experts(*(experts[r] for r in EXPERT_ROLES)),
                adapter.top_k(config), adapter.forward_renormalizes(config), shared, shared_gate)
 
 
@@ -138,7 +123,7 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     config = AutoConfig.from_pretrained(path)
     adapter = get_adapter(config)
-    quant = quant_format(config, path)
+    quant = packed_format(config, path)
     if quant is not None:
         del config.quantization_config
     spec = _spec(config)
@@ -147,32 +132,31 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
 
     layers = []
     for i in tqdm(range(spec.num_layers), desc="loading layers", disable=not show_progress):
-        p = f"model.layers.{i}"
-        attn_norms = {n: b.tensor(f"{p}.self_attn.{n}.weight")
-                      for n in ("q_norm", "k_norm") if f"{p}.self_attn.{n}.weight" in reader}
-        attn = Attention(spec, *(b.linear(f"{p}.self_attn.{n}")
-                                 for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
+        norm_keys = {n: adapter.disk_attention_key(i, n) + ".weight" for n in ("q_norm", "k_norm")}
+        attn_norms = {n: b.tensor(key) for n, key in norm_keys.items() if key in reader}
+        attn = Attention(spec, *(b.linear(adapter.disk_attention_key(i, n))
+                                 for n in ATTENTION_PROJECTIONS),
                          attn_norms.get("q_norm"), attn_norms.get("k_norm"),
                          getattr(config, "clip_qkv", None))
-        router_key = adapter.disk_router_key(i)
-        if adapter.is_moe and b.has_linear(router_key):
-            mlp = _moe(b, adapter, config, i, router_key)
+        if adapter.is_moe and b.has_linear(adapter.disk_router_key(i)):
+            mlp = _moe(b, adapter, config, i)
         else:
-            mlp = DenseMLP(*(b.linear(f"{p}.mlp.{n}") for n in ("gate_proj", "up_proj", "down_proj")))
-        layers.append(DecoderLayer(attn, mlp, b.tensor(f"{p}.input_layernorm.weight"),
-                                   b.tensor(f"{p}.post_attention_layernorm.weight"),
+            mlp = DenseMLP(*(b.linear(adapter.disk_dense_mlp_key(i, n)) for n in MLP_PROJECTIONS))
+        layers.append(DecoderLayer(attn, mlp, b.tensor(adapter.disk_input_norm_key(i) + ".weight"),
+                                   b.tensor(adapter.disk_post_attention_norm_key(i) + ".weight"),
                                    spec.rms_norm_eps))
 
-    embed = b.tensor("model.embed_tokens.weight")
-    if b.has_linear("lm_head"):
-        lm_head = b.linear("lm_head")
+    embed = b.tensor(adapter.disk_embeddings_key() + ".weight")
+    if b.has_linear(adapter.disk_lm_head_key()):
+        lm_head = b.linear(adapter.disk_lm_head_key())
     elif getattr(config, "tie_word_embeddings", False):
         lm_head = DenseLinear(embed)
     else:
         raise ArtifactError(f"{path}: no lm_head.weight and tie_word_embeddings is off")
     inv_freq, scaling = _rotary(config, adapter)
     cos_sin = rotary_cos_sin(inv_freq, spec.max_position_embeddings, scaling)
-    model = CausalLM(spec, embed, layers, b.tensor("model.norm.weight"), lm_head, cos_sin)
+    model = CausalLM(spec, embed, layers, b.tensor(adapter.disk_final_norm_key() + ".weight"),
+                     lm_head, cos_sin)
     weight_bytes = packed_bytes(model) - cos_sin.numel() * cos_sin.element_size()
     model = model.to(device).eval()
     info = {

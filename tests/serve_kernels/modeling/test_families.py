@@ -10,8 +10,8 @@ from tests.conftest import build_random_model
 from tests.serve_kernels.conftest import prompt_logits, save_family
 from thresher import recipe
 from thresher.compress.api import quantize_model
-from thresher.compress.loader import load_quantized_model
 from thresher.errors import ArtifactError
+from thresher.models.quantized import load_quantized_model
 from thresher.models.random_init import DENSE_FAMILIES, MOE_FAMILIES
 from thresher.recipe import CalibrationConfig, FilesSource, QuantizeStage
 from thresher.serve_kernels import LLM, SamplingParams

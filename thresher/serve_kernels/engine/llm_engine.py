@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from thresher.formats.dtypes import DTYPES
 from thresher.models.loading import load_tokenizer
 from thresher.serve_kernels.engine.block_manager import BlockManager
 from thresher.serve_kernels.engine.detokenizer import append_text, find_stop, visible_text
@@ -27,7 +28,7 @@ from thresher.serve_kernels.engine.sampling_params import (
 )
 from thresher.serve_kernels.engine.scheduler import Scheduler
 from thresher.serve_kernels.engine.sequence import Sequence
-from thresher.serve_kernels.loader import DTYPES, load_engine_model
+from thresher.serve_kernels.loader import load_engine_model
 
 log = logging.getLogger(__name__)
 

@@ -12,14 +12,13 @@ from thresher.serve_kernels.kernels.attention import (
 )
 from thresher.serve_kernels.kernels.cache import store_kv_cache
 from thresher.serve_kernels.kernels.moe import ExpertWeights, fused_moe, moe_align
-from thresher.serve_kernels.kernels.nf4 import NF4Weight, nf4_matmul
+from thresher.serve_kernels.kernels.nf4 import nf4_matmul
 from thresher.serve_kernels.kernels.norm import rms_norm
 from thresher.serve_kernels.kernels.rotary import apply_rotary, rotary_cos_sin
 from thresher.serve_kernels.kernels.w4a16 import awq_matmul, gptq_matmul
 
 __all__ = [
     "ExpertWeights",
-    "NF4Weight",
     "apply_rotary",
     "awq_matmul",
     "fused_moe",

@@ -5,7 +5,8 @@ first element in the high nibble), blocks of ``blocksize`` (64) consecutive elem
 absmax, and a 16-entry code table (``quant_map``): W.flat[i] = quant_map[code_i] * absmax[i // 64].
 With double quantization the absmax itself is stored as uint8 codes into ``nested_quant_map``,
 scaled per 256 codes by ``nested_absmax``, plus ``nested_offset``; ``NF4Weight.absmax_fp32``
-undoes that once (it is 1/64 of the weight's size) so the kernel reads fp32 absmax either way.
+(``thresher.formats.nf4``, the one in-memory form of an NF4 matrix) undoes that once (it is 1/64
+of the weight's size) so the kernel reads fp32 absmax either way.
 
 The kernel indexes the flattened weight directly, so blocks may straddle rows and K need not be a
 multiple of anything. out = x @ W.T, accumulated in fp32, in x's dtype.
@@ -13,12 +14,11 @@ multiple of anything. out = x @ W.T, accumulated in fp32, in x's dtype.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from thresher.formats.nf4 import NF4Weight
 from thresher.serve_kernels.kernels.backend import TileConfig, dot_dtype, launcher, use_triton
 
 DECODE = TileConfig(block_m=16, block_n=64, block_k=64, split_k=4, num_warps=4, num_stages=3)
@@ -26,47 +26,9 @@ PREFILL = TileConfig(block_m=64, block_n=64, block_k=64, split_k=1, num_warps=4,
 CONFIGS = {"decode": DECODE, "prefill": PREFILL}
 
 
-@dataclass
-class NF4Weight:
-    """One bitsandbytes NF4 matrix: the tensors transformers writes for a ``Linear4bit``."""
-
-    packed: torch.Tensor  # uint8, N*K/2 bytes in any shape
-    absmax: torch.Tensor  # fp32 [ceil(N*K / blocksize)], or uint8 codes with double quant
-    quant_map: torch.Tensor  # fp32 [16]
-    shape: tuple[int, int]  # (N, K) = (out_features, in_features)
-    blocksize: int = 64
-    nested_absmax: torch.Tensor | None = None  # fp32 [ceil(len(absmax) / nested_blocksize)]
-    nested_quant_map: torch.Tensor | None = None  # fp32 [256]
-    nested_offset: float = 0.0
-    nested_blocksize: int = 256
-
-    @classmethod
-    def from_quant_state(cls, packed: torch.Tensor, state) -> NF4Weight:
-        """From ``bitsandbytes.functional.quantize_4bit``'s output (packed bytes, QuantState)."""
-        nested = {}
-        if state.nested:
-            nested = dict(nested_absmax=state.state2.absmax, nested_quant_map=state.state2.code,
-                          nested_offset=float(state.offset),
-                          nested_blocksize=state.state2.blocksize)
-        return cls(packed, state.absmax, state.code, tuple(state.shape), state.blocksize, **nested)
-
-    def absmax_fp32(self) -> torch.Tensor:
-        """Per-block absmax in fp32, dequantizing the double-quantized form if present."""
-        if self.nested_absmax is None:
-            return self.absmax.float()
-        block = torch.arange(self.absmax.numel(), device=self.absmax.device)
-        block = block // self.nested_blocksize
-        scaled = self.nested_quant_map.float()[self.absmax.long()] * self.nested_absmax.float()[block]
-        return scaled + self.nested_offset
-
-
 def nf4_dequantize(weight: NF4Weight) -> torch.Tensor:
-    """Dense fp32 W [N, K]."""
-    n, k = weight.shape
-    packed = weight.packed.reshape(-1)
-    codes = torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(-1)[: n * k].long()
-    block = torch.arange(n * k, device=packed.device) // weight.blocksize
-    return (weight.quant_map.float()[codes] * weight.absmax_fp32()[block]).view(n, k)
+    """Dense fp32 W [N, K], exactly as the kernel computes it (not rounded to the stored dtype)."""
+    return weight.dequantize_fp32()
 
 
 def nf4_matmul_ref(x: torch.Tensor, weight: NF4Weight) -> torch.Tensor:

@@ -8,25 +8,15 @@ tile by tile (Triton) or, on a CPU, runs the kernel's PyTorch reference.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from thresher.errors import ArtifactError
+from thresher.formats.config import PackedFormat
 from thresher.formats.gptq import unpack_gptq
-from thresher.formats.nf4 import STATE_KEY, unpack_nf4
+from thresher.formats.nf4 import STATE_KEY, TENSOR_NAMES, NF4Weight, unpack_nf4
 from thresher.models.checkpoint import CheckpointReader
-from thresher.serve_kernels.kernels import NF4Weight, awq_matmul, gptq_matmul, nf4_matmul
-
-
-@dataclass(frozen=True)
-class QuantFormat:
-    """What ``quantization_config`` says about the packed layers of an artifact."""
-
-    kind: str  # "gptq" | "awq" | "nf4"
-    bits: int = 4
-    group_size: int = -1
+from thresher.serve_kernels.kernels import awq_matmul, gptq_matmul, nf4_matmul
 
 
 class DenseLinear(nn.Module):
@@ -102,7 +92,6 @@ class NF4Linear(nn.Module):
         return super()._apply(fn, recurse)
 
 
-NF4_TENSORS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
 Linear = DenseLinear | GPTQLinear | AWQLinear | NF4Linear
 
 
@@ -142,7 +131,7 @@ def packed_bytes(module: nn.Module) -> int:
     return total
 
 
-def load_linear(reader: CheckpointReader, prefix: str, quant: QuantFormat | None,
+def load_linear(reader: CheckpointReader, prefix: str, quant: PackedFormat | None,
                 dtype: torch.dtype) -> Linear:
     """The linear layer stored under ``prefix`` (e.g. ``model.layers.0.self_attn.q_proj``)."""
     bias = reader.get(f"{prefix}.bias").to(dtype) if f"{prefix}.bias" in reader else None
@@ -157,8 +146,6 @@ def load_linear(reader: CheckpointReader, prefix: str, quant: QuantFormat | None
                               quant.group_size, bias)
         return AWQLinear(qweight, qzeros, scales, quant.group_size, bias)
     if f"{prefix}.{STATE_KEY}" in reader:
-        names = [f"weight.{n}" for n in NF4_TENSORS] + ["weight", STATE_KEY]
-        tensors = {n: reader.get(f"{prefix}.{n}") for n in names if f"{prefix}.{n}" in reader}
-        packed = unpack_nf4(tensors)
-        return NF4Linear(NF4Weight.from_quant_state(packed.packed, packed.state), bias)
+        tensors = {n: reader.get(f"{prefix}.{n}") for n in TENSOR_NAMES if f"{prefix}.{n}" in reader}
+        return NF4Linear(unpack_nf4(tensors), bias)
     return DenseLinear(reader.get(f"{prefix}.weight").to(dtype), bias)

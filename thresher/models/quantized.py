@@ -2,6 +2,9 @@
 fly, so every artifact can be evaluated on a CPU (transformers' own GPTQ/AWQ loading needs GPU
 kernel packages, and its bitsandbytes loading leaves fused experts unquantized).
 
+It reads the packed tensors through ``thresher.formats`` only, so evaluating an artifact needs
+neither the compressors nor bitsandbytes.
+
 Quantized linear layers become ``DequantLinear``; each MoE layer's fused experts module becomes
 ``QuantizedExperts``, which holds every expert's three projections as ``DequantLinear`` and runs
 the same routed loop as transformers' experts forward.
@@ -10,7 +13,6 @@ the same routed loop as transformers' experts forward.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,14 +22,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from thresher.errors import ArtifactError
 from thresher.formats.awq import unpack_awq
+from thresher.formats.config import PackedFormat, packed_format
 from thresher.formats.gptq import unpack_gptq
 from thresher.formats.nf4 import STATE_KEY, unpack_nf4
-from thresher.models.adapters import get_adapter
+from thresher.models.adapters import EXPERT_ROLES, get_adapter
 from thresher.models.checkpoint import CheckpointReader
 
 log = logging.getLogger(__name__)
-
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.\w+\.experts\.(\d+)\.(\w+)$")
 
 
 class DequantLinear(nn.Module):
@@ -76,30 +77,19 @@ class QuantizedExperts(nn.Module):
         return out
 
 
-def _format(qc: dict, path: Path) -> str:
-    method = qc.get("quant_method")
-    if method == "gptq" and qc.get("checkpoint_format", "gptq") == "gptq":
-        return "gptq"
-    if method == "awq" and qc.get("version", "gemm") == "gemm" and qc.get("bits") == 4:
-        return "awq"
-    if method == "bitsandbytes" and qc.get("load_in_4bit") and qc.get("bnb_4bit_quant_type") == "nf4":
-        return "bitsandbytes"
-    raise ArtifactError(f"{path}: unsupported quantization_config {qc}; thresher loads GPTQ v1, "
-                        "AWQ gemm (4-bit) and bitsandbytes NF4 checkpoints")
-
-
-def _dequantizer(fmt: str, qc: dict) -> Callable[[dict], torch.Tensor]:
-    if fmt == "gptq":
-        return lambda t: unpack_gptq(t, qc["bits"], qc["group_size"]).dequantize()
-    if fmt == "awq":
-        return lambda t: unpack_awq(t, qc["group_size"]).dequantize()
+def _dequantizer(fmt: PackedFormat) -> Callable[[dict], torch.Tensor]:
+    if fmt.kind == "gptq":
+        return lambda t: unpack_gptq(t, fmt.bits, fmt.group_size).dequantize()
+    if fmt.kind == "awq":
+        return lambda t: unpack_awq(t, fmt.group_size).dequantize()
     return lambda t: unpack_nf4(t).dequantize()
 
 
-def _quantized_modules(reader: CheckpointReader, fmt: str) -> dict[str, dict[str, torch.Tensor]]:
+def _quantized_modules(reader: CheckpointReader, fmt: PackedFormat
+                       ) -> dict[str, dict[str, torch.Tensor]]:
     """Disk module name -> its packed tensors (names relative to the module)."""
     names = reader.tensor_names()
-    if fmt == "bitsandbytes":
+    if fmt.kind == "nf4":
         modules = [k.removesuffix("." + STATE_KEY) for k in names if k.endswith("." + STATE_KEY)]
         return {m: {k[len(m) + 1:]: reader.get(k) for k in names
                     if k.startswith(m + ".weight")} for m in modules}
@@ -108,12 +98,11 @@ def _quantized_modules(reader: CheckpointReader, fmt: str) -> dict[str, dict[str
                 if k.rsplit(".", 1)[0] == m and k.rsplit(".", 1)[1] != "bias"} for m in modules}
 
 
-def _check_shape(key: str, fmt: str, qc: dict, t: dict[str, torch.Tensor], n: int, k: int) -> None:
+def _check_shape(key: str, fmt: PackedFormat, t: dict[str, torch.Tensor], n: int, k: int) -> None:
     """Refuse packed tensors that do not describe an [n, k] weight."""
-    if fmt == "gptq":
-        bits = qc["bits"]
-        ok = tuple(t["qweight"].shape) == (k * bits // 32, n) and t["g_idx"].numel() == k
-    elif fmt == "awq":
+    if fmt.kind == "gptq":
+        ok = tuple(t["qweight"].shape) == (k * fmt.bits // 32, n) and t["g_idx"].numel() == k
+    elif fmt.kind == "awq":
         ok = tuple(t["qweight"].shape) == (k, n // 8)
     else:
         ok = tuple(unpack_nf4(t).shape) == (n, k)
@@ -127,37 +116,35 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -
     """An eval-mode causal LM from a GPTQ / AWQ / NF4 artifact, dequantizing on the fly."""
     path = Path(path)
     config = AutoConfig.from_pretrained(path)
-    qc = getattr(config, "quantization_config", None)
-    if qc is None:
+    fmt = packed_format(config, path)
+    if fmt is None:
         raise ArtifactError(f"{path}: config.json has no quantization_config")
-    qc = qc if isinstance(qc, dict) else qc.to_dict()
-    fmt = _format(qc, path)
     del config.quantization_config
     adapter = get_adapter(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     reader = CheckpointReader(path)
     quantized = _quantized_modules(reader, fmt)
-    dequantize = _dequantizer(fmt, qc)
+    dequantize = _dequantizer(fmt)
     packed_keys = {f"{m}.{n}" for m, ts in quantized.items() for n in ts}
 
     experts: dict[int, dict[tuple[int, str], DequantLinear]] = {}
-    roles = dict(zip(adapter.spec.disk_expert_names, ("gate", "up", "down"), strict=True))
     for key, tensors in quantized.items():
         bias_key = f"{key}.bias"
         bias = reader.get(bias_key).to(dtype) if bias_key in reader else None
         packed_keys.add(bias_key)
         module = DequantLinear(tensors, dequantize, bias)
-        m = _EXPERT.match(key)
-        if m and m.group(3) in roles:
-            experts.setdefault(int(m.group(1)), {})[(int(m.group(2)), roles[m.group(3)])] = module
+        expert = adapter.parse_disk_expert_key(key)
+        if expert is not None:
+            layer_idx, e, role = expert
+            experts.setdefault(layer_idx, {})[(e, role)] = module
             continue
         name = adapter.memory_key_from_disk(key)
         try:
             target = model.get_submodule(name)
         except AttributeError:
             raise ArtifactError(f"{path}: quantized module {key} has no place in the model") from None
-        _check_shape(key, fmt, qc, tensors, target.out_features, target.in_features)
+        _check_shape(key, fmt, tensors, target.out_features, target.in_features)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, module)
 
@@ -165,12 +152,12 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -
     for i, mods in experts.items():
         fused = adapter.experts(layers[i])
         n_exp, inter, hidden = fused.down_proj.shape[0], fused.down_proj.shape[2], fused.down_proj.shape[1]
-        missing = [(e, r) for e in range(n_exp) for r in ("gate", "up", "down") if (e, r) not in mods]
+        missing = [(e, r) for e in range(n_exp) for r in EXPERT_ROLES if (e, r) not in mods]
         if missing:
             raise ArtifactError(f"{path}: layer {i} lacks quantized experts {missing[:4]}")
         for (e, r), mod in mods.items():
             n, k = (hidden, inter) if r == "down" else (inter, hidden)
-            _check_shape(adapter.disk_expert_key(i, e, r), fmt, qc, mod.packed(), n, k)
+            _check_shape(adapter.disk_expert_key(i, e, r), fmt, mod.packed(), n, k)
         adapter.mlp(layers[i]).experts = QuantizedExperts(
             [mods[(e, "gate")] for e in range(n_exp)], [mods[(e, "up")] for e in range(n_exp)],
             [mods[(e, "down")] for e in range(n_exp)], fused.act_fn)
@@ -180,7 +167,8 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -
     result = model.load_state_dict(plain, strict=False, assign=True)
     if result.unexpected_keys:
         raise ArtifactError(f"{path}: unexpected tensors {result.unexpected_keys[:5]}")
-    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in plain:
+    tied = getattr(config, "tie_word_embeddings", False)
+    if tied and adapter.disk_lm_head_key() + ".weight" not in plain:
         adapter.lm_head(model).weight = adapter.embeddings(model).weight
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     still_meta += [n for n, b in model.named_buffers() if b.is_meta and "rotary" not in n]
