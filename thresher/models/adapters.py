@@ -109,6 +109,12 @@ class Adapter:
     def final_norm(self, model: nn.Module) -> nn.Module:
         return model.model.norm
 
+    def rotary_embedding(self, model: nn.Module) -> nn.Module:
+        return model.model.rotary_emb
+
+    def set_rotary_embedding(self, model: nn.Module, rotary: nn.Module) -> None:
+        model.model.rotary_emb = rotary
+
     def lm_head(self, model: nn.Module) -> nn.Linear:
         return model.lm_head
 

@@ -170,20 +170,11 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -
     tied = getattr(config, "tie_word_embeddings", False)
     if tied and adapter.disk_lm_head_key() + ".weight" not in plain:
         adapter.lm_head(model).weight = adapter.embeddings(model).weight
+    with torch.device("cpu"):  # computed from the config, never stored in checkpoints
+        adapter.set_rotary_embedding(model, type(adapter.rotary_embedding(model))(config=config))
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
-    still_meta += [n for n, b in model.named_buffers() if b.is_meta and "rotary" not in n]
+    still_meta += [n for n, b in model.named_buffers() if b.is_meta]
     if still_meta:
         raise ArtifactError(f"{path}: the artifact lacks {still_meta[:5]}")
-    _materialize_rotary(model, config)
     model.eval()
     return model
-
-
-def _materialize_rotary(model: nn.Module, config) -> None:
-    """Rebuild the rotary embedding's buffers (computed, never stored in checkpoints)."""
-    for name, module in model.named_modules():
-        if name.endswith("rotary_emb"):
-            with torch.device("cpu"):
-                fresh = type(module)(config=config)
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, fresh)

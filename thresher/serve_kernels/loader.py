@@ -86,7 +86,7 @@ def _rotary(config, adapter: Adapter) -> tuple[torch.Tensor, float]:
     """The family's own inverse frequencies (any RoPE scaling in the config applied)."""
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    rotary = type(adapter.decoder(skeleton).rotary_emb)(config=config)
+    rotary = type(adapter.rotary_embedding(skeleton))(config=config)
     return rotary.inv_freq.float(), float(getattr(rotary, "attention_scaling", 1.0))
 
 
