@@ -16,9 +16,8 @@ import time
 import torch
 
 from thresher.data.demo_model import SPECS, build_demo_model
-from thresher.data.windows import eval_windows
-from thresher.evaluate.perplexity import perplexity
-from thresher.models import load_model, load_tokenizer
+from thresher.evaluate.perplexity import heldout_perplexity
+from thresher.formats.artifact import DEMO_MODEL_META
 from thresher.recipe import PerplexityConfig
 
 
@@ -28,9 +27,9 @@ def main(sizes: list[str]) -> None:
         start = time.perf_counter()
         path = build_demo_model(size, force=True)
         wall = time.perf_counter() - start
-        meta = json.loads((path / "demo_model.json").read_text())
-        windows = eval_windows(load_tokenizer(path), PerplexityConfig(seq_len=256, max_windows=64))
-        ppl = perplexity(load_model(path), windows, show_progress=False)
+        meta = json.loads((path / DEMO_MODEL_META).read_text())
+        ppl = heldout_perplexity(path, PerplexityConfig(seq_len=256, max_windows=64),
+                                 show_progress=False)
         spec = SPECS[size]
         rows.append(
             f"| {size} | {meta['parameters']:,} | {spec.hidden_size} | {spec.steps} x "

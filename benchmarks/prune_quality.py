@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from thresher.data.demo_model import build_demo_model
-from thresher.data.windows import calibration_windows, eval_windows
-from thresher.evaluate.perplexity import perplexity
+from thresher.data.windows import calibration_windows
+from thresher.evaluate.perplexity import heldout_perplexity
 from thresher.models import load_model, load_tokenizer
 from thresher.models.layerwise import LayerwiseModel
 from thresher.prune.api import prune_model
@@ -35,8 +35,11 @@ def measure(size: str, cal: CalibrationConfig, ppl_cfg: PerplexityConfig, seeds:
             work: Path) -> dict[str, str]:
     path = build_demo_model(size)
     tok = load_tokenizer(path)
-    windows = eval_windows(tok, ppl_cfg)
-    row = {"unpruned": f"{perplexity(load_model(path), windows, show_progress=False).perplexity:.2f}"}
+    def ppl(model_dir: Path) -> float:
+        return heldout_perplexity(load_model(model_dir), ppl_cfg, tokenizer=tok,
+                                  show_progress=False).perplexity
+
+    row = {"unpruned": f"{ppl(path):.2f}"}
     start = time.perf_counter()
     observed = observe_experts(LayerwiseModel(path), calibration_windows(tok, cal))
     row["observation seconds"] = f"{time.perf_counter() - start:.0f}"
@@ -44,7 +47,7 @@ def measure(size: str, cal: CalibrationConfig, ppl_cfg: PerplexityConfig, seeds:
     def pruned_ppl(stage: PruneStage) -> float:
         out = work / f"{size}-{stage.method}-{stage.ratio}-{stage.seed}"
         prune_model(path, stage, cal, out, observed=observed, show_progress=False)
-        return perplexity(load_model(out), windows, show_progress=False).perplexity
+        return ppl(out)
 
     for ratio in RATIOS:
         pct = f"{int(ratio * 100)}%"

@@ -16,8 +16,7 @@ import time
 from pathlib import Path
 
 from thresher.compress.api import quantize_in_memory, quantize_model
-from thresher.data.windows import eval_windows
-from thresher.evaluate.perplexity import perplexity
+from thresher.evaluate.perplexity import heldout_perplexity
 from thresher.models import load_model, load_tokenizer, resolve_model
 from thresher.models.quantized import load_quantized_model
 from thresher.recipe import CalibrationConfig, PerplexityConfig, QuantizeStage
@@ -34,16 +33,14 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--windows", type=int, default=64)
     args = ap.parse_args()
-    if args.model.startswith("demo:"):
-        from thresher.data.demo_model import build_demo_model
-
-        build_demo_model(args.model.removeprefix("demo:"))
     path = resolve_model(args.model)
-    windows = eval_windows(load_tokenizer(path), PerplexityConfig(max_windows=args.windows))
+    tok = load_tokenizer(path)
+    heldout = PerplexityConfig(max_windows=args.windows)
     cal = CalibrationConfig(samples=args.samples)
-    fp = perplexity(load_model(path), windows, show_progress=False).perplexity
+    result = heldout_perplexity(load_model(path), heldout, tokenizer=tok, show_progress=False)
+    fp = result.perplexity
     print(f"model {args.model}, calibration {args.samples} x 256 stdlib tokens, "
-          f"{windows.shape[0]} held-out windows of 256, group size {args.group_size}\n")
+          f"{result.windows} held-out windows of 256, group size {args.group_size}\n")
     print("| method | bits | perplexity | vs float | quantize s |")
     print("|---|---|---|---|---|")
     print(f"| float | 32 | {fp:.3f} | - | - |")
@@ -62,7 +59,7 @@ def main() -> None:
                 model = load_quantized_model(out)
                 where = ""
             seconds = time.perf_counter() - start
-            p = perplexity(model, windows, show_progress=False).perplexity
+            p = heldout_perplexity(model, heldout, tokenizer=tok, show_progress=False).perplexity
             name = method + (" act-order" if extra.get("act_order") else "") + where
             print(f"| {name} | {bits} | {p:.3f} | {100 * (p / fp - 1):+.2f}% | {seconds:.1f} |",
                   flush=True)

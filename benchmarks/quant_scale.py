@@ -5,17 +5,16 @@
 
 Builds a Qwen3-MoE checkpoint with Mixtral's expert layout scaled down (hidden 1024, 8 experts
 of 2048, top-2; bf16) on disk one layer at a time, with the tokenizer of the ``tiny`` demo model,
-then runs ``thresher quantize --method gptq`` on it as a separate process under
-``/usr/bin/time -v``. The sequential driver keeps one
-decoder layer resident, so the peak resident set should be a small fraction of the checkpoint
-(the goal: at most 25%). Prints a table; the checkpoint is deleted at the end unless --keep.
+then runs ``thresher quantize --method gptq`` on it as a separate process; the peak resident set
+is the one its quantize report measured (``thresher.resources``, the one definition of peak
+memory). The sequential driver keeps one decoder layer resident, so the peak resident set should
+be a small fraction of the checkpoint (the goal: at most 25%). Prints a table; the checkpoint is deleted at the end unless --keep.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 from thresher.data.demo_model import build_demo_model
+from thresher.formats.artifact import QUANTIZE_REPORT
 from thresher.models.checkpoint import CheckpointWriter
 from thresher.models.random_init import random_config
 
@@ -79,13 +79,6 @@ def build_checkpoint(out: Path, layers: int, hidden: int, experts: int, inter: i
     return sum(f.stat().st_size for f in out.glob("*.safetensors"))
 
 
-def max_rss_bytes(time_output: str) -> int:
-    m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", time_output)
-    if not m:
-        raise RuntimeError("/usr/bin/time -v printed no maximum resident set size")
-    return int(m.group(1)) * 1024
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=56)
@@ -106,7 +99,7 @@ def main() -> None:
         size = build_checkpoint(src, args.layers, args.hidden, args.experts, args.intermediate,
                                 args.top_k)
         build_s = time.perf_counter() - start
-        cmd = ["/usr/bin/time", "-v", str(Path(sys.executable).parent / "thresher"), "quantize",
+        cmd = [sys.executable, "-m", "thresher", "quantize",
                "--model", str(src), "--out", str(out), "--method", "gptq", "--bits", "4",
                "--group-size", "128", "--samples", str(args.samples),
                "--seq-len", str(args.seq_len)]
@@ -116,8 +109,8 @@ def main() -> None:
         if proc.returncode:
             sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
             raise SystemExit(f"quantize failed with exit status {proc.returncode}")
-        rss = max_rss_bytes(proc.stderr)
-        report = json.loads((out / "quantize_report.json").read_text())["metrics"]
+        report = json.loads((out / QUANTIZE_REPORT).read_text())["metrics"]
+        rss = report["peak_rss_mb"] * 2**20
         art = sum(f.stat().st_size for f in out.glob("*.safetensors"))
         params = size / 2
         print(f"\nrandom-init qwen3_moe: {args.layers} layers, hidden {args.hidden}, "

@@ -4,7 +4,7 @@ Both observers walk the model one decoder layer at a time on the same calibratio
 must produce the same statistics; the naive one computes all experts' outputs for all tokens (as
 the REAP reference observer's forward hook does) and keeps the routed ones afterwards. Each runs in
 a fresh process; memory is its peak resident set during observation above the resident set
-before it (Linux VmHWM after resetting it through /proc/self/clear_refs).
+before it (``thresher.resources``: Linux VmHWM, reset at the start).
 
     python benchmarks/reap_observer.py --model demo:small --samples 64
 """
@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import platform
-import time
-from pathlib import Path
 
 import torch
 
@@ -24,6 +22,7 @@ from thresher.models import load_tokenizer, resolve_model
 from thresher.models.layerwise import LayerwiseModel
 from thresher.prune.observer import ExpertObserver, observe_experts
 from thresher.recipe import CalibrationConfig
+from thresher.resources import measure, peak_rss_mb, reset_peak
 
 
 class EveryExpertObserver(ExpertObserver):
@@ -50,24 +49,15 @@ OBSERVERS = {"routed tokens only (thresher)": ExpertObserver,
              "every expert on every token": EveryExpertObserver}
 
 
-def _rss_mb(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def _run(name: str, model_dir: str, windows: torch.Tensor, batch_size: int, threads: int, queue):
     torch.set_num_threads(threads)
     lw = LayerwiseModel(model_dir)
-    Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark (Linux >= 4.0)
-    base_mb = _rss_mb("VmRSS")
-    start = time.perf_counter()
-    stats = observe_experts(lw, windows, batch_size=batch_size, show_progress=False,
-                            observer_cls=OBSERVERS[name])
-    seconds = time.perf_counter() - start
-    peak_mb = _rss_mb("VmHWM") - base_mb
-    queue.put((seconds, peak_mb, [(s.count.tolist(), s.gated_norm_sum.tolist()) for s in stats]))
+    reset_peak()
+    base_mb = peak_rss_mb()  # right after a reset the peak is the current resident set
+    with measure() as usage:
+        stats = observe_experts(lw, windows, batch_size=batch_size, show_progress=False,
+                                observer_cls=OBSERVERS[name])
+    queue.put((usage.wall_seconds, usage.peak_rss_mb - base_mb, [(s.count.tolist(), s.gated_norm_sum.tolist()) for s in stats]))
 
 
 def main() -> None:

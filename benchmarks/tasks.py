@@ -21,9 +21,8 @@ import torch
 
 from thresher.compress.api import quantize_model
 from thresher.data.demo_model import build_demo_model
-from thresher.data.windows import eval_windows
 from thresher.evaluate.builtin_tasks import TASKS
-from thresher.evaluate.perplexity import perplexity
+from thresher.evaluate.perplexity import heldout_perplexity
 from thresher.evaluate.report import VariantRecord, build_report
 from thresher.evaluate.tasks import run_tasks
 from thresher.models import load_model, load_tokenizer
@@ -69,7 +68,7 @@ def main() -> None:
     args = parser.parse_args()
     base = build_demo_model(args.size)
     tokenizer = load_tokenizer(base)
-    windows = eval_windows(tokenizer, PerplexityConfig(seq_len=256, max_windows=64))
+    heldout = PerplexityConfig(seq_len=256, max_windows=64)
     params = parameter_count(base)
     work = Path(tempfile.mkdtemp(prefix="thresher-bench-tasks-"))
     records, timings = [], {}
@@ -80,7 +79,8 @@ def main() -> None:
             variants[name] = (path, load_model(path))
         variants["noise2.0"] = (base, noise_damaged(base))
         for name, (path, model) in variants.items():
-            ppl = perplexity(model, windows, show_progress=False).perplexity
+            ppl = heldout_perplexity(model, heldout, tokenizer=tokenizer,
+                                     show_progress=False).perplexity
             start = time.perf_counter()
             results = run_tasks(model, tokenizer, list(TASKS), limit=args.limit, batch_size=32,
                                 show_progress=False)

@@ -20,8 +20,9 @@ from pathlib import Path
 
 from thresher.compress.api import quantize_in_memory
 from thresher.data import demo_model
-from thresher.data.windows import calibration_windows, eval_windows
-from thresher.evaluate.perplexity import perplexity
+from thresher.data.windows import calibration_windows
+from thresher.evaluate.perplexity import heldout_perplexity
+from thresher.formats.artifact import DEMO_MODEL_META
 from thresher.models import load_model, load_tokenizer
 from thresher.models.layerwise import LayerwiseModel
 from thresher.prune.api import prune_model
@@ -33,39 +34,39 @@ PRUNE = [("reap", 0.5), ("frequency", 0.5), ("ean", 0.5), ("random", 0.5), ("rea
 QUANT = [(3, -1), (2, 64), (2, -1)]  # (bits, group size): the settings the tests assert
 
 
-def ppl(model, windows) -> float:
-    return perplexity(model, windows, show_progress=False).perplexity
+def ppl(model, tokenizer, cfg: PerplexityConfig) -> float:
+    return heldout_perplexity(model, cfg, tokenizer=tokenizer, show_progress=False).perplexity
 
 
 def train(overrides: dict, out: Path) -> tuple[Path, float]:
     """The variant's checkpoint (trained unless OUT already holds it) and its training seconds."""
     spec = dataclasses.replace(demo_model.SPECS["tiny"], **overrides)
     path = demo_model.build_from_spec(spec, out / f"tiny-{demo_model.demo_key(spec)}")
-    return path, float(json.loads((path / "demo_model.json").read_text())["train_seconds"])
+    return path, float(json.loads((path / DEMO_MODEL_META).read_text())["train_seconds"])
 
 
 def measure(path: Path) -> dict[str, float]:
     tok = load_tokenizer(path)
     result: dict[str, float] = {}
-    windows = eval_windows(tok, PerplexityConfig(max_windows=32))
+    heldout = PerplexityConfig(max_windows=32)
     observed = observe_experts(LayerwiseModel(path), calibration_windows(tok, CAL),
                                show_progress=False)
     base_model = load_model(path)
-    result["ppl"] = ppl(base_model, windows)
+    result["ppl"] = ppl(base_model, tok, heldout)
     for method, ratio in PRUNE:
         pruned = path.parent / f"{path.name}-{method}{ratio}"
         prune_model(path, PruneStage(method=method, ratio=ratio, seed=0), CAL, pruned,
                     observed=observed, show_progress=False)
-        result[f"{method}{int(ratio * 100)}"] = ppl(load_model(pruned), windows)
-    windows = eval_windows(tok, PerplexityConfig(max_windows=24))
-    base = ppl(base_model, windows)
+        result[f"{method}{int(ratio * 100)}"] = ppl(load_model(pruned), tok, heldout)
+    heldout = PerplexityConfig(max_windows=24)
+    base = ppl(base_model, tok, heldout)
     for bits, group in QUANT:
         for method in ("rtn", "gptq", "awq"):
             stage = QuantizeStage(method="rtn").model_copy(update={
                 "method": method, "bits": bits, "group_size": group,
                 **({"clip": True} if method == "awq" else {})})
             model, _ = quantize_in_memory(path, stage, CAL)
-            result[f"{method}{bits}g{group}"] = 100 * (ppl(model, windows) - base) / base
+            result[f"{method}{bits}g{group}"] = 100 * (ppl(model, tok, heldout) - base) / base
     return result
 
 

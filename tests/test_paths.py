@@ -17,3 +17,13 @@ def test_build_replaces_the_directory_only_when_the_block_succeeds(tmp_path):
         (tmp / "new").write_text("new")
     assert [p.name for p in final.iterdir()] == ["new"]
     assert [p.name for p in tmp_path.iterdir()] == ["thing"]  # no temporary left beside it
+
+
+def test_write_text_atomically_replaces_the_file_and_leaves_no_temporary(tmp_path):
+    from thresher.paths import write_text_atomically
+
+    final = tmp_path / "cache" / "result.json"
+    write_text_atomically(final, "first")
+    write_text_atomically(final, "second")
+    assert final.read_text() == "second"
+    assert [p.name for p in final.parent.iterdir()] == ["result.json"]

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from functools import wraps
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -20,6 +20,10 @@ from rich.logging import RichHandler
 from rich.table import Table
 
 from thresher.errors import ThresherError
+from thresher.formats.artifact import DEMO_MODEL_META, PRUNE_REPORT
+
+if TYPE_CHECKING:
+    from thresher.evaluate.report import VariantRecord
 
 app = typer.Typer(
     help="thresher: compress Mixture-of-Experts LLMs (REAP pruning; GPTQ / AWQ / NF4 / RTN "
@@ -108,24 +112,6 @@ def schema() -> None:
 # --- demo model ---------------------------------------------------------------------------------
 
 
-def _build_demo(size: str, force: bool = False) -> Path:
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from thresher.data.demo_model import build_demo_model, demo_model_dir
-
-    if (demo_model_dir(size) / "config.json").is_file() and not force:
-        return demo_model_dir(size)
-    with Progress(TextColumn("[bold]training demo:" + size), BarColumn(),
-                  TextColumn("step {task.completed}/{task.total}  loss {task.fields[loss]}"),
-                  TimeElapsedColumn(), console=err_console) as bar:
-        task = bar.add_task("train", total=None, loss="-")
-
-        def progress(step: int, total: int, loss: float) -> None:
-            bar.update(task, completed=step, total=total, loss=f"{loss:.3f}")
-
-        return build_demo_model(size, force=force, progress=progress)
-
-
 @demo_model_app.command("build")
 @handles_errors
 def demo_model_build(
@@ -133,8 +119,10 @@ def demo_model_build(
     force: Annotated[bool, typer.Option(help="Retrain even if a cached model exists.")] = False,
 ) -> None:
     """Train the demo tokenizer and Qwen3-MoE on the stdlib train split (cached)."""
-    path = _build_demo(size, force)
-    meta = json.loads((path / "demo_model.json").read_text())
+    from thresher.data.demo_model import build_demo_model
+
+    path = build_demo_model(size, force=force)
+    meta = json.loads((path / DEMO_MODEL_META).read_text())
     console.print(f"demo:{size} at {path}")
     console.print(f"  {meta['parameters']:,} parameters, trained {meta['spec']['steps']} steps in "
                   f"{meta['train_seconds']} s, final loss {meta['final_loss']:.3f}")
@@ -152,39 +140,36 @@ def perplexity_cmd(
     batch_size: Annotated[int, typer.Option(help="Windows per forward pass.")] = 8,
 ) -> None:
     """Held-out perplexity of a model on the stdlib held-out split."""
-    result = _heldout_perplexity(model, seq_len, max_windows or None, batch_size)
-    console.print(f"perplexity {result.perplexity:.3f} over {result.tokens:,} tokens in "
-                  f"{result.windows} windows of {result.seq_len} ({result.convention})")
-
-
-def _heldout_perplexity(model: str, seq_len: int, max_windows: int | None, batch_size: int):
-    from thresher.data.windows import eval_windows
-    from thresher.evaluate.perplexity import perplexity
-    from thresher.models import load_model, load_tokenizer, resolve_model
+    from thresher.evaluate.perplexity import heldout_perplexity
     from thresher.recipe import PerplexityConfig
 
-    if model.startswith("demo:"):
-        _build_demo(model.removeprefix("demo:"))
-    path = resolve_model(model)
-    cfg = PerplexityConfig(seq_len=seq_len, max_windows=max_windows, batch_size=batch_size)
-    windows = eval_windows(load_tokenizer(path), cfg)
-    return perplexity(load_model(path), windows, batch_size=batch_size)
+    cfg = PerplexityConfig(seq_len=seq_len, max_windows=max_windows or None, batch_size=batch_size)
+    result = heldout_perplexity(model, cfg)
+    console.print(f"perplexity {result.perplexity:.3f} over {result.tokens:,} tokens in "
+                  f"{result.windows} windows of {result.seq_len} ({result.convention})")
 
 
 # --- flows ---------------------------------------------------------------------------------------
 
 
-def print_comparison(rows: list[dict]) -> None:
-    """The comparison table of a flow run on the console, with each variant's registry URI."""
-    from thresher.flows.compress import comparison_table
+def print_comparison(records: list[VariantRecord], title: str = "variants") -> None:
+    """The comparison table (``VariantRecord``s) on the console, with each registry URI."""
+    from thresher.evaluate.report import comparison_table
 
-    header, cells = comparison_table(rows)
-    table = Table(title="variants")
+    header, cells = comparison_table(records)
+    table = Table(title=title)
     for col in (*header, "model"):
         table.add_column(col)
-    for row, r in zip(cells, rows, strict=True):
-        table.add_row(*row, r.get("model_uri", "-"))
+    for row, r in zip(cells, records, strict=True):
+        table.add_row(*row, r.model_uri or "-")
     console.print(table)
+
+
+def _flow_records(summary: dict[str, Any]) -> list[VariantRecord]:
+    """The flow's result (plain data) as records again."""
+    from thresher.evaluate.report import VariantRecord
+
+    return [VariantRecord.from_dict(v) for v in summary["variants"]]
 
 
 @app.command("run")
@@ -203,7 +188,7 @@ def run_cmd(
 
     r = load_recipe(recipe)  # validated before Prefect or any compute starts
     summary = compress(r, tracking_uri=tracking_uri, store_dir=store_dir, publish_dir=publish_dir)
-    print_comparison(summary["variants"])
+    print_comparison(_flow_records(summary))
     console.print(f"MLflow: parent run {summary['parent_run_id']} at {summary['tracking_uri']}")
 
 
@@ -268,8 +253,8 @@ def prune_cmd(
 
     from thresher.errors import CompressionError
     from thresher.models import resolve_model
-    from thresher.prune.api import REPORT_NAME, prune_model
-    from thresher.recipe import CalibrationConfig, PruneStage
+    from thresher.prune.api import prune_model
+    from thresher.recipe import CalibrationConfig, PruneStage, format_validation_error
 
     if ratio is None and keep is None:
         ratio = 0.5
@@ -278,11 +263,7 @@ def prune_cmd(
         cal = CalibrationConfig(source=_calibration_source(calibration), samples=samples,
                                 seq_len=seq_len, seed=seed)
     except ValidationError as err:
-        problems = "; ".join(f"--{'-'.join(str(p) for p in e['loc']) or 'options'}: "
-                             f"{e['msg'].removeprefix('Value error, ')}" for e in err.errors())
-        raise CompressionError(f"prune options: {problems}") from None
-    if model.startswith("demo:"):
-        _build_demo(model.removeprefix("demo:"))
+        raise CompressionError(format_validation_error(err, "prune", as_options=True)) from None
     report = prune_model(resolve_model(model), stage, cal, out)
     table = Table(title=f"{stage.describe()}: {report.experts_kept} of {report.num_experts} "
                         "experts kept per MoE layer")
@@ -294,7 +275,7 @@ def prune_cmd(
     console.print(table)
     m = report.metrics()
     share = m.get("removed_routed_share")
-    console.print(f"pruned checkpoint: {out} ({REPORT_NAME} beside it); {m['wall_seconds']:.1f} s"
+    console.print(f"pruned checkpoint: {out} ({PRUNE_REPORT} beside it); {m['wall_seconds']:.1f} s"
                   + (f", removed experts had {share:.1%} of routed tokens" if share is not None
                      else ""))
 
@@ -332,8 +313,6 @@ def quantize_cmd(
     from thresher.models import resolve_model
     from thresher.recipe import CalibrationConfig, FilesSource, QuantizeStage
 
-    if model.startswith("demo:"):
-        _build_demo(model.removeprefix("demo:"))
     source = "stdlib" if calibration == "stdlib" else FilesSource(files=[calibration])
     try:
         stage = QuantizeStage(method=method, bits=bits, group_size=group_size, sym=sym,
@@ -371,8 +350,6 @@ def tasks_cmd(
     """Score a model on lm-evaluation-harness tasks (the built-in ones run offline)."""
     from thresher.evaluate.tasks import run_tasks
 
-    if model.startswith("demo:"):
-        _build_demo(model.removeprefix("demo:"))
     results = run_tasks(model, tasks=task, limit=limit or None, batch_size=batch_size)
     table = Table(title=f"{model}: lm-eval {results.lm_eval_version}, backend {results.backend}, "
                   f"batch {results.batch_size}")
@@ -413,7 +390,8 @@ def compare(
         help="MLflow run ids: variant runs, or a flow's parent run (expands to its variants).")],
     out: Annotated[Path, typer.Option(help="Directory for the report files.")] = Path("comparison"),
     tracking_uri: Annotated[str | None, typer.Option(
-        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI).")] = None,
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else SQLite under the state "
+        "directory).")] = None,
     log_to: Annotated[str | None, typer.Option(
         help="Log the report files to this MLflow run (e.g. the flow's parent run).")] = None,
 ) -> None:
@@ -422,12 +400,7 @@ def compare(
 
     records = collect_from_mlflow(run_ids, tracking_uri=tracking_uri)
     report = build_report(records, out)
-    table = Table(title=f"{len(records)} variants")
-    for col in report.header:
-        table.add_column(col)
-    for row in report.rows:
-        table.add_row(*row)
-    console.print(table)
+    print_comparison(records, title=f"{len(records)} variants")
     for kind, path in report.files.items():
         console.print(f"  {kind}: {path}")
     if log_to:
@@ -461,8 +434,6 @@ def serve(
     from thresher.serve_kernels import LLMEngine
     from thresher.serve_kernels.server import ServerConfig, build_app
 
-    if model.startswith("demo:"):
-        _build_demo(model.removeprefix("demo:"))
     path = resolve_model(model)
     engine = LLMEngine(path, max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype)
     name = served_model_name or (path.name if not model.startswith("models:/")
@@ -490,17 +461,18 @@ def demo(
 ) -> None:
     """Run the embedded default end to end: the demo model through the compress flow."""
     from thresher.flows.compress import compress
-    from thresher.flows.tracking import resolve_tracking_uri
+    from thresher.models import resolve_model
     from thresher.recipe import load_recipe
+    from thresher.tracking import resolve_tracking_uri
 
     r = load_recipe(recipe)
-    if r.model.startswith("demo:"):
-        path = _build_demo(r.model.removeprefix("demo:"))
-        meta = json.loads((path / "demo_model.json").read_text())
+    path = resolve_model(r.model)  # a demo model is trained here, before the flow starts
+    if (path / DEMO_MODEL_META).is_file():
+        meta = json.loads((path / DEMO_MODEL_META).read_text())
         console.print(f"{r.model}: {meta['parameters']:,} parameters, trained in "
                       f"{meta['train_seconds']} s ({path})")
     summary = compress(r)
-    print_comparison(summary["variants"])
+    print_comparison(_flow_records(summary))
     uri = resolve_tracking_uri(r.tracking.mlflow_uri)
     console.print(f"\nMLflow runs: parent {summary['parent_run_id']} in {uri}")
     console.print(f"  open the MLflow UI:  .venv/bin/mlflow ui --backend-store-uri {uri} "

@@ -45,3 +45,27 @@ def build_dir_atomically(final: Path) -> Iterator[Path]:
     finally:
         with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(tmp)
+
+
+def write_text_atomically(final: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``final`` and rename it into place, so a reader
+    (or a run killed halfway) never sees a partial file."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}-", dir=final.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, final)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+
+
+def tracking_store_uri() -> str:
+    """The embedded MLflow store: a SQLite file under the state directory."""
+    return f"sqlite:///{state_dir() / 'mlflow.db'}"
+
+
+def tracking_artifacts_uri() -> str:
+    """Where the embedded MLflow store keeps run artifacts."""
+    return (state_dir() / "mlartifacts").as_uri()

@@ -262,11 +262,17 @@ class PlanStep(BaseModel):
     variants: list[str] = Field(default_factory=list)
 
 
-def _format_validation_error(err: ValidationError, where: str) -> str:
-    lines = [f"{where}: the recipe is invalid"]
+def format_validation_error(err: ValidationError, where: str, as_options: bool = False) -> str:
+    """The one message for a pydantic error: a heading naming ``where``, then one line per
+    problem naming the field path (``variants.1.stages.0.quantize.bits``) or, ``as_options``,
+    the command-line option (``--group-size``) of a command that builds a recipe section."""
+    lines = [f"{where}: {'invalid options' if as_options else 'the recipe is invalid'}"]
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"] if p not in ("function-after[_exactly_one(), Stage]",))
-        loc = loc.replace("validate_", "validate") or "(top level)"
+        parts = [str(p) for p in e["loc"] if p not in ("function-after[_exactly_one(), Stage]",)]
+        if as_options:
+            loc = "--" + "-".join(p.replace("_", "-") for p in parts) if parts else "(options)"
+        else:
+            loc = ".".join(parts).replace("validate_", "validate") or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; see `thresher check --help`)"
@@ -281,7 +287,7 @@ def parse_recipe(data: Any, where: str = "recipe") -> Recipe:
     try:
         return Recipe.model_validate(data)
     except ValidationError as err:
-        raise RecipeError(_format_validation_error(err, where)) from None
+        raise RecipeError(format_validation_error(err, where)) from None
 
 
 def load_recipe(path: str | Path) -> Recipe:

@@ -3,7 +3,7 @@ import math
 import torch
 
 from thresher.data.windows import eval_windows
-from thresher.evaluate.perplexity import perplexity
+from thresher.evaluate.perplexity import heldout_perplexity, perplexity
 from thresher.models import load_model
 from thresher.recipe import PerplexityConfig
 
@@ -39,3 +39,14 @@ def test_tiny_demo_model_learned(tiny_demo, tiny_tokenizer):
     windows = eval_windows(tiny_tokenizer, PerplexityConfig(seq_len=256, max_windows=64))
     result = perplexity(model, windows, show_progress=False)
     assert result.perplexity < model.config.vocab_size / 20, result
+
+
+def test_heldout_perplexity_is_the_sequence_it_replaces(tiny_demo, tiny_tokenizer):
+    """A model source and an already-loaded model give the numbers of the hand-written steps."""
+    cfg = PerplexityConfig(seq_len=64, max_windows=4, batch_size=2)
+    by_hand = perplexity(load_model(tiny_demo), eval_windows(tiny_tokenizer, cfg), batch_size=2,
+                         show_progress=False)
+    from_source = heldout_perplexity(str(tiny_demo), cfg, show_progress=False)
+    loaded = heldout_perplexity(load_model(tiny_demo), cfg, tokenizer=tiny_tokenizer,
+                                show_progress=False)
+    assert from_source == by_hand and loaded == by_hand

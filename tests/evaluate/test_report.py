@@ -99,6 +99,20 @@ def test_metrics_round_trip():
     assert again.perplexity == record.perplexity and again.size_bytes == record.size_bytes
 
 
+def test_flow_result_round_trip():
+    """The flow returns records as plain data; the CLI reads them back as the same records."""
+    record = VariantRecord.from_metrics(
+        "rtn4", {"perplexity": 12.5, "size_bytes": 3e6, "stage_cache_hits": 1.0,
+                 "validate/agreement": 0.9, "validate/throughput_c4_tok_s": 120.0},
+        {"variant": "rtn4", "stages": "quantize rtn 4-bit g64"}, run_id="r1",
+        artifact="/pub/rtn4", model_uri="models:/ft-rtn4/1")
+    data = record.to_dict()
+    assert data["stage_cache_hits"] == 1.0 and data["validate/agreement"] == 0.9
+    assert data["model_uri"] == "models:/ft-rtn4/1" and data["artifact"] == "/pub/rtn4"
+    assert VariantRecord.from_dict(data) == record
+    assert "model_uri" not in VariantRecord("base", stages="base").to_dict()
+
+
 def test_bad_prune_report_is_refused():
     with pytest.raises(ArtifactError, match="prune_report.json"):
         parse_prune_report({"layers": [{"layer": 0, "saliency": [1.0]}]})

@@ -17,6 +17,7 @@ from mlflow.tracking import MlflowClient
 
 from tests.flows.conftest import thresher_cmd
 from thresher.errors import ArtifactError
+from thresher.flows.compress import recipe_hash
 from thresher.models import load_model
 from thresher.models.source import hash_directory, resolve_model, sha256_file
 from thresher.recipe import parse_recipe
@@ -65,10 +66,16 @@ def first_run(flow_env, prefect_server):
     return summary
 
 
-def test_runs_metrics_and_registry(first_run, flow_env):
+def test_runs_metrics_and_registry(first_run, flow_env, prefect_server):
     client = MlflowClient(flow_env["uri"], flow_env["uri"])
     parent = client.get_run(first_run["parent_run_id"])
     assert parent.data.tags["thresher.base_hash"] == hash_directory(flow_env["model"])
+    # the parent run and the Prefect flow run are named after the recipe, and tagged with it
+    assert parent.info.run_name.startswith("ft-")
+    assert parent.data.tags["thresher.recipe"] == "ft"
+    assert parent.data.tags["thresher.recipe_hash"] == recipe_hash(
+        parse_recipe(recipe_dict(flow_env["model"])))
+    assert parent.info.run_name in _prefect_flow_run_names(prefect_server["url"])
     assert parent.data.params["variants.1.stages.0.prune.method"] == "frequency"
     children = client.search_runs([parent.info.experiment_id],
                                   f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
@@ -88,8 +95,8 @@ def test_runs_metrics_and_registry(first_run, flow_env):
     assert "prune_report.json" in {a.path for a in client.list_artifacts(by_name["p25"].info.run_id)}
     # the shared prefix (frequency-25%) was computed once: p25-rtn4 found it in the store
     assert by_name["p25-rtn4"].data.metrics["stage_cache_hits"] == 1
-    assert "comparison.md" in {a.path for a in client.list_artifacts(parent.info.run_id)}
     report = {a.path for a in client.list_artifacts(parent.info.run_id, "comparison")}
+    assert "comparison/comparison.md" in report
     assert {"comparison/report.html", "comparison/quality_vs_size.png"} <= report, report
     assert "task/stdlib_closing/acc" in by_name["rtn4"].data.metrics
     # the validation run in the serving engine, logged for every variant
@@ -100,7 +107,7 @@ def test_runs_metrics_and_registry(first_run, flow_env):
         assert m["validate/ttft_p50_ms_c1"] > 0 and m["validate/tpot_p99_ms_c4"] > 0
     assert by_name["base"].data.metrics["validate/agreement"] == 1.0
     assert by_name["rtn4"].data.metrics["validate/agreement"] < 1.0
-    table = client.download_artifacts(parent.info.run_id, "comparison.md")
+    table = client.download_artifacts(parent.info.run_id, "comparison/comparison.md")
     header = Path(table).read_text().splitlines()[0]
     assert "agreement" in header and "tok/s @c4" in header and "TTFT p50 ms @c1" in header
     # every published variant is registered and models:/ resolves back to the artifact
@@ -114,6 +121,14 @@ def test_runs_metrics_and_registry(first_run, flow_env):
             assert resolve_model(row["model_uri"]) == Path(row["artifact"])
     finally:
         mlflow.set_tracking_uri(None)
+
+
+def _prefect_flow_run_names(api_url: str) -> set[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as c:
+        return {run.name for run in c.read_flow_runs()}
 
 
 def test_rerun_uses_the_cache(first_run, flow_env, prefect_server):

@@ -96,12 +96,18 @@ def _spec(size: str) -> DemoSpec:
 def build_demo_model(size: str = "small", force: bool = False,
                      progress: Callable[[int, int, float], None] | None = None) -> Path:
     """Train (or reuse) demo model ``size`` and return its checkpoint directory."""
-    return build_from_spec(_spec(size), demo_model_dir(size), force, progress)
+    return build_from_spec(_spec(size), demo_model_dir(size), force, progress,
+                           label=f"demo:{size}")
 
 
 def build_from_spec(spec: DemoSpec, final: Path, force: bool = False,
-                    progress: Callable[[int, int, float], None] | None = None) -> Path:
-    """Train (or reuse) the model ``spec`` describes into ``final`` (benchmarks try variants)."""
+                    progress: Callable[[int, int, float], None] | None = None,
+                    label: str | None = None) -> Path:
+    """Train (or reuse) the model ``spec`` describes into ``final`` (benchmarks try variants).
+
+    Training takes a minute or more, so without a ``progress`` callback a build shows a progress
+    bar (step, loss) on stderr under ``label``; a reused model shows nothing.
+    """
     final.parent.mkdir(parents=True, exist_ok=True)
     lock_path = final.with_suffix(".lock")
     with open(lock_path, "w") as lock:
@@ -111,8 +117,29 @@ def build_from_spec(spec: DemoSpec, final: Path, force: bool = False,
         for stale in final.parent.glob(f".{final.name}-*"):  # a killed build's leftovers
             shutil.rmtree(stale, ignore_errors=True)
         with build_dir_atomically(final) as tmp:
-            _train(spec, tmp, progress)
+            if progress is not None:
+                _train(spec, tmp, progress)
+            else:
+                with _progress_bar(label or final.name) as bar:
+                    _train(spec, tmp, bar)
     return final
+
+
+@contextmanager
+def _progress_bar(label: str) -> Iterator[Callable[[int, int, float], None]]:
+    """A rich progress bar on stderr; yields the ``progress`` callback that advances it."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn(f"[bold]training {label}"), BarColumn(),
+                  TextColumn("step {task.completed}/{task.total}  loss {task.fields[loss]}"),
+                  TimeElapsedColumn(), console=Console(stderr=True)) as bar:
+        task = bar.add_task("train", total=None, loss="-")
+
+        def advance(step: int, total: int, loss: float) -> None:
+            bar.update(task, completed=step, total=total, loss=f"{loss:.3f}")
+
+        yield advance
 
 
 @contextmanager

@@ -11,10 +11,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
+
+from thresher.data.windows import eval_windows
+from thresher.recipe import PerplexityConfig
 
 CONVENTION = "token-level, non-overlapping windows, remainder dropped"
 
@@ -64,3 +68,24 @@ def perplexity(model: nn.Module | LogitsFn, windows: torch.Tensor, batch_size: i
     nll = total / tokens
     return PerplexityResult(perplexity=math.exp(nll), nll=nll, tokens=tokens, windows=n,
                             seq_len=seq_len)
+
+
+def heldout_perplexity(model: str | Path | nn.Module, cfg: PerplexityConfig, tokenizer=None,
+                       show_progress: bool = True) -> PerplexityResult:
+    """Perplexity of a model on the held-out windows ``cfg`` names: the CLI, the flow and the
+    benchmarks all score a model this way, so their numbers agree.
+
+    ``model`` is a source (hub id, local dir, ``models:/``, ``demo:size``), resolved and loaded
+    here, or an already-loaded model with its ``tokenizer`` (a caller that also runs tasks on it).
+    """
+    if isinstance(model, nn.Module):
+        if tokenizer is None:
+            raise TypeError("heldout_perplexity: a loaded model needs its tokenizer")
+    else:
+        from thresher.models import load_model, load_tokenizer, resolve_model
+
+        path = resolve_model(str(model))
+        tokenizer = load_tokenizer(path)
+        model = load_model(path)
+    return perplexity(model, eval_windows(tokenizer, cfg), batch_size=cfg.batch_size,
+                      show_progress=show_progress)

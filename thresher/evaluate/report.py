@@ -5,11 +5,14 @@ per-task bars show damage that perplexity hides; for pruned variants a heatmap o
 per layer and expert, with the removed experts crossed out, shows what pruning took away. Each
 plot's data is returned beside its file, so a test (or a notebook) can check what was drawn.
 
-Records come from MLflow runs logged under the flow's naming contract (``collect_from_mlflow``):
-metrics ``perplexity``, ``size_bytes``, ``bits_per_param``, ``compression_ratio``,
-``experts_kept``, ``task/<task>/<metric>`` (and ``..._stderr``), ``validate/throughput_c16_tok_s``;
-params ``variant`` and ``stages``; the artifact ``prune_report.json`` holding
-``{"layers": [{"layer": i, "saliency": [...], "removed": [...]}]}``.
+The compress flow builds the records as it runs; ``collect_from_mlflow`` builds the same records
+from MLflow runs logged under the flow's naming contract: metrics ``perplexity``, ``size_bytes``,
+``bits_per_param``, ``compression_ratio``, ``experts_kept``, ``task/<task>/<metric>`` (and
+``..._stderr``), ``validate/<measure>``; params ``variant`` and ``stages``; tags
+``thresher.artifact_dir`` and ``thresher.model_uri``; the artifact ``prune_report.json`` holding
+``{"layers": [{"layer": i, "saliency": [...], "removed": [...]}]}``. This module is the one table
+builder: the console (``thresher run``, ``thresher compare``), markdown and HTML tables all come
+from ``comparison_table``.
 """
 
 from __future__ import annotations
@@ -29,11 +32,23 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from thresher.errors import ArtifactError
+from thresher.formats.artifact import (
+    COMPARISON_HTML,
+    COMPARISON_MD,
+    PRUNE_REPORT,
+    REPORT_ARTIFACT_PATH,
+    REPORT_DATA,
+    REPORT_HTML,
+)
+from thresher.tracking import ARTIFACT_DIR_TAG, MODEL_URI_TAG, Tracker
 
 log = logging.getLogger(__name__)
 
+VALIDATE_PREFIX = "validate/"
 THROUGHPUT_METRIC = "validate/throughput_c16_tok_s"
-PRUNE_REPORT = "prune_report.json"
+BASE_STAGES = "base"  # the stage chain of a variant without stages
+_TYPED_METRICS = ("size_bytes", "bits_per_param", "compression_ratio", "experts_kept",
+                  "perplexity")
 HIGHER_IS_BETTER_TASK_METRICS = ("acc", "acc_norm", "exact_match", "f1", "mcc")
 
 
@@ -48,7 +63,12 @@ class LayerSaliency:
 
 @dataclass
 class VariantRecord:
-    """What the report knows about one variant; every measurement is optional."""
+    """What the report knows about one variant; every measurement is optional.
+
+    ``validation`` holds the engine's validation run (``validate/<measure>`` without the prefix);
+    ``other_metrics`` every further flat metric (stage timings, cache hits, ...), so a record
+    carries all of a variant's metrics and ``metrics()`` gives them back under the contract.
+    """
 
     name: str
     size_bytes: float | None = None
@@ -62,22 +82,29 @@ class VariantRecord:
     stages: str = ""
     run_id: str | None = None
     saliency: list[LayerSaliency] | None = None
+    validation: dict[str, float] = field(default_factory=dict)
+    other_metrics: dict[str, float] = field(default_factory=dict)
+    artifact: str | None = None
+    model_uri: str | None = None
 
     @classmethod
     def from_metrics(cls, name: str, metrics: dict[str, float], params: dict[str, str] | None = None,
-                     prune_report: dict[str, Any] | None = None,
-                     run_id: str | None = None) -> VariantRecord:
+                     prune_report: dict[str, Any] | None = None, run_id: str | None = None,
+                     artifact: str | None = None, model_uri: str | None = None) -> VariantRecord:
         """A record from flat MLflow-style metrics and params (the flow's naming contract)."""
         params = params or {}
-        tasks, stderr = {}, {}
+        tasks, stderr, validation, other = {}, {}, {}, {}
         for key, value in metrics.items():
-            if not key.startswith("task/"):
-                continue
-            name_ = key.removeprefix("task/")
-            if name_.endswith("_stderr"):
-                stderr[name_.removesuffix("_stderr")] = float(value)
-            else:
-                tasks[name_] = float(value)
+            if key.startswith("task/"):
+                name_ = key.removeprefix("task/")
+                if name_.endswith("_stderr"):
+                    stderr[name_.removesuffix("_stderr")] = float(value)
+                else:
+                    tasks[name_] = float(value)
+            elif key.startswith(VALIDATE_PREFIX):
+                validation[key.removeprefix(VALIDATE_PREFIX)] = float(value)
+            elif key not in _TYPED_METRICS:
+                other[key] = float(value)
         return cls(
             name=params.get("variant", name),
             size_bytes=metrics.get("size_bytes"), bits_per_param=metrics.get("bits_per_param"),
@@ -86,18 +113,39 @@ class VariantRecord:
             tasks=tasks, task_stderr=stderr, throughput_tok_s=metrics.get(THROUGHPUT_METRIC),
             stages=params.get("stages", ""), run_id=run_id,
             saliency=parse_prune_report(prune_report) if prune_report else None,
+            validation=validation, other_metrics=other, artifact=artifact, model_uri=model_uri,
         )
 
     def metrics(self) -> dict[str, float]:
         """The record as flat metrics under the naming contract (the inverse of from_metrics)."""
-        out = {k: float(v) for k, v in (
+        out = dict(self.other_metrics)
+        out.update({k: float(v) for k, v in (
             ("size_bytes", self.size_bytes), ("bits_per_param", self.bits_per_param),
             ("compression_ratio", self.compression_ratio), ("experts_kept", self.experts_kept),
-            ("perplexity", self.perplexity), (THROUGHPUT_METRIC, self.throughput_tok_s),
-        ) if v is not None}
+            ("perplexity", self.perplexity),
+        ) if v is not None})
         out.update({f"task/{k}": v for k, v in self.tasks.items()})
         out.update({f"task/{k}_stderr": v for k, v in self.task_stderr.items()})
+        out.update({f"{VALIDATE_PREFIX}{k}": v for k, v in self.validation.items()})
+        if self.throughput_tok_s is not None:
+            out[THROUGHPUT_METRIC] = float(self.throughput_tok_s)
         return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (the flow's result): identity fields beside the flat metrics; a field
+        that is unknown (no registry, no artifact) is left out."""
+        ids = {"variant": self.name, "stages": self.stages, "run_id": self.run_id,
+               "artifact": self.artifact, "model_uri": self.model_uri}
+        return {**{k: v for k, v in ids.items() if v is not None}, **self.metrics()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> VariantRecord:
+        """The inverse of ``to_dict`` (the saliency stays with the artifact's prune report)."""
+        ids = ("variant", "stages", "run_id", "artifact", "model_uri")
+        return cls.from_metrics(data["variant"], {k: v for k, v in data.items() if k not in ids},
+                                {"variant": data["variant"], "stages": data.get("stages", "")},
+                                run_id=data.get("run_id"), artifact=data.get("artifact"),
+                                model_uri=data.get("model_uri"))
 
 
 def parse_prune_report(data: dict[str, Any]) -> list[LayerSaliency]:
@@ -263,22 +311,49 @@ def _fmt(value: float | None, digits: int = 3) -> str:
     return f"{value:.{digits}f}"
 
 
-def table_rows(records: list[VariantRecord]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the comparison table; task columns are the union over the variants."""
+def validation_columns(records: list[VariantRecord]) -> dict[str, list[str]]:
+    """The validation run's columns of the comparison table (none when validation was off).
+
+    Agreement with the base, engine throughput at the highest load-test concurrency and TTFT
+    at the lowest, one cell per record.
+    """
+    measured = [r.metrics() for r in records]
+    levels = sorted({int(k.removeprefix("validate/throughput_c").removesuffix("_tok_s"))
+                     for m in measured for k in m if k.startswith("validate/throughput_c")})
+    if not levels:
+        return {}
+    hi, lo = levels[-1], levels[0]
+
+    def cells(key: str, fmt: str) -> list[str]:
+        return [format(m[key], fmt) if key in m else "-" for m in measured]
+
+    return {
+        "agreement": cells("validate/agreement", ".3f"),
+        f"tok/s @c{hi}": cells(f"validate/throughput_c{hi}_tok_s", ".1f"),
+        f"TTFT p50 ms @c{lo}": cells(f"validate/ttft_p50_ms_c{lo}", ".0f"),
+    }
+
+
+def comparison_table(records: list[VariantRecord]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the comparison table: size, quality against the base variant (the one
+    whose stages are ``base``), task scores (the union over the variants) and validation."""
+    base_ppl = next((r.perplexity for r in records if r.stages == BASE_STAGES), None)
     tasks = sorted({k for r in records for k in r.tasks})
-    header = ["variant", "stages", "size (MB)", "bits/param", "compression", "experts kept",
-              "perplexity", *tasks, "throughput c16 (tok/s)"]
+    extra = validation_columns(records)
+    header = ["variant", "stages", "size (MB)", "bits/param", "experts", "perplexity", "vs base",
+              *tasks, *extra]
     rows = []
-    for r in records:
+    for i, r in enumerate(records):
+        delta = (f"{100 * (r.perplexity / base_ppl - 1):+.2f}%"
+                 if base_ppl and r.perplexity is not None else "-")
         cells = [r.name, r.stages or "-",
                  _fmt(r.size_bytes / 1e6 if r.size_bytes is not None else None, 2),
-                 _fmt(r.bits_per_param, 2), _fmt(r.compression_ratio, 2),
-                 _fmt(r.experts_kept, 0), _fmt(r.perplexity, 2)]
+                 _fmt(r.bits_per_param, 2), _fmt(r.experts_kept, 0), _fmt(r.perplexity), delta]
         for k in tasks:
             value = r.tasks.get(k)
             err = r.task_stderr.get(k)
             cells.append(_fmt(value) + (f" ± {err:.3f}" if value is not None and err else ""))
-        cells.append(_fmt(r.throughput_tok_s, 1))
+        cells += [column[i] for column in extra.values()]
         rows.append(cells)
     return header, rows
 
@@ -287,6 +362,11 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def comparison_markdown(records: list[VariantRecord]) -> str:
+    """The comparison table as markdown (the report's ``comparison.md``)."""
+    return markdown_table(*comparison_table(records))
 
 
 def html_table(header: list[str], rows: list[list[str]]) -> str:
@@ -322,9 +402,9 @@ def build_report(records: Iterable[VariantRecord], out_dir: str | Path,
         raise ArtifactError("comparison report: no variants to compare")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    header, rows = table_rows(records)
-    files = {"table_md": out / "comparison.md", "table_html": out / "comparison_table.html"}
-    files["table_md"].write_text(f"# {title}\n\n" + markdown_table(header, rows))
+    header, rows = comparison_table(records)
+    files = {"table_md": out / COMPARISON_MD, "table_html": out / COMPARISON_HTML}
+    files["table_md"].write_text(markdown_table(header, rows))
     files["table_html"].write_text(html_table(header, rows))
 
     panels = quality_vs_size_data(records, task_metric)
@@ -344,13 +424,13 @@ def build_report(records: Iterable[VariantRecord], out_dir: str | Path,
         if key in files:
             png = base64.b64encode(files[key].read_bytes()).decode()
             sections.append(f"<h2>{caption}</h2><img alt='{key}' src='data:image/png;base64,{png}'>")
-    files["html"] = out / "report.html"
+    files["html"] = out / REPORT_HTML
     files["html"].write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>"
                              f"{html.escape(title)}</title><style>{_CSS}</style></head><body>"
                              + "\n".join(sections) + "</body></html>\n")
-    (out / "report_data.json").write_text(json.dumps(
+    files["data"] = out / REPORT_DATA
+    files["data"].write_text(json.dumps(
         {"quality_vs_size": panels, "task_bars": bars, "saliency": heat}, indent=1))
-    files["data"] = out / "report_data.json"
     log.info("comparison report for %d variants in %s", len(records), out)
     return Report(out_dir=out, files=files, header=header, rows=rows, quality_vs_size=panels,
                   task_bars=bars, saliency=heat)
@@ -361,55 +441,24 @@ def build_report(records: Iterable[VariantRecord], out_dir: str | Path,
 
 def collect_from_mlflow(run_ids: list[str], tracking_uri: str | None = None) -> list[VariantRecord]:
     """Variant records from MLflow runs; a run with child runs (a flow's parent) expands to them."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=tracking_uri)
-    records = []
-    for run_id in run_ids:
-        try:
-            run = client.get_run(run_id)
-        except MlflowException as err:
-            raise ArtifactError(f"MLflow run {run_id!r}: not found in "
-                                f"{client.tracking_uri} ({err.message})") from err
-        children = client.search_runs(
-            [run.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'",
-            order_by=["attributes.start_time ASC"])
-        for r in children or [run]:
-            records.append(_record_from_run(client, r))
-    return records
+    tracker = Tracker(tracking_uri)
+    return [record_from_run(tracker, run) for run_id in run_ids
+            for run in tracker.variant_runs(run_id)]
 
 
-def _record_from_run(client, run) -> VariantRecord:
-    prune = _find_artifact(client, run.info.run_id, PRUNE_REPORT)
+def record_from_run(tracker: Tracker, run) -> VariantRecord:
+    """The record of one variant's MLflow run."""
+    tags = run.data.tags
     return VariantRecord.from_metrics(
         run.info.run_name or run.info.run_id, dict(run.data.metrics), dict(run.data.params),
-        prune_report=prune, run_id=run.info.run_id)
-
-
-def _find_artifact(client, run_id: str, name: str, path: str = "", depth: int = 2) -> dict | None:
-    """The JSON artifact ``name`` at the run's root or up to ``depth`` folders down, if any."""
-    import tempfile
-
-    for item in client.list_artifacts(run_id, path or None):
-        if not item.is_dir and Path(item.path).name == name:
-            with tempfile.TemporaryDirectory() as tmp:
-                local = client.download_artifacts(run_id, item.path, tmp)
-                return json.loads(Path(local).read_text())
-    if depth > 0:
-        for item in client.list_artifacts(run_id, path or None):
-            if item.is_dir:
-                found = _find_artifact(client, run_id, name, item.path, depth - 1)
-                if found is not None:
-                    return found
-    return None
+        prune_report=tracker.find_json_artifact(run.info.run_id, PRUNE_REPORT),
+        run_id=run.info.run_id, artifact=tags.get(ARTIFACT_DIR_TAG),
+        model_uri=tags.get(MODEL_URI_TAG))
 
 
 def log_report(report: Report, run_id: str, tracking_uri: str | None = None,
-               artifact_path: str = "comparison") -> None:
+               artifact_path: str = REPORT_ARTIFACT_PATH) -> None:
     """Attach the report's files to an MLflow run (the flow's parent run)."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=tracking_uri)
+    tracker = Tracker(tracking_uri)
     for path in report.files.values():
-        client.log_artifact(run_id, str(path), artifact_path)
+        tracker.log_artifact(run_id, path, artifact_path)

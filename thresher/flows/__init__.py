@@ -1,1 +1,1 @@
-"""Prefect flows and tasks, MLflow tracking, publishing, deployments and schedules."""
+"""Prefect flows and tasks, the content-addressed store, publishing, deployments and schedules."""

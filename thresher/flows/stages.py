@@ -2,7 +2,9 @@
 
 Each task is a plain function of paths and configs, so the flow stays a short loop over the plan.
 Stage outputs live in the content-addressed store; evaluation results are cached by the artifact's
-content hash; publishing copies into place atomically and writes the manifest.
+content hash; publishing copies into place atomically and writes the manifest. A stage's metrics
+(wall time and peak memory included) are the ones its own report measured, so the flow and the
+CLI report the same numbers for the same work.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from prefect import task
 
 from thresher import __version__
 from thresher.errors import ThresherError
-from thresher.flows.store import COMPLETE_MARKER, ArtifactStore, stage_key
+from thresher.flows.store import ArtifactStore, stage_key
+from thresher.formats.artifact import STORE_COMPLETE
 from thresher.models.manifest import read_manifest, write_manifest
 from thresher.models.source import hash_directory, resolve_model
+from thresher.paths import build_dir_atomically, write_text_atomically
 from thresher.recipe import CalibrationConfig, EvalConfig, PerplexityConfig, Stage, ValidateConfig
-from thresher.resources import measure
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +75,7 @@ def run_stage(input_dir: str, input_hash: str, stage: Stage, calibration: Calibr
                     "cache_hit": True, "metrics": record.get("metrics", {})}
         out = store.scratch_dir(key)
         log.info("%s: computing (store key %s)", label, key[:12])
-        with measure() as usage:
-            report = execute_stage(Path(input_dir), stage, calibration, out)
-        metrics = {**report.metrics(), "wall_seconds": usage.wall_seconds,
-                   "peak_rss_mb": usage.peak_rss_mb}
+        metrics = execute_stage(Path(input_dir), stage, calibration, out).metrics()
         entry = store.commit(key, out, {"stage": stage.model_dump(mode="json", exclude_none=True),
                                         "input_hash": input_hash, "metrics": metrics})
     return {"path": str(entry.path), "content_hash": entry.content_hash, "key": key,
@@ -93,15 +93,13 @@ def evaluate_artifact(path: str, content_hash: str, eval_cfg: EvalConfig, store_
     if cache.is_file():
         log.info("%s: evaluation found in the store, not recomputed", label)
         return json.loads(cache.read_text())
-    from thresher.data.windows import eval_windows
-    from thresher.evaluate.perplexity import perplexity
+    from thresher.evaluate.perplexity import heldout_perplexity
     from thresher.models import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(path)
-    model = load_model(path)
+    model = load_model(path)  # loaded once: perplexity and tasks both run on it
     start = time.perf_counter()
-    ppl = perplexity(model, eval_windows(tokenizer, eval_cfg.perplexity),
-                     batch_size=eval_cfg.perplexity.batch_size)
+    ppl = heldout_perplexity(model, eval_cfg.perplexity, tokenizer=tokenizer)
     metrics = {"perplexity": ppl.perplexity, "nll": ppl.nll, "eval_tokens": float(ppl.tokens),
                "eval_seconds": time.perf_counter() - start}
     if eval_cfg.tasks:
@@ -109,10 +107,7 @@ def evaluate_artifact(path: str, content_hash: str, eval_cfg: EvalConfig, store_
 
         results = run_tasks(model, tokenizer, eval_cfg.tasks, limit=eval_cfg.task_limit)
         metrics.update(results.metrics())
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(f".tmp-{time.time_ns()}")
-    tmp.write_text(json.dumps(metrics))
-    tmp.rename(cache)
+    write_text_atomically(cache, json.dumps(metrics))
     return metrics
 
 
@@ -125,16 +120,10 @@ def publish_artifact(path: str, content_hash: str, dest_root: str, variant: str,
     if existing and existing.get("content_hash") == content_hash:
         return str(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".{variant}.publishing-{time.time_ns()}"
-    shutil.copytree(path, tmp, ignore=shutil.ignore_patterns(COMPLETE_MARKER))
-    write_manifest(tmp, content_hash=content_hash, **manifest_fields)
-    old = None
-    if dest.exists():
-        old = dest.parent / f".{variant}.replaced-{time.time_ns()}"
-        dest.rename(old)
-    tmp.rename(dest)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    with build_dir_atomically(dest) as building:
+        shutil.copytree(path, building, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns(STORE_COMPLETE))
+        write_manifest(building, content_hash=content_hash, **manifest_fields)
     return str(dest)
 
 

@@ -3,8 +3,9 @@
 A stage's key hashes (input artifact hash, stage config, calibration config, thresher version).
 Equal prefixes of different variants therefore share one artifact (REAP-50% feeds both
 reap50-gptq4 and reap50-awq4), a rerun finds every finished stage, and a flow killed in the middle
-of a stage resumes from there: stages write into a temporary sibling and rename on success, so an
-entry either exists whole or not at all.
+of a stage resumes from there: stages write into a scratch folder, and a finished output becomes
+an entry through ``build_dir_atomically`` (built beside its final name, then renamed), so an entry
+either exists whole or not at all.
 """
 
 from __future__ import annotations
@@ -21,13 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from thresher import __version__
+from thresher.formats.artifact import STORE_COMPLETE
 from thresher.models.source import hash_directory
-from thresher.paths import state_dir
+from thresher.paths import build_dir_atomically, state_dir
 from thresher.recipe import CalibrationConfig, Stage
 
 log = logging.getLogger(__name__)
-
-COMPLETE_MARKER = ".thresher-complete.json"
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,10 @@ class StoreEntry:
 
     @property
     def complete(self) -> bool:
-        return (self.path / COMPLETE_MARKER).is_file()
+        return (self.path / STORE_COMPLETE).is_file()
 
     def record(self) -> dict:
-        return json.loads((self.path / COMPLETE_MARKER).read_text())
+        return json.loads((self.path / STORE_COMPLETE).read_text())
 
     @property
     def content_hash(self) -> str:
@@ -84,11 +84,13 @@ class ArtifactStore:
         """A path (not yet created) for a stage to write into before it is committed.
 
         It lies in its own scratch folder, with any temporary siblings the stage makes; the
-        leftovers of a killed run for the same key are removed first. Call under ``locked``.
+        leftovers of a killed run for the same key (its scratch folder, a half-made entry beside
+        the final name) are removed first. Call under ``locked``.
         """
         scratch = self.root / ".scratch"
         scratch.mkdir(parents=True, exist_ok=True)
-        for stale in scratch.glob(f"{key}-*"):
+        entry = self.entry(key)
+        for stale in [*scratch.glob(f"{key}-*"), *entry.path.parent.glob(f".{key}-*")]:
             log.info("removing the partial output of an interrupted run: %s", stale)
             shutil.rmtree(stale, ignore_errors=True)
         folder = scratch / f"{key}-{time.time_ns()}"
@@ -100,10 +102,10 @@ class ArtifactStore:
         entry = self.entry(key)
         record = {**meta, "key": key, "content_hash": hash_directory(produced),
                   "thresher": __version__, "created": time.time()}
-        (produced / COMPLETE_MARKER).write_text(json.dumps(record, indent=2, sort_keys=True))
         entry.path.parent.mkdir(parents=True, exist_ok=True)
-        if entry.path.exists():  # an incomplete leftover under the final name
-            shutil.rmtree(entry.path)
-        produced.rename(entry.path)
+        with build_dir_atomically(entry.path) as building:
+            for item in produced.iterdir():  # same filesystem: renames, not copies
+                item.rename(building / item.name)
+            (building / STORE_COMPLETE).write_text(json.dumps(record, indent=2, sort_keys=True))
         shutil.rmtree(produced.parent, ignore_errors=True)
         return entry

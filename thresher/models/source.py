@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from thresher.errors import ModelError
+from thresher.formats.artifact import MANIFEST
 
 DEMO_PREFIX = "demo:"
 REGISTRY_PREFIX = "models:/"
-ARTIFACT_DIR_TAG = "thresher.artifact_dir"
 
 
 @dataclass(frozen=True)
@@ -66,34 +66,22 @@ def _resolve_hub(repo_id: str) -> Path:
 
 def _resolve_registry(name_version: str) -> Path:
     """``models:/name/version`` (or ``models:/name@alias``) through the MLflow Model Registry."""
-    import mlflow
-    from mlflow.tracking import MlflowClient
+    from thresher.tracking import ARTIFACT_DIR_TAG, Tracker
 
-    client = MlflowClient()
-    try:
-        if "@" in name_version:
-            name, alias = name_version.split("@", 1)
-            mv = client.get_model_version_by_alias(name, alias)
-        else:
-            name, version = name_version.rsplit("/", 1)
-            mv = client.get_model_version(name, version)
-    except Exception as err:
-        raise ModelError(
-            f"models:/{name_version}: not found in the MLflow registry at "
-            f"{mlflow.get_tracking_uri()} ({err})"
-        ) from err
+    tracker = Tracker()
+    mv = tracker.model_version(name_version)
     artifact_dir = (mv.tags or {}).get(ARTIFACT_DIR_TAG)
     if artifact_dir and (Path(artifact_dir) / "config.json").is_file():
         return Path(artifact_dir)
-    local = mlflow.artifacts.download_artifacts(f"models:/{name_version}")
-    for candidate in (Path(local), *Path(local).rglob("config.json")):
+    local = tracker.download_model(name_version)
+    for candidate in (local, *local.rglob("config.json")):
         base = candidate if candidate.is_dir() else candidate.parent
         if (base / "config.json").is_file():
             return base
     raise ModelError(f"models:/{name_version}: the registered artifact holds no config.json")
 
 
-def hash_directory(path: str | Path, exclude: tuple[str, ...] = ("thresher.json",)) -> str:
+def hash_directory(path: str | Path, exclude: tuple[str, ...] = (MANIFEST,)) -> str:
     """sha256 over the sorted (relative path, file sha256) pairs of a directory's files."""
     path = Path(path)
     outer = hashlib.sha256()

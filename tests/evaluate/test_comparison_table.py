@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from thresher.flows.compress import comparison_markdown, validation_columns
+from thresher.evaluate.report import VariantRecord, comparison_markdown, validation_columns
 
 
-def row(name: str, stages: str, ppl: float, **extra: float) -> dict:
-    return {"variant": name, "stages": stages, "size_bytes": 4e6, "bits_per_param": 4.5,
-            "experts_kept": 8.0, "perplexity": ppl, **extra}
+def row(name: str, stages: str, ppl: float, **extra: float) -> VariantRecord:
+    return VariantRecord.from_metrics(name, {"size_bytes": 4e6, "bits_per_param": 4.5,
+                                             "experts_kept": 8.0, "perplexity": ppl, **extra},
+                                      {"variant": name, "stages": stages})
 
 
 def validated(agreement: float, tok_s: float, ttft: float) -> dict:

@@ -1,44 +1,53 @@
-"""MLflow tracking: one parent run per flow run, one nested run per variant, the model registry.
+"""MLflow, reached from one place: tracking runs, reading them back, the model registry.
+
+The compress flow writes one parent run per flow run and one nested run per variant; the
+comparison report reads those runs back and logs its files; ``models:/name/version`` sources are
+looked up in the registry. All of it goes through here, and MLflow is imported only when used.
 
 Every call names its run id explicitly (``MlflowClient``), never MLflow's active run: Prefect runs
 tasks on worker threads and MLflow's active run is thread-local. The tracking URI follows MLflow's
-convention: an explicit URI (recipe or CLI), else ``$MLFLOW_TRACKING_URI``, else the embedded
-default, a SQLite file under thresher's state directory. Reachability is checked before any
-compute, so a wrong URI fails in a second, not after hours of calibration.
+convention: an explicit URI (recipe or CLI), else MLflow's own setting (``mlflow.set_tracking_uri``
+or ``$MLFLOW_TRACKING_URI``), else the embedded default, a SQLite file under thresher's state
+directory. Reachability is checked before any compute, so a wrong URI fails in a second, not after
+hours of calibration.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from thresher import __version__
-from thresher.errors import TrackingError
-from thresher.models.source import ARTIFACT_DIR_TAG
-from thresher.paths import state_dir
+from thresher.errors import ArtifactError, ModelError, TrackingError
+from thresher.paths import tracking_artifacts_uri, tracking_store_uri
+
+if TYPE_CHECKING:
+    from mlflow.entities import Run
+    from mlflow.entities.model_registry import ModelVersion
 
 log = logging.getLogger(__name__)
 
+ARTIFACT_DIR_TAG = "thresher.artifact_dir"
 ARTIFACT_HASH_TAG = "thresher.artifact_hash"
+MODEL_URI_TAG = "thresher.model_uri"
 _MAX_PARAM = 500
 
 
 def resolve_tracking_uri(explicit: str | None = None) -> str:
+    """The tracking URI to use: ``explicit``, else MLflow's setting, else the embedded store."""
     if explicit:
         return explicit
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
-    return f"sqlite:///{state_dir() / 'mlflow.db'}"
+    import mlflow
 
-
-def default_artifact_root() -> str:
-    return (state_dir() / "mlartifacts").as_uri()
+    if mlflow.tracking.is_tracking_uri_set():
+        return mlflow.get_tracking_uri()
+    return tracking_store_uri()
 
 
 def check_reachable(uri: str, timeout: float = 5.0) -> None:
@@ -77,7 +86,7 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
 
 def git_sha() -> str | None:
     try:
-        root = Path(__file__).resolve().parents[2]
+        root = Path(__file__).resolve().parents[1]
         return subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
                               text=True, timeout=5, check=True).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
@@ -85,32 +94,43 @@ def git_sha() -> str | None:
 
 
 class Tracker:
-    """Thin, explicit-run-id wrapper over MlflowClient for the compress flow."""
+    """Thin, explicit-run-id wrapper over MlflowClient.
 
-    def __init__(self, uri: str | None, experiment: str):
+    With an ``experiment`` it can start runs (the compress flow); without one it reads runs, logs
+    files to existing runs and looks up registered models (the report, model sources).
+    """
+
+    def __init__(self, uri: str | None = None, experiment: str | None = None):
         from mlflow.tracking import MlflowClient
 
         self.uri = resolve_tracking_uri(uri)
         check_reachable(self.uri)
         self.client = MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
-        try:
-            found = self.client.get_experiment_by_name(experiment)
-            self.experiment_id = (
-                found.experiment_id
-                if found is not None
-                else self.client.create_experiment(experiment, artifact_location=self._artifacts())
-            )
-        except Exception as err:
-            raise TrackingError(f"MLflow at {self.uri} refused the experiment {experiment!r}: {err}"
-                                ) from err
+        self.experiment_id: str | None = None
+        if experiment is not None:
+            try:
+                found = self.client.get_experiment_by_name(experiment)
+                self.experiment_id = (
+                    found.experiment_id
+                    if found is not None
+                    else self.client.create_experiment(experiment,
+                                                       artifact_location=self._artifacts())
+                )
+            except Exception as err:
+                raise TrackingError(f"MLflow at {self.uri} refused the experiment "
+                                    f"{experiment!r}: {err}") from err
         self._monitors: dict[str, Any] = {}
 
     def _artifacts(self) -> str | None:
         # A local store keeps artifacts beside the database; a server decides for itself.
-        return None if self.uri.startswith(("http://", "https://")) else default_artifact_root()
+        return None if self.uri.startswith(("http://", "https://")) else tracking_artifacts_uri()
+
+    # --- writing runs ----------------------------------------------------------------------------
 
     def start_run(self, name: str, parent_id: str | None = None, tags: Mapping[str, str] | None = None,
                   system_metrics: bool = False) -> str:
+        if self.experiment_id is None:
+            raise TrackingError("a Tracker made without an experiment cannot start runs")
         all_tags = {"thresher.version": __version__, **(tags or {})}
         if parent_id:
             all_tags["mlflow.parentRunId"] = parent_id
@@ -140,8 +160,6 @@ class Tracker:
             self.client.log_batch(run_id, params=items[i : i + 100])
 
     def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
-        import time
-
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
@@ -162,6 +180,44 @@ class Tracker:
             file.write_text(text)
             self.client.log_artifact(run_id, str(file))
 
+    # --- reading runs ----------------------------------------------------------------------------
+
+    def get_run(self, run_id: str) -> Run:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.client.get_run(run_id)
+        except MlflowException as err:
+            raise ArtifactError(f"MLflow run {run_id!r}: not found in {self.uri} "
+                                f"({err.message})") from err
+
+    def variant_runs(self, run_id: str) -> list[Run]:
+        """The run's child runs in start order (a flow's parent run), else the run itself."""
+        run = self.get_run(run_id)
+        children = self.client.search_runs(
+            [run.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'",
+            order_by=["attributes.start_time ASC"])
+        return list(children) or [run]
+
+    def find_json_artifact(self, run_id: str, name: str, path: str = "",
+                           depth: int = 2) -> dict | None:
+        """The JSON artifact ``name`` at the run's root or up to ``depth`` folders down, if any."""
+        items = self.client.list_artifacts(run_id, path or None)
+        for item in items:
+            if not item.is_dir and Path(item.path).name == name:
+                with tempfile.TemporaryDirectory() as tmp:
+                    local = self.client.download_artifacts(run_id, item.path, tmp)
+                    return json.loads(Path(local).read_text())
+        if depth > 0:
+            for item in items:
+                if item.is_dir:
+                    found = self.find_json_artifact(run_id, name, item.path, depth - 1)
+                    if found is not None:
+                        return found
+        return None
+
+    # --- the model registry ----------------------------------------------------------------------
+
     def register(self, name: str, artifact_dir: Path, artifact_hash: str, run_id: str,
                  tags: Mapping[str, str]) -> str:
         """A registry version for a published artifact (reused if that exact artifact is registered)."""
@@ -181,3 +237,23 @@ class Tracker:
                   ARTIFACT_HASH_TAG: artifact_hash, **tags},
         )
         return str(mv.version)
+
+    def model_version(self, name_version: str) -> ModelVersion:
+        """The registry entry of ``name/version`` or ``name@alias`` (a ``models:/`` URI's tail)."""
+        try:
+            if "@" in name_version:
+                name, alias = name_version.split("@", 1)
+                return self.client.get_model_version_by_alias(name, alias)
+            name, version = name_version.rsplit("/", 1)
+            return self.client.get_model_version(name, version)
+        except Exception as err:
+            raise ModelError(f"models:/{name_version}: not found in the MLflow registry at "
+                             f"{self.uri} ({err})") from err
+
+    def download_model(self, name_version: str) -> Path:
+        """A local copy of the files registered as ``models:/name_version``."""
+        import mlflow
+
+        return Path(mlflow.artifacts.download_artifacts(f"models:/{name_version}",
+                                                        tracking_uri=self.uri,
+                                                        registry_uri=self.uri))

@@ -1,0 +1,34 @@
+"""What files an artifact directory holds, by name: the one place those names are spelled.
+
+A stage output or published artifact is a Hugging Face checkpoint plus thresher's own files: the
+manifest, the report of the stage that made it, and (in the store) the marker of a finished
+entry. A flow run's comparison report is a directory of its own. Writers and readers (the flow,
+the report, the loader) import the names from here, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+MANIFEST = "thresher.json"
+"""Recipe, lineage, metrics, library versions and the sha256 of every file (published artifacts)."""
+
+PRUNE_REPORT = "prune_report.json"
+"""Per-layer REAP saliency and the experts removed (written beside a pruned checkpoint)."""
+
+QUANTIZE_REPORT = "quantize_report.json"
+"""Per-matrix quantization errors and timings (written beside a quantized checkpoint)."""
+
+STAGE_REPORTS = (PRUNE_REPORT, QUANTIZE_REPORT)
+
+STORE_COMPLETE = ".thresher-complete.json"
+"""Marks a finished entry of the artifact store; holds its key, content hash and stage metrics."""
+
+# The comparison report of a flow run (``thresher.evaluate.report``).
+COMPARISON_MD = "comparison.md"
+COMPARISON_HTML = "comparison_table.html"
+REPORT_HTML = "report.html"
+REPORT_DATA = "report_data.json"
+REPORT_ARTIFACT_PATH = "comparison"
+"""The folder of the parent MLflow run that holds the comparison report."""
+
+DEMO_MODEL_META = "demo_model.json"
+"""Spec, training time and final loss of a demo model (beside its checkpoint)."""
