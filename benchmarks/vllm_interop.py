@@ -28,6 +28,7 @@ import torch
 from thresher.compress.api import quantize_model
 from thresher.data.demo_model import build_demo_model
 from thresher.data.windows import eval_windows
+from thresher.formats.artifact import QUANTIZE_REPORT
 from thresher.models import load_model, load_tokenizer, save_model
 from thresher.models.quantized import load_quantized_model
 from thresher.models.random_init import random_config
@@ -109,7 +110,7 @@ def main() -> None:
                  ("tiny MoE, REAP 50% + GPTQ-4 g64", root / "moe-reap50-gptq4")]
         rows = []
         for name, path in cases:
-            quantized = (path / "quantize_report.json").is_file()
+            quantized = (path / QUANTIZE_REPORT).is_file()
             # vLLM runs GPTQ/AWQ in 16 bits only; the bf16 run of thresher's own loader shows how
             # far 16-bit arithmetic alone moves the log-probabilities
             dtype = "bfloat16" if quantized else "float32"

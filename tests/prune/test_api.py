@@ -9,11 +9,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.conftest import build_random_model
 from thresher.errors import ArtifactError, CompressionError, UnsupportedArchitectureError
+from thresher.formats.artifact import PRUNE_REPORT
 from thresher.models import get_adapter, save_model
 from thresher.models.checkpoint import CheckpointReader
 from thresher.models.random_init import MOE_FAMILIES
 from thresher.prune import api
-from thresher.prune.api import REPORT_NAME, prune_model
+from thresher.prune.api import prune_model
 from thresher.recipe import CalibrationConfig, FilesSource, PruneStage
 
 # A small local text keeps tokenization out of these tests' time (the stdlib source is 13 MB).
@@ -107,7 +108,7 @@ def test_report_records_every_saliency_and_removes_the_lowest(saved_family, tmp_
     _, base = saved_family("qwen3_moe")
     out = tmp_path / "pruned"
     report = prune_model(base, PruneStage(method="ean", keep=5), CAL, out, show_progress=False)
-    data = json.loads((out / REPORT_NAME).read_text())
+    data = json.loads((out / PRUNE_REPORT).read_text())
     assert data["method"] == "ean" and data["experts_kept"] == 5 and len(data["layers"]) == 2
     for layer in data["layers"]:
         assert len(layer["saliency"]) == 8 and len(layer["tokens_routed"]) == 8

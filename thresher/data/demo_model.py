@@ -26,6 +26,7 @@ import torch
 
 from thresher.data.sources import iter_documents
 from thresher.errors import ModelError
+from thresher.formats.artifact import DEMO_MODEL_META
 from thresher.paths import build_dir_atomically, demo_models_dir
 
 log = logging.getLogger(__name__)
@@ -250,4 +251,4 @@ def _train(spec: DemoSpec, out: Path, progress: Callable[[int, int, float], None
         "parameters": sum(p.numel() for p in model.parameters()),
         "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
     }
-    (out / "demo_model.json").write_text(json.dumps(meta, indent=2))
+    (out / DEMO_MODEL_META).write_text(json.dumps(meta, indent=2))

@@ -15,9 +15,9 @@ from typing import Any
 
 from thresher import __version__
 from thresher.errors import ArtifactError
+from thresher.formats.artifact import MANIFEST
 from thresher.models.source import sha256_file
 
-MANIFEST_NAME = "thresher.json"
 _LIBRARIES = ("torch", "transformers", "safetensors", "bitsandbytes", "prefect", "mlflow", "triton",
               "lm_eval")
 
@@ -36,7 +36,7 @@ def file_hashes(path: Path) -> dict[str, str]:
     return {
         f.relative_to(path).as_posix(): sha256_file(f)
         for f in sorted(path.rglob("*"))
-        if f.is_file() and f.name != MANIFEST_NAME and not f.name.startswith(".")
+        if f.is_file() and f.name != MANIFEST and not f.name.startswith(".")
     }
 
 
@@ -44,12 +44,12 @@ def write_manifest(path: str | Path, **fields: Any) -> dict:
     """Write ``thresher.json`` into artifact ``path`` with file hashes and library versions."""
     path = Path(path)
     manifest = {"format": 1, **fields, "libraries": library_versions(), "files": file_hashes(path)}
-    (path / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+    (path / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
     return manifest
 
 
 def read_manifest(path: str | Path) -> dict | None:
-    file = Path(path) / MANIFEST_NAME
+    file = Path(path) / MANIFEST
     if not file.is_file():
         return None
     try:

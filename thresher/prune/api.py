@@ -25,6 +25,7 @@ from transformers import PretrainedConfig
 
 from thresher.data.windows import calibration_windows
 from thresher.errors import ArtifactError, CompressionError
+from thresher.formats.artifact import PRUNE_REPORT
 from thresher.models.adapters import Adapter, get_adapter
 from thresher.models.checkpoint import (
     CheckpointReader,
@@ -43,7 +44,6 @@ from thresher.resources import measure
 
 log = logging.getLogger(__name__)
 
-REPORT_NAME = "prune_report.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
                    "chat_template.jinja", "chat_template.json", "generation_config.json")
@@ -145,7 +145,7 @@ def prune_model(model_dir: Path, stage: PruneStage, calibration: CalibrationConf
             report = _prune_into(build, model_dir, out_dir, config, n_keep, stage, calibration,
                                  observed, show_progress)
         report.wall_seconds, report.peak_rss_mb = usage.wall_seconds, usage.peak_rss_mb
-        (build / REPORT_NAME).write_text(report.to_json())
+        (build / PRUNE_REPORT).write_text(report.to_json())
         if out_dir.exists():
             raise ArtifactError(f"{out_dir} appeared while pruning; refusing to overwrite it")
     log.info("pruned %s -> %s: %d of %d experts kept in %d layers (%.1f s)", model_dir, out_dir,
