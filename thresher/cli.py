@@ -337,8 +337,10 @@ def quantize_cmd(
     from thresher.compress.api import quantize_model
     from thresher.errors import RecipeError
     from thresher.models import resolve_model
-    from thresher.recipe import CalibrationConfig, FilesSource, QuantizeStage
+    from thresher.recipe import QUANTIZE_STAGES, CalibrationConfig, FilesSource, QuantizeStage
 
+    if method not in QUANTIZE_STAGES:
+        raise RecipeError(f"--method {method}: choose one of {', '.join(QUANTIZE_STAGES)}")
     if model.startswith("demo:"):
         _build_demo(model.removeprefix("demo:"))
     source = "stdlib" if calibration == "stdlib" else FilesSource(files=[calibration])

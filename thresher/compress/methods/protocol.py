@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -22,7 +22,6 @@ Quantized = QuantizedWeight | NF4Weight
 # Receives one site's input for one calibration batch: [tokens, columns] (or [batch, seq,
 # columns]) and, for a routed expert, the gate value of each of its tokens.
 Sink = Callable[[InputSite, torch.Tensor, torch.Tensor | None], None]
-T = TypeVar("T")
 
 
 @dataclass
@@ -71,7 +70,7 @@ class LayerJob:
     capture: Callable[[list[InputSite], Sink], None]
     commit: Callable[[Target, Quantized], None]
     position_embeddings: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-    progress: Callable[[list[T], str], Iterable[T]]
+    progress: Callable[[list, str], Iterable]  # wraps a loop in a progress bar
     store_dtype: torch.dtype  # the dtype the checkpoint holds float weights in
 
 
