@@ -35,7 +35,7 @@ class LayerRecord:
     fallback_experts: list[int] = field(default_factory=list)
     expert_tokens: dict[int, int] = field(default_factory=dict)
     awq_alpha: dict[str, float] = field(default_factory=dict)
-    peak_rss_mb: float = 0.0  # the process's peak resident set so far, after this layer
+    peak_rss_mb: float = 0.0  # peak since the stage began (resources.peak_rss_mb)
 
     @property
     def mean_error(self) -> float:
