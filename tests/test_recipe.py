@@ -1,10 +1,22 @@
+import json
 from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
+from typer.testing import CliRunner
 
+from thresher.cli import app
 from thresher.errors import RecipeError
-from thresher.recipe import load_recipe, parse_recipe
+from thresher.recipe import (
+    QUANTIZE_STAGE,
+    AWQStage,
+    GPTQStage,
+    NF4Stage,
+    QuantizeStage,
+    load_recipe,
+    parse_recipe,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,3 +102,56 @@ def test_defaults_fill_in():
     assert r.validate_.concurrency == [1, 4, 16] and r.validate_.rounds == 2
     q = r.variants[1].stages[1].quantize
     assert q.group_size == 128 and q.keep_16bit == ["router", "embeddings", "lm_head"]
+
+
+@pytest.mark.parametrize(
+    "quantize, field, words",
+    [
+        ({"method": "gptq", "clip": True}, "quantize.clip", "unknown key for method gptq"),
+        ({"method": "rtn", "act_order": True}, "quantize.act_order", "belongs to method gptq"),
+        ({"method": "nf4", "sym": True}, "quantize.sym", "methods rtn and gptq and awq"),
+        ({"method": "awq", "damp_percent": 0.1}, "quantize.damp_percent", "method awq"),
+        ({"method": "gpt"}, "quantize", "'method' must be one of rtn, gptq, awq, nf4"),
+    ],
+)
+def test_a_knob_of_another_method_is_refused(quantize, field, words):
+    data = base_recipe()
+    data["variants"][1]["stages"][1]["quantize"] = quantize
+    with pytest.raises(RecipeError) as exc:
+        parse_recipe(data)
+    text = str(exc.value)
+    assert f"  variants.1.stages.1.{field}:" in text, text
+    assert words in text, text
+
+
+def test_each_method_holds_only_its_own_knobs():
+    gptq = QuantizeStage(method="gptq", act_order=True)
+    assert isinstance(gptq, GPTQStage)
+    dumped = set(gptq.model_dump())
+    assert {"act_order", "damp_percent", "min_expert_tokens"} <= dumped
+    assert not dumped & {"clip", "duo_scaling", "double_quant", "compute_dtype"}
+    with pytest.raises(ValidationError, match="double_quant"):
+        QuantizeStage(method="gptq", double_quant=True)
+    # defaults are the method's own: GPTQ symmetric, RTN and AWQ asymmetric
+    assert gptq.sym and not QuantizeStage(method="rtn").sym and not QuantizeStage(method="awq").sym
+    assert isinstance(QUANTIZE_STAGE.validate_python({"method": "nf4"}), NF4Stage)
+
+
+def test_model_copy_to_another_method_takes_that_methods_defaults():
+    stage = QuantizeStage(method="rtn", group_size=32).model_copy(
+        update={"method": "awq", "clip": True})
+    assert isinstance(stage, AWQStage)
+    assert (stage.group_size, stage.clip, stage.duo_scaling, stage.sym) == (32, True, True, False)
+    gptq = QuantizeStage(method="rtn").model_copy(update={"method": "gptq", "bits": 3})
+    assert isinstance(gptq, GPTQStage) and gptq.sym and gptq.bits == 3
+
+
+def test_schema_holds_the_method_union():
+    result = CliRunner().invoke(app, ["schema"])
+    assert result.exit_code == 0, result.output
+    schema = json.loads(result.output)
+    stage = schema["$defs"]["Stage"]["properties"]["quantize"]["anyOf"][0]
+    assert set(stage["discriminator"]["mapping"]) == {"rtn", "gptq", "awq", "nf4"}
+    gptq = schema["$defs"]["GPTQStage"]["properties"]
+    assert "act_order" in gptq and "clip" not in gptq
+    assert "clip" in schema["$defs"]["AWQStage"]["properties"]

@@ -292,14 +292,21 @@ def quantize_cmd(
     bits: Annotated[int, typer.Option(help="Bit width: 2, 3, 4 or 8 (awq and nf4: 4).")] = 4,
     group_size: Annotated[int, typer.Option(help="Inputs per scale group; -1 = per row.")] = 128,
     sym: Annotated[bool | None, typer.Option(
-        "--sym/--asym", help="Symmetric grid (default: gptq sym, rtn/awq asym).")] = None,
-    act_order: Annotated[bool, typer.Option(help="GPTQ: columns by descending Hessian diag.")] = False,
-    static_groups: Annotated[bool, typer.Option(
-        help="GPTQ act-order: fit groups up front (keeps desc_act false for vLLM).")] = True,
-    damp_percent: Annotated[float, typer.Option(help="GPTQ Hessian dampening.")] = 0.01,
-    clip: Annotated[bool, typer.Option(help="AWQ: search clipping ranges.")] = False,
-    double_quant: Annotated[bool, typer.Option(help="NF4: quantize the absmax constants.")] = False,
-    compute_dtype: Annotated[str, typer.Option(help="NF4 compute dtype.")] = "bfloat16",
+        "--sym/--asym", help="rtn/gptq/awq: symmetric grid (default: gptq sym, rtn/awq asym).")
+    ] = None,
+    act_order: Annotated[bool | None, typer.Option(
+        help="gptq: columns by descending Hessian diag (default: off).")] = None,
+    static_groups: Annotated[bool | None, typer.Option(
+        help="gptq act-order: fit groups up front, keeping desc_act false for vLLM (default: on).")
+    ] = None,
+    damp_percent: Annotated[float | None, typer.Option(
+        help="gptq: Hessian dampening (default: 0.01).")] = None,
+    clip: Annotated[bool | None, typer.Option(
+        help="awq: search clipping ranges (default: off).")] = None,
+    double_quant: Annotated[bool | None, typer.Option(
+        help="nf4: quantize the absmax constants (default: off).")] = None,
+    compute_dtype: Annotated[str | None, typer.Option(
+        help="nf4: compute dtype (default: bfloat16).")] = None,
     calibration: Annotated[str, typer.Option(
         help="'stdlib' or a path/glob of local text files.")] = "stdlib",
     samples: Annotated[int, typer.Option(help="Calibration windows.")] = 128,
@@ -311,18 +318,26 @@ def quantize_cmd(
     from thresher.compress.api import quantize_model
     from thresher.errors import RecipeError
     from thresher.models import resolve_model
-    from thresher.recipe import CalibrationConfig, FilesSource, QuantizeStage
+    from thresher.recipe import (
+        QUANTIZE_STAGES,
+        CalibrationConfig,
+        FilesSource,
+        QuantizeStage,
+        format_validation_error,
+    )
 
+    if method not in QUANTIZE_STAGES:
+        raise RecipeError(f"--method {method}: choose one of {', '.join(QUANTIZE_STAGES)}")
     source = "stdlib" if calibration == "stdlib" else FilesSource(files=[calibration])
+    options = {"method": method, "bits": bits, "group_size": group_size, "sym": sym,
+               "act_order": act_order, "static_groups": static_groups,
+               "damp_percent": damp_percent, "clip": clip, "double_quant": double_quant,
+               "compute_dtype": compute_dtype}
     try:
-        stage = QuantizeStage(method=method, bits=bits, group_size=group_size, sym=sym,
-                              act_order=act_order, static_groups=static_groups,
-                              damp_percent=damp_percent, clip=clip, double_quant=double_quant,
-                              compute_dtype=compute_dtype)
+        stage = QuantizeStage(**{k: v for k, v in options.items() if v is not None})
     except ValidationError as err:
-        msgs = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'options'}: "
-                         f"{e['msg'].removeprefix('Value error, ')}" for e in err.errors())
-        raise RecipeError(f"quantize options: {msgs}") from None
+        where = f"quantize --method {method}"
+        raise RecipeError(format_validation_error(err, where, as_options=True)) from None
     cal = CalibrationConfig(source=source, samples=samples, seq_len=seq_len)
     report = quantize_model(resolve_model(model), stage, cal, out)
     m = report.metrics()

@@ -7,11 +7,20 @@ field path (``variants.1.stages.0.quantize.bits``) and what is wrong with it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from thresher.errors import RecipeError
 
@@ -104,29 +113,29 @@ class PruneStage(StrictModel):
 
 
 class QuantizeStage(StrictModel):
-    """Weight quantization of the decoder layers' linear and expert weights."""
+    """Weight quantization of the decoder layers' linear and expert weights: the shared knobs.
 
-    method: Literal["rtn", "gptq", "awq", "nf4"]
+    A recipe's ``quantize`` section is one of the per-method subclasses below, chosen by
+    ``method``; each holds only the knobs its method reads, so a knob of another method is an
+    unknown key. ``QuantizeStage(method="gptq", ...)`` builds the ``GPTQStage``, so code names the
+    method the way a recipe does.
+    """
+
+    method: str
     bits: Literal[2, 3, 4, 8] = 4
     group_size: int = Field(128, description="-1 = one group per output row")
-    sym: bool | None = Field(None, description="symmetric grid (default: GPTQ yes, RTN/AWQ no)")
-    act_order: bool = Field(False, description="GPTQ: quantize columns by descending Hessian diag")
-    static_groups: bool = Field(
-        True, description="GPTQ act-order: fit groups up front so the checkpoint keeps desc_act false"
-    )
-    damp_percent: float = Field(0.01, gt=0.0, lt=1.0, description="GPTQ Hessian dampening")
-    block_size: int = Field(128, gt=0, description="GPTQ lazy-update block")
-    duo_scaling: bool = Field(True, description="AWQ: s = x^a / w^(1-a)")
-    clip: bool = Field(False, description="AWQ: search weight clipping ranges")
-    double_quant: bool = Field(False, description="NF4: quantize the absmax constants too")
-    compute_dtype: Literal["float16", "bfloat16", "float32"] = "bfloat16"
-    min_expert_tokens: int = Field(
-        8, ge=0, description="experts routed fewer calibration tokens fall back to RTN"
-    )
     keep_16bit: list[str] = Field(
         default_factory=lambda: ["router", "embeddings", "lm_head"],
         description="parts that stay in 16 bits",
     )
+
+    def __new__(cls, *args: Any, **data: Any) -> QuantizeStage:
+        if cls is QuantizeStage:
+            method = data.get("method")
+            if not isinstance(method, str) or method not in QUANTIZE_STAGES:
+                QUANTIZE_STAGE.validate_python(data)  # raises, naming the methods there are
+            cls = QUANTIZE_STAGES[method]
+        return super().__new__(cls)
 
     @field_validator("group_size")
     @classmethod
@@ -135,28 +144,96 @@ class QuantizeStage(StrictModel):
             raise ValueError(f"group_size must be -1 or a positive multiple of 8, got {v}")
         return v
 
+    def model_copy(self, *, update: Mapping[str, Any] | None = None,
+                   deep: bool = False) -> QuantizeStage:
+        """Pydantic's copy (no validation), except that an update naming another method gives
+        that method's stage: the shared knobs set here carry over, its own knobs take its
+        defaults. Knobs the method does not have are kept aside for ``check_stage`` to refuse."""
+        target = QUANTIZE_STAGES.get((update or {}).get("method", self.method), type(self))
+        if target is type(self):
+            return super().model_copy(update=update, deep=deep)
+        carried = {k: getattr(self, k) for k in self.model_fields_set if k in target.model_fields}
+        return target.model_construct(**carried).model_copy(update=update, deep=deep)
+
+    def describe(self) -> str:
+        return f"quantize {self.method} {self.bits}-bit g{self.group_size}"
+
+
+class RTNStage(QuantizeStage):
+    """Round-to-nearest on a min-max grid: no calibration data; written in the GPTQ format."""
+
+    method: Literal["rtn"] = "rtn"
+    sym: bool = Field(False, description="symmetric grid")
+
+
+class GPTQStage(QuantizeStage):
+    """GPTQ: Hessian-compensated rounding, column by column; written in the GPTQ format."""
+
+    method: Literal["gptq"] = "gptq"
+    sym: bool = Field(True, description="symmetric grid")
+    act_order: bool = Field(False, description="quantize columns by descending Hessian diag")
+    static_groups: bool = Field(
+        True, description="with act_order: fit groups up front so the checkpoint keeps desc_act "
+        "false (vLLM refuses desc_act true)"
+    )
+    damp_percent: float = Field(0.01, gt=0.0, lt=1.0, description="Hessian dampening")
+    block_size: int = Field(128, gt=0, description="lazy-update block")
+    min_expert_tokens: int = Field(
+        8, ge=0, description="experts routed fewer calibration tokens fall back to RTN"
+    )
+
+    def describe(self) -> str:
+        return super().describe() + (" act-order" if self.act_order else "")
+
+
+class AWQStage(QuantizeStage):
+    """AWQ: activation-aware input-channel scaling, then RTN; written in the AWQ gemm format."""
+
+    method: Literal["awq"] = "awq"
+    sym: bool = Field(False, description="symmetric grid")
+    duo_scaling: bool = Field(True, description="s = x^a / w^(1-a)")
+    clip: bool = Field(False, description="search weight clipping ranges")
+    min_expert_tokens: int = Field(
+        8, ge=0, description="experts routed fewer calibration tokens are left unscaled"
+    )
+
     @model_validator(mode="after")
-    def _method_constraints(self) -> QuantizeStage:
-        if self.method == "awq" and self.bits != 4:
+    def _four_bits(self) -> AWQStage:
+        if self.bits != 4:
             raise ValueError("awq writes the 'gemm' format, which holds 4-bit weights only")
-        if self.method == "nf4" and self.bits != 4:
+        return self
+
+
+class NF4Stage(QuantizeStage):
+    """NF4 (bitsandbytes): normal-quantile codes in blocks of 64; no calibration data."""
+
+    method: Literal["nf4"] = "nf4"
+    double_quant: bool = Field(False, description="quantize the absmax constants too")
+    compute_dtype: Literal["float16", "bfloat16", "float32"] = "bfloat16"
+
+    @model_validator(mode="after")
+    def _four_bits(self) -> NF4Stage:
+        if self.bits != 4:
             raise ValueError("nf4 is a 4-bit format; set bits: 4")
         return self
 
     def describe(self) -> str:
-        if self.method == "nf4":
-            return "quantize nf4" + (" double-quant" if self.double_quant else "")
-        text = f"quantize {self.method} {self.bits}-bit g{self.group_size}"
-        if self.method == "gptq" and self.act_order:
-            text += " act-order"
-        return text
+        return "quantize nf4" + (" double-quant" if self.double_quant else "")
+
+
+QUANTIZE_STAGES: dict[str, type[QuantizeStage]] = {
+    "rtn": RTNStage, "gptq": GPTQStage, "awq": AWQStage, "nf4": NF4Stage,
+}
+AnyQuantizeStage = Annotated[RTNStage | GPTQStage | AWQStage | NF4Stage,
+                             Field(discriminator="method")]
+QUANTIZE_STAGE: TypeAdapter[QuantizeStage] = TypeAdapter(AnyQuantizeStage)
 
 
 class Stage(StrictModel):
     """One step of a variant: exactly one of ``prune`` or ``quantize``."""
 
     prune: PruneStage | None = None
-    quantize: QuantizeStage | None = None
+    quantize: AnyQuantizeStage | None = None
 
     @model_validator(mode="after")
     def _exactly_one(self) -> Stage:
@@ -267,17 +344,47 @@ def format_validation_error(err: ValidationError, where: str, as_options: bool =
     problem naming the field path (``variants.1.stages.0.quantize.bits``) or, ``as_options``,
     the command-line option (``--group-size``) of a command that builds a recipe section."""
     lines = [f"{where}: {'invalid options' if as_options else 'the recipe is invalid'}"]
+    methods = ", ".join(QUANTIZE_STAGES)
     for e in err.errors():
-        parts = [str(p) for p in e["loc"] if p not in ("function-after[_exactly_one(), Stage]",)]
+        parts, method = _readable_loc(e["loc"])
         if as_options:
             loc = "--" + "-".join(p.replace("_", "-") for p in parts) if parts else "(options)"
         else:
             loc = ".".join(parts).replace("validate_", "validate") or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
+        if e["type"] == "extra_forbidden" and method is not None:
+            msg = f"unknown key for method {method}{_owners(str(e['loc'][-1]))}"
+        elif e["type"] == "extra_forbidden" and as_options:
+            msg = f"not an option of {where}"
+        elif e["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; see `thresher check --help`)"
+        elif e["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            msg = f"'method' must be one of {methods}"
         lines.append(f"  {loc}: {msg}")
     return "\n".join(lines)
+
+
+def _readable_loc(loc: tuple[int | str, ...]) -> tuple[list[str], str | None]:
+    """The field path as a recipe spells it, and the quantize method it is under (if any):
+    pydantic puts the union's tag (``quantize.gptq.clip``) and validator names in the path."""
+    parts: list[str] = []
+    method = None
+    for i, p in enumerate(loc):
+        if p == "function-after[_exactly_one(), Stage]":
+            continue
+        if i and loc[i - 1] == "quantize" and p in QUANTIZE_STAGES:
+            method = str(p)
+            continue
+        parts.append(str(p))
+    return parts, method
+
+
+def _owners(key: str) -> str:
+    """Which methods have ``key``, for the error that refuses it under another method."""
+    owners = [m for m, cls in QUANTIZE_STAGES.items() if key in cls.model_fields]
+    if not owners:
+        return " (check the spelling)"
+    return f" (it belongs to method{'s' if len(owners) > 1 else ''} {' and '.join(owners)})"
 
 
 def parse_recipe(data: Any, where: str = "recipe") -> Recipe:

@@ -3,8 +3,9 @@
 ``quantize_model`` checks every option against the model before any compute, streams the model
 through the sequential driver one decoder layer at a time, packs each finished layer into the
 method's standard format (RTN and GPTQ: GPTQ v1; AWQ: gemm; NF4: bitsandbytes) under hub-canonical
-per-expert names, and writes into a temporary sibling directory renamed at the end, so a crash
-never leaves a partial artifact at ``out_dir``.
+per-expert names, and builds the directory beside ``out_dir`` (``paths.build_dir_atomically``),
+so a crash never leaves a partial artifact there. Wall time and peak memory come from
+``resources.measure``, the definition the flows and benchmarks report too.
 """
 
 from __future__ import annotations
@@ -13,23 +14,22 @@ import dataclasses
 import json
 import logging
 import math
-import resource
 import shutil
-import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from thresher.compress.driver import CALIBRATED, LayerCallback, SequentialQuantizer, grid_spec
+from thresher.compress.driver import LayerCallback, SequentialQuantizer
+from thresher.compress.methods import method_for
+from thresher.compress.methods.protocol import LayerRecord, QuantMethod
 from thresher.compress.targets import ALWAYS_16BIT, OPTIONAL_16BIT, LayerParts, all_targets
 from thresher.data.windows import calibration_windows
 from thresher.errors import ArtifactError, CompressionError
 from thresher.formats import awq as awq_format
 from thresher.formats import gptq as gptq_format
-from thresher.formats import nf4 as nf4_format
-from thresher.formats.registry import FORMAT_OF_METHOD, PACKERS
+from thresher.formats.artifact import QUANTIZE_REPORT, STAGE_REPORTS
+from thresher.formats.registry import PACKERS
 from thresher.models.checkpoint import INDEX_NAME, CheckpointWriter, canonical_layer_state
 from thresher.models.layerwise import (
     LayerwiseModel,
@@ -37,11 +37,12 @@ from thresher.models.layerwise import (
     release_free_memory,
 )
 from thresher.models.loading import load_model, load_tokenizer
-from thresher.recipe import CalibrationConfig, QuantizeStage
+from thresher.paths import build_dir_atomically
+from thresher.recipe import QUANTIZE_STAGES, CalibrationConfig, GPTQStage, QuantizeStage
+from thresher.resources import measure
 
 log = logging.getLogger(__name__)
 
-REPORT_NAME = "quantize_report.json"
 NOT_COPIED = ("config.json", INDEX_NAME)
 
 
@@ -82,9 +83,14 @@ class QuantizeReport:
         return json.dumps({**asdict(self), "metrics": self.metrics()}, indent=2)
 
 
-def check_stage(stage: QuantizeStage, lw: LayerwiseModel) -> None:
-    """Refuse options that do not fit the model or the format, before any compute."""
+def check_stage(stage: QuantizeStage, method: QuantMethod, lw: LayerwiseModel) -> None:
+    """Refuse options that do not fit the method, the model or the format, before any compute."""
     where = f"{lw.path}"
+    foreign = sorted(stage.model_fields_set - set(type(stage).model_fields))
+    if foreign:  # only a stage built without validation (model_copy) can hold them
+        owners = [m for m, cls in QUANTIZE_STAGES.items() if foreign[0] in cls.model_fields]
+        raise CompressionError(f"{foreign[0]} applies to method {' or '.join(owners)}, "
+                               f"not {stage.method}")
     keep = set(stage.keep_16bit)
     missing = [p for p in ALWAYS_16BIT if p not in keep]
     if missing:
@@ -96,7 +102,7 @@ def check_stage(stage: QuantizeStage, lw: LayerwiseModel) -> None:
     if unknown:
         raise CompressionError(f"{where}: keep_16bit names unknown parts {sorted(unknown)}; "
                                f"choose from {', '.join(ALWAYS_16BIT + OPTIONAL_16BIT)}")
-    fmt = FORMAT_OF_METHOD[stage.method]
+    fmt = method.format
     if fmt == "gptq" and stage.bits not in gptq_format.BITS:
         raise CompressionError(f"bits={stage.bits}: the GPTQ format holds {gptq_format.BITS} bits")
     if fmt == "awq" and stage.bits != awq_format.BITS:
@@ -104,12 +110,7 @@ def check_stage(stage: QuantizeStage, lw: LayerwiseModel) -> None:
                                "use method gptq for other widths")
     if fmt == "awq" and stage.group_size == -1:
         raise CompressionError("group_size=-1: the AWQ gemm format needs a group size (e.g. 128)")
-    if stage.act_order and stage.method != "gptq":
-        raise CompressionError(f"act_order applies to method gptq, not {stage.method}")
-    if stage.act_order and not stage.static_groups:
-        log.warning("act_order without static_groups writes desc_act=true: vLLM refuses such "
-                    "GPTQ checkpoints")
-    if fmt == "bitsandbytes":
+    if fmt == "nf4":
         return
     for i in range(lw.num_layers):
         parts = LayerParts(lw.adapter, lw.layer(i), i, keep)  # on the meta device: shapes only
@@ -132,22 +133,9 @@ def _check_shape(stage: QuantizeStage, fmt: str, key: str, n: int, k: int) -> No
         raise CompressionError(f"{key} has {n} outputs; the AWQ gemm format packs 8 per word")
 
 
-def quantization_config(stage: QuantizeStage, skip: list[str]) -> dict:
-    fmt = FORMAT_OF_METHOD[stage.method]
-    if fmt == "gptq":
-        return gptq_format.quantization_config(
-            stage.bits, stage.group_size, grid_spec(stage).sym,
-            desc_act=stage.act_order and not stage.static_groups,
-            static_groups=stage.static_groups, damp_percent=stage.damp_percent,
-            true_sequential=stage.method == "gptq", modules_to_not_convert=skip)
-    if fmt == "awq":
-        return awq_format.quantization_config(stage.group_size, skip)
-    return nf4_format.quantization_config(stage.double_quant, stage.compute_dtype, skip)
-
-
 def _float_modules(lw: LayerwiseModel, keep: set[str]) -> list[str]:
     """Hub-canonical names of the linear-like modules left in 16 bits."""
-    names = ["lm_head"]
+    names = [lw.adapter.disk_lm_head_key()]
     adapter = lw.adapter
     for i in range(lw.num_layers):
         layer = lw.layer(i)
@@ -155,7 +143,7 @@ def _float_modules(lw: LayerwiseModel, keep: set[str]) -> list[str]:
         if adapter.is_moe_layer(layer):
             names.append(adapter.disk_router_key(i))
             if adapter.shared_expert_gate(layer) is not None:
-                names.append(adapter.disk_router_key(i).removesuffix("gate") + "shared_expert_gate")
+                names.append(adapter.disk_shared_expert_gate_key(i))
         for rel, module in layer.named_modules():
             if isinstance(module, torch.nn.Linear):
                 (key,) = canonical_layer_state(adapter, i, {f"{rel}.weight": torch.empty(0)})
@@ -173,75 +161,78 @@ def quantize_model(model_dir: Path, stage: QuantizeStage, calibration: Calibrati
     ``observer`` also receives each finished layer (with dequantized weights), for evaluating the
     in-memory quantized model next to the artifact.
     """
-    start = time.perf_counter()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if out_dir.exists():
         raise ArtifactError(f"{out_dir}: already exists; choose a new output directory")
-    keep_large_blocks_off_heap()
-    lw = LayerwiseModel(model_dir, torch.float32)
-    check_stage(stage, lw)
-    windows = None
-    if stage.method in CALIBRATED:
-        windows = calibration_windows(load_tokenizer(model_dir), calibration)
-        release_free_memory()  # tokenizing the corpus leaves freed pages behind
-    fmt = FORMAT_OF_METHOD[stage.method]
-    pack = PACKERS[fmt]
-    store_dtype = getattr(lw.config, "dtype", None) or torch.float32
-    if isinstance(store_dtype, str):
-        store_dtype = getattr(torch, store_dtype)
-    skip = _float_modules(lw, set(stage.keep_16bit))
-
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    try:
-        writer = CheckpointWriter(tmp, max_shard_bytes)
-
-        def write_layer(i: int, layer: torch.nn.Module, quantized: dict) -> None:
-            state = canonical_layer_state(lw.adapter, i, layer.state_dict())
-            state = {k: v.to(store_dtype) if v.is_floating_point() else v for k, v in state.items()}
-            for key, q in quantized.items():
-                del state[f"{key}.weight"]
-                state.update({f"{key}.{name}": t for name, t in pack(q).items()})
-            writer.add(state)
-            if observer is not None:
-                observer(i, layer, quantized)
-
-        driver = SequentialQuantizer(lw, stage, windows, nf4_dtype=store_dtype,
-                                     show_progress=show_progress)
-        records = driver.run(write_layer)
-        reader = lw.reader
-        writer.add({k: reader.get(k) for k in reader.tensor_names()
-                    if not k.startswith("model.layers.")})
-        writer.close()
-        config = json.loads((model_dir / "config.json").read_text())
-        config["quantization_config"] = quantization_config(stage, skip)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        for f in model_dir.iterdir():
-            if (f.is_file() and f.name not in NOT_COPIED and f.suffix != ".safetensors"
-                    and not f.name.endswith("_report.json")):
-                shutil.copy2(f, tmp / f.name)
+    with build_dir_atomically(out_dir) as tmp:
+        with measure() as usage:
+            method, records, calibration_tokens = _write_checkpoint(
+                model_dir, stage, calibration, tmp, observer, max_shard_bytes, show_progress)
         report = QuantizeReport(
-            method=stage.method, format=fmt, bits=stage.bits, group_size=stage.group_size,
-            sym=grid_spec(stage).sym, act_order=stage.act_order, model_dir=str(model_dir),
-            out_dir=str(out_dir),
-            calibration_tokens=0 if windows is None else int(windows.numel()),
+            method=stage.method, format=method.format, bits=stage.bits,
+            group_size=stage.group_size, sym=method.grid is not None and method.grid.sym,
+            act_order=isinstance(stage, GPTQStage) and stage.act_order, model_dir=str(model_dir),
+            out_dir=str(out_dir), calibration_tokens=calibration_tokens,
+            wall_seconds=usage.wall_seconds, peak_rss_mb=usage.peak_rss_mb,
+            artifact_mb=sum(f.stat().st_size for f in tmp.glob("*.safetensors")) / 2**20,
             layers=[dataclasses.asdict(r) for r in records],
         )
-        report.wall_seconds = time.perf_counter() - start
-        report.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        report.artifact_mb = sum(f.stat().st_size for f in tmp.glob("*.safetensors")) / 2**20
-        (tmp / REPORT_NAME).write_text(report.to_json())
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        (tmp / QUANTIZE_REPORT).write_text(report.to_json())
     log.info("quantized %s with %s in %.1f s -> %s", model_dir, stage.describe(),
              report.wall_seconds, out_dir)
     return report
 
 
+def _write_checkpoint(model_dir: Path, stage: QuantizeStage, calibration: CalibrationConfig,
+                      out: Path, observer: LayerCallback | None, max_shard_bytes: int,
+                      show_progress: bool) -> tuple[QuantMethod, list[LayerRecord], int]:
+    """Write the quantized checkpoint (weights, config, tokenizer files) into ``out``; returns
+    the method, its per-layer records and the number of calibration tokens."""
+    keep_large_blocks_off_heap()
+    lw = LayerwiseModel(model_dir, torch.float32)
+    method = method_for(stage)
+    check_stage(stage, method, lw)
+    windows = None
+    if method.calibrated:
+        windows = calibration_windows(load_tokenizer(model_dir), calibration)
+        release_free_memory()  # tokenizing the corpus leaves freed pages behind
+    pack = PACKERS[method.format]
+    store_dtype = getattr(lw.config, "dtype", None) or torch.float32
+    if isinstance(store_dtype, str):
+        store_dtype = getattr(torch, store_dtype)
+    skip = _float_modules(lw, set(stage.keep_16bit))
+    writer = CheckpointWriter(out, max_shard_bytes)
+
+    def write_layer(i: int, layer: torch.nn.Module, quantized: dict) -> None:
+        state = canonical_layer_state(lw.adapter, i, layer.state_dict())
+        state = {k: v.to(store_dtype) if v.is_floating_point() else v for k, v in state.items()}
+        for key, q in quantized.items():
+            del state[f"{key}.weight"]
+            state.update({f"{key}.{name}": t for name, t in pack(q).items()})
+        writer.add(state)
+        if observer is not None:
+            observer(i, layer, quantized)
+
+    driver = SequentialQuantizer(lw, method, stage.keep_16bit, windows, store_dtype=store_dtype,
+                                 show_progress=show_progress)
+    records = driver.run(write_layer)
+    reader = lw.reader
+    writer.add({k: reader.get(k) for k in reader.tensor_names()
+                if not lw.adapter.is_disk_layer_key(k)})
+    writer.close()
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = method.quantization_config(skip)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    for f in model_dir.iterdir():
+        if (f.is_file() and f.name not in NOT_COPIED and f.suffix != ".safetensors"
+                and f.name not in STAGE_REPORTS):
+            shutil.copy2(f, out / f.name)
+    return method, records, 0 if windows is None else int(windows.numel())
+
+
 def quantize_in_memory(model_dir: Path, stage: QuantizeStage, calibration: CalibrationConfig,
-                       show_progress: bool = False) -> tuple[torch.nn.Module, list]:
+                       show_progress: bool = False) -> tuple[torch.nn.Module, list[LayerRecord]]:
     """The float model with every quantized weight replaced by its dequantized value.
 
     For evaluating settings that have no checkpoint format (AWQ below 4 bits) and for comparing
@@ -249,8 +240,9 @@ def quantize_in_memory(model_dir: Path, stage: QuantizeStage, calibration: Calib
     """
     model_dir = Path(model_dir)
     lw = LayerwiseModel(model_dir, torch.float32)
+    method = method_for(stage)
     windows = None
-    if stage.method in CALIBRATED:
+    if method.calibrated:
         windows = calibration_windows(load_tokenizer(model_dir), calibration)
     model = load_model(model_dir)
     layers = lw.adapter.layers(model)
@@ -258,5 +250,7 @@ def quantize_in_memory(model_dir: Path, stage: QuantizeStage, calibration: Calib
     def copy_layer(i: int, layer: torch.nn.Module, quantized: dict) -> None:
         layers[i].load_state_dict(layer.state_dict())
 
-    records = SequentialQuantizer(lw, stage, windows, show_progress=show_progress).run(copy_layer)
+    driver = SequentialQuantizer(lw, method, stage.keep_16bit, windows,
+                                 show_progress=show_progress)
+    records = driver.run(copy_layer)
     return model, records

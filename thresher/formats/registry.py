@@ -1,4 +1,5 @@
-"""Which checkpoint format each method writes, and how each format packs one quantized weight."""
+"""How each checkpoint format packs one quantized weight (which method writes which format is the
+method's own ``format``, in ``thresher.compress.methods``)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,8 @@ from thresher.formats.awq import pack_awq
 from thresher.formats.gptq import pack_gptq
 from thresher.formats.nf4 import pack_nf4
 
-FORMAT_OF_METHOD = {"rtn": "gptq", "gptq": "gptq", "awq": "awq", "nf4": "bitsandbytes"}
-
 PACKERS: dict[str, Callable[..., dict[str, torch.Tensor]]] = {
     "gptq": pack_gptq,
     "awq": pack_awq,
-    "bitsandbytes": pack_nf4,
+    "nf4": pack_nf4,
 }

@@ -1,0 +1,146 @@
+"""AWQ as a method: per layer, search each scaling group's scale on captured inputs, fold it in,
+optionally search clipping ranges, then round to nearest (``compress.awq`` holds the math).
+
+Folding a scale leaves the float layer unchanged, so one capture of the layer serves every
+scaling group. A candidate scale is judged by the output error of the group's block: the
+attention on the input norm's output, the MLP, or, for o_proj and down, the projection itself,
+gate-weighted for a routed expert. An expert routed fewer than ``min_expert_tokens`` tokens is
+left unscaled and unclipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+
+from thresher.compress.awq import (
+    clip_weight,
+    pseudo_quantize,
+    search_clip,
+    search_scale,
+    weight_mean,
+)
+from thresher.compress.methods.protocol import LayerJob, grid_spec
+from thresher.compress.rtn import rtn_quantize
+from thresher.compress.targets import (
+    InputSite,
+    ScalingGroup,
+    all_targets,
+    apply_scale,
+    scaling_groups,
+    sequential_stages,
+)
+from thresher.formats import awq as awq_format
+from thresher.recipe import AWQStage
+
+Inputs = tuple[list[torch.Tensor], list[torch.Tensor | None]]  # per batch: inputs, expert gates
+
+
+class AWQMethod:
+    name: ClassVar[str] = "awq"
+    format: ClassVar[str] = "awq"
+    calibrated: ClassVar[bool] = True
+
+    def __init__(self, stage: AWQStage):
+        self.stage = stage
+        self.grid = grid_spec(stage.bits, stage.sym, self.format)
+
+    def quantization_config(self, skip: list[str]) -> dict:
+        return awq_format.quantization_config(self.stage.group_size, skip)
+
+    def quantize_layer(self, job: LayerJob) -> None:
+        groups = scaling_groups(job.parts)
+        inputs = _capture(job, [g.site for g in groups])
+        for group in job.progress(groups, f"layer {job.parts.idx} awq"):
+            self._scale(job, group, *inputs.pop(group.site.name))
+        if self.stage.clip:
+            self._clip(job)
+        for t in all_targets(job.parts):
+            job.commit(t, rtn_quantize(t.weight, self.grid, self.stage.group_size))
+
+    def _scale(self, job: LayerJob, group: ScalingGroup, xs: list[torch.Tensor],
+               gates: list[torch.Tensor | None]) -> None:
+        """Search the group's scale and fold it into the layer."""
+        tokens = sum(x.shape[0] for x in xs)
+        if job.record.too_few_tokens(group.site, tokens, self.stage.min_expert_tokens):
+            return
+        gs = self.stage.group_size
+        x_mean = torch.cat([x.reshape(-1, group.site.columns) for x in xs]).abs().mean(dim=0)
+        targets = group.targets
+        w_mean = weight_mean([t.weight for t in targets], gs)
+        inspect = _inspector(job, group, xs, gates)
+        reference = inspect()
+        originals = [t.weight.clone() for t in targets]
+
+        def loss(s: torch.Tensor) -> float:
+            for t, w in zip(targets, originals, strict=True):
+                t.weight.copy_(pseudo_quantize(w * s, self.grid, gs) / s)
+            err = (inspect() - reference).pow(2).mean()
+            for t, w in zip(targets, originals, strict=True):
+                t.weight.copy_(w)
+            return float(err)
+
+        best = search_scale(x_mean, w_mean, loss, self.stage.duo_scaling)
+        job.record.awq_alpha[group.name] = best.alpha
+        apply_scale(group, best.scale)
+
+    def _clip(self, job: LayerJob) -> None:
+        """Search each weight's clipping range on its (scaled) input; q/k are left unclipped."""
+        sites = [s for stage in sequential_stages(job.parts) for s in stage]
+        inputs: dict[str, list[torch.Tensor]] = {s.name: [] for s in sites}
+
+        def keep(site: InputSite, x: torch.Tensor, gate: torch.Tensor | None) -> None:
+            x = x.reshape(-1, site.columns).float()
+            inputs[site.name].append(x if gate is None else x * gate.unsqueeze(1))
+
+        job.capture(sites, keep)
+        for site in job.progress(sites, f"layer {job.parts.idx} awq clip"):
+            if site.expert is not None and site.expert in job.record.fallback_experts:
+                continue
+            x = torch.cat(inputs.pop(site.name))
+            for t in site.targets:
+                if t.role in ("q_proj", "k_proj"):
+                    continue
+                max_val = search_clip(t.weight, x, self.grid, self.stage.group_size)
+                t.weight.copy_(clip_weight(t.weight, max_val, self.stage.group_size))
+
+
+def _capture(job: LayerJob, sites: list[InputSite]) -> dict[str, Inputs]:
+    """Every site's inputs (per batch, or per batch of routed tokens) and expert gates."""
+    captured: dict[str, Inputs] = {s.name: ([], []) for s in sites}
+
+    def keep(s: InputSite, x: torch.Tensor, gate: torch.Tensor | None) -> None:
+        captured[s.name][0].append(x.float())
+        captured[s.name][1].append(gate)
+
+    job.capture(sites, keep)
+    return captured
+
+
+def _inspector(job: LayerJob, group: ScalingGroup, xs: list[torch.Tensor],
+               gates: list[torch.Tensor | None]) -> Callable[[], torch.Tensor]:
+    """A function computing the group's output on the captured inputs with current weights."""
+    if group.inspect == "attention":
+        attn = group.block
+        pes = [job.position_embeddings(x) for x in xs]
+
+        def run_attention() -> torch.Tensor:
+            return torch.cat([attn(hidden_states=x, position_embeddings=pe,
+                                   attention_mask=None)[0].reshape(-1, x.shape[-1])
+                              for x, pe in zip(xs, pes, strict=True)])
+        return run_attention
+    if group.inspect == "module":
+        block = group.block
+
+        def run_block() -> torch.Tensor:
+            return torch.cat([block(x).reshape(-1, x.shape[-1]) for x in xs])
+        return run_block
+    x = torch.cat([x.reshape(-1, group.site.columns) for x in xs])
+    gate = None if gates[0] is None else torch.cat(gates).unsqueeze(1)
+
+    def run_linear() -> torch.Tensor:
+        y = torch.cat([x @ t.weight.T for t in group.targets], dim=1)
+        return y if gate is None else y * gate
+    return run_linear

@@ -1,0 +1,68 @@
+"""GPTQ as a method: true-sequential Hessian capture per layer, then ``compress.gptq.GPTQ``.
+
+Inside a layer the weights are quantized in GPTQ's true-sequential order (q/k/v, o, gate/up,
+down), each stage's Hessians captured with the stages before it already quantized. A routed
+expert's Hessian weights each of its tokens by the squared gate value (the expert's output enters
+the layer output multiplied by the gate, and the objective is squared error); an expert routed
+fewer than ``min_expert_tokens`` tokens falls back to RTN on the same grid.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import ClassVar
+
+import torch
+
+from thresher.compress.gptq import GPTQ
+from thresher.compress.methods.protocol import LayerJob, grid_spec
+from thresher.compress.rtn import rtn_quantize
+from thresher.compress.targets import InputSite, sequential_stages
+from thresher.formats import gptq as gptq_format
+from thresher.recipe import GPTQStage
+
+log = logging.getLogger(__name__)
+
+
+class GPTQMethod:
+    name: ClassVar[str] = "gptq"
+    format: ClassVar[str] = "gptq"
+    calibrated: ClassVar[bool] = True
+
+    def __init__(self, stage: GPTQStage):
+        self.stage = stage
+        self.grid = grid_spec(stage.bits, stage.sym, self.format)
+        if stage.act_order and not stage.static_groups:
+            log.warning("act_order without static_groups writes desc_act=true: vLLM refuses such "
+                        "GPTQ checkpoints")
+
+    def quantization_config(self, skip: list[str]) -> dict:
+        st = self.stage
+        return gptq_format.quantization_config(
+            st.bits, st.group_size, self.grid.sym, desc_act=st.act_order and not st.static_groups,
+            static_groups=st.static_groups, damp_percent=st.damp_percent, true_sequential=True,
+            modules_to_not_convert=skip)
+
+    def quantize_layer(self, job: LayerJob) -> None:
+        st, record = self.stage, job.record
+        for sites in sequential_stages(job.parts):
+            hessians = {s.name: GPTQ(s.columns, s.name) for s in sites}
+            job.capture(sites, partial(_add_to_hessian, hessians))
+            for site in job.progress(sites, f"layer {job.parts.idx} gptq"):
+                h = hessians.pop(site.name)
+                fallback = record.too_few_tokens(site, h.tokens, st.min_expert_tokens)
+                for t in site.targets:
+                    if fallback:
+                        q = rtn_quantize(t.weight, self.grid, st.group_size)
+                    else:
+                        q, loss = h.quantize(t.weight, self.grid, st.group_size, st.act_order,
+                                             st.static_groups, st.damp_percent, st.block_size)
+                        record.gptq_loss += loss
+                    job.commit(t, q)
+
+
+def _add_to_hessian(hessians: dict[str, GPTQ], site: InputSite, x: torch.Tensor,
+                    gate: torch.Tensor | None) -> None:
+    """GPTQ's objective is squared error, so a routed token counts with its gate squared."""
+    hessians[site.name].add_batch(x, None if gate is None else gate**2)
