@@ -1,0 +1,65 @@
+"""The engine in 16-bit against transformers in the same dtype on the tiny demo model.
+
+float32 is held to token-for-token parity in test_generate.py. In bfloat16 and float16 the two
+implementations round differently (fused residual adds, fp32 norm statistics), so a greedy
+continuation may flip at a near-tie after a while: the first tokens must match, most of the rest
+should, and perplexity must agree within 1%.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from thresher.evaluate.perplexity import perplexity
+from thresher.models import load_model
+from thresher.serve_kernels import LLM, SamplingParams
+from thresher.serve_kernels.validate import token_agreement
+
+PROMPTS = ["def main():\n    ", "import os\nimport sys\n", "class Foo(object):",
+           "    return self.", "for i in range(10):\n"]
+MAX_TOKENS = 48
+EXACT_PREFIX = 16  # tokens every prompt must reproduce exactly
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "float16"])
+def pair(request, tiny_demo):
+    """(dtype, transformers model, engine) in one 16-bit dtype."""
+    dtype = request.param
+    return dtype, load_model(tiny_demo, dtype), LLM(tiny_demo, dtype=dtype, max_model_len=128)
+
+
+def test_weights_are_stored_in_the_serving_dtype(pair):
+    dtype, _, llm = pair
+    model = llm.engine.runner.model
+    assert model.embed_tokens.dtype == getattr(torch, dtype)
+    assert all(c.dtype == getattr(torch, dtype) for c in llm.engine.runner.kv_caches[0])
+    assert llm.engine.model_info["dtype"] == dtype
+
+
+def test_greedy_matches_transformers_in_16_bit(pair, tiny_tokenizer):
+    _, hf, llm = pair
+    want = []
+    for p in PROMPTS:
+        ids = torch.tensor([tiny_tokenizer.encode(p, add_special_tokens=False)])
+        gen = hf.generate(ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                          do_sample=False)
+        want.append(gen[0, ids.shape[1]:].tolist())
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    for p, g, w in zip(PROMPTS, got, want, strict=True):
+        assert g[:EXACT_PREFIX] == w[:EXACT_PREFIX], p
+    _, prefix = token_agreement(got, want)
+    assert prefix >= 0.75
+
+
+def test_perplexity_matches_transformers_in_16_bit(pair, tiny_tokenizer):
+    from thresher.data.windows import eval_windows
+    from thresher.recipe import PerplexityConfig
+
+    _, hf, llm = pair
+    windows = eval_windows(tiny_tokenizer, PerplexityConfig(seq_len=128, max_windows=6))
+    expected = perplexity(hf, windows, show_progress=False).perplexity
+    scores = llm.score(windows.tolist())
+    nll = -sum(sum(s[1:]) for s in scores) / (windows.shape[0] * (windows.shape[1] - 1))
+    assert abs(float(torch.tensor(nll).exp()) / expected - 1) < 0.01
