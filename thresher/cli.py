@@ -440,7 +440,9 @@ def serve(
         help="Sequences allowed to wait beyond the running batch; more get HTTP 429.")] = 256,
     max_model_len: Annotated[int | None, typer.Option(
         help="Context length (default: the model's).")] = None,
-    dtype: Annotated[str, typer.Option(help="Activation dtype: float32, bfloat16, float16.")] = "float32",
+    dtype: Annotated[str, typer.Option(
+        help="Serving dtype: auto (16-bit on a GPU, float32 on a CPU), float32, bfloat16, "
+             "float16.")] = "auto",
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     import uvicorn

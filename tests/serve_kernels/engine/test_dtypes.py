@@ -14,6 +14,7 @@ import torch
 from thresher.evaluate.perplexity import perplexity
 from thresher.models import load_model
 from thresher.serve_kernels import LLM, SamplingParams
+from thresher.serve_kernels.engine.llm_engine import resolve_dtype
 from thresher.serve_kernels.validate import token_agreement
 
 PROMPTS = ["def main():\n    ", "import os\nimport sys\n", "class Foo(object):",
@@ -63,3 +64,14 @@ def test_perplexity_matches_transformers_in_16_bit(pair, tiny_tokenizer):
     scores = llm.score(windows.tolist())
     nll = -sum(sum(s[1:]) for s in scores) / (windows.shape[0] * (windows.shape[1] - 1))
     assert abs(float(torch.tensor(nll).exp()) / expected - 1) < 0.01
+
+
+def test_auto_dtype_is_16_bit_on_a_gpu_and_float32_on_a_cpu(monkeypatch):
+    assert resolve_dtype("auto", torch.device("cpu")) == "float32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert resolve_dtype("auto", torch.device("cuda")) == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert resolve_dtype("auto", torch.device("cuda")) == "float16"
+    assert resolve_dtype("float16", torch.device("cpu")) == "float16"
+    with pytest.raises(ValueError, match="'auto' or one of"):
+        resolve_dtype("fp8", torch.device("cpu"))
