@@ -145,6 +145,11 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     async def _client_gone(_: Request, err: ClientGone) -> Response:
         return Response(status_code=499)  # nobody reads it; the sequences were aborted
 
+    @app.exception_handler(EngineDead)
+    async def _engine_dead(_: Request, err: EngineDead) -> JSONResponse:
+        return JSONResponse(error_body(str(err), "server_error", code="engine_unavailable"),
+                            status_code=503)
+
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, err: Exception) -> JSONResponse:
         log.exception("request failed")
@@ -342,8 +347,6 @@ class _API:
         except QueueFull as err:
             raise APIError(429, f"the server is at capacity ({err}); retry later",
                            "rate_limit_error", code="queue_full") from None
-        except EngineDead as err:
-            raise APIError(503, str(err), "server_error", code="engine_unavailable") from None
         except ValueError as err:
             raise APIError(400, str(err), param="prompt") from None
 
