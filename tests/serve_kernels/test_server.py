@@ -186,6 +186,21 @@ def test_stream_completion_matches_unstreamed(client):
     assert events[-2]["usage"]["completion_tokens"] == 10
 
 
+@pytest.mark.parametrize("echo", [False, True])
+def test_text_offsets_are_equal_streamed_and_not(client, echo):
+    req = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+           "logprobs": 1, "echo": echo}
+    whole = client.post("/v1/completions", json=req).json()["choices"][0]
+    with client.stream("POST", "/v1/completions", json={**req, "stream": True}) as r:
+        chunks = [e for e in sse_events(r)[:-1] if e["choices"]]
+    lps = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert [o for lp in lps for o in lp["text_offset"]] == whole["logprobs"]["text_offset"]
+    assert [t for lp in lps for t in lp["tokens"]] == whole["logprobs"]["tokens"]
+    for token, offset in zip(whole["logprobs"]["tokens"], whole["logprobs"]["text_offset"],
+                             strict=True):  # offsets index the choice's own text
+        assert whole["text"][offset : offset + len(token)] == token
+
+
 def test_chat_streamed_and_not(client):
     req = {"model": NAME, "temperature": 0, "max_tokens": 8, "ignore_eos": True,
            "messages": [{"role": "system", "content": "You write Python."},

@@ -223,6 +223,7 @@ class _Choice:
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[float | None] | None = None
+    echoed_chars: int = 0  # length of the echoed prompt text ahead of the completion's
     sent_text: int = 0
     sent_tokens: int = 0
 
@@ -437,7 +438,8 @@ class _API:
                 if body.echo and i not in echoed:  # the prompt (and its scores) come first
                     echoed.add(i)
                     prompt_text = self.tokenizer.decode(c.prompt_ids)
-                text_start = len(self.tokenizer.decode(c.prompt_ids)) + c.sent_text
+                    c.echoed_chars = len(prompt_text)
+                text_start = c.echoed_chars + c.sent_text  # text_offset counts the choice's text
                 delta, new_ids, new_lps, new_tops = _advance(c)
                 lp = None
                 if body.logprobs is not None and (new_ids or prompt_text):
