@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -243,6 +245,46 @@ def test_invalid_requests(client, payload, status, param):
     assert set(err) == {"message", "type", "param", "code"}
     assert err["param"] == param
     assert err["message"]
+
+
+def test_chat_template_rejecting_the_messages_is_a_400(client, server):
+    tokenizer = server.app.state.async_engine.engine.tokenizer
+    before = tokenizer.chat_template
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if loop.first and m['role'] != 'user' %}"
+        "{{ raise_exception('Conversation roles must start with user') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}")
+    try:
+        r = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "assistant", "content": "hi"}], "max_tokens": 2})
+    finally:
+        tokenizer.chat_template = before
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages" and "roles must start with user" in error["message"]
+
+
+def test_tokenization_runs_off_the_event_loop(client, server):
+    tokenizer = server.app.state.async_engine.engine.tokenizer
+    slow_started = threading.Event()
+
+    def slow_encode(*args, **kwargs):
+        slow_started.set()
+        time.sleep(2.0)
+        return type(tokenizer).encode(tokenizer, *args, **kwargs)
+
+    tokenizer.encode = slow_encode
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(client.post, "/v1/completions",
+                               json={"prompt": PROMPT, "max_tokens": 1})
+            assert slow_started.wait(timeout=10)
+            start = time.perf_counter()
+            assert client.get("/health").status_code == 200
+            assert time.perf_counter() - start < 1.0  # the loop answered while encode slept
+            assert slow.result(timeout=30).status_code == 200
+    finally:
+        del tokenizer.encode
 
 
 def test_context_overflow_message(client):

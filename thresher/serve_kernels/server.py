@@ -25,6 +25,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -308,9 +309,13 @@ class _API:
     def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], list[str]]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         template = None if self.tokenizer.chat_template else FALLBACK_CHAT_TEMPLATE
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=True,
-                                                  chat_template=template)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=True,
+                                                      chat_template=template)
+        except TemplateError as err:  # the template refused these messages (role order, ...)
+            raise APIError(400, f"'messages': the model's chat template rejected them: {err}",
+                           param="messages", code="invalid_chat_template") from None
         ids = self.encode(text)
         return ids, ([FALLBACK_CHAT_STOP] if template else [])
 
@@ -355,7 +360,8 @@ class _API:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
-        prompts = self.completion_prompts(body.prompt)
+        # tokenizing a long prompt takes milliseconds: off the event loop, which serves streams
+        prompts = await asyncio.to_thread(self.completion_prompts, body.prompt)
         scoring_only = body.max_tokens == 0
         seqs, params = [], []
         for ids in prompts:
@@ -462,7 +468,7 @@ class _API:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
-        ids, extra_stop = self.chat_prompt(body)
+        ids, extra_stop = await asyncio.to_thread(self.chat_prompt, body)
         budget = self.completion_budget(len(ids), body.token_limit)
         n_lp = (body.top_logprobs or 0) if body.logprobs else None
         params = [self.sampling(body, budget, j, n_lp, False, extra_stop) for j in range(body.n)]
