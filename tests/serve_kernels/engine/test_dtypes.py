@@ -75,3 +75,23 @@ def test_auto_dtype_is_16_bit_on_a_gpu_and_float32_on_a_cpu(monkeypatch):
     assert resolve_dtype("float16", torch.device("cpu")) == "float16"
     with pytest.raises(ValueError, match="'auto' or one of"):
         resolve_dtype("fp8", torch.device("cpu"))
+
+
+def test_server_answers_in_16_bit(pair, tiny_demo):
+    """The issue's first symptom: a bfloat16 server answered 500, then 503 forever."""
+    import httpx
+
+    from thresher.serve_kernels import LLMEngine
+    from thresher.serve_kernels.server import BackgroundServer, ServerConfig, build_app
+
+    dtype, _, llm = pair
+    engine = LLMEngine(tiny_demo, dtype=dtype, max_num_seqs=2, max_model_len=128)
+    req = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with BackgroundServer(build_app(engine, ServerConfig(served_model_name="tiny", max_num_seqs=2,
+                                                         max_queue=2))) as srv:
+        for _ in range(2):
+            r = httpx.post(f"{srv.url}/v1/completions", json=req, timeout=60)
+            assert r.status_code == 200, r.text
+    offline = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8,
+                                                      ignore_eos=True))[0]
+    assert r.json()["choices"][0]["text"] == offline.text
