@@ -92,6 +92,24 @@ def test_quantized_artifact_matches_dequantizing_loader(moe_dirs, tmp_path, fami
     torch.testing.assert_close(prompt_logits(llm, PROMPT), expected, atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.parametrize("stage", [
+    QuantizeStage(method="gptq", group_size=32, act_order=True),
+    QuantizeStage(method="awq", group_size=32),
+    QuantizeStage(method="nf4", double_quant=True),
+    QuantizeStage(method="rtn", bits=8, group_size=32),
+], ids=["gptq4", "awq4", "nf4", "int8"])
+def test_quantized_artifact_in_bfloat16(moe_dirs, tmp_path, stage):
+    """bf16 serving of a packed artifact: within twice the dequantizing loader's own bf16
+    rounding of its fp32 logits."""
+    out = tmp_path / "q"
+    quantize_model(moe_dirs["qwen3_moe"], stage, CAL, out, show_progress=False)
+    with torch.no_grad():
+        fp32 = load_quantized_model(out)(torch.tensor([PROMPT])).logits[0]
+        bf16 = load_quantized_model(out, torch.bfloat16)(torch.tensor([PROMPT])).logits[0].float()
+    got = prompt_logits(LLM(out, block_size=4, dtype="bfloat16"), PROMPT)
+    assert (got - bf16).abs().max() <= 2 * (bf16 - fp32).abs().max()
+
+
 def test_tampered_artifact_is_refused(moe_dirs, tmp_path):
     out = tmp_path / "q"
     quantize_model(moe_dirs["qwen3_moe"], QuantizeStage(method="rtn", group_size=32), CAL, out,
