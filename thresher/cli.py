@@ -385,9 +385,10 @@ def tasks_cmd(
 
 
 def _describe_loaded(name: str, info: dict, max_model_len: int) -> str:
-    """The startup line: what was loaded (format, bits, experts, memory)."""
+    """The startup line: what was loaded (format, bits, serving dtype, experts, memory)."""
     bits = info.get("bits")
     fmt = f"{info.get('format', '?')}" + (f", {bits}-bit weights" if bits else "")
+    fmt += f", serving {info['dtype']}" if info.get("dtype") else ""
     experts = f", {info['num_experts']} experts" if info.get("num_experts") else ""
     params = f", {info['params'] / 1e6:.1f} M parameters" if info.get("params") else ""
     memory = ""
