@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -36,18 +37,21 @@ def failing(tiny_demo):
     engine = FailingEngine(LLMEngine(tiny_demo, max_num_seqs=4, max_model_len=256))
     app = build_app(engine, ServerConfig(served_model_name="tiny", max_num_seqs=4, max_queue=4))
     with BackgroundServer(app) as srv:
-        yield engine, srv.url
+        yield engine, app.state.async_engine, srv.url
 
 
 def test_engine_failure_answers_running_and_pending_requests_with_503(failing):
-    engine, url = failing
+    engine, aengine, url = failing
     body = {"prompt": "def main():", "max_tokens": 16}
     engine.armed.set()
     with httpx.Client(base_url=url, timeout=10) as client, ThreadPoolExecutor(2) as pool:
         running = pool.submit(client.post, "/v1/completions", json=body)
         assert engine.stepping.wait(timeout=10)  # the loop is inside the step that will fail
-        pending = pool.submit(client.post, "/v1/completions", json=body)  # not admitted yet
-        threading.Event().wait(0.5)
+        pending = pool.submit(client.post, "/v1/completions", json=body)
+        deadline = time.monotonic() + 10
+        while aengine.in_flight < 2:  # the second waits for an admission the loop never gives
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         engine.release.set()
         for future in (running, pending):
             response = future.result(timeout=10)
