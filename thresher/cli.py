@@ -385,9 +385,10 @@ def tasks_cmd(
 
 
 def _describe_loaded(name: str, info: dict, max_model_len: int) -> str:
-    """The startup line: what was loaded (format, bits, experts, memory)."""
+    """The startup line: what was loaded (format, bits, serving dtype, experts, memory)."""
     bits = info.get("bits")
     fmt = f"{info.get('format', '?')}" + (f", {bits}-bit weights" if bits else "")
+    fmt += f", serving {info['dtype']}" if info.get("dtype") else ""
     experts = f", {info['num_experts']} experts" if info.get("num_experts") else ""
     params = f", {info['params'] / 1e6:.1f} M parameters" if info.get("params") else ""
     memory = ""
@@ -440,7 +441,9 @@ def serve(
         help="Sequences allowed to wait beyond the running batch; more get HTTP 429.")] = 256,
     max_model_len: Annotated[int | None, typer.Option(
         help="Context length (default: the model's).")] = None,
-    dtype: Annotated[str, typer.Option(help="Activation dtype: float32, bfloat16, float16.")] = "float32",
+    dtype: Annotated[str, typer.Option(
+        help="Serving dtype: auto (16-bit on a GPU, float32 on a CPU), float32, bfloat16, "
+             "float16.")] = "auto",
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     import uvicorn

@@ -41,6 +41,7 @@ def test_serve_command(tiny_demo, tmp_path):
             time.sleep(0.5)
         startup = log.read_text()
         assert "loaded tiny:" in startup and "8 experts" in startup and "MiB" in startup, startup
+        assert "serving float32" in startup, startup  # --dtype auto on a CPU
         assert f"http://127.0.0.1:{port}/v1" in startup
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "import ", "max_tokens": 3},
                        timeout=60)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -186,6 +188,21 @@ def test_stream_completion_matches_unstreamed(client):
     assert events[-2]["usage"]["completion_tokens"] == 10
 
 
+@pytest.mark.parametrize("echo", [False, True])
+def test_text_offsets_are_equal_streamed_and_not(client, echo):
+    req = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+           "logprobs": 1, "echo": echo}
+    whole = client.post("/v1/completions", json=req).json()["choices"][0]
+    with client.stream("POST", "/v1/completions", json={**req, "stream": True}) as r:
+        chunks = [e for e in sse_events(r)[:-1] if e["choices"]]
+    lps = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert [o for lp in lps for o in lp["text_offset"]] == whole["logprobs"]["text_offset"]
+    assert [t for lp in lps for t in lp["tokens"]] == whole["logprobs"]["tokens"]
+    for token, offset in zip(whole["logprobs"]["tokens"], whole["logprobs"]["text_offset"],
+                             strict=True):  # offsets index the choice's own text
+        assert whole["text"][offset : offset + len(token)] == token
+
+
 def test_chat_streamed_and_not(client):
     req = {"model": NAME, "temperature": 0, "max_tokens": 8, "ignore_eos": True,
            "messages": [{"role": "system", "content": "You write Python."},
@@ -228,6 +245,46 @@ def test_invalid_requests(client, payload, status, param):
     assert set(err) == {"message", "type", "param", "code"}
     assert err["param"] == param
     assert err["message"]
+
+
+def test_chat_template_rejecting_the_messages_is_a_400(client, server):
+    tokenizer = server.app.state.async_engine.engine.tokenizer
+    before = tokenizer.chat_template
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if loop.first and m['role'] != 'user' %}"
+        "{{ raise_exception('Conversation roles must start with user') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}")
+    try:
+        r = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "assistant", "content": "hi"}], "max_tokens": 2})
+    finally:
+        tokenizer.chat_template = before
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages" and "roles must start with user" in error["message"]
+
+
+def test_tokenization_runs_off_the_event_loop(client, server):
+    tokenizer = server.app.state.async_engine.engine.tokenizer
+    slow_started = threading.Event()
+
+    def slow_encode(*args, **kwargs):
+        slow_started.set()
+        time.sleep(2.0)
+        return type(tokenizer).encode(tokenizer, *args, **kwargs)
+
+    tokenizer.encode = slow_encode
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(client.post, "/v1/completions",
+                               json={"prompt": PROMPT, "max_tokens": 1})
+            assert slow_started.wait(timeout=10)
+            start = time.perf_counter()
+            assert client.get("/health").status_code == 200
+            assert time.perf_counter() - start < 1.0  # the loop answered while encode slept
+            assert slow.result(timeout=30).status_code == 200
+    finally:
+        del tokenizer.encode
 
 
 def test_context_overflow_message(client):

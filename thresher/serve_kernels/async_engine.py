@@ -102,6 +102,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sequences: dict[str, _Sequence] = {}
+        self._admitting: set[asyncio.Future] = set()  # submissions the loop has not answered
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
 
@@ -143,6 +144,7 @@ class AsyncEngine:
             self._sequences[seq.request_id] = seq
             sequences.append(seq)
         accepted = self._loop.create_future()
+        self._admitting.add(accepted)
         self._commands.put(("add", sequences, prompts, params, accepted))
         self._wake.set()
         try:
@@ -154,6 +156,8 @@ class AsyncEngine:
                     self._commands.put(("abort", seq.request_id))
             self._wake.set()
             raise
+        finally:
+            self._admitting.discard(accepted)
         return RequestGroup(self, sequences, sink)
 
     def _abort(self, seq: _Sequence) -> None:
@@ -182,6 +186,10 @@ class AsyncEngine:
             seq.sink.put_nowait((seq.index, out))
 
     def _fail_all(self, err: BaseException) -> None:
+        """Fail every waiter: admitted sequences through their queues, and submissions still
+        waiting to be admitted (the dead loop will never drain their commands)."""
+        for accepted in list(self._admitting):
+            _settle(accepted, EngineDead(f"the engine failed: {err}"))
         for seq in list(self._sequences.values()):
             seq.finished = True
             seq.sink.put_nowait(EngineDead(f"the engine failed: {err}"))

@@ -25,6 +25,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -145,6 +146,11 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     async def _client_gone(_: Request, err: ClientGone) -> Response:
         return Response(status_code=499)  # nobody reads it; the sequences were aborted
 
+    @app.exception_handler(EngineDead)
+    async def _engine_dead(_: Request, err: EngineDead) -> JSONResponse:
+        return JSONResponse(error_body(str(err), "server_error", code="engine_unavailable"),
+                            status_code=503)
+
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, err: Exception) -> JSONResponse:
         log.exception("request failed")
@@ -218,6 +224,7 @@ class _Choice:
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[float | None] | None = None
+    echoed_chars: int = 0  # length of the echoed prompt text ahead of the completion's
     sent_text: int = 0
     sent_tokens: int = 0
 
@@ -302,9 +309,13 @@ class _API:
     def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], list[str]]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         template = None if self.tokenizer.chat_template else FALLBACK_CHAT_TEMPLATE
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=True,
-                                                  chat_template=template)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=True,
+                                                      chat_template=template)
+        except TemplateError as err:  # the template refused these messages (role order, ...)
+            raise APIError(400, f"'messages': the model's chat template rejected them: {err}",
+                           param="messages", code="invalid_chat_template") from None
         ids = self.encode(text)
         return ids, ([FALLBACK_CHAT_STOP] if template else [])
 
@@ -342,8 +353,6 @@ class _API:
         except QueueFull as err:
             raise APIError(429, f"the server is at capacity ({err}); retry later",
                            "rate_limit_error", code="queue_full") from None
-        except EngineDead as err:
-            raise APIError(503, str(err), "server_error", code="engine_unavailable") from None
         except ValueError as err:
             raise APIError(400, str(err), param="prompt") from None
 
@@ -351,7 +360,8 @@ class _API:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
-        prompts = self.completion_prompts(body.prompt)
+        # tokenizing a long prompt takes milliseconds: off the event loop, which serves streams
+        prompts = await asyncio.to_thread(self.completion_prompts, body.prompt)
         scoring_only = body.max_tokens == 0
         seqs, params = [], []
         for ids in prompts:
@@ -434,7 +444,8 @@ class _API:
                 if body.echo and i not in echoed:  # the prompt (and its scores) come first
                     echoed.add(i)
                     prompt_text = self.tokenizer.decode(c.prompt_ids)
-                text_start = len(self.tokenizer.decode(c.prompt_ids)) + c.sent_text
+                    c.echoed_chars = len(prompt_text)
+                text_start = c.echoed_chars + c.sent_text  # text_offset counts the choice's text
                 delta, new_ids, new_lps, new_tops = _advance(c)
                 lp = None
                 if body.logprobs is not None and (new_ids or prompt_text):
@@ -457,7 +468,7 @@ class _API:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
-        ids, extra_stop = self.chat_prompt(body)
+        ids, extra_stop = await asyncio.to_thread(self.chat_prompt, body)
         budget = self.completion_budget(len(ids), body.token_limit)
         n_lp = (body.top_logprobs or 0) if body.logprobs else None
         params = [self.sampling(body, budget, j, n_lp, False, extra_stop) for j in range(body.n)]

@@ -52,6 +52,25 @@ def test_preemption_under_a_tiny_kv_budget_keeps_outputs(tiny_demo, reference):
     assert stats.kv_blocks_used == 0
 
 
+def test_prompt_logprobs_survive_preemption_mid_prompt(tiny_demo, tiny_tokenizer):
+    """A sequence preempted during its chunked prefill recomputes from position 0; the prompt
+    log-probs it already holds must not be appended again (80 tokens once came back as 96)."""
+    from thresher.data.windows import eval_windows
+    from thresher.recipe import PerplexityConfig
+
+    windows = eval_windows(tiny_tokenizer, PerplexityConfig(seq_len=80, max_windows=4)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=16, prompt_logprobs=True, ignore_eos=True)
+    want = LLM(tiny_demo, max_model_len=96).generate(windows, params)
+    llm = LLM(tiny_demo, max_model_len=96, max_num_seqs=4, num_kv_blocks=6,
+              max_num_batched_tokens=48)
+    got = llm.generate(windows, params)
+    assert llm.engine.stats().num_preempted_total > 0
+    for g, w in zip(got, want, strict=True):
+        assert len(g.prompt_logprobs) == 80 and g.prompt_logprobs[0] is None
+        assert g.prompt_logprobs[1:] == pytest.approx(w.prompt_logprobs[1:], abs=1e-4)
+        assert g.token_ids == w.token_ids
+
+
 def test_chunked_prefill_and_requests_joining_midway(tiny_demo, reference):
     engine = LLMEngine(tiny_demo, max_num_batched_tokens=4, max_num_seqs=3)
     finished = {}

@@ -39,6 +39,26 @@ def test_family_logits_and_greedy_match_transformers(family, tiny_demo, tmp_path
     assert out.token_ids == gen
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("family", MOE_FAMILIES + DENSE_FAMILIES)
+def test_family_logits_in_16_bit_are_as_close_as_transformers_own(family, dtype, tiny_demo,
+                                                                  tmp_path):
+    """In 16-bit the engine's logits stay within twice the distance of transformers' 16-bit
+    logits from its fp32 ones (the rounding both pay), and the engine holds the serving dtype."""
+    kw = {"attention_bias": True} if family == "llama" else {}
+    if family == "olmoe":
+        kw["clip_qkv"] = 0.5
+    hf = build_random_model(family, vocab_size=4096, **kw)
+    path = save_family(hf, tiny_demo, tmp_path / family)
+    with torch.no_grad():
+        fp32 = hf(torch.tensor([PROMPT])).logits[0]
+        half = hf.to(getattr(torch, dtype))(torch.tensor([PROMPT])).logits[0].float()
+    llm = LLM(path, block_size=4, dtype=dtype)
+    assert llm.engine.runner.model.embed_tokens.dtype == getattr(torch, dtype)
+    rounding = (half - fp32).abs().max()
+    assert (prompt_logits(llm, PROMPT) - half).abs().max() <= 2 * rounding
+
+
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory, tiny_demo):
     """Random MoE checkpoints; every input width is a multiple of 64 because bitsandbytes 0.50's
@@ -70,6 +90,24 @@ def test_quantized_artifact_matches_dequantizing_loader(moe_dirs, tmp_path, fami
     with torch.no_grad():
         expected = reference(torch.tensor([PROMPT])).logits[0]
     torch.testing.assert_close(prompt_logits(llm, PROMPT), expected, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("stage", [
+    QuantizeStage(method="gptq", group_size=32, act_order=True),
+    QuantizeStage(method="awq", group_size=32),
+    QuantizeStage(method="nf4", double_quant=True),
+    QuantizeStage(method="rtn", bits=8, group_size=32),
+], ids=["gptq4", "awq4", "nf4", "int8"])
+def test_quantized_artifact_in_bfloat16(moe_dirs, tmp_path, stage):
+    """bf16 serving of a packed artifact: within twice the dequantizing loader's own bf16
+    rounding of its fp32 logits."""
+    out = tmp_path / "q"
+    quantize_model(moe_dirs["qwen3_moe"], stage, CAL, out, show_progress=False)
+    with torch.no_grad():
+        fp32 = load_quantized_model(out)(torch.tensor([PROMPT])).logits[0]
+        bf16 = load_quantized_model(out, torch.bfloat16)(torch.tensor([PROMPT])).logits[0].float()
+    got = prompt_logits(LLM(out, block_size=4, dtype="bfloat16"), PROMPT)
+    assert (got - bf16).abs().max() <= 2 * (bf16 - fp32).abs().max()
 
 
 def test_tampered_artifact_is_refused(moe_dirs, tmp_path):

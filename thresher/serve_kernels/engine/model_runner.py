@@ -87,15 +87,20 @@ class ModelRunner:
 
     def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor,
                          cu: list[int]) -> dict[int, list[float]]:
-        """For each chunk of a prompt-log-prob sequence: log p(token[p+1] | ..token[p])."""
+        """For each chunk of a prompt-log-prob sequence: log p(token[p+1] | ..token[p]).
+
+        Only positions not scored yet: a sequence preempted mid-prompt recomputes from position
+        0, and the log-probs it already holds for those positions must not be appended again.
+        """
         out: dict[int, list[float]] = {}
         for b, seq in enumerate(batch.seqs):
             if not seq.wants_prompt_logprobs:
                 continue
             start = seq.num_computed_tokens
+            scored = len(seq.prompt_logprobs) - 1  # entry 0 is the first token's None
             stop = min(start + batch.num_new_tokens[b], seq.num_prompt_tokens - 1)
             values: list[float] = []
-            for p0 in range(start, stop, LOGPROB_CHUNK):
+            for p0 in range(max(start, scored), stop, LOGPROB_CHUNK):
                 p1 = min(p0 + LOGPROB_CHUNK, stop)
                 rows = hidden[cu[b] + p0 - start : cu[b] + p1 - start]
                 lp = torch.log_softmax(self.model.logits(rows), dim=-1)

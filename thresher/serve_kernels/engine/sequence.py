@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from thresher.serve_kernels.engine.detokenizer import PROMPT_CONTEXT
 from thresher.serve_kernels.engine.sampling_params import SamplingParams
 
 
@@ -49,8 +50,9 @@ class Sequence:
         self.prompt_logprobs: list[float | None] | None = (
             [None] if params.prompt_logprobs else None)
         self.text = ""  # detokenized output (before stop-string holdback)
-        self.prefix_offset = 0  # incremental detokenizer state over the output ids
-        self.read_offset = 0
+        # incremental detokenizer window over token_ids, first opened on the prompt's tail
+        self.prefix_offset = max(self.num_prompt_tokens - PROMPT_CONTEXT, 0)
+        self.read_offset = self.num_prompt_tokens
         self.arrival_time = time.perf_counter()
 
     @property

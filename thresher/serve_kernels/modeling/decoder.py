@@ -94,12 +94,16 @@ class Attention(nn.Module):
 
 
 class Rope:
-    """Rotary angles of one batch, gathered once per forward and shared by every layer."""
+    """Rotary angles of one batch, gathered once per forward and shared by every layer.
 
-    def __init__(self, cos_sin: torch.Tensor, positions: torch.Tensor):
+    The CPU path rotates in the activation dtype with cos/sin rounded to it, as transformers does
+    (fp32 angles would upcast q and k, and attention then mixes fp32 queries with a 16-bit cache).
+    """
+
+    def __init__(self, cos_sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
         self.cos_sin = cos_sin
         if not use_triton(positions):
-            self.cos, self.sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+            self.cos, self.sin = cos_sin[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``apply_rotary``'s math on x [T, heads, D] (the CPU path)."""
@@ -163,7 +167,7 @@ class CausalLM(nn.Module):
         """Final hidden states [T, H] of the new tokens; their K/V land in ``kv_caches``."""
         x = nn.functional.embedding(input_ids, self.embed_tokens)
         residual = None
-        rope = Rope(self.cos_sin, positions)
+        rope = Rope(self.cos_sin, positions, self.embed_tokens.dtype)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, rope, kv, meta)
         x, _ = rms_norm(x, self.norm, self.spec.rms_norm_eps, residual)

@@ -1,0 +1,97 @@
+"""The engine in 16-bit against transformers in the same dtype on the tiny demo model.
+
+float32 is held to token-for-token parity in test_generate.py. In bfloat16 and float16 the two
+implementations round differently (fused residual adds, fp32 norm statistics), so a greedy
+continuation may flip at a near-tie after a while: the first tokens must match, most of the rest
+should, and perplexity must agree within 1%.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from thresher.evaluate.perplexity import perplexity
+from thresher.models import load_model
+from thresher.serve_kernels import LLM, SamplingParams
+from thresher.serve_kernels.engine.llm_engine import resolve_dtype
+from thresher.serve_kernels.validate import token_agreement
+
+PROMPTS = ["def main():\n    ", "import os\nimport sys\n", "class Foo(object):",
+           "    return self.", "for i in range(10):\n"]
+MAX_TOKENS = 48
+EXACT_PREFIX = 16  # tokens every prompt must reproduce exactly
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "float16"])
+def pair(request, tiny_demo):
+    """(dtype, transformers model, engine) in one 16-bit dtype."""
+    dtype = request.param
+    return dtype, load_model(tiny_demo, dtype), LLM(tiny_demo, dtype=dtype, max_model_len=128)
+
+
+def test_weights_are_stored_in_the_serving_dtype(pair):
+    dtype, _, llm = pair
+    model = llm.engine.runner.model
+    assert model.embed_tokens.dtype == getattr(torch, dtype)
+    assert all(c.dtype == getattr(torch, dtype) for c in llm.engine.runner.kv_caches[0])
+    assert llm.engine.model_info["dtype"] == dtype
+
+
+def test_greedy_matches_transformers_in_16_bit(pair, tiny_tokenizer):
+    _, hf, llm = pair
+    want = []
+    for p in PROMPTS:
+        ids = torch.tensor([tiny_tokenizer.encode(p, add_special_tokens=False)])
+        gen = hf.generate(ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                          do_sample=False)
+        want.append(gen[0, ids.shape[1]:].tolist())
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    for p, g, w in zip(PROMPTS, got, want, strict=True):
+        assert g[:EXACT_PREFIX] == w[:EXACT_PREFIX], p
+    _, prefix = token_agreement(got, want)
+    assert prefix >= 0.75
+
+
+def test_perplexity_matches_transformers_in_16_bit(pair, tiny_tokenizer):
+    from thresher.data.windows import eval_windows
+    from thresher.recipe import PerplexityConfig
+
+    _, hf, llm = pair
+    windows = eval_windows(tiny_tokenizer, PerplexityConfig(seq_len=128, max_windows=6))
+    expected = perplexity(hf, windows, show_progress=False).perplexity
+    scores = llm.score(windows.tolist())
+    nll = -sum(sum(s[1:]) for s in scores) / (windows.shape[0] * (windows.shape[1] - 1))
+    assert abs(float(torch.tensor(nll).exp()) / expected - 1) < 0.01
+
+
+def test_auto_dtype_is_16_bit_on_a_gpu_and_float32_on_a_cpu(monkeypatch):
+    assert resolve_dtype("auto", torch.device("cpu")) == "float32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert resolve_dtype("auto", torch.device("cuda")) == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert resolve_dtype("auto", torch.device("cuda")) == "float16"
+    assert resolve_dtype("float16", torch.device("cpu")) == "float16"
+    with pytest.raises(ValueError, match="'auto' or one of"):
+        resolve_dtype("fp8", torch.device("cpu"))
+
+
+def test_server_answers_in_16_bit(pair, tiny_demo):
+    """The issue's first symptom: a bfloat16 server answered 500, then 503 forever."""
+    import httpx
+
+    from thresher.serve_kernels import LLMEngine
+    from thresher.serve_kernels.server import BackgroundServer, ServerConfig, build_app
+
+    dtype, _, llm = pair
+    engine = LLMEngine(tiny_demo, dtype=dtype, max_num_seqs=2, max_model_len=128)
+    req = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with BackgroundServer(build_app(engine, ServerConfig(served_model_name="tiny", max_num_seqs=2,
+                                                         max_queue=2))) as srv:
+        for _ in range(2):
+            r = httpx.post(f"{srv.url}/v1/completions", json=req, timeout=60)
+            assert r.status_code == 200, r.text
+    offline = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8,
+                                                      ignore_eos=True))[0]
+    assert r.json()["choices"][0]["text"] == offline.text
