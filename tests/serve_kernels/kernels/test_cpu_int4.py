@@ -3,8 +3,8 @@
 The kernel computes in bf16 with bf16 scales and zeros, so it cannot match the fp32 reference
 bit for bit: rounding the activations, the scales and the (8 - z) * s zeros to bf16 (8 bits of
 mantissa, relative 2**-9 each) and the bf16 output leaves a relative error of a few 1e-3 in the
-result's norm (3.3e-3 at most measured over these cases). ``TOL`` allows three times that and stays far below a 4-bit weight's
-own quantization error (about 10% of the weight's norm).
+result's norm (3.3e-3 at most measured over these cases). ``TOL`` allows three times that and
+stays far below a 4-bit weight's own quantization error (about 10% of the weight's norm).
 """
 
 from __future__ import annotations
