@@ -83,3 +83,29 @@ def test_linear_fast_path_with_bias_matches_reference(kind, monkeypatch):
     monkeypatch.delenv("THRESHER_KERNELS")
     fast = layer(x)
     assert fast.shape == reference.shape and rel_err(fast, reference) < TOL
+
+
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gptq8_per_channel_fast_path_matches_reference(sym, dtype, monkeypatch):
+    """Per-channel 8-bit runs the int8 kernel; grouped 8-bit keeps the reference."""
+    from thresher.formats.gptq import pack_gptq
+    from thresher.formats.quantized import QuantizedWeight
+
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 256, (N, K), generator=gen).to(torch.uint8)
+    zeros = torch.full((N, 1), 128) if sym else torch.randint(100, 156, (N, 1), generator=gen)
+    scales = (torch.rand(N, 1, generator=gen) * 1e-3 + 1e-4).half().float()
+    for group_size, g_idx in ((-1, torch.zeros(K)), (32, torch.arange(K) // 32)):
+        groups = int(g_idx.max()) + 1
+        qw = QuantizedWeight(codes, scales.repeat(1, groups), zeros.int().repeat(1, groups),
+                             g_idx.int(), 8, group_size)
+        layer = GPTQLinear(*pack_gptq(qw).values(), 8, group_size, None)
+        layer.pack_for_cpu()
+        assert (layer.cpu_pack is not None) == (group_size == -1)
+        x = torch.randn(7, K).to(dtype)
+        fast = layer(x)
+        monkeypatch.setenv("THRESHER_KERNELS", "torch")
+        reference = layer(x)
+        monkeypatch.delenv("THRESHER_KERNELS")
+        assert fast.dtype == dtype and rel_err(fast, reference) < TOL

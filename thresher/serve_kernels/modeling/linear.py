@@ -5,7 +5,8 @@ AWQ gemm (``qweight/qzeros/scales``) and bitsandbytes NF4 (``weight`` bytes + qu
 packed tensors are kept as published; each forward calls the matching kernel, which dequantizes
 tile by tile (Triton) or, on a CPU, runs the kernel's PyTorch reference. ``pack_for_cpu`` (called
 by the loader for a CPU model) adds a copy of each 4-bit GPTQ/AWQ weight in the layout of torch's
-CPU int4 kernel, which CPU forwards then use instead of dequantizing the whole matrix per call.
+CPU int4 kernel (and of each per-channel 8-bit GPTQ weight for its int8 kernel), which CPU
+forwards then use instead of dequantizing the whole matrix per call.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from thresher.serve_kernels.kernels.cpu_int4 import (
     pack_awq_int4,
     pack_gptq_int4,
 )
+from thresher.serve_kernels.kernels.cpu_int8 import Int8Pack, int8_matmul, pack_int8
 
 
 class DenseLinear(nn.Module):
@@ -52,20 +54,27 @@ class GPTQLinear(nn.Module):
             self.register_buffer(name, t)
         self.bits, self.group_size = bits, group_size
         self.in_features, self.out_features = g_idx.numel(), qweight.shape[1]
-        self.cpu_pack: Int4Pack | None = None
+        self.cpu_pack: Int4Pack | Int8Pack | None = None
 
     @property
-    def cpu_packs(self) -> list[Int4Pack]:
+    def cpu_packs(self) -> list[Int4Pack | Int8Pack]:
         return [] if self.cpu_pack is None else [self.cpu_pack]
 
     def pack_for_cpu(self) -> None:
-        """Convert a 4-bit weight for the CPU int4 kernel (left unset where it cannot hold it)."""
+        """Convert a 4-bit or per-channel 8-bit weight for torch's CPU int4 / int8 kernel (left
+        unset where the kernel cannot hold it)."""
         if self.bits == 4:
             self.cpu_pack = pack_gptq_int4(self.qweight, self.qzeros, self.scales, self.g_idx)
+        elif self.bits == 8:
+            tensors = {"qweight": self.qweight, "qzeros": self.qzeros, "scales": self.scales,
+                       "g_idx": self.g_idx}
+            qw = unpack_gptq(tensors, 8, self.group_size)
+            self.cpu_pack = pack_int8(qw.codes, qw.scales, qw.zeros, qw.g_idx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_pack is not None and use_cpu_kernels(x):
-            y = int4_matmul(x, self.cpu_pack)
+            matmul = int4_matmul if isinstance(self.cpu_pack, Int4Pack) else int8_matmul
+            y = matmul(x, self.cpu_pack)
         elif self.bits == 4:
             y = gptq_matmul(x, self.qweight, self.qzeros, self.scales, self.g_idx)
         else:
