@@ -40,6 +40,7 @@ QUANTIZE = {
     "gptq4": ["--method", "rtn", "--bits", "4", "--group-size", "128"],
     "awq4": ["--method", "awq", "--bits", "4", "--group-size", "128", "--samples", "4",
              "--seq-len", "64"],
+    "nf4": ["--method", "nf4"],  # no CPU kernel: the dequantizing reference, for the ratio
 }
 
 
@@ -100,8 +101,10 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                     help="engine dtypes of the 16-bit model")
-    ap.add_argument("--formats", nargs="+", default=list(QUANTIZE), choices=list(QUANTIZE))
+    ap.add_argument("--formats", nargs="+", default=["gptq4", "awq4"], choices=list(QUANTIZE))
     ap.add_argument("--dir", type=Path, default=None, help="where to build (default: a temp dir)")
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="build here and keep; a model or artifact already there is reused")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads (default: torch's; 1 on a shared, loaded machine)")
     ap.add_argument("--keep", action="store_true")
@@ -109,21 +112,26 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    root = Path(tempfile.mkdtemp(prefix="thresher-cpu-decode-", dir=args.dir))
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="thresher-cpu-decode-", dir=args.dir))
+    keep = args.keep or args.workdir is not None
     try:
         src = root / "model"
-        size = build_checkpoint(src, args.layers, args.hidden, args.experts, args.intermediate,
-                                args.top_k)
+        if not (src / "config.json").is_file():
+            build_checkpoint(src, args.layers, args.hidden, args.experts, args.intermediate,
+                             args.top_k)
+        size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
         variants = [(f"16-bit ({d})", src, d) for d in args.dtypes]
         for fmt in args.formats:
             out = root / fmt
+            variants.append((fmt, out, "float32"))
+            if (out / "config.json").is_file():
+                continue
             cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(src),
                    "--out", str(out), *QUANTIZE[fmt]]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode:
                 sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-2000:])
                 raise SystemExit(f"quantize {fmt} failed with exit status {proc.returncode}")
-            variants.append((fmt, out, "float32"))
         bandwidth = copy_bandwidth()
         rows = []
         for name, path, dtype in variants:
@@ -153,7 +161,7 @@ def main() -> None:
             mb = f"{per_token / 2**20:.0f}" if per_token else "-"
             print(f"| {name} | {mb} | {cells} | {use} | {note} |")
     finally:
-        if args.keep:
+        if keep:
             print(f"kept {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
