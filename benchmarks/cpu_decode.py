@@ -56,14 +56,16 @@ def copy_bandwidth(mb: int = 512) -> float:
     return 2 * src.numel() * 4 / best
 
 
-def bytes_per_token(llm: LLM) -> int:
-    """Weight bytes one decode step reads for one sequence (see the module docstring)."""
+def bytes_per_token(llm: LLM) -> int | None:
+    """Weight bytes one decode step reads for one sequence (see the module docstring); None when
+    a layer runs a dequantizing reference, whose traffic is not its weight bytes."""
     model = llm.engine.runner.model
     total = 0
     for m in model.modules():
         if isinstance(m, FusedExperts):
-            packs = m.cpu_packs
-            full = (sum(p.nbytes for p in packs) if packs else
+            if m.format != "dense" and not m.cpu_packs:
+                return None
+            full = (sum(p.nbytes for p in m.cpu_packs) if m.cpu_packs else
                     sum(b.numel() * b.element_size() for b in m.buffers()))
             experts = m.gate_up_weight.shape[0]
             total += full * model.layers[0].mlp.top_k // experts
@@ -71,8 +73,8 @@ def bytes_per_token(llm: LLM) -> int:
             total += m.weight.numel() * m.weight.element_size()
         elif getattr(m, "cpu_packs", None):
             total += sum(p.nbytes for p in m.cpu_packs)
-        elif hasattr(m, "qweight"):
-            total += sum(b.numel() * b.element_size() for b in m.buffers())
+        elif hasattr(m, "qweight") or hasattr(m, "nf4"):
+            return None
     return total
 
 
@@ -157,7 +159,7 @@ def main() -> None:
                 cells = " | ".join(f"{r:.2f} | {r / b:.2f}x" for r, b in zip(rates, base, strict=True))
             else:
                 cells = " | ".join("-" for _ in range(2 * len(args.concurrency)))
-            use = f"{per_token * rates[0] / bandwidth:.1%}" if rates else "-"
+            use = f"{per_token * rates[0] / bandwidth:.1%}" if rates and per_token else "-"
             mb = f"{per_token / 2**20:.0f}" if per_token else "-"
             print(f"| {name} | {mb} | {cells} | {use} | {note} |")
     finally:
