@@ -40,6 +40,7 @@ def build_checkpoint(out: Path, layers: int, hidden: int, experts: int, inter: i
                            num_experts=experts, top_k=top_k, intermediate_size=inter,
                            vocab_size=4096, num_attention_heads=16, num_key_value_heads=4,
                            head_dim=64, dtype="bfloat16")
+    config.architectures = ["Qwen3MoeForCausalLM"]  # save_pretrained alone omits it; vLLM needs it
     out.mkdir(parents=True)
     config.save_pretrained(out)
     for name in TOKENIZER_FILES:

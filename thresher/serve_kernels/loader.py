@@ -42,6 +42,7 @@ from thresher.serve_kernels.modeling.linear import (
     DenseLinear,
     Linear,
     load_linear,
+    pack_for_cpu,
     packed_bytes,
 )
 from thresher.serve_kernels.modeling.moe import MoE, stack_experts
@@ -159,6 +160,8 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
                      lm_head, cos_sin)
     weight_bytes = packed_bytes(model) - cos_sin.numel() * cos_sin.element_size()
     model = model.to(device).eval()
+    if torch.device(device).type == "cpu":
+        pack_for_cpu(model)
     info = {
         "format": "bf16" if quant is None else quant.kind,
         "bits": 16 if quant is None else quant.bits,

@@ -8,6 +8,7 @@ import torch
 
 from tests.conftest import build_random_model
 from tests.serve_kernels.conftest import prompt_logits, save_family
+from tests.serve_kernels.kernels.helpers import rel_err
 from thresher import recipe
 from thresher.compress.api import quantize_model
 from thresher.errors import ArtifactError
@@ -76,7 +77,7 @@ def moe_dirs(tmp_path_factory, tiny_demo):
     ("mixtral", QuantizeStage(method="rtn", bits=8, group_size=32), ExpertLoop),
 ])
 def test_quantized_artifact_matches_dequantizing_loader(moe_dirs, tmp_path, family, stage,
-                                                        experts):
+                                                        experts, monkeypatch):
     out = tmp_path / "q"
     quantize_model(moe_dirs[family], stage, CAL, out, show_progress=False)
     llm = LLM(out, block_size=4)
@@ -86,10 +87,17 @@ def test_quantized_artifact_matches_dequantizing_loader(moe_dirs, tmp_path, fami
     # the experts are held packed: a fraction of what their fp32 matrices would take
     fp32_experts = 8 * 3 * 64 * model.spec.hidden_size * 4
     assert all(packed_bytes(layer.mlp.experts) < 0.35 * fp32_experts for layer in model.layers)
+    # 4-bit GPTQ/AWQ experts carry their CPU int4 form; NF4 and 8-bit keep the references only
+    has_int4 = stage.method != "nf4" and stage.bits == 4
+    assert all(bool(layer.mlp.experts.cpu_packs) == has_int4 for layer in model.layers
+               if isinstance(layer.mlp.experts, FusedExperts))
     reference = load_quantized_model(out)
     with torch.no_grad():
         expected = reference(torch.tensor([PROMPT])).logits[0]
+    fast = prompt_logits(llm, PROMPT)  # GPTQ-4/AWQ-4 run the CPU int4 kernel (bf16)
+    monkeypatch.setenv("THRESHER_KERNELS", "torch")  # the dequantizing references, in fp32
     torch.testing.assert_close(prompt_logits(llm, PROMPT), expected, atol=2e-4, rtol=2e-4)
+    assert rel_err(fast, expected) < 1e-2
 
 
 @pytest.mark.parametrize("stage", [

@@ -2,7 +2,8 @@
 
 Every public op dispatches through ``backend.use_triton``: the Triton kernel for CUDA tensors, the
 reference on a CPU, ``THRESHER_KERNELS=triton|torch`` to force either. Each module also exposes
-its ``*_ref`` (fp32 PyTorch) and ``*_triton`` functions for tests and benchmarks.
+its ``*_ref`` (fp32 PyTorch) and ``*_triton`` functions for tests and benchmarks. ``cpu_int4``
+holds the CPU fast path for 4-bit GPTQ/AWQ weights converted at load time (torch's int4 kernel).
 """
 
 from thresher.serve_kernels.kernels.activation import silu_and_mul

@@ -1,8 +1,10 @@
 """Which implementation a kernel call runs: the Triton kernel or its PyTorch reference.
 
-Triton needs a GPU; without one the engine runs each kernel's PyTorch reference. The default is
-therefore decided by where the input lives (CUDA tensor -> Triton, CPU tensor -> PyTorch), and
-``THRESHER_KERNELS=triton|torch`` overrides it for the whole process.
+Triton needs a GPU; without one the engine runs each kernel's PyTorch reference, or, for layouts
+converted at load time for torch's CPU kernels (``cpu_int4``), those kernels. The default is
+therefore decided by where the input lives (CUDA tensor -> Triton, CPU tensor -> CPU kernel where
+the layer has one, else the reference), and ``THRESHER_KERNELS=triton|torch`` overrides it for the
+whole process (``torch`` = the dequantizing references, which tests compare the fast paths with).
 
 Tests run the Triton kernels on CPU tensors through Triton's interpreter (``TRITON_INTERPRET=1``).
 ``@triton.jit`` decides between a compiled and an interpreted kernel when the decorator runs, so a
@@ -33,6 +35,11 @@ def use_triton(x: torch.Tensor) -> bool:
     if choice:
         return choice == "triton"
     return x.is_cuda
+
+
+def use_cpu_kernels(x: torch.Tensor) -> bool:
+    """True when calls on ``x`` may run a CPU kernel over weights converted at load time."""
+    return not x.is_cuda and not use_triton(x) and os.environ.get(ENV_VAR, "").strip() == ""
 
 
 def interpreting() -> bool:

@@ -49,12 +49,27 @@ def _nibbles(packed: torch.Tensor, dim: int) -> torch.Tensor:
     return nib.reshape(shape)
 
 
+def gptq_codes(qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ v1 codes q [K, N] and true zeros [groups, N] (v1 stores zero - 1), as int32."""
+    return _nibbles(qweight, 0), _nibbles(qzeros, 1) + 1
+
+
+def awq_codes(qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """AWQ gemm codes q [K, N] and zeros [groups, N] in column order, as int32."""
+    inverse = torch.tensor([AWQ_ORDER.index(j) for j in range(8)], device=qweight.device)
+
+    def unpack(packed: torch.Tensor) -> torch.Tensor:
+        nib = _nibbles(packed, 1).view(packed.shape[0], -1, 8)  # [rows, N/8, nibble]
+        return nib[:, :, inverse].reshape(packed.shape[0], -1)  # [rows, N] in column order
+
+    return unpack(qweight), unpack(qzeros)
+
+
 def gptq_dequantize(
     qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor
 ) -> torch.Tensor:
     """Dense fp32 W [K, N] from a GPTQ v1 tensor set."""
-    q = _nibbles(qweight, 0)  # [K, N]
-    zeros = _nibbles(qzeros, 1) + 1  # [G, N], v1 stores zero - 1
+    q, zeros = gptq_codes(qweight, qzeros)
     g = g_idx.long()
     return scales.float()[g] * (q - zeros[g]).float()
 
@@ -65,14 +80,9 @@ def awq_dequantize(
     """Dense fp32 W [K, N] from an AWQ gemm tensor set (``group_size`` -1 = one group)."""
     k = qweight.shape[0]
     group_size = k if group_size == -1 else group_size
-    inverse = torch.tensor([AWQ_ORDER.index(j) for j in range(8)], device=qweight.device)
-
-    def unpack(packed: torch.Tensor) -> torch.Tensor:
-        nib = _nibbles(packed, 1).view(packed.shape[0], -1, 8)  # [rows, N/8, nibble]
-        return nib[:, :, inverse].reshape(packed.shape[0], -1)  # [rows, N] in column order
-
+    q, zeros = awq_codes(qweight, qzeros)
     g = torch.arange(k, device=qweight.device) // group_size
-    return (unpack(qweight) - unpack(qzeros)[g]).float() * scales.float()[g]
+    return (q - zeros[g]).float() * scales.float()[g]
 
 
 def gptq_matmul_ref(

@@ -2,8 +2,11 @@
 
 One class per on-disk layout: 16-bit (``weight`` [N, K]), GPTQ v1 (``qweight/qzeros/scales/g_idx``),
 AWQ gemm (``qweight/qzeros/scales``) and bitsandbytes NF4 (``weight`` bytes + quant state). The
-packed tensors are the only copy kept; each forward calls the matching kernel, which dequantizes
-tile by tile (Triton) or, on a CPU, runs the kernel's PyTorch reference.
+packed tensors are kept as published; each forward calls the matching kernel, which dequantizes
+tile by tile (Triton) or, on a CPU, runs the kernel's PyTorch reference. ``pack_for_cpu`` (called
+by the loader for a CPU model) adds a copy of each 4-bit GPTQ/AWQ weight in the layout of torch's
+CPU int4 kernel (and of each per-channel 8-bit GPTQ weight for its int8 kernel), which CPU
+forwards then use instead of dequantizing the whole matrix per call.
 """
 
 from __future__ import annotations
@@ -17,6 +20,14 @@ from thresher.formats.gptq import unpack_gptq
 from thresher.formats.nf4 import STATE_KEY, TENSOR_NAMES, NF4Weight, unpack_nf4
 from thresher.models.checkpoint import CheckpointReader
 from thresher.serve_kernels.kernels import awq_matmul, gptq_matmul, nf4_matmul
+from thresher.serve_kernels.kernels.backend import use_cpu_kernels
+from thresher.serve_kernels.kernels.cpu_int4 import (
+    Int4Pack,
+    int4_matmul,
+    pack_awq_int4,
+    pack_gptq_int4,
+)
+from thresher.serve_kernels.kernels.cpu_int8 import Int8Pack, int8_matmul, pack_int8
 
 
 class DenseLinear(nn.Module):
@@ -43,9 +54,28 @@ class GPTQLinear(nn.Module):
             self.register_buffer(name, t)
         self.bits, self.group_size = bits, group_size
         self.in_features, self.out_features = g_idx.numel(), qweight.shape[1]
+        self.cpu_pack: Int4Pack | Int8Pack | None = None
+
+    @property
+    def cpu_packs(self) -> list[Int4Pack | Int8Pack]:
+        return [] if self.cpu_pack is None else [self.cpu_pack]
+
+    def pack_for_cpu(self) -> None:
+        """Convert a 4-bit or per-channel 8-bit weight for torch's CPU int4 / int8 kernel (left
+        unset where the kernel cannot hold it)."""
+        if self.bits == 4:
+            self.cpu_pack = pack_gptq_int4(self.qweight, self.qzeros, self.scales, self.g_idx)
+        elif self.bits == 8:
+            tensors = {"qweight": self.qweight, "qzeros": self.qzeros, "scales": self.scales,
+                       "g_idx": self.g_idx}
+            qw = unpack_gptq(tensors, 8, self.group_size)
+            self.cpu_pack = pack_int8(qw.codes, qw.scales, qw.zeros, qw.g_idx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bits == 4:
+        if self.cpu_pack is not None and use_cpu_kernels(x):
+            matmul = int4_matmul if isinstance(self.cpu_pack, Int4Pack) else int8_matmul
+            y = matmul(x, self.cpu_pack)
+        elif self.bits == 4:
             y = gptq_matmul(x, self.qweight, self.qzeros, self.scales, self.g_idx)
         else:
             tensors = {"qweight": self.qweight, "qzeros": self.qzeros, "scales": self.scales,
@@ -66,9 +96,21 @@ class AWQLinear(nn.Module):
             self.register_buffer(name, t)
         self.group_size = group_size
         self.in_features, self.out_features = qweight.shape[0], qweight.shape[1] * 8
+        self.cpu_pack: Int4Pack | None = None
+
+    @property
+    def cpu_packs(self) -> list[Int4Pack]:
+        return [] if self.cpu_pack is None else [self.cpu_pack]
+
+    def pack_for_cpu(self) -> None:
+        """Convert the weight for the CPU int4 kernel (left unset where it cannot hold it)."""
+        self.cpu_pack = pack_awq_int4(self.qweight, self.qzeros, self.scales, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = awq_matmul(x, self.qweight, self.qzeros, self.scales, self.group_size)
+        if self.cpu_pack is not None and use_cpu_kernels(x):
+            y = int4_matmul(x, self.cpu_pack)
+        else:
+            y = awq_matmul(x, self.qweight, self.qzeros, self.scales, self.group_size)
         return y if self.bias is None else y + self.bias
 
 
@@ -121,10 +163,19 @@ def merge_linears(parts: list[nn.Module]) -> nn.Module:
     return ConcatLinear(parts)
 
 
+def pack_for_cpu(model: nn.Module) -> None:
+    """Convert every quantized layer that has a CPU kernel (see ``cpu_int4``), once, at load."""
+    for m in model.modules():
+        if hasattr(m, "pack_for_cpu"):
+            m.pack_for_cpu()
+
+
 def packed_bytes(module: nn.Module) -> int:
-    """Bytes the module's weights occupy in memory (packed form for quantized layers)."""
+    """Bytes the module's weights occupy in memory (packed forms for quantized layers, CPU
+    kernel copies included)."""
     total = sum(b.numel() * b.element_size() for b in module.buffers())
     for m in module.modules():
+        total += sum(p.nbytes for p in getattr(m, "cpu_packs", ()))
         if isinstance(m, NF4Linear):
             total += sum(v.numel() * v.element_size() for v in vars(m.nf4).values()
                          if isinstance(v, torch.Tensor))

@@ -5,6 +5,10 @@ Routed experts are stacked along a leading expert dim in their published layout 
 of a projection in one launch. The stacking moves packed words, never dequantizes them. Layouts
 the fused kernel does not read (NF4, GPTQ at other widths, act-order g_idx that differs between
 gate and up) keep one linear per expert and loop over the experts that received tokens.
+
+On a CPU, ``pack_for_cpu`` converts each GPTQ-4/AWQ-4 expert once for torch's CPU int4 kernel
+(``kernels.cpu_int4``); the grouped loop then runs that kernel for the experts that got tokens
+instead of dequantizing their matrices on every step.
 """
 
 from __future__ import annotations
@@ -13,7 +17,13 @@ import torch
 from torch import nn
 
 from thresher.serve_kernels.kernels import ExpertWeights, fused_moe, silu_and_mul
-from thresher.serve_kernels.kernels.backend import use_triton
+from thresher.serve_kernels.kernels.backend import use_cpu_kernels, use_triton
+from thresher.serve_kernels.kernels.cpu_int4 import (
+    Int4Pack,
+    int4_matmul,
+    pack_awq_int4,
+    pack_gptq_int4,
+)
 from thresher.serve_kernels.kernels.w4a16 import awq_dequantize, gptq_dequantize
 from thresher.serve_kernels.modeling.linear import (
     AWQLinear,
@@ -34,6 +44,21 @@ class FusedExperts(nn.Module):
         for name in self._names:
             self.register_buffer(f"gate_up_{name}", gate_up[name])
             self.register_buffer(f"down_{name}", down[name])
+        self.cpu_gate_up: list[Int4Pack] | None = None
+        self.cpu_down: list[Int4Pack] | None = None
+
+    @property
+    def cpu_packs(self) -> list[Int4Pack]:
+        return [*(self.cpu_gate_up or ()), *(self.cpu_down or ())]
+
+    def pack_for_cpu(self) -> None:
+        """Convert every expert for the CPU int4 kernel, or none if any expert cannot be held."""
+        if self.format == "dense":
+            return
+        gate_up = _pack_experts(self._weights("gate_up"))
+        down = _pack_experts(self._weights("down"))
+        if gate_up is not None and down is not None:
+            self.cpu_gate_up, self.cpu_down = gate_up, down
 
     def _weights(self, proj: str) -> ExpertWeights:
         t = {name: getattr(self, f"{proj}_{name}") for name in self._names}
@@ -45,7 +70,20 @@ class FusedExperts(nn.Module):
         gate_up, down = self._weights("gate_up"), self._weights("down")
         if use_triton(x):
             return fused_moe(x, gate_up, down, topk_weights, topk_ids)
+        if self.cpu_gate_up is not None and use_cpu_kernels(x):
+            return grouped_moe_torch(x, gate_up, down, topk_weights, topk_ids,
+                                     (self.cpu_gate_up, self.cpu_down))
         return grouped_moe_torch(x, gate_up, down, topk_weights, topk_ids)
+
+
+def _pack_experts(w: ExpertWeights) -> list[Int4Pack] | None:
+    """Each expert of a GPTQ/AWQ projection in the CPU int4 layout; None if one cannot be."""
+    if w.format == "gptq":
+        packs = [pack_gptq_int4(*t) for t in zip(w.weight, w.qzeros, w.scales, w.g_idx, strict=True)]
+    else:
+        packs = [pack_awq_int4(q, z, s, w.group_size)
+                 for q, z, s in zip(w.weight, w.qzeros, w.scales, strict=True)]
+    return None if any(p is None for p in packs) else packs
 
 
 def _expert_matrix(w: ExpertWeights, e: int) -> torch.Tensor:
@@ -58,9 +96,11 @@ def _expert_matrix(w: ExpertWeights, e: int) -> torch.Tensor:
 
 
 def grouped_moe_torch(x: torch.Tensor, w_gate_up: ExpertWeights, w_down: ExpertWeights,
-                      topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      packs: tuple[list[Int4Pack], list[Int4Pack]] | None = None) -> torch.Tensor:
     """``fused_moe``'s math for a CPU: (token, expert) pairs sorted by expert, one contiguous
-    slice per expert that got tokens, only those experts' weights touched."""
+    slice per expert that got tokens, only those experts' weights touched. With ``packs`` (the
+    gate_up and down experts in the CPU int4 layout) the experts run the int4 kernel."""
     tokens, top_k = topk_ids.shape
     flat = topk_ids.flatten()
     order = flat.argsort(stable=True)
@@ -74,11 +114,17 @@ def grouped_moe_torch(x: torch.Tensor, w_gate_up: ExpertWeights, w_down: ExpertW
             start += n
     gate_up = torch.empty(xs.shape[0], w_gate_up.out_in[0], device=x.device, dtype=x.dtype)
     for e, a, b in spans:
-        torch.mm(xs[a:b], _expert_matrix(w_gate_up, e).to(x.dtype).T, out=gate_up[a:b])
+        if packs is None:
+            torch.mm(xs[a:b], _expert_matrix(w_gate_up, e).to(x.dtype).T, out=gate_up[a:b])
+        else:
+            gate_up[a:b] = int4_matmul(xs[a:b], packs[0][e])
     act = silu_and_mul(gate_up)
     out = torch.empty(xs.shape[0], w_down.out_in[0], device=x.device, dtype=x.dtype)
     for e, a, b in spans:
-        torch.mm(act[a:b], _expert_matrix(w_down, e).to(x.dtype).T, out=out[a:b])
+        if packs is None:
+            torch.mm(act[a:b], _expert_matrix(w_down, e).to(x.dtype).T, out=out[a:b])
+        else:
+            out[a:b] = int4_matmul(act[a:b], packs[1][e])
     pairs = torch.empty_like(out)
     pairs[order] = out
     y = pairs.view(tokens, top_k, -1).float() * topk_weights.float().unsqueeze(-1)
