@@ -23,7 +23,8 @@ BLOCK_ERROR = {"q8_0": 0.5 / 127 + 0.001, "q4_0": 1 / 8 + 0.005, "q4_1": 0.5 * 2
 
 def _source_keys(name: str, num_experts: int) -> list[str]:
     """The checkpoint tensors behind a GGUF tensor, spelled out independently of the exporter."""
-    flat = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
+    flat = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+            "output.weight": "lm_head.weight"}
     if name in flat:
         return [flat[name]]
     _, layer, role, _ = name.split(".")
@@ -118,11 +119,27 @@ def test_reap_pruned_model_exports_with_its_expert_count(tiny_demo, tmp_path):
     _check_tensors(out, pruned, "q8_0")
 
 
+def test_untied_output_head_is_exported(tiny_tokenizer, tmp_path):
+    model = build_random_model("qwen3_moe", vocab_size=len(tiny_tokenizer), num_experts=6)
+    save_model(model, tiny_tokenizer, tmp_path / "untied")
+    out = tmp_path / "untied.gguf"
+    result = export_gguf(tmp_path / "untied", out, "q4_1", show_progress=False)
+    assert result.num_experts == 6
+    names = {t.name for t in gguf.GGUFReader(out).tensors}
+    assert "output.weight" in names and "blk.1.ffn_down_exps.weight" in names
+    assert _check_tensors(out, tmp_path / "untied", "q4_1") == result.tensors == 3 + 2 * 12
+
+
 def test_refuses_what_it_cannot_export(tiny_demo, tiny_tokenizer, tmp_path):
     save_model(build_random_model("qwen2_moe", num_layers=1, vocab_size=len(tiny_tokenizer)),
                tiny_tokenizer, tmp_path / "qwen2moe")
     with pytest.raises(UnsupportedArchitectureError, match="qwen2_moe.*no GGUF export"):
         export_gguf(tmp_path / "qwen2moe", tmp_path / "a.gguf")
+
+    save_model(build_random_model("qwen3_moe", num_layers=1, vocab_size=len(tiny_tokenizer),
+                                  norm_topk_prob=False), tiny_tokenizer, tmp_path / "no-renorm")
+    with pytest.raises(ExportError, match="renormalizes the top-k gate weights"):
+        export_gguf(tmp_path / "no-renorm", tmp_path / "a.gguf")
 
     quantized = tmp_path / "gptq"
     shutil.copytree(tiny_demo, quantized)
