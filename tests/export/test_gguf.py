@@ -36,7 +36,8 @@ def _source_keys(name: str, num_experts: int) -> list[str]:
         "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
         "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
         "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-        "attn_k_norm": "self_attn.k_norm", "ffn_gate_inp": "mlp.gate"}[role] + ".weight"]
+        "attn_k_norm": "self_attn.k_norm", "ffn_gate_inp": "mlp.gate", "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}[role] + ".weight"]
 
 
 def _field(reader: gguf.GGUFReader, key: str):
@@ -48,7 +49,9 @@ def _check_tensors(path, model_dir, gguf_type: str) -> int:
     returns the number of tensors checked."""
     reader = gguf.GGUFReader(path)
     source = CheckpointReader(model_dir)
-    num_experts = int(_field(reader, "qwen3moe.expert_count"))
+    arch = _field(reader, "general.architecture")
+    experts = reader.fields.get(f"{arch}.expert_count")
+    num_experts = 0 if experts is None else int(experts.contents())
     names = set()
     for t in reader.tensors:
         names.add(t.name)
@@ -128,6 +131,18 @@ def test_untied_output_head_is_exported(tiny_tokenizer, tmp_path):
     names = {t.name for t in gguf.GGUFReader(out).tensors}
     assert "output.weight" in names and "blk.1.ffn_down_exps.weight" in names
     assert _check_tensors(out, tmp_path / "untied", "q4_1") == result.tensors == 3 + 2 * 12
+
+
+def test_dense_qwen3_exports_as_qwen3(tiny_tokenizer, tmp_path):
+    save_model(build_random_model("qwen3", vocab_size=len(tiny_tokenizer)), tiny_tokenizer,
+               tmp_path / "dense")
+    out = tmp_path / "dense.gguf"
+    result = export_gguf(tmp_path / "dense", out, "q8_0", show_progress=False)
+    reader = gguf.GGUFReader(out)
+    assert _field(reader, "general.architecture") == result.architecture == "qwen3"
+    assert _field(reader, "qwen3.feed_forward_length") == 64
+    assert not any(key.startswith("qwen3.expert") for key in reader.fields)
+    assert _check_tensors(out, tmp_path / "dense", "q8_0") == result.tensors == 3 + 2 * 11
 
 
 def test_refuses_what_it_cannot_export(tiny_demo, tiny_tokenizer, tmp_path):

@@ -1,5 +1,7 @@
 """GGUF export: a plain 16/32-bit thresher checkpoint as one GGUF file for llama.cpp and Ollama.
 
+Families: Qwen3-MoE (llama.cpp's ``qwen3moe``) and its dense sibling Qwen3 (``qwen3``).
+
 GGUF names tensors by role (``blk.3.attn_q.weight``) and stacks each layer's experts into one 3-D
 tensor per projection (``blk.3.ffn_gate_exps.weight``, [E, I, H] in row-major order); its
 metadata carries the hyperparameters llama.cpp builds its graph from and the whole tokenizer. The
@@ -53,13 +55,14 @@ class GGUFArchitecture:
     """What llama.cpp's graph for one thresher family assumes about the checkpoint."""
 
     arch: gguf.MODEL_ARCH
-    renormalizes_top_k: bool  # llama.cpp renormalizes the top-k gate weights of every token
+    renormalizes_top_k: bool | None = None  # MoE: llama.cpp renormalizes the top-k gate weights
 
 
 # Keyed by the adapter's model_type. Only families whose weights llama.cpp takes as they are on
 # disk are listed; llama and mixtral need their q/k rows permuted for llama.cpp's rotary layout.
 GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "qwen3_moe": GGUFArchitecture(gguf.MODEL_ARCH.QWEN3MOE, renormalizes_top_k=True),
+    "qwen3": GGUFArchitecture(gguf.MODEL_ARCH.QWEN3),
 }
 
 # Kept in F32 whatever the file type, as llama.cpp's converter does (1-D tensors are F32 too).
@@ -173,7 +176,7 @@ def _architecture(adapter: Adapter, config, model_dir: Path) -> GGUFArchitecture
         raise UnsupportedArchitectureError(
             f"{model_dir}: model type {adapter.model_type!r} has no GGUF export yet; exportable: "
             + ", ".join(sorted(GGUF_ARCHITECTURES)))
-    if arch.renormalizes_top_k != adapter.forward_renormalizes(config):
+    if adapter.is_moe and arch.renormalizes_top_k != adapter.forward_renormalizes(config):
         raise ExportError(
             f"{model_dir}: llama.cpp's {gguf.MODEL_ARCH_NAMES[arch.arch]} graph "
             + ("renormalizes" if arch.renormalizes_top_k else "does not renormalize")
@@ -216,6 +219,11 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
                            (Role.ATTN_Q_NORM, "q_norm"), (Role.ATTN_K_NORM, "k_norm")):
             add(role, [adapter.disk_attention_key(i, proj)], i)
         add(Role.FFN_NORM, [adapter.disk_post_attention_norm_key(i)], i)
+        if not adapter.is_moe:
+            for role, proj in ((Role.FFN_GATE, "gate_proj"), (Role.FFN_UP, "up_proj"),
+                               (Role.FFN_DOWN, "down_proj")):
+                add(role, [adapter.disk_dense_mlp_key(i, proj)], i)
+            continue
         if adapter.disk_router_key(i) + ".weight" not in reader:
             raise ExportError(f"{reader.path}: layer {i} has no router; llama.cpp's "
                               f"{gguf.MODEL_ARCH_NAMES[arch.arch]} expects experts in every layer")
@@ -244,7 +252,6 @@ def _write_metadata(writer: gguf.GGUFWriter, model_dir: Path, config, adapter: A
     them differently per family."""
     heads = int(config.num_attention_heads)
     head_dim = reader.shape(adapter.disk_attention_key(0, "q_proj") + ".weight")[0] // heads
-    expert_ffn = reader.shape(adapter.disk_expert_key(0, 0, "gate") + ".weight")[0]
     rope = getattr(config, "rope_parameters", None) or {}
     writer.add_name(model_dir.name)
     writer.add_file_type(_FILE_TYPES[qtype])
@@ -254,15 +261,17 @@ def _write_metadata(writer: gguf.GGUFWriter, model_dir: Path, config, adapter: A
     writer.add_embedding_length(int(config.hidden_size))
     writer.add_block_count(int(config.num_hidden_layers))
     writer.add_feed_forward_length(int(config.intermediate_size))
-    writer.add_expert_feed_forward_length(int(expert_ffn))
     writer.add_head_count(heads)
     writer.add_head_count_kv(int(config.num_key_value_heads))
     writer.add_key_length(int(head_dim))
     writer.add_value_length(int(head_dim))
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
-    writer.add_expert_count(adapter.num_experts(config))
-    writer.add_expert_used_count(adapter.top_k(config))
+    if adapter.is_moe:
+        expert_ffn = reader.shape(adapter.disk_expert_key(0, 0, "gate") + ".weight")[0]
+        writer.add_expert_feed_forward_length(int(expert_ffn))
+        writer.add_expert_count(adapter.num_experts(config))
+        writer.add_expert_used_count(adapter.top_k(config))
 
 
 def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, vocab_size: int) -> None:
