@@ -145,6 +145,34 @@ def test_dense_qwen3_exports_as_qwen3(tiny_tokenizer, tmp_path):
     assert _check_tensors(out, tmp_path / "dense", "q8_0") == result.tensors == 3 + 2 * 11
 
 
+def _with_pre_tokenizer(tiny_demo, target, regex: str):
+    """A copy of the tiny demo whose tokenizer splits with ``regex`` as Qwen2's tokenizers do
+    (serialized by the tokenizers library itself)."""
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+
+    shutil.copytree(tiny_demo, target)
+    tok = Tokenizer.from_file(str(target / "tokenizer.json"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.save(str(target / "tokenizer.json"))
+    return target
+
+
+def test_qwen2_pre_tokenizer_is_named_for_llama_cpp(tiny_demo, tmp_path):
+    from thresher.export.gguf import QWEN2_PRE_TOKENIZER_REGEX
+
+    model = _with_pre_tokenizer(tiny_demo, tmp_path / "qwen2-tok", QWEN2_PRE_TOKENIZER_REGEX)
+    export_gguf(model, tmp_path / "q.gguf", "f16", show_progress=False)
+    assert _field(gguf.GGUFReader(tmp_path / "q.gguf"), "tokenizer.ggml.pre") == "qwen2"
+
+    llama3 = QWEN2_PRE_TOKENIZER_REGEX.replace(r"\p{N}|", r"\p{N}{1,3}|")
+    assert llama3 != QWEN2_PRE_TOKENIZER_REGEX
+    model = _with_pre_tokenizer(tiny_demo, tmp_path / "llama3-tok", llama3)
+    with pytest.raises(ExportError, match="GPT-2's or Qwen2's pre-tokenizer"):
+        export_gguf(model, tmp_path / "l.gguf", "f16", show_progress=False)
+
+
 def test_refuses_what_it_cannot_export(tiny_demo, tiny_tokenizer, tmp_path):
     save_model(build_random_model("qwen2_moe", num_layers=1, vocab_size=len(tiny_tokenizer)),
                tiny_tokenizer, tmp_path / "qwen2moe")

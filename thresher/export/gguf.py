@@ -65,6 +65,10 @@ GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "qwen3": GGUFArchitecture(gguf.MODEL_ARCH.QWEN3),
 }
 
+# Qwen2's pre-tokenizer regex (Qwen2, Qwen2.5, Qwen3 and their MoEs), as tokenizer.json spells it.
+QWEN2_PRE_TOKENIZER_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                             r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
 # Kept in F32 whatever the file type, as llama.cpp's converter does (1-D tensors are F32 too).
 _F32_ROLES = frozenset({Role.FFN_GATE_INP})
 
@@ -282,11 +286,12 @@ def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, vocab_size: int) 
         raise ExportError(f"{model_dir}: no tokenizer.json; GGUF files carry their tokenizer")
     tok = json.loads(path.read_text())
     model, pre = tok.get("model") or {}, tok.get("pre_tokenizer") or {}
-    if (model.get("type") != "BPE" or pre.get("type") != "ByteLevel"
-            or not pre.get("use_regex", True) or pre.get("add_prefix_space", False)):
+    pre_name = _pre_tokenizer_name(pre)
+    if model.get("type") != "BPE" or model.get("byte_fallback") or pre_name is None:
         raise ExportError(
-            f"{path}: GGUF export takes byte-level BPE tokenizers with GPT-2's pre-tokenizer so "
-            f"far; this one is {model.get('type')} with pre-tokenizer {pre.get('type')}")
+            f"{path}: GGUF export takes byte-level BPE tokenizers with GPT-2's or Qwen2's "
+            f"pre-tokenizer so far; this one is {model.get('type')} with pre-tokenizer "
+            f"{json.dumps(pre)[:200]}")
     tokens = [f"[PAD{i}]" for i in range(vocab_size)]
     types = [gguf.TokenType.UNUSED] * vocab_size
     entries = [(text, i, gguf.TokenType.NORMAL) for text, i in model["vocab"].items()]
@@ -298,10 +303,31 @@ def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, vocab_size: int) 
                               f"vocabulary of {vocab_size}")
         tokens[i], types[i] = text, ttype
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
+    writer.add_tokenizer_pre(pre_name)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     special = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=vocab_size)
     special.add_to_gguf(writer, quiet=True)
     if "bos" not in special.add_special_token:  # the tokenizer's template adds no BOS token
         writer.add_add_bos_token(False)
+
+
+def _pre_tokenizer_name(pre: dict) -> str | None:
+    """llama.cpp's name for a tokenizer.json ``pre_tokenizer``; None if it is not one we know.
+
+    llama.cpp does not read the regex from the file: it picks its own by this name, so only
+    pre-tokenizers known to be identical are mapped."""
+    if pre.get("type") == "ByteLevel":  # with use_regex, the ByteLevel step applies GPT-2's regex
+        plain = pre.get("use_regex", True) and not pre.get("add_prefix_space", False)
+        return "gpt-2" if plain else None
+    steps = pre.get("pretokenizers") or []
+    if pre.get("type") != "Sequence" or len(steps) != 2:
+        return None
+    split, byte_level = steps
+    if (split.get("type") == "Split" and split.get("behavior") == "Isolated"
+            and not split.get("invert", False)
+            and (split.get("pattern") or {}).get("Regex") == QWEN2_PRE_TOKENIZER_REGEX
+            and byte_level.get("type") == "ByteLevel" and not byte_level.get("use_regex", True)
+            and not byte_level.get("add_prefix_space", False)):
+        return "qwen2"
+    return None
