@@ -192,6 +192,13 @@ def test_refuses_what_it_cannot_export(tiny_demo, tiny_tokenizer, tmp_path):
     with pytest.raises(ExportError, match="gptq 4-bit weights"):
         export_gguf(quantized, tmp_path / "b.gguf")
 
+    save_model(build_random_model("qwen3_moe", num_layers=1, vocab_size=len(tiny_tokenizer),
+                                  intermediate_size=48), tiny_tokenizer, tmp_path / "odd-rows")
+    with pytest.raises(ExportError, match="rows of 48 values.*Q8_0 block"):
+        export_gguf(tmp_path / "odd-rows", tmp_path / "a.gguf", "Q8_0")
+    assert export_gguf(tmp_path / "odd-rows", tmp_path / "a.gguf", "BF16").type == "bf16"
+    (tmp_path / "a.gguf").unlink()
+
     with pytest.raises(ExportError, match="q4_k.*choose one of"):
         export_gguf(tiny_demo, tmp_path / "c.gguf", "q4_k")
     (tmp_path / "d.gguf").write_bytes(b"")

@@ -19,7 +19,7 @@ import json
 import logging
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -86,9 +86,6 @@ class GGUFExport:
     wall_seconds: float = 0.0
     peak_rss_mb: float = 0.0
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
-
 
 @dataclass(frozen=True)
 class _Tensor:
@@ -124,7 +121,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", 
                 show_progress: bool = True) -> GGUFExport:
     """Write the plain checkpoint in ``model_dir`` to the GGUF file ``out`` (which must not
     exist) with its weight matrices in ``gguf_type``; norms and routers stay F32."""
-    model_dir, out = Path(model_dir), Path(out)
+    model_dir, out, gguf_type = Path(model_dir), Path(out), gguf_type.lower()
     qtype = _qtype(gguf_type)
     config = load_config(model_dir)
     adapter = get_adapter(config)
@@ -143,19 +140,23 @@ def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", 
     try:
         with measure() as usage:
             writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[arch.arch])
-            _write_metadata(writer, model_dir, config, adapter, reader, qtype)
-            _write_tokenizer(writer, model_dir, int(config.vocab_size))
-            for tensor in plan:
-                tensor.declare(writer)
-            writer.write_header_to_file(tmp)
-            writer.write_kv_data_to_file()
-            writer.write_ti_data_to_file()
-            for tensor in tqdm(plan, desc=f"GGUF {gguf_type}", disable=not show_progress):
-                writer.write_tensor_data(gguf.quants.quantize(tensor.read(reader), tensor.qtype))
-                reader.close()
-            writer.close()
+            try:
+                _write_metadata(writer, model_dir, config, adapter, reader, qtype)
+                _write_tokenizer(writer, model_dir, int(config.vocab_size))
+                for tensor in plan:
+                    tensor.declare(writer)
+                writer.write_header_to_file(tmp)
+                writer.write_kv_data_to_file()
+                writer.write_ti_data_to_file()
+                for tensor in tqdm(plan, desc=f"GGUF {gguf_type}", disable=not show_progress):
+                    writer.write_tensor_data(gguf.quants.quantize(tensor.read(reader),
+                                                                  tensor.qtype))
+                    reader.close()
+            finally:
+                writer.close()
         os.replace(tmp, out)
     finally:
+        reader.close()
         tmp.unlink(missing_ok=True)
     result = GGUFExport(path=str(out), type=gguf_type, architecture=gguf.MODEL_ARCH_NAMES[arch.arch],
                         num_experts=adapter.num_experts(config), tensors=len(plan),
@@ -168,7 +169,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", 
 
 def _qtype(gguf_type: str) -> QType:
     try:
-        return GGUF_TYPES[gguf_type.lower()]
+        return GGUF_TYPES[gguf_type]
     except KeyError:
         raise ExportError(f"GGUF type {gguf_type!r} is not supported; choose one of "
                           + ", ".join(GGUF_TYPES)) from None
