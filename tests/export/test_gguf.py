@@ -27,7 +27,7 @@ def _source_keys(name: str, num_experts: int) -> list[str]:
             "output.weight": "lm_head.weight"}
     if name in flat:
         return [flat[name]]
-    _, layer, role, _ = name.split(".")
+    _, layer, role, suffix = name.split(".")
     prefix = f"model.layers.{layer}."
     experts = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
     if role in experts:
@@ -37,7 +37,10 @@ def _source_keys(name: str, num_experts: int) -> list[str]:
         "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
         "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
         "attn_k_norm": "self_attn.k_norm", "ffn_gate_inp": "mlp.gate", "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}[role] + ".weight"]
+        "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+        "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp": "mlp.shared_expert.up_proj",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj"}[role] + "." + suffix]
 
 
 def _field(reader: gguf.GGUFReader, key: str):
@@ -64,6 +67,8 @@ def _check_tensors(path, model_dir, gguf_type: str) -> int:
         assert t.tensor_type.name == expected_type, t.name
         for got_slice, key in zip(slices, keys, strict=True):
             want = source.get(key).float()
+            if t.name.endswith("ffn_gate_inp_shexp.weight"):  # [1, H] on disk, {H} in llama.cpp
+                want = want.reshape(-1)
             assert got_slice.shape == tuple(want.shape), (t.name, key)
             want = want.numpy()
             if keep_f32 or gguf_type == "f32":
@@ -145,6 +150,25 @@ def test_dense_qwen3_exports_as_qwen3(tiny_tokenizer, tmp_path):
     assert _check_tensors(out, tmp_path / "dense", "q8_0") == result.tensors == 3 + 2 * 11
 
 
+def test_qwen2_moe_exports_its_shared_expert_and_biases(tiny_tokenizer, tmp_path):
+    save_model(build_random_model("qwen2_moe", vocab_size=len(tiny_tokenizer), norm_topk_prob=False),
+               tiny_tokenizer, tmp_path / "qwen2moe")
+    out = tmp_path / "qwen2moe.gguf"
+    result = export_gguf(tmp_path / "qwen2moe", out, "q8_0", show_progress=False)
+    reader = gguf.GGUFReader(out)
+    assert _field(reader, "general.architecture") == result.architecture == "qwen2moe"
+    assert _field(reader, "qwen2moe.expert_shared_feed_forward_length") == 64
+    assert _field(reader, "qwen2moe.expert_feed_forward_length") == 32
+    names = {t.name for t in reader.tensors}
+    assert {"blk.1.attn_q.bias", "blk.1.ffn_gate_inp_shexp.weight", "blk.1.ffn_down_shexp.weight"} <= names
+    assert _check_tensors(out, tmp_path / "qwen2moe", "q8_0") == result.tensors == 3 + 2 * 17
+
+    save_model(build_random_model("qwen2_moe", num_layers=1, vocab_size=len(tiny_tokenizer),
+                                  norm_topk_prob=True), tiny_tokenizer, tmp_path / "renorm")
+    with pytest.raises(ExportError, match="does not renormalize the top-k"):
+        export_gguf(tmp_path / "renorm", tmp_path / "r.gguf")
+
+
 def _with_pre_tokenizer(tiny_demo, target, regex: str):
     """A copy of the tiny demo whose tokenizer splits with ``regex`` as Qwen2's tokenizers do
     (serialized by the tokenizers library itself)."""
@@ -174,10 +198,10 @@ def test_qwen2_pre_tokenizer_is_named_for_llama_cpp(tiny_demo, tmp_path):
 
 
 def test_refuses_what_it_cannot_export(tiny_demo, tiny_tokenizer, tmp_path):
-    save_model(build_random_model("qwen2_moe", num_layers=1, vocab_size=len(tiny_tokenizer)),
-               tiny_tokenizer, tmp_path / "qwen2moe")
-    with pytest.raises(UnsupportedArchitectureError, match="qwen2_moe.*no GGUF export"):
-        export_gguf(tmp_path / "qwen2moe", tmp_path / "a.gguf")
+    save_model(build_random_model("olmoe", num_layers=1, vocab_size=len(tiny_tokenizer)),
+               tiny_tokenizer, tmp_path / "olmoe")
+    with pytest.raises(UnsupportedArchitectureError, match="olmoe.*no GGUF export"):
+        export_gguf(tmp_path / "olmoe", tmp_path / "a.gguf")
 
     save_model(build_random_model("qwen3_moe", num_layers=1, vocab_size=len(tiny_tokenizer),
                                   norm_topk_prob=False), tiny_tokenizer, tmp_path / "no-renorm")

@@ -1,6 +1,7 @@
 """GGUF export: a plain 16/32-bit thresher checkpoint as one GGUF file for llama.cpp and Ollama.
 
-Families: Qwen3-MoE (llama.cpp's ``qwen3moe``) and its dense sibling Qwen3 (``qwen3``).
+Families: Qwen3-MoE (llama.cpp's ``qwen3moe``), Qwen2-MoE (``qwen2moe``, with its shared expert)
+and dense Qwen3 (``qwen3``).
 
 GGUF names tensors by role (``blk.3.attn_q.weight``) and stacks each layer's experts into one 3-D
 tensor per projection (``blk.3.ffn_gate_exps.weight``, [E, I, H] in row-major order); its
@@ -62,6 +63,7 @@ class GGUFArchitecture:
 # disk are listed; llama and mixtral need their q/k rows permuted for llama.cpp's rotary layout.
 GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "qwen3_moe": GGUFArchitecture(gguf.MODEL_ARCH.QWEN3MOE, renormalizes_top_k=True),
+    "qwen2_moe": GGUFArchitecture(gguf.MODEL_ARCH.QWEN2MOE, renormalizes_top_k=False),
     "qwen3": GGUFArchitecture(gguf.MODEL_ARCH.QWEN3),
 }
 
@@ -70,7 +72,9 @@ QWEN2_PRE_TOKENIZER_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p
                              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 # Kept in F32 whatever the file type, as llama.cpp's converter does (1-D tensors are F32 too).
-_F32_ROLES = frozenset({Role.FFN_GATE_INP})
+_F32_ROLES = frozenset({Role.FFN_GATE_INP, Role.FFN_GATE_INP_SHEXP})
+# Stored as vectors: the shared expert's gate is a [1, H] matrix in the checkpoint, {H} in llama.cpp.
+_VECTOR_ROLES = frozenset({Role.FFN_GATE_INP_SHEXP})
 
 
 @dataclass
@@ -110,7 +114,7 @@ class _Tensor:
     def read(self, reader: CheckpointReader) -> np.ndarray:
         """The source weights in fp32 (experts stacked on a new first axis)."""
         if not self.stacked:
-            return reader.get(self.keys[0]).float().numpy()
+            return reader.get(self.keys[0]).float().numpy().reshape(self.shape)
         out = np.empty(self.shape, dtype=np.float32)
         for e, key in enumerate(self.keys):
             out[e] = reader.get(key).float().numpy()
@@ -201,18 +205,21 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
     allowed = set(gguf.MODEL_TENSORS[arch.arch])
     plan: list[_Tensor] = []
 
-    def add(role: Role, modules: list[str], bid: int | None = None, stacked: bool = False) -> None:
+    def add(role: Role, modules: list[str], bid: int | None = None, stacked: bool = False,
+            suffix: str = "weight") -> None:
         if role not in allowed:
             raise ExportError(f"llama.cpp's {gguf.MODEL_ARCH_NAMES[arch.arch]} has no "
                               f"{role.name} tensor")
-        keys = tuple(m + ".weight" for m in modules)
+        keys = tuple(f"{m}.{suffix}" for m in modules)
         first = reader.shape(keys[0])
         shape = (len(keys), *first) if stacked else first
+        if role in _VECTOR_ROLES:
+            shape = (math.prod(shape),)
         ttype = QType.F32 if len(first) == 1 or role in _F32_ROLES else qtype
         if ttype not in _PLAIN_NUMPY and shape[-1] % gguf.GGML_QUANT_SIZES[ttype][0]:
             raise ExportError(f"{reader.path}: {keys[0]} has rows of {shape[-1]} values, not a "
                               f"multiple of the {ttype.name} block; choose f16 or bf16")
-        name = gguf.TENSOR_NAMES[role].format(bid=bid) + ".weight"
+        name = f"{gguf.TENSOR_NAMES[role].format(bid=bid)}.{suffix}"
         plan.append(_Tensor(name, keys, stacked, shape, ttype))
 
     n_experts = adapter.num_experts(config)
@@ -220,9 +227,13 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
     for i in range(config.num_hidden_layers):
         add(Role.ATTN_NORM, [adapter.disk_input_norm_key(i)], i)
         for role, proj in ((Role.ATTN_Q, "q_proj"), (Role.ATTN_K, "k_proj"),
-                           (Role.ATTN_V, "v_proj"), (Role.ATTN_OUT, "o_proj"),
-                           (Role.ATTN_Q_NORM, "q_norm"), (Role.ATTN_K_NORM, "k_norm")):
+                           (Role.ATTN_V, "v_proj"), (Role.ATTN_OUT, "o_proj")):
             add(role, [adapter.disk_attention_key(i, proj)], i)
+            if adapter.disk_attention_key(i, proj) + ".bias" in reader:
+                add(role, [adapter.disk_attention_key(i, proj)], i, suffix="bias")
+        for role, name in ((Role.ATTN_Q_NORM, "q_norm"), (Role.ATTN_K_NORM, "k_norm")):
+            if adapter.disk_attention_key(i, name) + ".weight" in reader:
+                add(role, [adapter.disk_attention_key(i, name)], i)
         add(Role.FFN_NORM, [adapter.disk_post_attention_norm_key(i)], i)
         if not adapter.is_moe:
             for role, proj in ((Role.FFN_GATE, "gate_proj"), (Role.FFN_UP, "up_proj"),
@@ -237,6 +248,11 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
                            (Role.FFN_DOWN_EXP, "down")):
             add(role, [adapter.disk_expert_key(i, e, proj) for e in range(n_experts)], i,
                 stacked=True)
+        if adapter.disk_shared_expert_gate_key(i) + ".weight" in reader:
+            add(Role.FFN_GATE_INP_SHEXP, [adapter.disk_shared_expert_gate_key(i)], i)
+            for role, proj in ((Role.FFN_GATE_SHEXP, "gate_proj"), (Role.FFN_UP_SHEXP, "up_proj"),
+                               (Role.FFN_DOWN_SHEXP, "down_proj")):
+                add(role, [adapter.disk_shared_expert_key(i, proj)], i)
     add(Role.OUTPUT_NORM, [adapter.disk_final_norm_key()])
     head = adapter.disk_lm_head_key() + ".weight"
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -277,6 +293,9 @@ def _write_metadata(writer: gguf.GGUFWriter, model_dir: Path, config, adapter: A
         writer.add_expert_feed_forward_length(int(expert_ffn))
         writer.add_expert_count(adapter.num_experts(config))
         writer.add_expert_used_count(adapter.top_k(config))
+        shared = adapter.disk_shared_expert_key(0, "gate_proj") + ".weight"
+        if shared in reader:
+            writer.add_expert_shared_feed_forward_length(int(reader.shape(shared)[0]))
 
 
 def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, vocab_size: int) -> None:
