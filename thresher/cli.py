@@ -364,8 +364,8 @@ def export_gguf_cmd(
         "--type", help="Type of the weight matrices: f32, f16, bf16, q8_0, q4_0 or q4_1 "
         "(norms and routers stay f32).")] = "f16",
 ) -> None:
-    """Write a Qwen3-MoE or Qwen2-MoE (base or REAP-pruned) or a Qwen3 checkpoint to one GGUF
-    file for llama.cpp and Ollama, tokenizer included."""
+    """Write a Qwen3-MoE or Qwen2-MoE (base or REAP-pruned), Qwen3 or Qwen2 checkpoint to one
+    GGUF file for llama.cpp and Ollama, tokenizer included."""
     from thresher.export import export_gguf
     from thresher.models import resolve_model
 

@@ -138,16 +138,18 @@ def test_untied_output_head_is_exported(tiny_tokenizer, tmp_path):
     assert _check_tensors(out, tmp_path / "untied", "q4_1") == result.tensors == 3 + 2 * 12
 
 
-def test_dense_qwen3_exports_as_qwen3(tiny_tokenizer, tmp_path):
-    save_model(build_random_model("qwen3", vocab_size=len(tiny_tokenizer)), tiny_tokenizer,
+@pytest.mark.parametrize(("family", "per_layer"), [("qwen3", 11), ("qwen2", 12)])
+def test_dense_families_export(tiny_tokenizer, tmp_path, family, per_layer):
+    """Qwen3 has q/k norms, Qwen2 q/k/v biases; both keep their dense MLP."""
+    save_model(build_random_model(family, vocab_size=len(tiny_tokenizer)), tiny_tokenizer,
                tmp_path / "dense")
     out = tmp_path / "dense.gguf"
     result = export_gguf(tmp_path / "dense", out, "q8_0", show_progress=False)
     reader = gguf.GGUFReader(out)
-    assert _field(reader, "general.architecture") == result.architecture == "qwen3"
-    assert _field(reader, "qwen3.feed_forward_length") == 64
-    assert not any(key.startswith("qwen3.expert") for key in reader.fields)
-    assert _check_tensors(out, tmp_path / "dense", "q8_0") == result.tensors == 3 + 2 * 11
+    assert _field(reader, "general.architecture") == result.architecture == family
+    assert _field(reader, f"{family}.feed_forward_length") == 64
+    assert not any(key.startswith(f"{family}.expert") for key in reader.fields)
+    assert _check_tensors(out, tmp_path / "dense", "q8_0") == result.tensors == 3 + 2 * per_layer
 
 
 def test_qwen2_moe_exports_its_shared_expert_and_biases(tiny_tokenizer, tmp_path):

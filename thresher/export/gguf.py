@@ -1,7 +1,7 @@
 """GGUF export: a plain 16/32-bit thresher checkpoint as one GGUF file for llama.cpp and Ollama.
 
 Families: Qwen3-MoE (llama.cpp's ``qwen3moe``), Qwen2-MoE (``qwen2moe``, with its shared expert)
-and dense Qwen3 (``qwen3``).
+and the dense Qwen3 and Qwen2 (``qwen3``, ``qwen2``).
 
 GGUF names tensors by role (``blk.3.attn_q.weight``) and stacks each layer's experts into one 3-D
 tensor per projection (``blk.3.ffn_gate_exps.weight``, [E, I, H] in row-major order); its
@@ -65,6 +65,7 @@ GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "qwen3_moe": GGUFArchitecture(gguf.MODEL_ARCH.QWEN3MOE, renormalizes_top_k=True),
     "qwen2_moe": GGUFArchitecture(gguf.MODEL_ARCH.QWEN2MOE, renormalizes_top_k=False),
     "qwen3": GGUFArchitecture(gguf.MODEL_ARCH.QWEN3),
+    "qwen2": GGUFArchitecture(gguf.MODEL_ARCH.QWEN2),
 }
 
 # Qwen2's pre-tokenizer regex (Qwen2, Qwen2.5, Qwen3 and their MoEs), as tokenizer.json spells it.
