@@ -34,6 +34,9 @@ app = typer.Typer(
 demo_model_app = typer.Typer(help="Build the demo MoE models trained on the stdlib source.",
                              no_args_is_help=True)
 app.add_typer(demo_model_app, name="demo-model")
+export_app = typer.Typer(help="Export a model to another runtime's format (GGUF for llama.cpp and "
+                         "Ollama).", no_args_is_help=True)
+app.add_typer(export_app, name="export")
 
 # Wide enough for the comparison table when the output is a file or a CI log, not a terminal.
 console = Console(stderr=False, width=None if sys.stdout.isatty() else 160)
@@ -345,6 +348,31 @@ def quantize_cmd(
                   f"{m['wall_seconds']:.1f} s, mean relative error {m['mean_quant_error']:.4f}, "
                   f"{int(m['fallback_experts'])} fallback experts, {m['artifact_mb']:.1f} MB "
                   f"({report.format} format) -> {out}")
+
+
+# --- export -------------------------------------------------------------------------------------
+
+
+@export_app.command("gguf")
+@handles_errors
+def export_gguf_cmd(
+    model: Annotated[str, typer.Argument(
+        help="A plain 16/32-bit model (base or pruned): hub id, local dir, models:/name/version "
+        "or demo:size.")],
+    out: Annotated[Path, typer.Option(help="The GGUF file to write (must not exist).")],
+    type_: Annotated[str, typer.Option(
+        "--type", help="Type of the weight matrices: f32, f16, bf16, q8_0, q4_0 or q4_1 "
+        "(norms and routers stay f32).")] = "f16",
+) -> None:
+    """Write a Qwen3-MoE or Qwen2-MoE (base or REAP-pruned), Qwen3 or Qwen2 checkpoint to one
+    GGUF file for llama.cpp and Ollama, tokenizer included."""
+    from thresher.export import export_gguf
+    from thresher.models import resolve_model
+
+    result = export_gguf(resolve_model(model), out, type_)
+    console.print(f"{result.architecture} {result.type}: {result.tensors} tensors, "
+                  f"{result.num_experts} experts per layer, {result.file_bytes / 1e6:.1f} MB in "
+                  f"{result.wall_seconds:.1f} s -> {out}")
 
 
 # --- task evaluation and the comparison report ---------------------------------------------------

@@ -32,5 +32,9 @@ class CompressionError(ThresherError):
     """A pruning or quantization stage whose options do not fit the model."""
 
 
+class ExportError(ThresherError):
+    """A model that cannot be written in another runtime's format (GGUF) as asked."""
+
+
 class TrackingError(ThresherError):
     """The MLflow tracking server or the Prefect API cannot be reached or refuses a request."""

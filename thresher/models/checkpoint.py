@@ -47,6 +47,10 @@ class CheckpointReader:
         return key in self.weight_map
 
     def get(self, key: str) -> torch.Tensor:
+        return self._handle(key).get_tensor(key)  # type: ignore[attr-defined]
+
+    def _handle(self, key: str):
+        """The open safetensors file that holds ``key``."""
         try:
             file = self.weight_map[key]
         except KeyError:
@@ -55,7 +59,11 @@ class CheckpointReader:
         if handle is None:
             handle = safe_open(self.path / file, framework="pt")
             self._handles[file] = handle
-        return handle.get_tensor(key)  # type: ignore[attr-defined]
+        return handle
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The shape of tensor ``key``, read from the file header without loading its data."""
+        return tuple(self._handle(key).get_slice(key).get_shape())  # type: ignore[attr-defined]
 
     def close(self) -> None:
         """Close the open files. Their pages are mapped into this process and count toward its
