@@ -35,5 +35,4 @@ test: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
