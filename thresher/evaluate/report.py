@@ -22,6 +22,7 @@ import html
 import json
 import logging
 import math
+import textwrap
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -214,19 +215,25 @@ def task_bars_data(records: list[VariantRecord]) -> dict[str, Any]:
 
 
 def saliency_data(records: list[VariantRecord]) -> dict[str, dict[str, Any]]:
-    """Per pruned variant: the saliency matrix [layers x experts] and the removed (layer, expert)."""
-    out = {}
+    """Per distinct pruning: the saliency matrix [layers x experts], the removed (layer, expert)
+    and the variants that share it (quantized children of one pruned model carry its report),
+    keyed by those variants' names joined with ", "."""
+    groups: dict[str, dict[str, Any]] = {}
     for r in records:
         if not r.saliency:
+            continue
+        same = json.dumps([(layer.layer, layer.saliency, layer.removed) for layer in r.saliency])
+        if same in groups:
+            groups[same]["variants"].append(r.name)
             continue
         width = max(len(layer.saliency) for layer in r.saliency)
         matrix = np.full((len(r.saliency), width), np.nan)
         for row, layer in enumerate(r.saliency):
             matrix[row, : len(layer.saliency)] = layer.saliency
-        out[r.name] = {"layers": [layer.layer for layer in r.saliency],
-                       "matrix": matrix.tolist(),
-                       "removed": [(layer.layer, e) for layer in r.saliency for e in layer.removed]}
-    return out
+        groups[same] = {"variants": [r.name], "layers": [layer.layer for layer in r.saliency],
+                        "matrix": matrix.tolist(),
+                        "removed": [(layer.layer, e) for layer in r.saliency for e in layer.removed]}
+    return {", ".join(g["variants"]): g for g in groups.values()}
 
 
 # --- drawing -------------------------------------------------------------------------------------
@@ -238,29 +245,129 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
-def plot_quality_vs_size(panels: list[dict], path: Path) -> Path:
-    fig = Figure(figsize=(6.0 * max(1, len(panels)), 4.5))
+_DPI = 110  # the figure's own, so labels are measured at the resolution they are saved at
+_LABEL_FONT = 8
+_POINT_CLEARANCE_PX = 6.0  # half-width of the square kept free of labels around each point
+_LABEL_RADII_PX = (4.0, 14.0, 26.0, 40.0, 56.0, 74.0)  # beyond the first, a leader line is drawn
+_NAME_RADII = 3  # names stay close to their points; farther out, numbers and a key read better
+_LABEL_DIRECTIONS = ((1, 1), (1, -1), (-1, 1), (-1, -1), (1, 0), (-1, 0), (0, 1), (0, -1))
+
+
+def _overlaps(a: tuple[float, ...], b: tuple[float, ...], pad: float = 1.0) -> bool:
+    return a[0] < b[2] + pad and b[0] < a[2] + pad and a[1] < b[3] + pad and b[1] < a[3] + pad
+
+
+def _label_spots(ax, xy: np.ndarray, texts: list[str], radii: tuple[float, ...], force: bool
+                 ) -> list[tuple[float, float, str, str, bool]] | None:
+    """Where to put each point's label (pixel offset, alignment, whether it needs a leader line)
+    so that no label overlaps another label, any point or the axes' edge; the most crowded points
+    choose first. None when some label finds no free spot, unless ``force`` (then it takes the
+    spot that overlaps least)."""
+    renderer = ax.figure.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    pts = ax.transData.transform(xy)
+    sizes = []
+    for t in texts:
+        probe = ax.text(0, 0, t, fontsize=_LABEL_FONT)
+        box = probe.get_window_extent(renderer)
+        probe.remove()
+        sizes.append((box.width, box.height))
+    c = _POINT_CLEARANCE_PX
+    taken = [(x - c, y - c, x + c, y + c) for x, y in pts]
+    crowding = (np.linalg.norm(pts[:, None] - pts[None], axis=-1) < 80).sum(axis=1)
+    spots: list = [None] * len(texts)
+    for i in sorted(range(len(texts)), key=lambda i: -crowding[i]):
+        (x, y), (w, h) = pts[i], sizes[i]
+        best, best_hits = None, None
+        for r in radii:
+            for sx, sy in _LABEL_DIRECTIONS:
+                anchor_x, anchor_y = x + sx * (r + c), y + sy * (r + c)
+                x0 = anchor_x - (0.0 if sx > 0 else w if sx < 0 else w / 2)
+                y0 = anchor_y - (0.0 if sy > 0 else h if sy < 0 else h / 2)
+                box = (x0, y0, x0 + w, y0 + h)
+                inside = (box[0] >= frame.x0 and box[2] <= frame.x1 and box[1] >= frame.y0
+                          and box[3] <= frame.y1)
+                hits = sum(_overlaps(box, t) for t in taken) + (0 if inside else 100)
+                if best_hits is None or hits < best_hits:
+                    best_hits = hits
+                    best = (box, (anchor_x - x, anchor_y - y,
+                                  "left" if sx > 0 else "right" if sx < 0 else "center",
+                                  "bottom" if sy > 0 else "top" if sy < 0 else "center",
+                                  r > _LABEL_RADII_PX[0]))
+                if hits == 0:
+                    break
+            if best_hits == 0:
+                break
+        if best_hits and not force:
+            return None
+        taken.append(best[0])
+        spots[i] = best[1]
+    return spots
+
+
+def _draw_quality_vs_size(panels: list[dict], numbered: bool) -> Figure | None:
+    """The figure with every point labelled by its name, or (``numbered``) by a number keyed in
+    a table beside the panels. None when the names cannot be placed without overlapping."""
+    names = list(dict.fromkeys(n for panel in panels for n, _, _ in panel["points"]))
+    number = {n: str(i + 1) for i, n in enumerate(names)}
+    key_width = 0.4 + 1.6 * math.ceil(len(names) / 30) if numbered else 0.0
+    fig = Figure(figsize=(6.0 * max(1, len(panels)) + key_width, 4.5), dpi=_DPI)
+    FigureCanvasAgg(fig)  # a renderer, to measure the labels before placing them
+    grid = fig.add_gridspec(1, len(panels) + int(numbered),
+                            width_ratios=[6.0] * len(panels) + ([key_width] if numbered else []))
     for i, panel in enumerate(panels):
-        ax = fig.add_subplot(1, len(panels), i + 1)
+        ax = fig.add_subplot(grid[0, i])
         front = set(panel["frontier"])
-        for name, x, y in panel["points"]:
-            on = name in front
-            ax.scatter([x / 1e6], [y], s=60 if on else 35, zorder=3,
-                       color="tab:red" if on else "tab:gray", edgecolor="black" if on else "none")
-            ax.annotate(name, (x / 1e6, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
-        by_name = {n: (x, y) for n, x, y in panel["points"]}
-        fx = [by_name[n][0] / 1e6 for n in panel["frontier"]]
-        fy = [by_name[n][1] for n in panel["frontier"]]
-        ax.step(fx, fy, where="post", color="tab:red", alpha=0.6, label="Pareto frontier")
-        ys = [y for _, _, y in panel["points"]]
-        if min(ys) > 0 and max(ys) / min(ys) > 10:
+        xy = np.array([(x / 1e6, y) for _, x, y in panel["points"]])
+        on = np.array([n in front for n, _, _ in panel["points"]])
+        ax.scatter(xy[~on, 0], xy[~on, 1], s=35, zorder=3, color="tab:gray")
+        ax.scatter(xy[on, 0], xy[on, 1], s=60, zorder=3, color="tab:red", edgecolor="black")
+        by_name = {n: (x / 1e6, y) for n, x, y in panel["points"]}
+        ax.step([by_name[n][0] for n in panel["frontier"]],
+                [by_name[n][1] for n in panel["frontier"]],
+                where="post", color="tab:red", alpha=0.6, label="Pareto frontier")
+        if xy[:, 1].min() > 0 and xy[:, 1].max() / xy[:, 1].min() > 10:
             ax.set_yscale("log")  # one wrecked control must not flatten the others
+        ax.margins(0.2)
+        ax.autoscale_view()
+        ax.set_xlim(ax.get_xlim())  # fixed now: the labels are placed in pixels
+        ax.set_ylim(ax.get_ylim())
         ax.set_xlabel("size (MB)")
         ax.set_ylabel(panel["label"])
         ax.grid(alpha=0.3)
-        ax.legend(loc="best", fontsize=8)
+        ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+        texts = [number[n] if numbered else n for n, _, _ in panel["points"]]
+        radii = _LABEL_RADII_PX if numbered else _LABEL_RADII_PX[:_NAME_RADII]
+        spots = _label_spots(ax, xy, texts, radii, force=numbered)
+        if spots is None:
+            return None
+        for text, (px, py), (dx, dy, ha, va, leader) in zip(texts, xy, spots, strict=True):
+            ax.annotate(text, (px, py), xytext=(dx * 72 / _DPI, dy * 72 / _DPI),
+                        textcoords="offset points", ha=ha, va=va, fontsize=_LABEL_FONT,
+                        arrowprops={"arrowstyle": "-", "color": "0.55", "lw": 0.6}
+                        if leader else None)
+    if numbered:
+        key = fig.add_subplot(grid[0, -1])
+        key.axis("off")
+        rows = [f"{number[n]:>3}  {n}" for n in names]
+        columns = math.ceil(len(rows) / 30)
+        for col in range(columns):
+            key.text(col / columns, 1.0, "\n".join(rows[col * 30:(col + 1) * 30]),
+                     transform=key.transAxes, va="top", ha="left", fontsize=_LABEL_FONT,
+                     family="monospace")
     fig.suptitle("quality vs size")
-    return _save(fig, path)
+    return fig
+
+
+def draw_quality_vs_size(panels: list[dict]) -> Figure:
+    """Quality against size, one panel per measure, the Pareto frontier in red. Each point carries
+    its name where the names fit without overlapping anything, else a number and a key."""
+    fig = _draw_quality_vs_size(panels, numbered=False)
+    return fig if fig is not None else _draw_quality_vs_size(panels, numbered=True)
+
+
+def plot_quality_vs_size(panels: list[dict], path: Path) -> Path:
+    return _save(draw_quality_vs_size(panels), path)
 
 
 def plot_task_bars(data: dict[str, Any], path: Path) -> Path:
@@ -283,22 +390,27 @@ def plot_task_bars(data: dict[str, Any], path: Path) -> Path:
 
 
 def plot_saliency(data: dict[str, dict[str, Any]], path: Path) -> Path:
-    fig = Figure(figsize=(6.0 * len(data), 4.0))
+    """One heatmap per distinct pruning, titled with the variants that share it."""
+    cols = min(3, len(data))
+    rows = math.ceil(len(data) / cols)
+    fig = Figure(figsize=(6.0 * cols, 4.4 * rows))
     for i, (name, d) in enumerate(data.items()):
-        ax = fig.add_subplot(1, len(data), i + 1)
+        ax = fig.add_subplot(rows, cols, i + 1)
         matrix = np.array(d["matrix"], dtype=float)
         image = ax.imshow(matrix, aspect="auto", cmap="viridis", interpolation="nearest")
         row_of = {layer: row for row, layer in enumerate(d["layers"])}
         if d["removed"]:
             ax.scatter([e for _, e in d["removed"]], [row_of[layer] for layer, _ in d["removed"]],
-                       marker="x", color="red", s=60, label="removed")
-            ax.legend(loc="upper right", fontsize=8)
+                       marker="x", color="red", s=60)
         ax.set_yticks(range(len(d["layers"])))
         ax.set_yticklabels(d["layers"])
         ax.set_xlabel("expert")
         ax.set_ylabel("layer")
-        ax.set_title(f"{name}: REAP saliency")
+        ax.set_title(textwrap.fill(name, 60, break_on_hyphens=False),
+                     fontsize=9)
         fig.colorbar(image, ax=ax, fraction=0.046)
+    fig.suptitle("REAP saliency per layer and expert (x: removed)")
+    fig.tight_layout()
     return _save(fig, path)
 
 
