@@ -206,13 +206,13 @@ def deploy(
     """Register compress deployments (recipe + cron) with the Prefect server at $PREFECT_API_URL.
 
     Without --work-pool this process serves them: runs triggered from the Prefect UI, from
-    `prefect deployment run 'compress-file/NAME'` or by their schedule execute here.
+    `prefect deployment run 'compress/NAME'` or by their schedule execute here.
     """
     from thresher.flows.deploy import deploy_to_work_pool, load_schedules, serve_deployments
 
     specs = load_schedules(schedules)
     for s in specs:
-        console.print(f"deployment compress-file/{s.name}: {s.recipe}, schedule {s.cron or 'none'}")
+        console.print(f"deployment compress/{s.name}: {s.recipe}, schedule {s.cron or 'none'}")
     if work_pool:
         deploy_to_work_pool(specs, work_pool)
         console.print(f"registered with work pool {work_pool!r}; start workers with "

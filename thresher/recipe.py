@@ -78,6 +78,8 @@ class PerplexityConfig(StrictModel):
 
 
 class EvalConfig(StrictModel):
+    """How every variant is scored: held-out perplexity, optionally lm-evaluation-harness tasks."""
+
     perplexity: PerplexityConfig = Field(default_factory=PerplexityConfig)
     tasks: list[str] = Field(default_factory=list, description="lm-evaluation-harness task names")
     task_limit: int | None = Field(None, gt=0, description="cap on documents per task")
@@ -229,8 +231,22 @@ AnyQuantizeStage = Annotated[RTNStage | GPTQStage | AWQStage | NF4Stage,
 QUANTIZE_STAGE: TypeAdapter[QuantizeStage] = TypeAdapter(AnyQuantizeStage)
 
 
+def _quantize_choices(schema: dict[str, Any]) -> None:
+    """Spell the quantize union as a flat ``anyOf`` of the methods' stages and null.
+
+    Prefect's run form draws an ``anyOf`` as a choice between sub-forms but knows neither
+    ``oneOf`` nor ``discriminator``; each method's stage pins ``method`` to its constant, so a
+    value matches one choice at most and the two spellings accept the same documents.
+    """
+    options = schema["properties"]["quantize"]["anyOf"]
+    union = next(o for o in options if "oneOf" in o)
+    schema["properties"]["quantize"]["anyOf"] = [*union["oneOf"], {"type": "null"}]
+
+
 class Stage(StrictModel):
-    """One step of a variant: exactly one of ``prune`` or ``quantize``."""
+    """One step of a variant: exactly one of ``prune`` or ``quantize`` (leave the other empty)."""
+
+    model_config = ConfigDict(json_schema_extra=_quantize_choices)
 
     prune: PruneStage | None = None
     quantize: AnyQuantizeStage | None = None
@@ -254,6 +270,8 @@ class Stage(StrictModel):
 
 
 class Variant(StrictModel):
+    """One model to derive from the base: its name and its chain of stages (none: the base)."""
+
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     stages: list[Stage] = Field(default_factory=list)
 
@@ -272,11 +290,15 @@ class Variant(StrictModel):
 
 
 class PublishConfig(StrictModel):
+    """Where each variant is published, and under which MLflow registered model name."""
+
     registry_name: str | None = Field(None, description="MLflow registered model name")
     dir: str | None = Field(None, description="publish location (default: the state directory)")
 
 
 class ValidateConfig(StrictModel):
+    """The serving engine's check of every variant: agreement with the base and a load test."""
+
     enabled: bool = True
     concurrency: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [1, 4, 16])
     max_tokens: int = Field(64, gt=0, description="tokens generated per agreement prompt and "
@@ -285,6 +307,8 @@ class ValidateConfig(StrictModel):
 
 
 class TrackingConfig(StrictModel):
+    """Where the MLflow runs go."""
+
     mlflow_uri: str | None = Field(None, description="default: $MLFLOW_TRACKING_URI, else SQLite")
     experiment: str | None = Field(None, description="default: the recipe name")
 

@@ -68,6 +68,15 @@ def check_reachable(uri: str, timeout: float = 5.0) -> None:
         Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
 
 
+def run_page(uri: str, experiment_id: str, run_id: str) -> tuple[str, str | None]:
+    """A run's page in the MLflow UI, and the command that serves that UI when ``uri`` is a store
+    (a SQLite file, a directory) rather than a server, on MLflow's default port."""
+    route = f"#/experiments/{experiment_id}/runs/{run_id}"
+    if uri.startswith(("http://", "https://")):
+        return f"{uri.rstrip('/')}/{route}", None
+    return f"http://127.0.0.1:5000/{route}", f"mlflow ui --backend-store-uri {uri}"
+
+
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     """Nested dicts/lists -> dotted keys with string values (MLflow params)."""
     out: dict[str, str] = {}

@@ -1,10 +1,16 @@
-"""Deployments through a real Prefect server and a real process worker."""
+"""Deployments through a real Prefect server and a real process worker: the recipe is the run
+form's typed parameter, prefilled from the file; an edited run executes the edit."""
 
 from __future__ import annotations
 
+import copy
+import json
 import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
@@ -12,6 +18,7 @@ from mlflow.tracking import MlflowClient
 from tests.flows.conftest import ROOT, thresher_cmd
 from thresher.errors import RecipeError
 from thresher.flows.deploy import load_schedules
+from thresher.recipe import load_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -28,33 +35,82 @@ def test_bad_schedule_names_the_problem(tmp_path):
         load_schedules(bad)
 
 
-def test_deployment_runs_through_server_and_worker(tmp_path, tiny_demo, prefect_server):
-    recipe = tmp_path / "dep.yaml"
+def _recipe(model: Path, uri: str) -> dict:
+    return {"name": "dep", "model": str(model),
+            "calibration": {"samples": 4, "seq_len": 32},
+            "eval": {"perplexity": {"seq_len": 64, "max_windows": 2}},
+            "variants": [{"name": "reap", "stages": [{"prune": {"method": "reap", "ratio": 0.5}}]}],
+            "validate": {"enabled": False},
+            "tracking": {"mlflow_uri": uri}}
+
+
+def test_malformed_recipe_parameter_is_refused_before_compute(tmp_path, tiny_demo, prefect_api):
+    """What the server's schema cannot express (a ratio outside (0, 1)) is refused by the flow's
+    first line, with the field path that `thresher check` prints."""
+    from thresher.flows.compress import compress
+
+    bad = _recipe(tiny_demo, f"sqlite:///{tmp_path / 'mlflow.db'}")
+    bad["variants"][0]["stages"][0]["prune"]["ratio"] = 1.5
+    with pytest.raises(RecipeError, match=r"variants\.0\.stages\.0\.prune\.ratio: ratio must be in"):
+        compress(recipe=bad, store_dir=str(tmp_path / "store"))
+    assert not (tmp_path / "store").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def _wait_for_run(api: str, run_id: str, timeout: float) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        run = httpx.get(f"{api}/flow_runs/{run_id}").json()
+        if run["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            return run
+        time.sleep(3)
+    raise AssertionError(f"flow run {run_id} did not finish in {timeout} s: {run['state']}")
+
+
+def test_ui_edited_run_executes_the_edit(tmp_path, tiny_demo, prefect_server):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    recipe.write_text(yaml.safe_dump({
-        "name": "dep", "model": str(tiny_demo),
-        "eval": {"perplexity": {"seq_len": 64, "max_windows": 2}},
-        "variants": [{"name": "base", "stages": []}],
-        "validate": {"enabled": False},
-        "tracking": {"mlflow_uri": uri},
-    }))
+    recipe = tmp_path / "dep.yaml"
+    recipe.write_text(yaml.safe_dump(_recipe(tiny_demo, uri)))
     schedules = tmp_path / "schedules.yaml"
     schedules.write_text(yaml.safe_dump({"deployments": [
         {"name": "dep-test", "recipe": str(recipe), "cron": "0 3 * * *"}]}))
-    env = {**prefect_server["env"], "THRESHER_HOME": str(tmp_path / "home")}
-    prefect = str(Path(thresher_cmd()[0]).parent / "prefect")
+    # PYTHONPATH: the worker's flow runs import this checkout's thresher
+    env = {**prefect_server["env"], "THRESHER_HOME": str(tmp_path / "home"),
+           "PYTHONPATH": str(ROOT)}
+    api = prefect_server["url"]
+    prefect = str(Path(sys.executable).parent / "prefect")
     subprocess.run([prefect, "work-pool", "create", "thresher-test", "--type", "process"],
                    env=env, check=True, capture_output=True, timeout=120)
     out = subprocess.run(thresher_cmd("deploy", str(schedules), "--work-pool", "thresher-test"),
-                         env=env, capture_output=True, text=True, timeout=300)
+                         env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
+
+    deployment = httpx.get(f"{api}/deployments/name/compress/dep-test").json()
+    prefilled = deployment["parameters"]["recipe"]
+    assert prefilled == load_recipe(recipe).model_dump(mode="json", by_alias=True)
+    schema = deployment["parameter_openapi_schema"]
+    assert deployment["enforce_parameter_schema"] and "oneOf" not in json.dumps(schema)
+    quantize = schema["definitions"]["Stage"]["properties"]["quantize"]["anyOf"]
+    assert [q.get("$ref", "").rsplit("/", 1)[-1] for q in quantize] == [
+        "RTNStage", "GPTQStage", "AWQStage", "NF4Stage", ""]
+
+    def start(parameters: dict) -> httpx.Response:  # what the Run page's form submits
+        return httpx.post(f"{api}/deployments/{deployment['id']}/create_flow_run",
+                          json={"parameters": parameters, "state": {"type": "SCHEDULED"}})
+
+    bad = copy.deepcopy(prefilled)
+    bad["variants"][0]["stages"][0]["prune"]["ratio"] = "half"
+    refused = start({"recipe": bad})
+    assert refused.status_code == 409 and "variants[0].stages[0].prune.ratio" in refused.text
+
+    edited = copy.deepcopy(prefilled)
+    edited["variants"][0]["stages"][0]["prune"]["ratio"] = 0.25
+    created = start({"recipe": edited})
+    assert created.status_code == 201, created.text
     worker = subprocess.Popen([prefect, "worker", "start", "--pool", "thresher-test"],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True)
     try:
-        run = subprocess.run([prefect, "deployment", "run", "compress-file/dep-test", "--watch",
-                              "--watch-timeout", "420"],
-                             env=env, capture_output=True, text=True, timeout=480)
+        run = _wait_for_run(api, created.json()["id"], 420)
     finally:
         worker.terminate()
         try:
@@ -62,10 +118,19 @@ def test_deployment_runs_through_server_and_worker(tmp_path, tiny_demo, prefect_
         except subprocess.TimeoutExpired:
             worker.kill()
             log = ""
-    assert run.returncode == 0, run.stdout + run.stderr + log[-4000:]
+    assert run["state"]["type"] == "COMPLETED", log[-4000:]
+    assert run["name"].startswith("dep-")
+
     client = MlflowClient(uri)
-    runs = client.search_runs([client.get_experiment_by_name("dep").experiment_id],
-                              "attributes.status = 'FINISHED'")
-    base = [r for r in runs if r.info.run_name == "base"]
-    assert base, f"no finished MLflow run from the deployment; worker log:\n{log[-4000:]}"
-    assert base[0].data.metrics["perplexity"] > 1
+    runs = client.search_runs([client.get_experiment_by_name("dep").experiment_id])
+    variant = next(r for r in runs if r.info.run_name == "reap")
+    assert variant.data.params["stages"] == "prune reap ratio=0.25"
+    assert variant.data.metrics["experts_kept"] == 6  # 8 experts, a quarter removed
+    parent = next(r for r in runs if r.info.run_name == run["name"])
+
+    artifacts = httpx.post(f"{api}/artifacts/filter", json={
+        "artifacts": {"flow_run_id": {"any_": [run["id"]]}}}).json()
+    (summary,) = [a for a in artifacts if a["type"] == "markdown"]
+    assert summary["key"] == "thresher-dep"
+    assert f"/runs/{parent.info.run_id})" in summary["data"]
+    assert "| reap | prune reap ratio=0.25 |" in summary["data"]

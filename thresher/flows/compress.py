@@ -37,12 +37,13 @@ from thresher.flows.stages import (
     run_stage,
     validate_variant,
 )
+from thresher.flows.summary import publish_summary
 from thresher.formats.artifact import PRUNE_REPORT, STAGE_REPORTS
 from thresher.models.adapters import get_adapter
 from thresher.models.inspect import parameter_count, weight_bytes
 from thresher.models.layerwise import load_config
 from thresher.paths import state_dir
-from thresher.recipe import Recipe, Variant, load_recipe
+from thresher.recipe import Recipe, Variant, parse_recipe
 from thresher.tracking import ARTIFACT_DIR_TAG, ARTIFACT_HASH_TAG, MODEL_URI_TAG, Tracker, git_sha
 
 log = logging.getLogger(__name__)
@@ -75,13 +76,9 @@ def run_name(recipe_name: str) -> str:
 def _compress_run_name() -> str:
     from prefect.runtime import flow_run
 
-    return run_name(flow_run.parameters["recipe"].name)
-
-
-def _compress_file_run_name() -> str:
-    from prefect.runtime import flow_run
-
-    return run_name(load_recipe(flow_run.parameters["recipe_path"]).name)
+    recipe = flow_run.parameters["recipe"]  # a Recipe in process, a dict from the API
+    name = recipe.name if isinstance(recipe, Recipe) else recipe.get("name")
+    return run_name(name if isinstance(name, str) and name else "compress")
 
 
 def _parent_run_name(recipe: Recipe) -> str:
@@ -94,7 +91,7 @@ def _parent_run_name(recipe: Recipe) -> str:
 
 def run_recipe(recipe: Recipe, tracking_uri: str | None = None, store_dir: str | None = None,
                publish_dir: str | None = None) -> dict[str, Any]:
-    """The flow body (shared by the ``compress`` and ``compress-file`` flows)."""
+    """The flow body: the variants, the comparison report, the flow run's summary."""
     logger = get_run_logger()
     # Fail before any compute if tracking is unusable.
     tracker = Tracker(tracking_uri or recipe.tracking.mlflow_uri,
@@ -103,8 +100,9 @@ def run_recipe(recipe: Recipe, tracking_uri: str | None = None, store_dir: str |
     publish_root = Path(publish_dir or recipe.publish.dir or state_dir() / "published") / recipe.name
 
     base_path, base_hash = resolve_base(recipe.model)
+    name = _parent_run_name(recipe)
     parent = tracker.start_run(
-        _parent_run_name(recipe), system_metrics=True,
+        name, system_metrics=True,
         tags={"thresher.base_model": recipe.model, "thresher.base_hash": base_hash,
               "thresher.recipe": recipe.name, "thresher.recipe_hash": recipe_hash(recipe),
               "thresher.git_sha": git_sha() or "unknown"},
@@ -122,6 +120,7 @@ def run_recipe(recipe: Recipe, tracking_uri: str | None = None, store_dir: str |
             logger.info("variant %s: perplexity %.3f", variant.name, records[-1].perplexity)
         report = build_report(records, Path(store_root) / "reports" / parent)
         log_report(report, parent, tracking_uri=tracker.uri)
+        publish_summary(report, name, recipe.name, tracker.uri, str(tracker.experiment_id), parent)
         status = "FINISHED"
         return {"parent_run_id": parent, "tracking_uri": tracker.uri,
                 "experiment_id": tracker.experiment_id, "report_dir": str(report.out_dir),
@@ -199,16 +198,20 @@ def _run_variant(recipe: Recipe, variant: Variant, base_path: str, base_hash: st
 
 
 @flow(name="compress", flow_run_name=_compress_run_name, persist_result=False,
-      log_prints=True)
+      log_prints=True, validate_parameters=False)
 def compress(recipe: Recipe, tracking_uri: str | None = None, store_dir: str | None = None,
              publish_dir: str | None = None) -> dict[str, Any]:
-    """Compress a model as the recipe says: stages, evaluation, publishing, comparison."""
+    """Compress a model as the recipe says: stages, evaluation, publishing, comparison.
+
+    Prefect draws the run form of a deployment from this signature; the recipe is checked by
+    ``parse_recipe`` (the checks of ``thresher check``), not by Prefect's own validation.
+
+    Args:
+        recipe: the compression job (a recipe YAML's content): model, data, variants
+        tracking_uri: MLflow tracking URI (default: the recipe's, else $MLFLOW_TRACKING_URI)
+        store_dir: artifact store of stage outputs (default: under $THRESHER_HOME)
+        publish_dir: where variants are published (default: the recipe's publish.dir)
+    """
+    if not isinstance(recipe, Recipe):  # a run started from the API or the UI's form
+        recipe = parse_recipe(recipe, where="flow parameter 'recipe'")
     return run_recipe(recipe, tracking_uri, store_dir, publish_dir)
-
-
-@flow(name="compress-file", flow_run_name=_compress_file_run_name, persist_result=False,
-      log_prints=True)
-def compress_file(recipe_path: str, tracking_uri: str | None = None, store_dir: str | None = None,
-                  publish_dir: str | None = None) -> dict[str, Any]:
-    """Like ``compress``, reading the recipe from a YAML file (what deployments and schedules use)."""
-    return run_recipe(load_recipe(recipe_path), tracking_uri, store_dir, publish_dir)

@@ -1,7 +1,10 @@
 """Deployments and schedules: compress jobs started from the Prefect UI, the CLI or a cron schedule.
 
 ``configs/schedules.yaml`` lists deployments, each a recipe file and an optional cron schedule.
-Two ways to run them:
+A deployment is of the ``compress`` flow, whose parameter is the typed recipe: the recipe file is
+read at deploy time and becomes the deployment's parameters, so the Prefect UI's Run page shows
+the recipe as a form (drawn from the recipe schema) prefilled from the file, and the schedule
+runs that recipe. Edit the file, deploy again. Two ways to run them:
 
 - ``serve`` (one machine): this process registers the deployments with the Prefect server and
   executes their runs itself, as they are triggered from the UI, ``prefect deployment run`` or the
@@ -21,7 +24,7 @@ from thresher.errors import RecipeError
 from thresher.recipe import load_recipe
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-ENTRYPOINT = "thresher/flows/compress.py:compress_file"
+ENTRYPOINT = "thresher/flows/compress.py:compress"
 
 
 class DeploymentSpec(BaseModel):
@@ -68,23 +71,29 @@ def _schedules(spec: DeploymentSpec) -> list:
     return [Cron(spec.cron, timezone=spec.timezone)] if spec.cron else []
 
 
-def _parameters(spec: DeploymentSpec) -> dict:
-    params: dict = {"recipe_path": spec.recipe}
+def deployment_parameters(spec: DeploymentSpec) -> dict:
+    """The deployment's parameters: the recipe file's content, as the run form submits it."""
+    params: dict = {"recipe": load_recipe(spec.recipe).model_dump(mode="json", by_alias=True)}
     if spec.tracking_uri:
         params["tracking_uri"] = spec.tracking_uri
     return params
+
+
+def _description(spec: DeploymentSpec) -> str:
+    return (f"thresher compress, prefilled from {spec.recipe} at deploy time: edit the recipe on "
+            "the Run page (Custom run) or edit the file and deploy again.")
 
 
 def serve_deployments(specs: list[DeploymentSpec]) -> None:
     """Register the deployments and execute their runs in this process (blocks)."""
     from prefect import serve
 
-    from thresher.flows.compress import compress_file
+    from thresher.flows.compress import compress
 
     deployments = [
-        compress_file.to_deployment(
-            name=s.name, parameters=_parameters(s), schedules=_schedules(s), paused=s.paused,
-            tags=["thresher"], description=f"thresher compress: {s.recipe}",
+        compress.to_deployment(
+            name=s.name, parameters=deployment_parameters(s), schedules=_schedules(s),
+            paused=s.paused, tags=["thresher"], description=_description(s),
         )
         for s in specs
     ]
@@ -100,8 +109,9 @@ def deploy_to_work_pool(specs: list[DeploymentSpec], work_pool: str, source: str
     for s in specs:
         remote = flow.from_source(source=source or str(REPO_ROOT), entrypoint=ENTRYPOINT)
         ids.append(str(remote.deploy(
-            name=s.name, work_pool_name=work_pool, parameters=_parameters(s), schedules=_schedules(s),
-            paused=s.paused, tags=["thresher"], description=f"thresher compress: {s.recipe}",
+            name=s.name, work_pool_name=work_pool, parameters=deployment_parameters(s),
+            schedules=_schedules(s), paused=s.paused, tags=["thresher"],
+            description=_description(s),
             print_next_steps=False,
         )))
     return ids
