@@ -310,13 +310,13 @@ def _draw_quality_vs_size(panels: list[dict], numbered: bool) -> Figure | None:
     a table beside the panels. None when the names cannot be placed without overlapping."""
     names = list(dict.fromkeys(n for panel in panels for n, _, _ in panel["points"]))
     number = {n: str(i + 1) for i, n in enumerate(names)}
-    key_width = 0.4 + 1.6 * math.ceil(len(names) / 30) if numbered else 0.0
-    fig = Figure(figsize=(6.0 * max(1, len(panels)) + key_width, 4.5), dpi=_DPI)
+    key_columns = math.ceil(len(names) / 30) if numbered else 0
+    width = 6.0 * max(1, len(panels)) + 1.6 * key_columns
+    fig = Figure(figsize=(width, 4.5), dpi=_DPI)
     FigureCanvasAgg(fig)  # a renderer, to measure the labels before placing them
-    grid = fig.add_gridspec(1, len(panels) + int(numbered),
-                            width_ratios=[6.0] * len(panels) + ([key_width] if numbered else []))
+    fig.subplots_adjust(right=0.92 - 1.6 * key_columns / width)
     for i, panel in enumerate(panels):
-        ax = fig.add_subplot(grid[0, i])
+        ax = fig.add_subplot(1, len(panels), i + 1)
         front = set(panel["frontier"])
         xy = np.array([(x / 1e6, y) for _, x, y in panel["points"]])
         on = np.array([n in front for n, _, _ in panel["points"]])
@@ -346,15 +346,11 @@ def _draw_quality_vs_size(panels: list[dict], numbered: bool) -> Figure | None:
                         textcoords="offset points", ha=ha, va=va, fontsize=_LABEL_FONT,
                         arrowprops={"arrowstyle": "-", "color": "0.55", "lw": 0.6}
                         if leader else None)
-    if numbered:
-        key = fig.add_subplot(grid[0, -1])
-        key.axis("off")
-        rows = [f"{number[n]:>3}  {n}" for n in names]
-        columns = math.ceil(len(rows) / 30)
-        for col in range(columns):
-            key.text(col / columns, 1.0, "\n".join(rows[col * 30:(col + 1) * 30]),
-                     transform=key.transAxes, va="top", ha="left", fontsize=_LABEL_FONT,
-                     family="monospace")
+    rows = [f"{number[n]:>3}  {n}" for n in names]
+    for col in range(key_columns):  # the key, right of the panels
+        fig.text(0.93 - 1.6 * (key_columns - col) / width, 0.88,
+                 "\n".join(rows[col * 30:(col + 1) * 30]), va="top", ha="left",
+                 fontsize=_LABEL_FONT, family="monospace")
     fig.suptitle("quality vs size")
     return fig
 
