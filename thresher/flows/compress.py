@@ -77,7 +77,8 @@ def _compress_run_name() -> str:
     from prefect.runtime import flow_run
 
     recipe = flow_run.parameters["recipe"]  # a Recipe in process, a dict from the API
-    name = recipe.name if isinstance(recipe, Recipe) else recipe.get("name")
+    name = recipe.name if isinstance(recipe, Recipe) else (
+        recipe.get("name") if isinstance(recipe, dict) else None)
     return run_name(name if isinstance(name, str) and name else "compress")
 
 
