@@ -25,7 +25,7 @@ def summary_markdown(report: Report, run_name: str, tracking_uri: str, experimen
     """Markdown of the summary: the MLflow link, the comparison table, where the plots are."""
     url, serve = run_page(tracking_uri, experiment_id, parent_run_id)
     lines = [f"# {run_name}", "",
-             f"MLflow parent run: [{run_name}]({url}) (experiment `{experiment_id}`, "
+             f"MLflow parent run: [{run_name}]({url}) (experiment id `{experiment_id}`, "
              f"run id `{parent_run_id}`, tracking `{tracking_uri}`)."]
     if serve:
         lines += ["", f"The tracking store is not a server: `{serve}` serves the link above."]
