@@ -101,6 +101,9 @@ def check(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")]) -> 
     for v in r.variants:
         chain = " -> ".join(s.describe() for s in v.stages) or "(base model, no stages)"
         console.print(f"  variant [bold]{v.name}[/]: {chain}")
+    pool = r.execution.work_pool
+    console.print(f"{len(r.variants)} variants; runs " + (
+        f"on work pool {pool!r} (retries {r.execution.retries})" if pool else "in this process"))
     console.print("[green]recipe is valid[/]")
 
 
