@@ -93,8 +93,9 @@ def _parent_run_name(recipe: Recipe) -> str:
 
 
 def run_recipe(recipe: Recipe, tracking_uri: str | None = None, store_dir: str | None = None,
-               publish_dir: str | None = None) -> dict[str, Any]:
-    """The flow body (shared by the ``compress`` and ``compress-file`` flows)."""
+               publish_dir: str | None = None, work_pool: str | None = None) -> dict[str, Any]:
+    """The flow body (shared by the ``compress`` and ``compress-file`` flows). With a work pool
+    (argument or ``execution.work_pool``) the variants run on its workers (``fanout``)."""
     logger = get_run_logger()
     # Fail before any compute if tracking is unusable.
     tracker = Tracker(tracking_uri or recipe.tracking.mlflow_uri,
@@ -103,8 +104,9 @@ def run_recipe(recipe: Recipe, tracking_uri: str | None = None, store_dir: str |
     publish_root = Path(publish_dir or recipe.publish.dir or state_dir() / "published") / recipe.name
 
     base_path, base_hash = resolve_base(recipe.model)
+    parent_name = _parent_run_name(recipe)
     parent = tracker.start_run(
-        _parent_run_name(recipe), system_metrics=True,
+        parent_name, system_metrics=True,
         tags={"thresher.base_model": recipe.model, "thresher.base_hash": base_hash,
               "thresher.recipe": recipe.name, "thresher.recipe_hash": recipe_hash(recipe),
               "thresher.git_sha": git_sha() or "unknown"},
@@ -116,10 +118,16 @@ def run_recipe(recipe: Recipe, tracking_uri: str | None = None, store_dir: str |
                                                 sort_keys=False), "recipe.yaml")
         base_facts = _artifact_facts(base_path)
         records = []
-        for variant in recipe.variants:
-            records.append(_run_variant(recipe, variant, base_path, base_hash, base_facts,
-                                        tracker, parent, store_root, publish_root))
-            logger.info("variant %s: perplexity %.3f", variant.name, records[-1].perplexity)
+        pool = work_pool or recipe.execution.work_pool
+        if pool:
+            from thresher.flows.fanout import fan_out
+
+            records = fan_out(recipe, pool, parent, tracker, store_root, publish_root, parent_name)
+        else:
+            for variant in recipe.variants:
+                records.append(_run_variant(recipe, variant, base_path, base_hash, base_facts,
+                                            tracker, parent, store_root, publish_root))
+                logger.info("variant %s: perplexity %.3f", variant.name, records[-1].perplexity)
         report = build_report(records, Path(store_root) / "reports" / parent)
         log_report(report, parent, tracking_uri=tracker.uri)
         status = "FINISHED"
@@ -201,14 +209,14 @@ def _run_variant(recipe: Recipe, variant: Variant, base_path: str, base_hash: st
 @flow(name="compress", flow_run_name=_compress_run_name, persist_result=False,
       log_prints=True)
 def compress(recipe: Recipe, tracking_uri: str | None = None, store_dir: str | None = None,
-             publish_dir: str | None = None) -> dict[str, Any]:
+             publish_dir: str | None = None, work_pool: str | None = None) -> dict[str, Any]:
     """Compress a model as the recipe says: stages, evaluation, publishing, comparison."""
-    return run_recipe(recipe, tracking_uri, store_dir, publish_dir)
+    return run_recipe(recipe, tracking_uri, store_dir, publish_dir, work_pool)
 
 
 @flow(name="compress-file", flow_run_name=_compress_file_run_name, persist_result=False,
       log_prints=True)
 def compress_file(recipe_path: str, tracking_uri: str | None = None, store_dir: str | None = None,
-                  publish_dir: str | None = None) -> dict[str, Any]:
+                  publish_dir: str | None = None, work_pool: str | None = None) -> dict[str, Any]:
     """Like ``compress``, reading the recipe from a YAML file (what deployments and schedules use)."""
-    return run_recipe(load_recipe(recipe_path), tracking_uri, store_dir, publish_dir)
+    return run_recipe(load_recipe(recipe_path), tracking_uri, store_dir, publish_dir, work_pool)
