@@ -30,6 +30,7 @@ from thresher.evaluate.report import (
     build_report,
     log_report,
 )
+from thresher.flows.pareto import alias_pareto_front
 from thresher.flows.stages import (
     evaluate_artifact,
     publish_artifact,
@@ -129,6 +130,8 @@ def run_recipe(recipe: Recipe, tracking_uri: str | None = None, store_dir: str |
                                             tracker, parent, store_root, publish_root))
                 logger.info("variant %s: perplexity %.3f", variant.name, records[-1].perplexity)
         report = build_report(records, Path(store_root) / "reports" / parent)
+        if recipe.publish.registry_name:
+            alias_pareto_front(tracker, records)
         log_report(report, parent, tracking_uri=tracker.uri)
         status = "FINISHED"
         return {"parent_run_id": parent, "tracking_uri": tracker.uri,
@@ -159,6 +162,7 @@ def _run_variant(recipe: Recipe, variant: Variant, base_path: str, base_hash: st
             out = run_stage(path, content_hash, stage, recipe.calibration, store_root,
                             label=f"{variant.name}/{i}-{stage.kind}")
             hits += int(out["cache_hit"])
+            metrics[f"{stage.kind}.cache_hit"] = float(out["cache_hit"])
             path, content_hash = out["path"], out["content_hash"]
             lineage.append({"stage": stage.model_dump(mode="json", exclude_none=True),
                             "store_key": out["key"], "content_hash": content_hash})

@@ -18,6 +18,7 @@ lock and atomic commit keep every finished stage. A task runner would need its o
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -39,6 +40,8 @@ FLOW_NAME = "compress-variant"
 ENTRYPOINT = "thresher/flows/fanout.py:compress_variant"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CRASH_AUTOMATION = "thresher: crash flow runs without heartbeats"
+FLOW_RUN_TAG = "thresher.prefect_flow_run"  # on a variant's MLflow run: which flow run made it
+HOST_TAG = "thresher.host"
 HEARTBEAT_SECONDS = 30  # Prefect's minimum
 HEARTBEAT_GRACE_SECONDS = 90  # no heartbeat for this long: the run's machine is gone
 
@@ -178,6 +181,8 @@ def _finished_or_cleared(tracker: Tracker, parent: str, name: str) -> bool:
 def compress_variant(recipe: Recipe, variants: list[str], parent_run_id: str, tracking_uri: str,
                      store_dir: str, publish_dir: str) -> list[dict[str, Any]]:
     """Run the named variants of ``recipe`` as nested MLflow runs under ``parent_run_id``."""
+    from prefect.runtime import flow_run
+
     logger = get_run_logger()
     tracker = Tracker(tracking_uri, experiment=recipe.tracking.experiment or recipe.name)
     base_path, base_hash = resolve_base(recipe.model)
@@ -193,6 +198,8 @@ def compress_variant(recipe: Recipe, variants: list[str], parent_run_id: str, tr
             continue
         record = _run_variant(recipe, by_name[name], base_path, base_hash, base_facts, tracker,
                               parent_run_id, store_dir, Path(publish_dir))
+        tracker.set_tags(record.run_id, {FLOW_RUN_TAG: str(flow_run.id),
+                                         HOST_TAG: socket.gethostname()})
         logger.info("variant %s: perplexity %.3f", name, record.perplexity)
         out.append(record.to_dict())
     return out
