@@ -42,6 +42,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CRASH_AUTOMATION = "thresher: crash flow runs without heartbeats"
 FLOW_RUN_TAG = "thresher.prefect_flow_run"  # on a variant's MLflow run: which flow run made it
 HOST_TAG = "thresher.host"
+VARIANT_TAG = "thresher-variant"  # on every compress-variant flow run; the automation keys on it
 HEARTBEAT_SECONDS = 30  # Prefect's minimum
 HEARTBEAT_GRACE_SECONDS = 90  # no heartbeat for this long: the run's machine is gone
 
@@ -64,7 +65,7 @@ def deploy_variant_flow(pool: str, source: str | None = None) -> str:
     this checkout, which must then exist at the same path on every worker)."""
     remote = flow.from_source(source=source or str(REPO_ROOT), entrypoint=ENTRYPOINT)
     deployment_id = remote.deploy(
-        name=pool, work_pool_name=pool, tags=["thresher"], print_next_steps=False,
+        name=pool, work_pool_name=pool, tags=["thresher", VARIANT_TAG], print_next_steps=False,
         description="thresher: a group of a recipe's variants, under the sweep's MLflow run",
         job_variables={"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_SECONDS)}},
         ignore_warnings=True,
@@ -74,8 +75,9 @@ def deploy_variant_flow(pool: str, source: str | None = None) -> str:
 
 
 def ensure_crash_automation(grace_s: int = HEARTBEAT_GRACE_SECONDS) -> None:
-    """Prefect's zombie-flow automation, created once: a flow run whose heartbeats stop (its
-    worker died) is set CRASHED, so the parent can resubmit it."""
+    """Prefect's zombie-flow automation, created once: a ``compress-variant`` flow run whose
+    heartbeats stop (its worker died) is set CRASHED, so the parent can resubmit it. It matches
+    only runs tagged ``VARIANT_TAG``: other flow runs beat every 180 s (Prefect's default)."""
     from prefect.automations import Automation
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
@@ -94,6 +96,7 @@ def ensure_crash_automation(grace_s: int = HEARTBEAT_GRACE_SECONDS) -> None:
                     "prefect.flow-run.Failed", "prefect.flow-run.Cancelled",
                     "prefect.flow-run.Crashed"},
             match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+            match_related=ResourceSpecification({"prefect.resource.id": f"prefect.tag.{VARIANT_TAG}"}),
             for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1,
             within=timedelta(seconds=grace_s),
         ),
@@ -124,7 +127,7 @@ def fan_out(recipe: Recipe, pool: str, parent: str, tracker: Tracker, store_root
     def submit(i: int) -> UUID:
         run = run_deployment(deployment_name(pool), parameters={**params, "variants": groups[i]},
                              flow_run_name=f"{parent_name}-{groups[i][0]}", timeout=0,
-                             tags=["thresher", f"group-{i}"])
+                             tags=["thresher", VARIANT_TAG, f"group-{i}"])
         logger.info("group %d (%s): flow run %s", i, ", ".join(groups[i]), run.name)
         return run.id
 
