@@ -115,6 +115,14 @@ def fan_out(recipe: Recipe, pool: str, parent: str, tracker: Tracker, store_root
     logger = get_run_logger()
     with get_client(sync_client=True) as client:
         try:
+            client.read_work_pool(pool)
+        except ObjectNotFound:
+            raise ExecutionError(
+                f"work pool {pool!r}: not found at the Prefect API {client.api_url}; set "
+                "PREFECT_API_URL to the server the workers poll and create the pool (`prefect "
+                f"work-pool create {pool} --type process`), or start `thresher stack up`"
+            ) from None
+        try:
             client.read_deployment_by_name(deployment_name(pool))
         except ObjectNotFound:
             deploy_variant_flow(pool)
