@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -82,6 +83,16 @@ def _wait_healthy(url: str, name: str, pid: int, root: Path, timeout: float = 24
                          f"(log: {root / 'logs' / f'{name}.log'}):\n{tail}")
 
 
+def _check_port_free(name: str, port: int) -> None:
+    """Refuse a taken port: a server already there would answer the health check instead."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            raise ExecutionError(f"stack: port {port} for the {name} server is in use; pass "
+                                 f"--{name}-port with a free one") from None
+
+
 def _alive(pid: int) -> bool:
     with contextlib.suppress(ChildProcessError):  # reap it if this process started it
         os.waitpid(pid, os.WNOHANG)
@@ -99,6 +110,8 @@ def start_stack(workers: int = 2, pool: str = "thresher", prefect_port: int = 42
     if (root / STATE_FILE).is_file():
         raise ExecutionError(f"stack: one is already recorded in {root / STATE_FILE}; run "
                              "`thresher stack down` first")
+    for name, port in (("prefect", prefect_port), ("mlflow", mlflow_port)):
+        _check_port_free(name, port)
     root.mkdir(parents=True, exist_ok=True)
     prefect_url = f"http://127.0.0.1:{prefect_port}/api"
     mlflow_url = f"http://127.0.0.1:{mlflow_port}"
