@@ -2,7 +2,8 @@
 
 A recipe names a base model, calibration and evaluation data, and variants; each variant is a
 chain of stages (``prune`` then ``quantize``). Unknown keys are errors, and every error names the
-field path (``variants.1.stages.0.quantize.bits``) and what is wrong with it.
+field path (``variants.1.stages.0.quantize.bits``) and what is wrong with it. A ``sweep`` section
+(a grid of prune and quantize options) expands into more variants during validation.
 """
 
 from __future__ import annotations
