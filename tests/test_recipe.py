@@ -157,3 +157,83 @@ def test_schema_holds_the_method_union():
     gptq = schema["$defs"]["GPTQStage"]["properties"]
     assert "act_order" in gptq and "clip" not in gptq
     assert "clip" in schema["$defs"]["AWQStage"]["properties"]
+
+
+# --- sweeps -------------------------------------------------------------------------------------
+
+
+def sweep_recipe(sweep: dict, variants: list | None = None) -> dict:
+    recipe = {"name": "s", "model": "demo:tiny", "sweep": sweep}
+    if variants is not None:
+        recipe["variants"] = variants
+    return recipe
+
+
+def test_sweep_expands_grid_after_hand_written_variants():
+    recipe = parse_recipe(sweep_recipe(
+        {"prune": {"method": "reap", "ratio": [0.25, 0.5]},
+         "quantize": [{"method": "gptq", "bits": [3, 4]}, {"method": "awq", "bits": 4}]},
+        variants=[{"name": "base", "stages": []}]))
+    assert [v.name for v in recipe.variants] == [
+        "base", "reap25-gptq3", "reap25-gptq4", "reap25-awq4",
+        "reap50-gptq3", "reap50-gptq4", "reap50-awq4"]
+    v = recipe.variants[5]
+    assert v.stages[0].prune.ratio == 0.5 and v.stages[1].quantize.bits == 4
+    assert recipe.sweep is None
+    # each REAP model is one step, read by its three quantized children
+    prunes = [s for s in recipe.plan() if s.stage.kind == "prune"]
+    assert [len(s.variants) for s in prunes] == [3, 3]
+
+
+def test_sweep_names_other_varying_keys_and_no_stage_choice():
+    recipe = parse_recipe(sweep_recipe({"quantize": [
+        None, {"method": "gptq", "group_size": [64, 128]}, {"method": "rtn", "group_size": 64}]}))
+    assert [v.name for v in recipe.variants] == ["base", "gptq4-g64", "gptq4-g128", "rtn4-g64"]
+    assert recipe.variants[0].stages == []
+
+
+def test_sweep_round_trips_without_expanding_twice():
+    recipe = parse_recipe(sweep_recipe({"prune": {"ratio": [0.25, 0.5]}}))
+    dumped = recipe.model_dump(mode="json", by_alias=True)
+    assert "sweep" not in dumped
+    again = parse_recipe(json.loads(json.dumps(dumped)))
+    assert again == recipe and len(again.variants) == 2
+
+
+@pytest.mark.parametrize(
+    "sweep, variants, words",
+    [
+        ({"quantize": {"method": ["gptq", "awq"], "bits": [3, 4]}}, None,
+         ["sweep.quantize:", "4-bit", "method=awq, bits=3", "list of grids"]),
+        ({"prune": {"ratio": [0.5, 1.5]}}, None, ["sweep.prune: ratio:", "(0, 1)"]),
+        ({"quantize": {"method": "gptq", "bitz": 4}}, None, ["sweep.quantize: bitz: unknown key"]),
+        ({"prune": {"ratio": [0.1, 0.2, 0.3]}, "quantize": {"method": "rtn", "bits": [2, 3, 4]},
+          "max_variants": 8}, None, ["sweep:", "9 variants", "sweep.max_variants (8)"]),
+        ({"prune": {"ratio": 0.5}}, [{"name": "reap50", "stages": []}],
+         ["'reap50'", "already taken"]),
+        ({"max_variants": 4}, None, ["sweep:", "at least one of 'prune' and 'quantize'"]),
+        ({"prune": {"ratio": []}}, None, ["sweep.prune: ratio: an empty list"]),
+    ],
+)
+def test_sweep_errors_name_the_field(sweep, variants, words):
+    with pytest.raises(RecipeError) as err:
+        parse_recipe(sweep_recipe(sweep, variants))
+    for w in words:
+        assert w in str(err.value), str(err.value)
+
+
+def test_default_grid_limit_refuses_thousands():
+    sweep = {"prune": {"ratio": [i / 100 for i in range(1, 41)]},
+             "quantize": {"method": "rtn", "bits": [2, 3, 4, 8], "group_size": [32, 64, 128]}}
+    with pytest.raises(RecipeError, match=r"480 variants, more than sweep.max_variants \(64\)"):
+        parse_recipe(sweep_recipe(sweep))
+
+
+def test_check_prints_sweep_plan():
+    result = CliRunner().invoke(app, ["check", str(ROOT / "configs" / "sweep-demo.yaml")])
+    assert result.exit_code == 0, result.output
+    for name in ("reap25-gptq3", "reap25-gptq4", "reap25-awq4", "reap50-awq4"):
+        assert f"variant {name}:" in result.output
+    # one REAP-25% step, used by its three quantized children
+    assert "reap25-gptq3, reap25-gptq4, reap25-awq4" in result.output.replace("\n", " ")
+    assert "7 variants; runs in this process" in result.output

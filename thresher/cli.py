@@ -37,6 +37,9 @@ app.add_typer(demo_model_app, name="demo-model")
 export_app = typer.Typer(help="Export a model to another runtime's format (GGUF for llama.cpp and "
                          "Ollama).", no_args_is_help=True)
 app.add_typer(export_app, name="export")
+stack_app = typer.Typer(help="A local Prefect server, MLflow server and process workers: the "
+                        "one-machine twin of a multi-machine sweep.", no_args_is_help=True)
+app.add_typer(stack_app, name="stack")
 
 # Wide enough for the comparison table when the output is a file or a CI log, not a terminal.
 console = Console(stderr=False, width=None if sys.stdout.isatty() else 160)
@@ -101,6 +104,9 @@ def check(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")]) -> 
     for v in r.variants:
         chain = " -> ".join(s.describe() for s in v.stages) or "(base model, no stages)"
         console.print(f"  variant [bold]{v.name}[/]: {chain}")
+    pool = r.execution.work_pool
+    console.print(f"{len(r.variants)} variants; runs " + (
+        f"on work pool {pool!r} (retries {r.execution.retries})" if pool else "in this process"))
     console.print("[green]recipe is valid[/]")
 
 
@@ -184,13 +190,18 @@ def run_cmd(
         "under the state directory).")] = None,
     store_dir: Annotated[str | None, typer.Option(help="Artifact store directory.")] = None,
     publish_dir: Annotated[str | None, typer.Option(help="Where published variants go.")] = None,
+    pool: Annotated[str | None, typer.Option(
+        help="Prefect work pool whose workers run the variants (default: the recipe's "
+        "execution.work_pool, else this process). The store must be on a path every worker "
+        "mounts.")] = None,
 ) -> None:
     """Run a recipe through the Prefect `compress` flow and print the comparison table."""
     from thresher.flows.compress import compress
     from thresher.recipe import load_recipe
 
     r = load_recipe(recipe)  # validated before Prefect or any compute starts
-    summary = compress(r, tracking_uri=tracking_uri, store_dir=store_dir, publish_dir=publish_dir)
+    summary = compress(r, tracking_uri=tracking_uri, store_dir=store_dir, publish_dir=publish_dir,
+                       work_pool=pool)
     print_comparison(_flow_records(summary))
     console.print(f"MLflow: parent run {summary['parent_run_id']} at {summary['tracking_uri']}")
 
@@ -219,6 +230,35 @@ def deploy(
                       f"`prefect worker start --pool {work_pool}`")
     else:
         serve_deployments(specs)
+
+
+@stack_app.command("up")
+@handles_errors
+def stack_up(
+    workers: Annotated[int, typer.Option(min=1, help="Process workers to start.")] = 2,
+    pool: Annotated[str, typer.Option(help="Work pool name.")] = "thresher",
+    prefect_port: Annotated[int, typer.Option(help="Prefect server port.")] = 4200,
+    mlflow_port: Annotated[int, typer.Option(help="MLflow server port.")] = 5000,
+) -> None:
+    """Start a Prefect server, an MLflow server (SQLite, proxied artifacts) and N workers."""
+    from thresher.flows.stack import start_stack
+
+    stack = start_stack(workers, pool, prefect_port, mlflow_port)
+    console.print(f"Prefect: {stack.prefect_url.removesuffix('/api')}  MLflow: {stack.mlflow_url}")
+    console.print(f"{workers} workers on pool {pool!r}; logs in {stack.root}/logs")
+    console.print("export these, then `thresher run RECIPE --pool " + pool + "`:")
+    for k, v in stack.env().items():
+        console.print(f"  export {k}={v}", highlight=False)
+
+
+@stack_app.command("down")
+@handles_errors
+def stack_down() -> None:
+    """Stop the processes `thresher stack up` started (state under $THRESHER_HOME/stack)."""
+    from thresher.flows.stack import stop_stack
+
+    stopped = stop_stack()
+    console.print(f"stopped {', '.join(stopped)}" if stopped else "no stack is running")
 
 
 # --- expert pruning -----------------------------------------------------------------------------

@@ -38,3 +38,7 @@ class ExportError(ThresherError):
 
 class TrackingError(ThresherError):
     """The MLflow tracking server or the Prefect API cannot be reached or refuses a request."""
+
+
+class ExecutionError(ThresherError):
+    """A fanned-out run failed for good (retries spent), or the local stack could not start."""

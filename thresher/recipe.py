@@ -2,11 +2,14 @@
 
 A recipe names a base model, calibration and evaluation data, and variants; each variant is a
 chain of stages (``prune`` then ``quantize``). Unknown keys are errors, and every error names the
-field path (``variants.1.stages.0.quantize.bits``) and what is wrong with it.
+field path (``variants.1.stages.0.quantize.bits``) and what is wrong with it. A ``sweep`` section
+(a grid of prune and quantize options) expands into more variants during validation.
 """
 
 from __future__ import annotations
 
+import itertools
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -313,6 +316,163 @@ class TrackingConfig(StrictModel):
     experiment: str | None = Field(None, description="default: the recipe name")
 
 
+# --- sweeps and execution -----------------------------------------------------------------------
+
+StageGrid = dict[str, Any]
+StageGrids = Annotated[
+    StageGrid | list[StageGrid | None] | None,
+    Field(description="a stage's options, where a list value is a grid axis "
+          "({method: reap, ratio: [0.25, 0.5]}), or a list of such grids (null: no stage)"),
+]
+# Naming: these keys always name a generated variant (reap25, gptq3); other keys only when their
+# value differs between the sweep's choices for that stage (g64, actorder).
+_NAME_KEYS = {"prune": ("method", "ratio", "keep"), "quantize": ("method", "bits")}
+_SHORT = {"group_size": "g", "keep_16bit": "keep16"}
+
+
+class SweepConfig(StrictModel):
+    """A grid of variants: every choice of prune stage times every choice of quantize stage.
+
+    ``Recipe`` expands it into named variants after the hand-written ones and then drops it, so a
+    validated recipe holds only concrete variants (and round-trips through JSON unchanged).
+    """
+
+    prune: StageGrids = None
+    quantize: StageGrids = None
+    max_variants: int = Field(64, gt=0, description="refuse a grid with more variants than this")
+
+    @field_validator("prune", "quantize")
+    @classmethod
+    def _each_choice_valid(cls, grids: Any, info: Any) -> Any:
+        for choice in _expand(info.field_name, grids):
+            if choice is not None:
+                _check_stage(info.field_name, choice)
+        return grids
+
+    @model_validator(mode="after")
+    def _bounded(self) -> SweepConfig:
+        if self.prune is None and self.quantize is None:
+            raise ValueError("a sweep names at least one of 'prune' and 'quantize'")
+        count = len(self.stage_choices("prune")) * len(self.stage_choices("quantize"))
+        if count > self.max_variants:
+            raise ValueError(f"the grid makes {count} variants, more than sweep.max_variants "
+                             f"({self.max_variants}); narrow the grid or raise sweep.max_variants")
+        return self
+
+    def stage_choices(self, kind: str) -> list[StageGrid | None]:
+        """Every concrete option mapping of one stage kind (``[None]``: the sweep has no such stage)."""
+        return _expand(kind, getattr(self, kind))
+
+    def variants(self) -> list[dict[str, Any]]:
+        """The grid as variant mappings (name and stages), prune choices outermost."""
+        named = {kind: _named(kind, self.stage_choices(kind)) for kind in ("prune", "quantize")}
+        out = []
+        for prune_name, prune in named["prune"]:
+            for quant_name, quant in named["quantize"]:
+                stages = [{kind: opts} for kind, opts in (("prune", prune), ("quantize", quant))
+                          if opts is not None]
+                name = "-".join(n for n in (prune_name, quant_name) if n) or "base"
+                out.append({"name": name, "stages": stages})
+        return out
+
+
+def _expand(kind: str, grids: Any) -> list[StageGrid | None]:
+    """A grid (or list of grids) as its concrete choices: the product of its list values."""
+    if grids is None:
+        return [None]
+    out: list[StageGrid | None] = []
+    for grid in grids if isinstance(grids, list) else [grids]:
+        if grid is None:
+            out.append(None)
+            continue
+        axes = [[(k, x) for x in v] if _is_axis(kind, k, v) else [(k, v)] for k, v in grid.items()]
+        for i, axis in enumerate(axes):
+            if not axis:
+                raise ValueError(f"{list(grid)[i]}: an empty list leaves nothing to sweep")
+        out.extend(dict(combo) for combo in itertools.product(*axes))
+    return out
+
+
+def _is_axis(kind: str, key: str, value: Any) -> bool:
+    """A list is an axis, except for a list-valued option (keep_16bit) where a list of lists is."""
+    if not isinstance(value, list):
+        return False
+    if kind == "quantize" and key == "keep_16bit":
+        return bool(value) and all(isinstance(x, list) for x in value)
+    return True
+
+
+def _check_stage(kind: str, choice: StageGrid) -> PruneStage | QuantizeStage:
+    """Validate one choice as its stage class, naming the option and the combination."""
+    try:
+        if kind == "prune":
+            return PruneStage.model_validate(choice)
+        return QUANTIZE_STAGE.validate_python(choice)
+    except ValidationError as err:
+        combo = ", ".join(f"{k}={v}" for k, v in choice.items())
+        problems = []
+        for e in err.errors():
+            parts, _ = _readable_loc((kind, *e["loc"]))
+            field = ".".join(parts[1:])
+            msg = e["msg"].removeprefix("Value error, ")
+            if e["type"] == "extra_forbidden":
+                msg = "unknown key" + (f" for method {choice.get('method')}" if kind == "quantize"
+                                       else "")
+            elif e["type"] in ("union_tag_invalid", "union_tag_not_found"):
+                msg = f"'method' must be one of {', '.join(QUANTIZE_STAGES)}"
+            problems.append(f"{field}: {msg}" if field else msg)
+        hint = ("; give each method its own grid in a list of grids" if kind == "quantize"
+                and isinstance(choice.get("method"), str) else "")
+        raise ValueError(f"{'; '.join(problems)} (in the choice {combo}{hint})") from None
+
+
+def _named(kind: str, choices: list[StageGrid | None]) -> list[tuple[str, StageGrid | None]]:
+    """Each choice with its name part: the naming keys, then every other option whose value
+    (given or default) differs between the choices."""
+    stages = [None if c is None else _check_stage(kind, c) for c in choices]
+    present = [s for s in stages if s is not None]
+    keys = dict.fromkeys(k for c in choices if c is not None for k in c)
+    varying = [k for k in keys if k not in _NAME_KEYS[kind]
+               and len({repr(getattr(s, k, None)) for s in present}) > 1]
+    out: list[tuple[str, StageGrid | None]] = []
+    for choice, stage in zip(choices, stages, strict=True):
+        if choice is None or stage is None:
+            out.append(("", None))
+            continue
+        parts = [_main_name(stage)]
+        parts += [_key_name(k, getattr(stage, k)) for k in varying if k in type(stage).model_fields]
+        out.append(("-".join(parts), choice))
+    return out
+
+
+def _main_name(stage: PruneStage | QuantizeStage) -> str:
+    if isinstance(stage, PruneStage):
+        if stage.ratio is not None:
+            return f"{stage.method}{stage.ratio * 100:g}"
+        return f"{stage.method}-k{stage.keep}"
+    return stage.method if stage.method == "nf4" else f"{stage.method}{stage.bits}"
+
+
+def _key_name(key: str, value: Any) -> str:
+    short = _SHORT.get(key, key.replace("_", ""))
+    if isinstance(value, bool):
+        return short if value else f"no{short}"
+    if isinstance(value, list):
+        value = ".".join(map(str, value)) or "none"
+    return re.sub(r"[^A-Za-z0-9._-]", "_", f"{short}{value:g}" if isinstance(value, float)
+                  else f"{short}{value}")
+
+
+class ExecutionConfig(StrictModel):
+    """Where the variants run: in this process (default) or fanned out over a Prefect work pool."""
+
+    work_pool: str | None = Field(None, description="Prefect work pool whose workers run the "
+                                  "variants (one flow run per group sharing a first stage)")
+    retries: int = Field(2, ge=0, description="resubmissions of a variant group whose flow run "
+                         "ends FAILED or CRASHED (a lost worker)")
+    poll_seconds: float = Field(5.0, gt=0, description="how often the parent polls the runs")
+
+
 class Recipe(StrictModel):
     """A compression job: a base model and the variants to derive from it."""
 
@@ -321,12 +481,41 @@ class Recipe(StrictModel):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
-    variants: list[Variant] = Field(min_length=1)
+    variants: list[Variant] = Field(default_factory=list, description="hand-written variants "
+                                    "(a sweep appends its own)")
     publish: PublishConfig = Field(default_factory=PublishConfig)
     validate_: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
+    sweep: SweepConfig | None = Field(
+        None, exclude=True, description="a grid expanded into variants after the hand-written "
+        "ones (always null once validated: the variants hold the expansion)")
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_sweep(cls, data: Any) -> Any:
+        """Append the sweep's variants and drop the sweep, so it never expands twice. An invalid
+        sweep is left in place for the ``sweep`` field to report, naming its fields."""
+        if not isinstance(data, dict) or data.get("sweep") is None:
+            return data
+        raw = data["sweep"]
+        try:
+            sweep = raw if isinstance(raw, SweepConfig) else SweepConfig.model_validate(raw)
+        except ValidationError:
+            return data
+        hand = list(data.get("variants") or [])
+        taken = {v.name if isinstance(v, Variant) else v.get("name") for v in hand
+                 if isinstance(v, Variant | dict)}
+        generated = sweep.variants()
+        for v in generated:
+            if v["name"] in taken:
+                raise ValueError(f"sweep: the generated variant name {v['name']!r} is already "
+                                 "taken (by a hand-written variant or another choice); rename "
+                                 "the hand-written variant or make the choices differ")
+            taken.add(v["name"])
+        return {**data, "variants": hand + generated, "sweep": None}
 
     @field_validator("variants")
     @classmethod
@@ -337,6 +526,13 @@ class Recipe(StrictModel):
                 raise ValueError(f"variant name {v.name!r} is used twice")
             seen.add(v.name)
         return variants
+
+    @model_validator(mode="after")
+    def _some_variant(self) -> Recipe:
+        if not self.variants:
+            raise ValueError("a recipe needs at least one variant: list 'variants' or add a "
+                             "'sweep'")
+        return self
 
     def plan(self) -> list[PlanStep]:
         """The stages to compute, with equal prefixes shared across variants."""

@@ -247,6 +247,10 @@ class Tracker:
         )
         return str(mv.version)
 
+    def set_alias(self, name: str, alias: str, version: str) -> None:
+        """Point ``models:/name@alias`` at ``version`` (moved there if it pointed elsewhere)."""
+        self.client.set_registered_model_alias(name, alias, version)
+
     def model_version(self, name_version: str) -> ModelVersion:
         """The registry entry of ``name/version`` or ``name@alias`` (a ``models:/`` URI's tail)."""
         try:

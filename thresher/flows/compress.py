@@ -30,6 +30,7 @@ from thresher.evaluate.report import (
     build_report,
     log_report,
 )
+from thresher.flows.pareto import alias_pareto_front
 from thresher.flows.stages import (
     evaluate_artifact,
     publish_artifact,
@@ -91,8 +92,9 @@ def _parent_run_name(recipe: Recipe) -> str:
 
 
 def run_recipe(recipe: Recipe, tracking_uri: str | None = None, store_dir: str | None = None,
-               publish_dir: str | None = None) -> dict[str, Any]:
-    """The flow body: the variants, the comparison report, the flow run's summary."""
+               publish_dir: str | None = None, work_pool: str | None = None) -> dict[str, Any]:
+    """The flow body: the variants, the comparison report, the flow run's summary. With a work
+    pool (argument or ``execution.work_pool``) the variants run on its workers (``fanout``)."""
     logger = get_run_logger()
     # Fail before any compute if tracking is unusable.
     tracker = Tracker(tracking_uri or recipe.tracking.mlflow_uri,
@@ -101,9 +103,9 @@ def run_recipe(recipe: Recipe, tracking_uri: str | None = None, store_dir: str |
     publish_root = Path(publish_dir or recipe.publish.dir or state_dir() / "published") / recipe.name
 
     base_path, base_hash = resolve_base(recipe.model)
-    name = _parent_run_name(recipe)
+    parent_name = _parent_run_name(recipe)
     parent = tracker.start_run(
-        name, system_metrics=True,
+        parent_name, system_metrics=True,
         tags={"thresher.base_model": recipe.model, "thresher.base_hash": base_hash,
               "thresher.recipe": recipe.name, "thresher.recipe_hash": recipe_hash(recipe),
               "thresher.git_sha": git_sha() or "unknown"},
@@ -115,13 +117,21 @@ def run_recipe(recipe: Recipe, tracking_uri: str | None = None, store_dir: str |
                                                 sort_keys=False), "recipe.yaml")
         base_facts = _artifact_facts(base_path)
         records = []
-        for variant in recipe.variants:
-            records.append(_run_variant(recipe, variant, base_path, base_hash, base_facts,
-                                        tracker, parent, store_root, publish_root))
-            logger.info("variant %s: perplexity %.3f", variant.name, records[-1].perplexity)
+        pool = work_pool or recipe.execution.work_pool
+        if pool:
+            from thresher.flows.fanout import fan_out
+
+            records = fan_out(recipe, pool, parent, tracker, store_root, publish_root, parent_name)
+        else:
+            for variant in recipe.variants:
+                records.append(_run_variant(recipe, variant, base_path, base_hash, base_facts,
+                                            tracker, parent, store_root, publish_root))
+                logger.info("variant %s: perplexity %.3f", variant.name, records[-1].perplexity)
         report = build_report(records, Path(store_root) / "reports" / parent)
+        if recipe.publish.registry_name:
+            alias_pareto_front(tracker, records)
         log_report(report, parent, tracking_uri=tracker.uri)
-        publish_summary(report, name, recipe.name, tracker.uri, str(tracker.experiment_id), parent)
+        publish_summary(report, parent_name, recipe.name, tracker.uri, str(tracker.experiment_id), parent)
         status = "FINISHED"
         return {"parent_run_id": parent, "tracking_uri": tracker.uri,
                 "experiment_id": tracker.experiment_id, "report_dir": str(report.out_dir),
@@ -151,6 +161,7 @@ def _run_variant(recipe: Recipe, variant: Variant, base_path: str, base_hash: st
             out = run_stage(path, content_hash, stage, recipe.calibration, store_root,
                             label=f"{variant.name}/{i}-{stage.kind}")
             hits += int(out["cache_hit"])
+            metrics[f"{stage.kind}.cache_hit"] = float(out["cache_hit"])
             path, content_hash = out["path"], out["content_hash"]
             lineage.append({"stage": stage.model_dump(mode="json", exclude_none=True),
                             "store_key": out["key"], "content_hash": content_hash})
@@ -201,7 +212,7 @@ def _run_variant(recipe: Recipe, variant: Variant, base_path: str, base_hash: st
 @flow(name="compress", flow_run_name=_compress_run_name, persist_result=False,
       log_prints=True, validate_parameters=False)
 def compress(recipe: Recipe, tracking_uri: str | None = None, store_dir: str | None = None,
-             publish_dir: str | None = None) -> dict[str, Any]:
+             publish_dir: str | None = None, work_pool: str | None = None) -> dict[str, Any]:
     """Compress a model as the recipe says: stages, evaluation, publishing, comparison.
 
     Prefect draws the run form of a deployment from this signature; the recipe is checked by
@@ -212,7 +223,9 @@ def compress(recipe: Recipe, tracking_uri: str | None = None, store_dir: str | N
         tracking_uri: MLflow tracking URI (default: the recipe's, else $MLFLOW_TRACKING_URI)
         store_dir: artifact store of stage outputs (default: under $THRESHER_HOME)
         publish_dir: where variants are published (default: the recipe's publish.dir)
+        work_pool: Prefect work pool whose workers run the variants (default: the recipe's
+            execution.work_pool; none: every variant runs in this flow run)
     """
     if not isinstance(recipe, Recipe):  # a run started from the API or the UI's form
         recipe = parse_recipe(recipe, where="flow parameter 'recipe'")
-    return run_recipe(recipe, tracking_uri, store_dir, publish_dir)
+    return run_recipe(recipe, tracking_uri, store_dir, publish_dir, work_pool)

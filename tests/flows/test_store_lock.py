@@ -1,0 +1,60 @@
+"""Two processes reach the same store key at once: one computes the stage, the other waits on
+the key's lock and reuses the entry (what two workers sharing a store do)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.flows.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+# Each process imports everything, says it is ready, waits for the other, then asks for the
+# stage (a real frequency prune of the tiny demo model) and reports when it asked and finished.
+WORKER = """
+import json, sys, time
+from pathlib import Path
+from thresher.flows.stages import run_stage
+from thresher.models.source import hash_directory
+from thresher.recipe import CalibrationConfig, Stage
+
+model, store, me, other = sys.argv[1:5]
+stage = Stage.model_validate({"prune": {"method": "frequency", "ratio": 0.25}})
+calibration = CalibrationConfig(samples=4, seq_len=32)
+input_hash = hash_directory(model)
+Path(me).touch()
+while not Path(other).exists():
+    time.sleep(0.005)
+asked = time.time()
+out = run_stage.fn(model, input_hash, stage, calibration, store, label="lock")
+print(json.dumps({**out, "asked": asked, "done": time.time()}))
+"""
+
+
+def test_two_processes_same_key_compute_once(tiny_demo, tmp_path):
+    store = tmp_path / "store"
+    ready = [tmp_path / "ready-0", tmp_path / "ready-1"]
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(tiny_demo), str(store),
+                               str(ready[i]), str(ready[1 - i])],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    computed = [r for r in results if not r["cache_hit"]]
+    reused = [r for r in results if r["cache_hit"]]
+    assert len(computed) == 1 and len(reused) == 1
+    # the reuser asked while the other was computing, so it waited on the lock
+    assert reused[0]["asked"] < computed[0]["done"] < reused[0]["done"]
+    assert reused[0]["path"] == computed[0]["path"]
+    assert reused[0]["content_hash"] == computed[0]["content_hash"]
+    entries = list(Path(store).glob("*/*/.thresher-complete.json"))
+    assert len(entries) == 1
+    assert not list((Path(store) / ".scratch").iterdir())
