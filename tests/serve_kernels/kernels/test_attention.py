@@ -116,3 +116,36 @@ def test_aot_compiles():
                          {"k_ptr": "*fp16", "v_ptr": "*fp16", "k_cache_ptr": "*fp16",
                           "v_cache_ptr": "*fp16", "slot_mapping_ptr": "*i64"}, {"BLOCK": 1024}))
     aot_compile_all(specs)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 1e-2), (torch.float32, 1e-5)])
+def test_split_kv_decode_matches_ref(dtype, tol):
+    """64-token partitions over contexts 5, 37, 70: one sequence spans two, two leave the second
+    partition empty (weight 0 in the merge)."""
+    (k_cache, v_cache, tables, lens), _, _ = paged(dtype)
+    q = torch.randn(len(CONTEXT), Q_HEADS, DIM, device=DEVICE).to(dtype)
+    assert attention.decode_splits(len(CONTEXT), KV_HEADS, max(CONTEXT), 64) == 2
+    out = attention.paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, SCALE,
+                                                  max_context_len=max(CONTEXT), partition=64)
+    ref = attention.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, SCALE)
+    assert out.dtype == dtype and rel_err(out, ref) < tol
+
+
+def test_decode_splits_from_host_sizes():
+    assert attention.decode_splits(1, 4, None) == 1  # no host bound: the one-pass kernel
+    assert attention.decode_splits(1, 4, 4096) == 4096 // attention.PARTITION
+    assert attention.decode_splits(64, 4, 4096) == 1  # enough programs without splitting
+
+
+def test_split_kv_aot_compiles():
+    types = {"q_ptr": "*fp16", "k_cache_ptr": "*fp16", "v_cache_ptr": "*fp16",
+             "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "part_out_ptr": "*fp32",
+             "part_lse_ptr": "*fp32", "out_ptr": "*fp16", "scale": "fp32"}
+    shapes = {"HEAD_DIM": 128, "DOT_DTYPE": "tl.bfloat16", "BLOCK_D": 128,
+              "BLOCK_N": attention.BLOCK_N, "PARTITION": attention.PARTITION}
+    aot_compile_all([
+        AotSpec(f"{attention.__name__}:_decode_split_kernel", types,
+                {**shapes, "GROUP": 8, "BLOCK_G": 16}),
+        AotSpec(f"{attention.__name__}:_decode_merge_kernel", types,
+                {"HEAD_DIM": 128, "BLOCK_S": 64, "BLOCK_D": 128}),
+    ])
