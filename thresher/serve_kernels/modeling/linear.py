@@ -55,6 +55,9 @@ class GPTQLinear(nn.Module):
         self.bits, self.group_size = bits, group_size
         self.in_features, self.out_features = g_idx.numel(), qweight.shape[1]
         self.cpu_pack: Int4Pack | Int8Pack | None = None
+        size = self.in_features if group_size == -1 else group_size
+        contiguous = torch.equal(g_idx.cpu().long(), torch.arange(self.in_features) // size)
+        self.contiguous_group = group_size if contiguous else None  # grouped W4A16 kernel
 
     @property
     def cpu_packs(self) -> list[Int4Pack | Int8Pack]:
@@ -76,7 +79,8 @@ class GPTQLinear(nn.Module):
             matmul = int4_matmul if isinstance(self.cpu_pack, Int4Pack) else int8_matmul
             y = matmul(x, self.cpu_pack)
         elif self.bits == 4:
-            y = gptq_matmul(x, self.qweight, self.qzeros, self.scales, self.g_idx)
+            y = gptq_matmul(x, self.qweight, self.qzeros, self.scales, self.g_idx,
+                            self.contiguous_group)
         else:
             tensors = {"qweight": self.qweight, "qzeros": self.qzeros, "scales": self.scales,
                        "g_idx": self.g_idx}
