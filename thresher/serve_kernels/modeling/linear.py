@@ -11,6 +11,8 @@ forwards then use instead of dequantizing the whole matrix per call.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -123,6 +125,9 @@ class NF4Linear(nn.Module):
 
     def __init__(self, weight: NF4Weight, bias: torch.Tensor | None):
         super().__init__()
+        if weight.nested_absmax is not None:  # undo the double quantization once, not per call
+            weight = dataclasses.replace(weight, absmax=weight.absmax_fp32(), nested_absmax=None,
+                                         nested_quant_map=None)
         self.nf4 = weight
         self.register_buffer("bias", bias)
         self.out_features, self.in_features = weight.shape
