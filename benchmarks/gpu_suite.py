@@ -381,7 +381,7 @@ def section_parity(bundle: Path, log: Path) -> str:
                                    attention_mask=torch.ones_like(ids), pad_token_id=0)
                 want.append(out[0, len(p):].tolist())
         del ref
-        llm = LLM(path, dtype=dtype, max_model_len=256, max_num_seqs=4)
+        llm = LLM(path, dtype=dtype, max_model_len=256, max_num_seqs=4, kv_cache_gb=0.25)
         got = [o.token_ids for o in llm.generate(
             prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))]
         del llm

@@ -47,6 +47,7 @@ def free_gpu_bytes(device: torch.device, utilization: float,
     torch.cuda.reset_peak_memory_stats(device)
     profile_forward()
     torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # the profile's freed blocks would otherwise count as in use
     free, total = torch.cuda.mem_get_info(device)
     stats = torch.cuda.memory_stats(device)
     transient = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
