@@ -493,10 +493,14 @@ def serve(
     from thresher.serve_kernels.server import ServerConfig, build_app
 
     path = resolve_model(model)
-    engine = LLMEngine(path, max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype,
-                       max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                       num_kv_blocks=num_kv_blocks, kv_cache_gb=kv_cache_gb,
-                       gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)
+    try:
+        engine = LLMEngine(path, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                           dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
+                           block_size=block_size, num_kv_blocks=num_kv_blocks,
+                           kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization,
+                           enforce_eager=enforce_eager)
+    except ValueError as err:  # an engine option out of range: the message names it
+        raise typer.BadParameter(str(err)) from None
     name = served_model_name or (path.name if not model.startswith("models:/")
                                  else model.removeprefix("models:/"))
     console.print(_describe_loaded(name, engine.model_info, engine.max_model_len), highlight=False,

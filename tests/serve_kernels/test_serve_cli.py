@@ -56,3 +56,13 @@ def test_serve_command(tiny_demo, tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_serve_refuses_a_kv_cache_too_small(tiny_demo):
+    from typer.testing import CliRunner
+
+    from thresher.cli import app
+
+    result = CliRunner().invoke(app, ["serve", str(tiny_demo), "--num-kv-blocks", "2"])
+    assert result.exit_code == 2
+    assert "num_kv_blocks=2 cannot hold one sequence" in " ".join(result.output.split())
