@@ -77,3 +77,35 @@ def test_expert_loop_gpu_path_matches_routed_loop():
     x = torch.randn(5, hidden, generator=gen)
     weights, ids = torch.randn(5, experts, generator=gen).softmax(-1).topk(2, dim=-1)
     torch.testing.assert_close(loop._every_expert(x, weights, ids), loop(x, weights, ids))
+
+
+class EagerReplay:
+    """Stands in for a captured CUDA graph on the CPU: ``replay`` runs the same forward over the
+    same static buffers, so the runner's bucketing, padding and buffer copies are what is tested."""
+
+    def __init__(self, model, args, out):
+        self.model, self.args, self.out = model, args, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.model(*self.args))
+
+
+def test_decode_replay_bookkeeping_matches_eager(tiny_demo):
+    """Static buffers, bucket choice (3 sequences pad to 4, then 1), padding rows and block tables
+    of the graph path give the eager path's greedy tokens."""
+    llm = LLM(tiny_demo, block_size=4, dtype="float32", num_kv_blocks=64, max_model_len=64,
+              max_num_seqs=4, enable_prefix_caching=False)
+    prompts = [*PROMPTS, [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12]]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    runner = llm.engine.runner
+    g = runner.static_buffers(4, 64)
+    for bs in graph_buckets(4):
+        g.graphs[bs] = EagerReplay(runner.model, runner.graph_args(g, bs, 64), g.hidden[:bs])
+    runner.decode_graphs = g
+    replays = []
+    for bs, graph in g.graphs.items():
+        graph.replay = (lambda f, b: lambda: (replays.append(b), f())[1])(graph.replay, bs)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert [o.token_ids for o in llm.generate(prompts[:1], params)] == expected[:1]
+    assert set(replays) == {4, 1}

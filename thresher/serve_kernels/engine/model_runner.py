@@ -39,7 +39,7 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """Captured decode graphs and the static buffers they read and write."""
 
-    graphs: dict[int, torch.cuda.CUDAGraph]
+    graphs: dict[int, torch.cuda.CUDAGraph]  # bucket -> graph (anything with ``replay()``)
     input_ids: torch.Tensor  # [max_bs] long
     positions: torch.Tensor  # [max_bs] long
     slot_mapping: torch.Tensor  # [max_bs] long
@@ -78,30 +78,14 @@ class ModelRunner:
         Split-KV attention is sized for ``max_model_len`` inside a graph (the context grows
         between replays). Each bucket runs once eagerly first, so Triton compiles outside the
         capture."""
-        dev = self.device
-        max_blocks = -(-max_model_len // self.block_size)
         buckets = graph_buckets(max_num_seqs)
-        top = buckets[-1]
-        long = dict(device=dev, dtype=torch.long)
-        g = DecodeGraphs({}, torch.zeros(top, **long), torch.zeros(top, **long),
-                         torch.full((top,), -1, **long),
-                         torch.ones(top, device=dev, dtype=torch.int32),
-                         torch.zeros(top, max_blocks, device=dev, dtype=torch.int32),
-                         torch.zeros(top, self.model.spec.hidden_size, device=dev,
-                                     dtype=self.model.embed_tokens.dtype),
-                         torch.arange(top + 1, device=dev, dtype=torch.int32))
+        g = self.static_buffers(buckets[-1], max_model_len)
         pool = None
         try:
             for bs in reversed(buckets):
-                meta = AttentionMetadata(
-                    slot_mapping=g.slot_mapping[:bs], block_tables=g.block_tables[:bs],
-                    context_lens=g.context_lens[:bs],
-                    cu_seqlens_q=g.cu_seqlens_q[: bs + 1],
-                    num_decodes=bs, query_lens=[1] * bs, context_lens_list=[max_model_len] * bs,
-                    max_query_len=1, max_context_len=max_model_len)
-                args = (g.input_ids[:bs], g.positions[:bs], self.kv_caches, meta)
+                args = self.graph_args(g, bs, max_model_len)
                 g.hidden[:bs] = self.model(*args)  # warm-up: kernels compile outside the capture
-                torch.cuda.synchronize(dev)
+                torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     g.hidden[:bs] = self.model(*args)
@@ -110,9 +94,31 @@ class ModelRunner:
         except RuntimeError as exc:  # a kernel that synchronises or allocates on the host
             log.warning("CUDA graph capture failed, decode stays eager: %s", exc)
             return
-        torch.cuda.synchronize(dev)
+        torch.cuda.synchronize(self.device)
         self.decode_graphs = g
         log.info("captured decode CUDA graphs for batch sizes %s", buckets)
+
+    def static_buffers(self, max_batch: int, max_model_len: int) -> DecodeGraphs:
+        """The buffers every decode graph reads and writes (no graphs yet)."""
+        dev = self.device
+        long = dict(device=dev, dtype=torch.long)
+        max_blocks = -(-max_model_len // self.block_size)
+        return DecodeGraphs({}, torch.zeros(max_batch, **long), torch.zeros(max_batch, **long),
+                            torch.full((max_batch,), -1, **long),
+                            torch.ones(max_batch, device=dev, dtype=torch.int32),
+                            torch.zeros(max_batch, max_blocks, device=dev, dtype=torch.int32),
+                            torch.zeros(max_batch, self.model.spec.hidden_size, device=dev,
+                                        dtype=self.model.embed_tokens.dtype),
+                            torch.arange(max_batch + 1, device=dev, dtype=torch.int32))
+
+    def graph_args(self, g: DecodeGraphs, bs: int, max_model_len: int) -> tuple:
+        """The model's arguments for a decode batch of ``bs`` over the static buffers."""
+        meta = AttentionMetadata(
+            slot_mapping=g.slot_mapping[:bs], block_tables=g.block_tables[:bs],
+            context_lens=g.context_lens[:bs], cu_seqlens_q=g.cu_seqlens_q[: bs + 1],
+            num_decodes=bs, query_lens=[1] * bs, context_lens_list=[max_model_len] * bs,
+            max_query_len=1, max_context_len=max_model_len)
+        return g.input_ids[:bs], g.positions[:bs], self.kv_caches, meta
 
     @staticmethod
     def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
