@@ -424,7 +424,7 @@ def section_gptq(ctx: MoEContext, log: Path) -> str:
 
 # ---------------------------------------------------------------- preparing and running
 
-def prepare(bundle: Path) -> None:
+def prepare(bundle: Path, demos: list[str]) -> None:
     """Write the bundle to carry: the demo models as thresher's state directory holds them
     (``BUNDLE/demo-models/<name>-<hash>``: with ``THRESHER_HOME=BUNDLE`` the tests find them
     instead of training them) and their GPTQ-4, AWQ-4 and NF4 artifacts (``BUNDLE/artifacts``)."""
@@ -432,7 +432,7 @@ def prepare(bundle: Path) -> None:
 
     (bundle / "demo-models").mkdir(parents=True, exist_ok=True)
     (bundle / "artifacts").mkdir(exist_ok=True)
-    for name in ("tiny", "small"):
+    for name in demos:
         src = build_demo_model(name)
         base = bundle / "demo-models" / src.name
         if not base.exists():
@@ -513,13 +513,15 @@ def run_sections(out: Path, bundle: Path | None) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prepare", type=Path, help="write the bundle to carry to the GPU machine")
+    ap.add_argument("--demos", nargs="+", default=["tiny", "small"], choices=["tiny", "small"],
+                    help="--prepare: the demo models to bundle with their artifacts")
     ap.add_argument("--bundle", type=Path, help="the prepared bundle (demo models, artifacts)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out/gpu_suite"))
     ap.add_argument("--dry-run", action="store_true",
                     help="every section at toy sizes on the CPU (kernels through the interpreter)")
     args = ap.parse_args()
     if args.prepare:
-        prepare(args.prepare)
+        prepare(args.prepare, args.demos)
         return
     if not DRY and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --dry-run on a CPU")
