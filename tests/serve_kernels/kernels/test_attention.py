@@ -115,6 +115,12 @@ def test_aot_compiles():
     specs.append(AotSpec(f"{cache.__name__}:_store_kv_cache_kernel",
                          {"k_ptr": "*fp16", "v_ptr": "*fp16", "k_cache_ptr": "*fp16",
                           "v_cache_ptr": "*fp16", "slot_mapping_ptr": "*i64"}, {"BLOCK": 1024}))
+    split_types = {**types, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+    specs.append(AotSpec(f"{attention.__name__}:_decode_split_kernel", split_types,
+                         {**shapes, "DOT_DTYPE": "tl.bfloat16", "PARTITION": attention.PARTITION,
+                          "GROUP": 8, "BLOCK_G": 16}))
+    specs.append(AotSpec(f"{attention.__name__}:_decode_merge_kernel", split_types,
+                         {"HEAD_DIM": 128, "BLOCK_S": 64, "BLOCK_D": 128}))
     aot_compile_all(specs)
 
 
@@ -135,17 +141,3 @@ def test_decode_splits_from_host_sizes():
     assert attention.decode_splits(1, 4, None) == 1  # no host bound: the one-pass kernel
     assert attention.decode_splits(1, 4, 4096) == 4096 // attention.PARTITION
     assert attention.decode_splits(64, 4, 4096) == 1  # enough programs without splitting
-
-
-def test_split_kv_aot_compiles():
-    types = {"q_ptr": "*fp16", "k_cache_ptr": "*fp16", "v_cache_ptr": "*fp16",
-             "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "part_out_ptr": "*fp32",
-             "part_lse_ptr": "*fp32", "out_ptr": "*fp16", "scale": "fp32"}
-    shapes = {"HEAD_DIM": 128, "DOT_DTYPE": "tl.bfloat16", "BLOCK_D": 128,
-              "BLOCK_N": attention.BLOCK_N, "PARTITION": attention.PARTITION}
-    aot_compile_all([
-        AotSpec(f"{attention.__name__}:_decode_split_kernel", types,
-                {**shapes, "GROUP": 8, "BLOCK_G": 16}),
-        AotSpec(f"{attention.__name__}:_decode_merge_kernel", types,
-                {"HEAD_DIM": 128, "BLOCK_S": 64, "BLOCK_D": 128}),
-    ])

@@ -95,6 +95,14 @@ def test_aot_compiles():
             for kernel in ("_gptq_matmul_kernel", "_awq_matmul_kernel"):
                 specs.append(AotSpec(f"{w4a16.__name__}:{kernel}", types, consts,
                                      cfg.num_warps, cfg.num_stages, archs))
+    grouped_types = {"x_ptr": "*bf16", "qweight_ptr": "*i32", "qzeros_ptr": "*i32",
+                     "scales_ptr": "*bf16", "out_ptr": "*fp32"}
+    for cfg in w4a16.GROUPED_CONFIGS.values():  # the grouped kernel: GEMV and dot tiles
+        for awq in (False, True):
+            consts = {**cfg.constexprs, "DOT_DTYPE": "tl.bfloat16", "SPLIT_K": cfg.split_k,
+                      "AWQ": awq}
+            specs.append(AotSpec(f"{w4a16.__name__}:_grouped_matmul_kernel", grouped_types,
+                                 consts, cfg.num_warps, cfg.num_stages, (90,)))
     aot_compile_all(specs)
 
 
@@ -121,16 +129,3 @@ def test_grouped_config_limits():
         w4a16.grouped_matmul_triton(torch.zeros(1, 80), torch.zeros(10, 8, dtype=torch.int32),
                                     torch.zeros(2, 1, dtype=torch.int32), torch.zeros(2, 8), 40,
                                     awq=False)
-
-
-def test_grouped_aot_compiles():
-    types = {"x_ptr": "*bf16", "qweight_ptr": "*i32", "qzeros_ptr": "*i32",
-             "scales_ptr": "*bf16", "out_ptr": "*fp32"}
-    specs = []
-    for cfg in w4a16.GROUPED_CONFIGS.values():
-        for awq in (False, True):
-            consts = {**cfg.constexprs, "DOT_DTYPE": "tl.bfloat16", "SPLIT_K": cfg.split_k,
-                      "AWQ": awq}
-            specs.append(AotSpec(f"{w4a16.__name__}:_grouped_matmul_kernel", types, consts,
-                                 cfg.num_warps, cfg.num_stages, (90,)))
-    aot_compile_all(specs)
