@@ -187,12 +187,12 @@ def _gemv_times(k: int, n: int, sizes: Sizes) -> list[tuple[str, float, int]]:
     nf4 += [_random_nf4(k, n, dev, gen) for _ in range(max(0, sizes.rotate_bytes // nf4_bytes - 1))]
     io = x.nbytes + n * 4  # activations in, fp32 split-K output
     cases = {
-        "gptq-4 g128 grouped": (weight_bytes, lambda i: w4a16.gptq_matmul_triton(
+        f"gptq-4 g{group} grouped": (weight_bytes, lambda i: w4a16.gptq_matmul_triton(
             x, *gptq[i % len(gptq)], g_idx, group_size=group)),
-        "gptq-4 g128 act-order kernel": (weight_bytes + g_idx.nbytes,
+        f"gptq-4 g{group} act-order kernel": (weight_bytes + g_idx.nbytes,
                                          lambda i: w4a16.gptq_matmul_triton(
                                              x, *gptq[i % len(gptq)], g_idx)),
-        "awq-4 g128 grouped": (weight_bytes, lambda i: w4a16.awq_matmul_triton(
+        f"awq-4 g{group} grouped": (weight_bytes, lambda i: w4a16.awq_matmul_triton(
             x, *awq[i % len(awq)], group)),
         "nf4 (fp32 absmax)": (nf4_bytes, lambda i: nf4_matmul_triton(x, nf4[i % len(nf4)])),
     }
