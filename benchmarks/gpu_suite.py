@@ -53,7 +53,6 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-GPTQ4 = ["--method", "gptq", "--bits", "4", "--group-size", "128"]
 DEMO_QUANT = {"gptq4": ["--method", "gptq", "--bits", "4", "--group-size", "32"],  # tiny's experts
               "awq4": ["--method", "awq", "--bits", "4", "--group-size", "32"],  # have 64 inputs
               "nf4": ["--method", "nf4"]}
@@ -399,19 +398,20 @@ def section_parity(bundle: Path, log: Path) -> str:
 # ---------------------------------------------------------------- section 6: GPTQ on the device
 
 def section_gptq(ctx: MoEContext, log: Path) -> str:
-    from thresher.recipe import QuantizeStage
-
-    has_device = "device" in QuantizeStage.model_fields
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    usage = subprocess.run([sys.executable, "-m", "thresher", "quantize", "--help"], cwd=ROOT,
+                           capture_output=True, text=True, env=env).stdout
+    has_device = "--device" in usage  # issue 15 part 1 adds it
     if not has_device and not DRY:
         return ("| GPTQ-4 on the device |\n|---|\n| not run: the compression stages have no "
                 "device setting yet (issue 15 part 1) |")
     out = ctx.path.parent / "gptq4"
     cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(ctx.path), "--out",
-           str(out), *GPTQ4, "--samples", str(ctx.sizes.gptq_samples),
+           str(out), "--method", "gptq", "--bits", "4", "--group-size", "128" if not DRY else "32",
+           "--samples", str(ctx.sizes.gptq_samples),
            "--seq-len", "128" if not DRY else "16", *(["--device", "auto"] if has_device else [])]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     with log.open("a") as f:
         f.write(f"$ {' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}\n")
