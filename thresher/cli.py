@@ -512,6 +512,18 @@ def serve(
     dtype: Annotated[str, typer.Option(
         help="Serving dtype: auto (16-bit on a GPU, float32 on a CPU), float32, bfloat16, "
              "float16.")] = "auto",
+    max_num_batched_tokens: Annotated[int, typer.Option(
+        help="New tokens per engine step (prefill chunks plus decode rows).")] = 2048,
+    block_size: Annotated[int, typer.Option(help="Tokens per KV-cache block.")] = 16,
+    num_kv_blocks: Annotated[int | None, typer.Option(
+        help="KV-cache blocks (default: from --kv-cache-gb, else sized from GPU memory on CUDA, "
+             "else 1 GiB on a CPU).")] = None,
+    kv_cache_gb: Annotated[float | None, typer.Option(
+        help="KV-cache size in GiB (instead of --num-kv-blocks).")] = None,
+    gpu_memory_utilization: Annotated[float, typer.Option(
+        help="CUDA: fraction of GPU memory for weights, activations and the KV cache.")] = 0.9,
+    enforce_eager: Annotated[bool, typer.Option(
+        help="CUDA: run decode steps eagerly instead of replaying CUDA graphs.")] = False,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     import uvicorn
@@ -521,7 +533,14 @@ def serve(
     from thresher.serve_kernels.server import ServerConfig, build_app
 
     path = resolve_model(model)
-    engine = LLMEngine(path, max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype)
+    try:
+        engine = LLMEngine(path, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                           dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
+                           block_size=block_size, num_kv_blocks=num_kv_blocks,
+                           kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization,
+                           enforce_eager=enforce_eager)
+    except ValueError as err:  # an engine option out of range: the message names it
+        raise typer.BadParameter(str(err)) from None
     name = served_model_name or (path.name if not model.startswith("models:/")
                                  else model.removeprefix("models:/"))
     console.print(_describe_loaded(name, engine.model_info, engine.max_model_len), highlight=False,

@@ -25,7 +25,8 @@ def test_serve_command(tiny_demo, tmp_path):
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "thresher", "serve", str(tiny_demo), "--port", str(port),
-             "--served-model-name", "tiny", "--max-num-seqs", "4"],
+             "--served-model-name", "tiny", "--max-num-seqs", "4", "--num-kv-blocks", "200",
+             "--block-size", "8", "--max-num-batched-tokens", "256"],
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -50,6 +51,18 @@ def test_serve_command(tiny_demo, tmp_path):
                        json={"model": "tiny", "prompt": "import ", "max_tokens": 3,
                              "ignore_eos": True}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        info = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer k3y"}).json()
+        assert (info["data"][0]["kv_blocks"], info["data"][0]["block_size"]) == (200, 8), info
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_serve_refuses_a_kv_cache_too_small(tiny_demo):
+    from typer.testing import CliRunner
+
+    from thresher.cli import app
+
+    result = CliRunner().invoke(app, ["serve", str(tiny_demo), "--num-kv-blocks", "2"])
+    assert result.exit_code == 2
+    assert "num_kv_blocks=2 cannot hold one sequence" in " ".join(result.output.split())

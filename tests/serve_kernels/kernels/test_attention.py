@@ -115,4 +115,29 @@ def test_aot_compiles():
     specs.append(AotSpec(f"{cache.__name__}:_store_kv_cache_kernel",
                          {"k_ptr": "*fp16", "v_ptr": "*fp16", "k_cache_ptr": "*fp16",
                           "v_cache_ptr": "*fp16", "slot_mapping_ptr": "*i64"}, {"BLOCK": 1024}))
+    split_types = {**types, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+    specs.append(AotSpec(f"{attention.__name__}:_decode_split_kernel", split_types,
+                         {**shapes, "DOT_DTYPE": "tl.bfloat16", "PARTITION": attention.PARTITION,
+                          "GROUP": 8, "BLOCK_G": 16}))
+    specs.append(AotSpec(f"{attention.__name__}:_decode_merge_kernel", split_types,
+                         {"HEAD_DIM": 128, "BLOCK_S": 64, "BLOCK_D": 128}))
     aot_compile_all(specs)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 1e-2), (torch.float32, 1e-5)])
+def test_split_kv_decode_matches_ref(dtype, tol):
+    """64-token partitions over contexts 5, 37, 70: one sequence spans two, two leave the second
+    partition empty (weight 0 in the merge)."""
+    (k_cache, v_cache, tables, lens), _, _ = paged(dtype)
+    q = torch.randn(len(CONTEXT), Q_HEADS, DIM, device=DEVICE).to(dtype)
+    assert attention.decode_splits(len(CONTEXT), KV_HEADS, max(CONTEXT), 64) == 2
+    out = attention.paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, SCALE,
+                                                  max_context_len=max(CONTEXT), partition=64)
+    ref = attention.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, SCALE)
+    assert out.dtype == dtype and rel_err(out, ref) < tol
+
+
+def test_decode_splits_from_host_sizes():
+    assert attention.decode_splits(1, 4, None) == 1  # no host bound: the one-pass kernel
+    assert attention.decode_splits(1, 4, 4096) == 4096 // attention.PARTITION
+    assert attention.decode_splits(64, 4, 4096) == 1  # enough programs without splitting

@@ -50,6 +50,32 @@ def test_moe_align_groups_every_pair_once():
     assert torch.equal(ids.flatten()[sorted_ids[is_real].long()], block_expert[is_real])
 
 
+def test_moe_align_sizes_come_from_the_shape_alone():
+    """Worst-case buffers (no device read): the same sizes whatever the routing; blocks past the
+    last run carry expert -1 and only padding."""
+    skewed = torch.zeros(11, TOP_K, dtype=torch.long, device=DEVICE)  # every pair to expert 0
+    skewed[:, 1] = 1
+    _, spread = routing(11)
+    sizes = set()
+    for ids in (skewed, spread):
+        sorted_ids, expert_ids = moe.moe_align(ids, E, 4)
+        sizes.add((sorted_ids.numel(), expert_ids.numel()))
+        unused = expert_ids.repeat_interleave(4) < 0
+        assert bool((sorted_ids[unused] == ids.numel()).all())
+    assert sizes == {(4 * 9, 9)}  # 22 pairs + 4 experts x 3 padding rows, in blocks of 4
+    assert (moe.moe_align(skewed, E, 4)[1] < 0).sum() == 3  # 2 runs of 3 blocks used of 9
+
+
+def test_triton_with_one_expert_taking_every_token():
+    w1, w2 = stacked("dense", H, 2 * INTER), stacked("dense", INTER, H)
+    x = torch.randn(7, H, device=DEVICE).half()
+    ids = torch.full((7, TOP_K), 3, dtype=torch.long, device=DEVICE)
+    ids[:, 1] = 0
+    weights = torch.full((7, TOP_K), 0.5, device=DEVICE)
+    out = moe.fused_moe_triton(x, w1, w2, weights, ids)
+    assert rel_err(out, moe.fused_moe_ref(x, w1, w2, weights, ids)) < 1e-2
+
+
 @pytest.mark.parametrize("fmt", ["dense", "gptq", "awq"])
 def test_ref_matches_per_token_dense(fmt):
     w1, w2 = stacked(fmt, H, 2 * INTER), stacked(fmt, INTER, H)

@@ -95,4 +95,37 @@ def test_aot_compiles():
             for kernel in ("_gptq_matmul_kernel", "_awq_matmul_kernel"):
                 specs.append(AotSpec(f"{w4a16.__name__}:{kernel}", types, consts,
                                      cfg.num_warps, cfg.num_stages, archs))
+    grouped_types = {"x_ptr": "*bf16", "qweight_ptr": "*i32", "qzeros_ptr": "*i32",
+                     "scales_ptr": "*bf16", "out_ptr": "*fp32"}
+    for cfg in w4a16.GROUPED_CONFIGS.values():  # the grouped kernel: GEMV and dot tiles
+        for awq in (False, True):
+            consts = {**cfg.constexprs, "DOT_DTYPE": "tl.bfloat16", "SPLIT_K": cfg.split_k,
+                      "AWQ": awq}
+            specs.append(AotSpec(f"{w4a16.__name__}:_grouped_matmul_kernel", grouped_types,
+                                 consts, cfg.num_warps, cfg.num_stages, (90,)))
     aot_compile_all(specs)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("group_size", [32, 128, -1])
+def test_grouped_kernel_matches_ref(m, group_size):
+    """Contiguous groups: GPTQ without act-order (what gptq_matmul_triton dispatches with a
+    group_size) and AWQ, as a GEMV (m=1) and as dot tiles (m=3)."""
+    gptq, _ = random_gptq(K, N, group_size, False, seed=m)
+    awq, _ = random_awq(K, N, group_size, seed=m)
+    x = torch.randn(m, K, dtype=torch.float16, device=DEVICE)
+    assert w4a16.grouped_config(m, K, group_size).block_m == (1 if m == 1 else 16)
+    out = w4a16.gptq_matmul_triton(x, *gptq, group_size=group_size)
+    assert out.dtype == x.dtype and rel_err(out, w4a16.gptq_matmul_ref(x, *gptq)) < 1e-2
+    out = w4a16.grouped_matmul_triton(x, *awq, group_size, awq=True)
+    assert rel_err(out, w4a16.awq_matmul_ref(x, *awq, group_size)) < 1e-2
+
+
+def test_grouped_config_limits():
+    assert w4a16.grouped_config(17, 4096, 128) is None  # prefill-sized: the general kernel
+    assert w4a16.grouped_config(1, 4096, 48).block_k == 16
+    assert w4a16.grouped_config(1, 4096, 40) is None  # no tile of 16..128 divides the group
+    with pytest.raises(ValueError, match="group_size=40"):
+        w4a16.grouped_matmul_triton(torch.zeros(1, 80), torch.zeros(10, 8, dtype=torch.int32),
+                                    torch.zeros(2, 1, dtype=torch.int32), torch.zeros(2, 8), 40,
+                                    awq=False)

@@ -16,7 +16,12 @@ from thresher.models.quantized import load_quantized_model
 from thresher.models.random_init import DENSE_FAMILIES, MOE_FAMILIES
 from thresher.recipe import CalibrationConfig, FilesSource, QuantizeStage
 from thresher.serve_kernels import LLM, SamplingParams
-from thresher.serve_kernels.modeling.linear import packed_bytes
+from thresher.serve_kernels.modeling.linear import (
+    AWQLinear,
+    ConcatLinear,
+    GPTQLinear,
+    packed_bytes,
+)
 from thresher.serve_kernels.modeling.moe import ExpertLoop, FusedExperts
 
 PROMPT = [5, 17, 300, 42, 9, 77, 1023, 4000, 12, 3, 250, 61, 8, 99, 1500, 31, 7, 2, 640]
@@ -91,6 +96,9 @@ def test_quantized_artifact_matches_dequantizing_loader(moe_dirs, tmp_path, fami
     has_int4 = stage.method != "nf4" and stage.bits == 4
     assert all(bool(layer.mlp.experts.cpu_packs) == has_int4 for layer in model.layers
                if isinstance(layer.mlp.experts, FusedExperts))
+    # GPTQ/AWQ q, k and v are one packed linear (one launch); NF4 keeps them side by side
+    fused = (ConcatLinear if stage.method == "nf4" else (GPTQLinear, AWQLinear))
+    assert all(isinstance(layer.attn.qkv, fused) for layer in model.layers)
     reference = load_quantized_model(out)
     with torch.no_grad():
         expected = reference(torch.tensor([PROMPT])).logits[0]

@@ -19,6 +19,7 @@ from thresher.formats.dtypes import DTYPES
 from thresher.models.loading import load_tokenizer
 from thresher.serve_kernels.engine.block_manager import BlockManager
 from thresher.serve_kernels.engine.detokenizer import append_text, find_stop, visible_text
+from thresher.serve_kernels.engine.kv_budget import KVCacheConfig, free_gpu_bytes, size_kv_cache
 from thresher.serve_kernels.engine.model_runner import ModelRunner
 from thresher.serve_kernels.engine.sampler import Sampler
 from thresher.serve_kernels.engine.sampling_params import (
@@ -26,14 +27,11 @@ from thresher.serve_kernels.engine.sampling_params import (
     RequestOutput,
     SamplingParams,
 )
-from thresher.serve_kernels.engine.scheduler import Scheduler
+from thresher.serve_kernels.engine.scheduler import ScheduledBatch, Scheduler
 from thresher.serve_kernels.engine.sequence import Sequence
 from thresher.serve_kernels.loader import load_engine_model
 
 log = logging.getLogger(__name__)
-
-KV_BUDGET_BYTES = 1 << 30  # default KV-cache size when num_kv_blocks is not given
-
 
 def resolve_dtype(dtype: str, device: torch.device) -> str:
     """The serving dtype ``dtype`` names; ``"auto"`` picks the faster one for ``device``.
@@ -70,9 +68,15 @@ class LLMEngine:
     def __init__(self, model: str | Path, *, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, block_size: int = 16,
                  num_kv_blocks: int | None = None, max_model_len: int | None = None,
-                 dtype: str = "auto", enable_prefix_caching: bool = True):
-        if max_num_seqs < 1 or max_num_batched_tokens < 1 or block_size < 1:
-            raise ValueError("max_num_seqs, max_num_batched_tokens and block_size must be >= 1")
+                 dtype: str = "auto", enable_prefix_caching: bool = True,
+                 kv_cache_gb: float | None = None, gpu_memory_utilization: float = 0.9,
+                 enforce_eager: bool = False):
+        for name, value in (("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("block_size", block_size)):
+            if value < 1:
+                raise ValueError(f"{name}={value}: must be >= 1")
+        kv_config = KVCacheConfig(num_kv_blocks, kv_cache_gb, gpu_memory_utilization)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dtype = resolve_dtype(dtype, self.device)
         loaded = load_engine_model(model, dtype, self.device)
@@ -87,23 +91,33 @@ class LLMEngine:
         torch_dtype = DTYPES[dtype]
         per_block = ModelRunner.kv_bytes_per_block(loaded.model, block_size, torch_dtype)
         blocks_per_seq = -(-self.max_model_len // block_size)
-        if num_kv_blocks is None:
-            num_kv_blocks = max(blocks_per_seq,
-                                min(max_num_seqs * blocks_per_seq, KV_BUDGET_BYTES // per_block))
+        gpu_free = None
+        if self.device.type == "cuda":
+            profile_len = min(max_num_batched_tokens, self.max_model_len)
+
+            def gpu_free() -> int:
+                return free_gpu_bytes(self.device, gpu_memory_utilization, lambda: profile_forward(
+                    loaded.model, profile_len, block_size, torch_dtype, self.device))
+        num_kv_blocks = size_kv_cache(kv_config, per_block, blocks_per_seq, max_num_seqs,
+                                      gpu_free)
         if num_kv_blocks < blocks_per_seq:
             raise ValueError(f"num_kv_blocks={num_kv_blocks} cannot hold one sequence of "
                              f"max_model_len={self.max_model_len} ({blocks_per_seq} blocks of "
-                             f"{block_size}); raise it or lower max_model_len")
+                             f"{block_size}); raise the KV cache (num_kv_blocks, kv_cache_gb, "
+                             "gpu_memory_utilization) or lower max_model_len")
         self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(loaded.model, num_kv_blocks, block_size, torch_dtype,
                                   self.device)
+        if self.device.type == "cuda" and not enforce_eager:
+            self.runner.capture_decode_graphs(max_num_seqs, self.max_model_len)
         self.sampler = Sampler()
         self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer, loaded.path)
         self.vocab_size = spec.vocab_size
         self.model_info = {**loaded.info, "kv_cache_bytes": num_kv_blocks * per_block,
                            "kv_blocks": num_kv_blocks, "block_size": block_size,
-                           "max_model_len": self.max_model_len, "device": str(self.device)}
+                           "max_model_len": self.max_model_len, "device": str(self.device),
+                           "cuda_graphs": self.runner.decode_graphs is not None}
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self._generated_total = 0
@@ -221,6 +235,16 @@ class LLMEngine:
             prefix_cache_hit_tokens=sched.prefix_hit_tokens_total,
             generated_tokens_total=self._generated_total, prompt_tokens_total=self._prompt_total,
         )
+
+
+def profile_forward(model, num_tokens: int, block_size: int, dtype: torch.dtype,
+                    device: torch.device) -> None:
+    """One prompt of ``num_tokens`` through ``model`` over a cache just big enough for it: the
+    largest step the scheduler can send, to measure the activations' peak memory."""
+    runner = ModelRunner(model, -(-num_tokens // block_size), block_size, dtype, device)
+    seq = Sequence("profile", [0] * num_tokens, SamplingParams(max_tokens=1), 1)
+    seq.block_table = list(range(len(runner.kv_caches[0][0])))
+    runner.run(ScheduledBatch([seq], [num_tokens]))
 
 
 class LLM:

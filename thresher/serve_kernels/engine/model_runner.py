@@ -5,10 +5,17 @@ head_dim]). For a batch it packs each sequence's new tokens, their positions and
 the block tables and context lengths, runs the model once, and computes logits only where they
 are needed: the last position of every sequence that samples, and every prompt position of a
 sequence that asked for prompt log-probs.
+
+On CUDA, decode batches replay CUDA graphs (as nano-vllm does): one graph per batch-size bucket,
+captured at start over static input buffers, so a decode step is a few host-to-device copies and
+one replay instead of a dozen Python-launched kernels per layer. A batch pads up to the next
+bucket (padding rows store nothing and attend to one cached token). ``enforce_eager`` skips the
+capture; a capture that fails logs why and leaves the runner eager.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +25,31 @@ from thresher.serve_kernels.modeling.attention import AttentionMetadata
 from thresher.serve_kernels.modeling.decoder import CausalLM
 
 LOGPROB_CHUNK = 512  # prompt positions per logits matmul (bounds the [rows, vocab] buffer)
+
+log = logging.getLogger(__name__)
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes a graph is captured for: 1, 2, 4, 8, then every 16 up to the limit."""
+    small = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    return small + list(range(16, max_num_seqs, 16)) + [max_num_seqs]
+
+
+@dataclass
+class DecodeGraphs:
+    """Captured decode graphs and the static buffers they read and write."""
+
+    graphs: dict[int, torch.cuda.CUDAGraph]  # bucket -> graph (anything with ``replay()``)
+    input_ids: torch.Tensor  # [max_bs] long
+    positions: torch.Tensor  # [max_bs] long
+    slot_mapping: torch.Tensor  # [max_bs] long
+    context_lens: torch.Tensor  # [max_bs] int32
+    block_tables: torch.Tensor  # [max_bs, max_blocks] int32
+    hidden: torch.Tensor  # [max_bs, H] output
+    cu_seqlens_q: torch.Tensor  # [max_bs + 1] int32, 0..max_bs (one new token each)
+
+    def bucket(self, batch: int) -> int | None:
+        return min((b for b in self.graphs if b >= batch), default=None)
 
 
 @dataclass
@@ -38,6 +70,55 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(spec.num_layers)]
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture one decode graph per bucket of ``graph_buckets`` (largest first, one pool).
+
+        Split-KV attention is sized for ``max_model_len`` inside a graph (the context grows
+        between replays). Each bucket runs once eagerly first, so Triton compiles outside the
+        capture."""
+        buckets = graph_buckets(max_num_seqs)
+        g = self.static_buffers(buckets[-1], max_model_len)
+        pool = None
+        try:
+            for bs in reversed(buckets):
+                args = self.graph_args(g, bs, max_model_len)
+                g.hidden[:bs] = self.model(*args)  # warm-up: kernels compile outside the capture
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    g.hidden[:bs] = self.model(*args)
+                pool = graph.pool()
+                g.graphs[bs] = graph
+        except RuntimeError as exc:  # a kernel that synchronises or allocates on the host
+            log.warning("CUDA graph capture failed, decode stays eager: %s", exc)
+            return
+        torch.cuda.synchronize(self.device)
+        self.decode_graphs = g
+        log.info("captured decode CUDA graphs for batch sizes %s", buckets)
+
+    def static_buffers(self, max_batch: int, max_model_len: int) -> DecodeGraphs:
+        """The buffers every decode graph reads and writes (no graphs yet)."""
+        dev = self.device
+        long = dict(device=dev, dtype=torch.long)
+        max_blocks = -(-max_model_len // self.block_size)
+        return DecodeGraphs({}, torch.zeros(max_batch, **long), torch.zeros(max_batch, **long),
+                            torch.full((max_batch,), -1, **long),
+                            torch.ones(max_batch, device=dev, dtype=torch.int32),
+                            torch.zeros(max_batch, max_blocks, device=dev, dtype=torch.int32),
+                            torch.zeros(max_batch, self.model.spec.hidden_size, device=dev,
+                                        dtype=self.model.embed_tokens.dtype),
+                            torch.arange(max_batch + 1, device=dev, dtype=torch.int32))
+
+    def graph_args(self, g: DecodeGraphs, bs: int, max_model_len: int) -> tuple:
+        """The model's arguments for a decode batch of ``bs`` over the static buffers."""
+        meta = AttentionMetadata(
+            slot_mapping=g.slot_mapping[:bs], block_tables=g.block_tables[:bs],
+            context_lens=g.context_lens[:bs], cu_seqlens_q=g.cu_seqlens_q[: bs + 1],
+            num_decodes=bs, query_lens=[1] * bs, context_lens_list=[max_model_len] * bs,
+            max_query_len=1, max_context_len=max_model_len)
+        return g.input_ids[:bs], g.positions[:bs], self.kv_caches, meta
 
     @staticmethod
     def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -64,15 +145,36 @@ class ModelRunner:
         slots = tables[owner, pos // bs].long() * bs + pos % bs
         cu = torch.zeros(len(batch) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(query_lens).cumsum(0)
+        graphs = self.decode_graphs
+        if graphs is not None and max(query_lens) == 1 and (bs_ := graphs.bucket(len(batch))):
+            return self._replay(graphs, bs_, input_ids, pos, slots, context_lens, tables), \
+                cu.tolist()
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=slots.to(dev), block_tables=tables.to(dev),
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
             cu_seqlens_q=cu.to(dev), num_decodes=sum(1 for n in query_lens if n == 1),
             query_lens=list(query_lens), context_lens_list=context_lens,
+            max_query_len=max(query_lens), max_context_len=max(context_lens),
         )
         hidden = self.model(torch.tensor(input_ids, device=dev), pos.to(dev), self.kv_caches, meta)
         return hidden, cu.tolist()
+
+    def _replay(self, g: DecodeGraphs, bucket: int, input_ids: list[int], pos: torch.Tensor,
+                slots: torch.Tensor, context_lens: list[int], tables: torch.Tensor
+                ) -> torch.Tensor:
+        """Copy a decode batch into the static buffers, replay its bucket's graph."""
+        n = len(input_ids)
+        g.input_ids[:n].copy_(torch.tensor(input_ids), non_blocking=True)
+        g.positions[:n].copy_(pos, non_blocking=True)
+        g.slot_mapping.fill_(-1)
+        g.slot_mapping[:n].copy_(slots, non_blocking=True)
+        g.context_lens.fill_(1)
+        g.context_lens[:n].copy_(torch.tensor(context_lens, dtype=torch.int32), non_blocking=True)
+        g.block_tables.zero_()
+        g.block_tables[:n, : tables.shape[1]].copy_(tables, non_blocking=True)
+        g.graphs[bucket].replay()
+        return g.hidden[:n]
 
     def run(self, batch: ScheduledBatch) -> StepResult:
         """Forward the batch; logits where a sequence samples, prompt log-probs where asked."""

@@ -7,7 +7,12 @@ style), so no [queries, context] score matrix is ever materialized.
 
 Decode: q [B, Hq, D], context_lens [B] (tokens in the cache, including the new one).
 One program per (sequence, kv head) handles that kv head's whole group of query heads, so each
-K/V byte is read once per group: decode attention is bound by reading the cache.
+K/V byte is read once per group: decode attention is bound by reading the cache. With few
+sequences that is too few programs to keep a GPU's SMs reading, so the split-KV variant also
+splits the context into partitions of ``PARTITION`` tokens (flash-decoding): each program writes
+its partition's normalized output and log-sum-exp, and a second kernel merges the partitions.
+The number of partitions comes from the host-side longest context (or ``max_model_len`` for a
+CUDA graph), never from the device; partitions past a sequence's end are empty.
 
 Prefill is varlen: the new tokens of all sequences packed as q [total_q, Hq, D], sequence b
 owning rows cu_seqlens_q[b]:cu_seqlens_q[b+1]. Its K/V (already stored with store_kv_cache) are
@@ -26,6 +31,8 @@ from thresher.serve_kernels.kernels.backend import dot_dtype, launcher, use_trit
 
 BLOCK_N = 64  # context tokens per step
 PREFILL_BLOCK_M = 32  # queries per prefill program
+PARTITION = 512  # context tokens per split-KV decode program (a multiple of BLOCK_N)
+SPLIT_BELOW_PROGRAMS = 256  # split KV only while sequences x kv heads leave SMs idle
 
 
 def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -114,6 +121,73 @@ def _decode_kernel(
 
 
 @triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, part_out_ptr,
+    part_lse_ptr, scale, stride_qb, stride_bt, num_kv_heads, block_size, num_splits,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_DTYPE: tl.constexpr, PARTITION: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(context_lens_ptr + seq)
+    lo = split * PARTITION
+    hi = tl.minimum(lo + PARTITION, length)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_gd = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=mask_gd, other=0.0).to(tl.float32)
+    m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    denom = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        mask_n = pos < hi
+        block = tl.load(block_tables_ptr + seq * stride_bt + pos // block_size, mask=mask_n,
+                        other=0).to(tl.int64)
+        row = ((block * block_size + pos % block_size) * num_kv_heads + kv_head) * HEAD_DIM
+        mask_nd = mask_n[:, None] & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
+        s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(tl.float32).to(DOT_DTYPE))) * scale
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        denom = denom * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(tl.float32).to(DOT_DTYPE))
+        m = m_new
+    has = denom > 0  # an empty partition (past the sequence's end) gets weight exp(-inf) = 0
+    out = acc / tl.where(has, denom, 1.0)[:, None]
+    lse = tl.where(has, m + tl.log(tl.where(has, denom, 1.0)), float("-inf"))
+    row_part = (seq * num_splits + split) * (num_kv_heads * GROUP) + heads  # [B, S, Hq]
+    tl.store(part_out_ptr + row_part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask_gd)
+    tl.store(part_lse_ptr + row_part, lse, mask=offs_g < GROUP)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, stride_qb, num_heads, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < num_splits
+    rows = (seq * num_splits + offs_s) * num_heads + head
+    lse = tl.load(part_lse_ptr + rows, mask=mask_s, other=float("-inf"))
+    weight = tl.exp(lse - tl.max(lse, axis=0))
+    parts = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=mask_s[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+    tl.store(out_ptr + seq * stride_qb + head * HEAD_DIM + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
     out_ptr, scale, stride_qt, stride_bt, num_kv_heads, block_size,
@@ -171,19 +245,50 @@ def _shape_constexprs(q: torch.Tensor, k_cache: torch.Tensor) -> dict:
             "BLOCK_N": BLOCK_N}
 
 
+def decode_splits(batch: int, num_kv_heads: int, max_context_len: int | None,
+                  partition: int | None = None) -> int:
+    """KV partitions per sequence for a decode batch, from host-side sizes only (1 = no split)."""
+    if not max_context_len or batch * num_kv_heads >= SPLIT_BELOW_PROGRAMS:
+        return 1
+    return triton.cdiv(max_context_len, partition or PARTITION)
+
+
 def paged_decode_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, scale: float,
+    context_lens: torch.Tensor, scale: float, max_context_len: int | None = None,
+    partition: int | None = None,
 ) -> torch.Tensor:
+    """Decode attention; split-KV over ``partition``-token pieces when ``decode_splits`` says so.
+
+    ``max_context_len`` is an upper bound on ``context_lens`` known on the host (the longest
+    context of the batch, or ``max_model_len`` when a CUDA graph is captured)."""
     q = q.contiguous()
     out = torch.empty_like(q)
     consts = _shape_constexprs(q, k_cache)
-    if q.shape[0]:
-        launcher(_decode_kernel, q)[(q.shape[0], k_cache.shape[2])](
+    batch, num_heads, num_kv_heads = q.shape[0], q.shape[1], k_cache.shape[2]
+    if not batch:
+        return out
+    block_g = max(16, triton.next_power_of_2(consts["GROUP"]))
+    partition = partition or PARTITION
+    splits = decode_splits(batch, num_kv_heads, max_context_len, partition)
+    if splits == 1:
+        launcher(_decode_kernel, q)[(batch, num_kv_heads)](
             q, k_cache, v_cache, block_tables, context_lens, out, scale, q.stride(0),
-            block_tables.stride(0), k_cache.shape[2], k_cache.shape[1],
-            BLOCK_G=max(16, triton.next_power_of_2(consts["GROUP"])), **consts,
+            block_tables.stride(0), num_kv_heads, k_cache.shape[1], BLOCK_G=block_g, **consts,
         )
+        return out
+    part_out = torch.empty(batch, splits, num_heads, q.shape[2], device=q.device,
+                           dtype=torch.float32)
+    part_lse = torch.empty(batch, splits, num_heads, device=q.device, dtype=torch.float32)
+    launcher(_decode_split_kernel, q)[(batch, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, scale, q.stride(0),
+        block_tables.stride(0), num_kv_heads, k_cache.shape[1], splits, PARTITION=partition,
+        BLOCK_G=block_g, **consts,
+    )
+    launcher(_decode_merge_kernel, q)[(batch, num_heads)](
+        part_out, part_lse, out, q.stride(0), num_heads, splits, HEAD_DIM=consts["HEAD_DIM"],
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=consts["BLOCK_D"],
+    )
     return out
 
 
@@ -194,7 +299,7 @@ def paged_prefill_attention_triton(
 ) -> torch.Tensor:
     q = q.contiguous()
     out = torch.empty_like(q)
-    if max_q_len is None:
+    if max_q_len is None:  # reads the device; the engine passes its host-side value instead
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if q.shape[0] else 0
     grid = (triton.cdiv(max_q_len, PREFILL_BLOCK_M), context_lens.shape[0], q.shape[1])
     if q.shape[0]:
@@ -208,17 +313,27 @@ def paged_prefill_attention_triton(
 
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, scale: float,
+    context_lens: torch.Tensor, scale: float, max_context_len: int | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence against its cached context, on the selected backend."""
-    attend = paged_decode_attention_triton if use_triton(q) else paged_decode_attention_ref
-    return attend(q, k_cache, v_cache, block_tables, context_lens, scale)
+    """One query token per sequence against its cached context, on the selected backend
+    (``max_context_len``: host-side bound on ``context_lens`` that enables split-KV)."""
+    if use_triton(q):
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens,
+                                             scale, max_context_len)
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 def paged_prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
+    max_q_len: int | None = None,
 ) -> torch.Tensor:
-    """Causal varlen attention of the new tokens over their cached context, selected backend."""
-    attend = paged_prefill_attention_triton if use_triton(q) else paged_prefill_attention_ref
-    return attend(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+    """Causal varlen attention of the new tokens over their cached context, selected backend.
+
+    ``max_q_len`` (the longest sequence's new tokens, known on the host) sizes the Triton grid
+    without reading ``cu_seqlens_q`` back from the device."""
+    if use_triton(q):
+        return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                              context_lens, scale, max_q_len)
+    return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                       context_lens, scale)

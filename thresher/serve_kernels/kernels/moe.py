@@ -90,19 +90,27 @@ def moe_align(
     """Group (token, k) pairs by expert, each expert's run padded to a multiple of ``block_m``.
 
     Returns sorted_ids [P] (pair index t * top_k + k, or the sentinel T * top_k for padding) and
-    expert_ids [P / block_m] (the expert of each block of ``block_m`` rows).
+    expert_ids [P / block_m] (the expert of each block of ``block_m`` rows, -1 for a block past
+    the last run). P is the worst case for the shape (every expert that can get a pair pads
+    ``block_m - 1`` rows), so no size is read back from the device: a decode step stays free of
+    host synchronisation and can be captured in a CUDA graph. The kernel skips -1 blocks.
     """
     flat = topk_ids.flatten().long()
+    num_pairs = flat.numel()
+    num_blocks = -(-(num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, device=flat.device, dtype=torch.long)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would size its output on host
     padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
     expert_of_sorted = flat[order]
-    rank = torch.arange(flat.numel(), device=flat.device) - (counts.cumsum(0) - counts)[expert_of_sorted]
-    sorted_ids = torch.full((int(padded.sum()),), flat.numel(), device=flat.device, dtype=torch.int32)
-    sorted_ids[(padded.cumsum(0) - padded)[expert_of_sorted] + rank] = order.int()
-    expert_ids = torch.repeat_interleave(
-        torch.arange(num_experts, device=flat.device, dtype=torch.int32), padded // block_m
-    )
+    rank = torch.arange(num_pairs, device=flat.device) - (counts.cumsum(0) - counts)[expert_of_sorted]
+    sorted_ids = torch.full((num_blocks * block_m,), num_pairs, device=flat.device,
+                            dtype=torch.int32)
+    sorted_ids[(ends - padded)[expert_of_sorted] + rank] = order.int()
+    block_start = torch.arange(num_blocks, device=flat.device) * block_m
+    expert_ids = torch.searchsorted(ends, block_start, right=True)
+    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).int()
     return sorted_ids, expert_ids
 
 
@@ -115,10 +123,12 @@ def _moe_matmul_kernel(
     FORMAT: tl.constexpr, MUL_WEIGHT: tl.constexpr, DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    expert = tl.load(expert_ids_ptr + tl.program_id(0)).to(tl.int64)
+    if expert < 0:  # a worst-case block past the last expert's run: padding only
+        return
     pairs = tl.load(sorted_ids_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
     mask_m = pairs < num_pairs
     rows = (pairs // pairs_per_row).to(tl.int64)  # row of A: the token (gate_up) or the pair
-    expert = tl.load(expert_ids_ptr + tl.program_id(0)).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     b_base = b_ptr + expert * stride_be

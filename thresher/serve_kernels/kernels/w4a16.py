@@ -30,6 +30,25 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column (within 8) held by nibble i of an
 DECODE = TileConfig(block_m=16, block_n=64, block_k=64, split_k=4, num_warps=4, num_stages=3)
 PREFILL = TileConfig(block_m=64, block_n=64, block_k=64, split_k=1, num_warps=4, num_stages=3)
 CONFIGS = {"decode": DECODE, "prefill": PREFILL}
+# the grouped kernel (contiguous groups): a GEMV for one row, tl.dot tiles for a few rows
+GEMV = TileConfig(block_m=1, block_n=128, block_k=128, split_k=4, num_warps=4, num_stages=3)
+GROUPED_DECODE = TileConfig(block_m=16, block_n=64, block_k=128, split_k=4, num_warps=4,
+                            num_stages=3)
+GROUPED_CONFIGS = {"gemv": GEMV, "decode": GROUPED_DECODE}
+
+
+def grouped_config(m: int, k: int, group_size: int) -> TileConfig | None:
+    """The grouped kernel's tiles for ``m`` rows, or None where it does not apply (prefill-sized
+    batches, or a group size that no power-of-two K tile of 16..128 divides)."""
+    if m > 16:
+        return None
+    group = k if group_size == -1 else group_size
+    block_k = next((b for b in (128, 64, 32, 16) if group % b == 0), None)
+    if block_k is None:
+        return None
+    cfg = GEMV if m == 1 else GROUPED_DECODE
+    return TileConfig(cfg.block_m, cfg.block_n, block_k, cfg.split_k, cfg.num_warps,
+                      cfg.num_stages)
 
 
 def pick_config(m: int) -> TileConfig:
@@ -181,8 +200,72 @@ def _awq_matmul_kernel(
         tl.atomic_add(out, acc, mask=mask)
 
 
+@triton.jit
+def _grouped_matmul_kernel(
+    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, out_ptr,
+    M, N, K, group_size,
+    AWQ: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Contiguous groups (AWQ, GPTQ without act-order) and BLOCK_K dividing the group size: each
+    K tile lies in one group, so its zeros and scales are one [BLOCK_N] row loaded once, and each
+    packed word is loaded once and split into its 8 nibbles in registers."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    nib = tl.arange(0, 8)
+    # AWQ: column 8c + j sits in nibble (j // 2) + (j % 2) * 4 of word c; GPTQ: row 8r + j in
+    # nibble j of word r
+    nib_shift = (nib // 2 + nib % 2 * 4) * 4 if AWQ else nib * 4
+    offs_w = tl.program_id(1) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)  # packed columns
+    mask_w = offs_w < N // 8
+    if BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(tl.program_id(2) * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        g = k0 // group_size
+        packed_z = tl.load(qzeros_ptr + g * (N // 8) + offs_w, mask=mask_w, other=0)
+        z = tl.reshape((packed_z[:, None] >> nib_shift[None, :]) & 0xF, (BLOCK_N,))
+        if AWQ:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            packed = tl.load(qweight_ptr + offs_k[:, None] * (N // 8) + offs_w[None, :],
+                             mask=(offs_k[:, None] < K) & mask_w[None, :], other=0)
+            q = tl.reshape((packed[:, :, None] >> nib_shift[None, None, :]) & 0xF,
+                           (BLOCK_K, BLOCK_N))
+        else:
+            z = z + 1  # GPTQ v1 stores zero - 1
+            offs_r = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            packed = tl.load(qweight_ptr + offs_r[:, None] * N + offs_n[None, :],
+                             mask=(offs_r[:, None] < K // 8) & mask_n[None, :], other=0)
+            q = tl.reshape((packed[:, None, :] >> nib_shift[None, :, None]) & 0xF,
+                           (BLOCK_K, BLOCK_N))
+        s = tl.load(scales_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        w = (q - z[None, :]).to(tl.float32)  # small integers: exact in any dot dtype
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if BLOCK_M == 1:
+            a = tl.load(x_ptr + tl.program_id(0) * K + offs_k, mask=offs_k < K,
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(a[:, None] * w, axis=0) * s
+        else:
+            a = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :],
+                        mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
+            acc += tl.dot(a.to(tl.float32).to(DOT_DTYPE), w.to(DOT_DTYPE)) * s[None, :]
+    if BLOCK_M == 1:
+        out = out_ptr + tl.program_id(0) * N + offs_n
+        mask = mask_n
+    else:
+        out = out_ptr + offs_m[:, None] * N + offs_n[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(out, acc, mask=mask)
+
+
 def _launch(kernel, x: torch.Tensor, n: int, tensors: tuple, extra: tuple,
-            config: TileConfig | None) -> torch.Tensor:
+            config: TileConfig | None, **constexprs) -> torch.Tensor:
     k = x.shape[-1]
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
@@ -193,16 +276,40 @@ def _launch(kernel, x: torch.Tensor, n: int, tensors: tuple, extra: tuple,
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
     launcher(kernel, x)[grid](
         x2, *(t.contiguous() for t in tensors), y, m, n, k, *extra,
-        DOT_DTYPE=dot_dtype(x), SPLIT_K=cfg.split_k, **cfg.launch,
+        DOT_DTYPE=dot_dtype(x), SPLIT_K=cfg.split_k, **cfg.launch, **constexprs,
     )
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
+def grouped_matmul_triton(
+    x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+    group_size: int, awq: bool, config: TileConfig | None = None,
+) -> torch.Tensor:
+    """x @ W with the grouped kernel (contiguous groups only: AWQ, GPTQ without act-order)."""
+    k = x.shape[-1]
+    cfg = config or grouped_config(x.numel() // k, k, group_size)
+    if cfg is None:
+        raise ValueError(f"group_size={group_size}: the grouped kernel needs up to 16 rows and a "
+                         "group size divisible by 16")
+    n = qweight.shape[1] * (8 if awq else 1)
+    group_size = k if group_size == -1 else group_size
+    return _launch(_grouped_matmul_kernel, x, n, (qweight, qzeros, scales), (group_size,), cfg,
+                   AWQ=awq)
+
+
 def gptq_matmul_triton(
     x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-    g_idx: torch.Tensor, config: TileConfig | None = None,
+    g_idx: torch.Tensor, config: TileConfig | None = None, group_size: int | None = None,
 ) -> torch.Tensor:
-    """x @ W for a GPTQ v1 weight with the Triton kernel."""
+    """x @ W for a GPTQ v1 weight with the Triton kernel.
+
+    ``group_size`` says that ``g_idx`` is the contiguous ``arange(K) // group_size`` (no
+    act-order): then up to 16 rows run the grouped kernel (each word read once, one scale row
+    per tile), unless ``config`` picks a tile of the general kernel."""
+    k = x.shape[-1]
+    if config is None and group_size is not None and grouped_config(x.numel() // k, k,
+                                                                    group_size) is not None:
+        return grouped_matmul_triton(x, qweight, qzeros, scales, group_size, awq=False)
     n = qweight.shape[1]
     return _launch(_gptq_matmul_kernel, x, n, (qweight, qzeros, scales, g_idx.int()), (), config)
 
@@ -211,19 +318,23 @@ def awq_matmul_triton(
     x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     group_size: int, config: TileConfig | None = None,
 ) -> torch.Tensor:
-    """x @ W for an AWQ gemm weight with the Triton kernel."""
+    """x @ W for an AWQ gemm weight with the Triton kernel (the grouped one up to 16 rows)."""
     n = qweight.shape[1] * 8
+    if config is None and grouped_config(x.numel() // x.shape[-1], x.shape[-1],
+                                         group_size) is not None:
+        return grouped_matmul_triton(x, qweight, qzeros, scales, group_size, awq=True)
     group_size = x.shape[-1] if group_size == -1 else group_size
     return _launch(_awq_matmul_kernel, x, n, (qweight, qzeros, scales), (group_size,), config)
 
 
 def gptq_matmul(
     x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-    g_idx: torch.Tensor,
+    g_idx: torch.Tensor, group_size: int | None = None,
 ) -> torch.Tensor:
-    """x @ W for a GPTQ v1 weight on the selected backend (see ``backend.use_triton``)."""
+    """x @ W for a GPTQ v1 weight on the selected backend (see ``backend.use_triton``);
+    ``group_size`` only where ``g_idx`` is contiguous (see ``gptq_matmul_triton``)."""
     if use_triton(x):
-        return gptq_matmul_triton(x, qweight, qzeros, scales, g_idx)
+        return gptq_matmul_triton(x, qweight, qzeros, scales, g_idx, group_size=group_size)
     return gptq_matmul_ref(x, qweight, qzeros, scales, g_idx)
 
 

@@ -4,8 +4,9 @@ The model runner packs every scheduled sequence's new tokens into one flat batch
 sequences (one new token) first, then prefill chunks. ``AttentionMetadata`` carries the paged-KV
 mapping for that batch (nano-vllm's context, passed explicitly instead of held in a global).
 
-On a GPU the Triton kernels run: the decode kernel when every sequence has one new token, the
-varlen prefill kernel otherwise. On a CPU the same math runs batched in PyTorch: all decode rows
+On a GPU the Triton kernels run: the (split-KV) decode kernel for the rows with one new token,
+the varlen prefill kernel for the others. Grid sizes come from the host-side lengths in the
+metadata, never from reading a device tensor back, so a decode step has no host synchronisation. On a CPU the same math runs batched in PyTorch: all decode rows
 gather their blocks at once and go through one ``scaled_dot_product_attention`` call, and each
 prefill chunk attends causally over its cached prefix plus itself. (The kernels' own references
 loop over sequences in Python, which would dominate a CPU decode step.)
@@ -33,6 +34,8 @@ class AttentionMetadata:
     num_decodes: int  # sequences 0 .. num_decodes-1 have exactly one new token
     query_lens: list[int]
     context_lens_list: list[int]
+    max_query_len: int = 1  # host-side copies of the lengths: kernels size grids without a sync
+    max_context_len: int = 0
 
     @property
     def all_decode(self) -> bool:
@@ -43,11 +46,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, Hq, D] of the packed new tokens -> attention output [T, Hq, D]."""
     if use_triton(q):
+        nd = meta.num_decodes
         if meta.all_decode:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
-                                          meta.context_lens, scale)
-        return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                       meta.context_lens, scale)
+                                          meta.context_lens, scale, meta.max_context_len)
+        if nd == 0:
+            return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables,
+                                           meta.cu_seqlens_q, meta.context_lens, scale,
+                                           meta.max_query_len)
+        # a mixed batch: its decode rows (first, one token each) through the decode kernel
+        out = torch.empty_like(q)
+        out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
+                                          meta.context_lens[:nd], scale, meta.max_context_len)
+        out[nd:] = paged_prefill_attention(q[nd:], k_cache, v_cache, meta.block_tables[nd:],
+                                           meta.cu_seqlens_q[nd:] - nd, meta.context_lens[nd:],
+                                           scale, meta.max_query_len)
+        return out
     return _paged_attention_torch(q, k_cache, v_cache, meta, scale)
 
 

@@ -11,6 +11,8 @@ forwards then use instead of dequantizing the whole matrix per call.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -55,6 +57,9 @@ class GPTQLinear(nn.Module):
         self.bits, self.group_size = bits, group_size
         self.in_features, self.out_features = g_idx.numel(), qweight.shape[1]
         self.cpu_pack: Int4Pack | Int8Pack | None = None
+        size = self.in_features if group_size == -1 else group_size
+        contiguous = torch.equal(g_idx.cpu().long(), torch.arange(self.in_features) // size)
+        self.contiguous_group = group_size if contiguous else None  # grouped W4A16 kernel
 
     @property
     def cpu_packs(self) -> list[Int4Pack | Int8Pack]:
@@ -76,7 +81,8 @@ class GPTQLinear(nn.Module):
             matmul = int4_matmul if isinstance(self.cpu_pack, Int4Pack) else int8_matmul
             y = matmul(x, self.cpu_pack)
         elif self.bits == 4:
-            y = gptq_matmul(x, self.qweight, self.qzeros, self.scales, self.g_idx)
+            y = gptq_matmul(x, self.qweight, self.qzeros, self.scales, self.g_idx,
+                            self.contiguous_group)
         else:
             tensors = {"qweight": self.qweight, "qzeros": self.qzeros, "scales": self.scales,
                        "g_idx": self.g_idx}
@@ -119,6 +125,9 @@ class NF4Linear(nn.Module):
 
     def __init__(self, weight: NF4Weight, bias: torch.Tensor | None):
         super().__init__()
+        if weight.nested_absmax is not None:  # undo the double quantization once, not per call
+            weight = dataclasses.replace(weight, absmax=weight.absmax_fp32(), nested_absmax=None,
+                                         nested_quant_map=None)
         self.nf4 = weight
         self.register_buffer("bias", bias)
         self.out_features, self.in_features = weight.shape
@@ -152,15 +161,31 @@ class ConcatLinear(nn.Module):
 
 def merge_linears(parts: list[nn.Module]) -> nn.Module:
     """One linear computing ``cat([p(x) for p in parts], -1)``: a single matmul when every part
-    is 16-bit (q|k|v, gate|up), else the parts side by side."""
+    is 16-bit (q|k|v, gate|up), or GPTQ / AWQ with the same bits, groups and (GPTQ) g_idx, whose
+    packed tensors concatenate exactly along the output dim; else the parts side by side."""
     if all(isinstance(p, DenseLinear) for p in parts):
-        biases = [p.bias for p in parts]
-        bias = None
-        if any(b is not None for b in biases):
-            bias = torch.cat([b if b is not None else p.weight.new_zeros(p.out_features)
-                              for p, b in zip(parts, biases, strict=True)])
-        return DenseLinear(torch.cat([p.weight for p in parts]), bias)
+        return DenseLinear(torch.cat([p.weight for p in parts]), _merged_bias(parts))
+    if all(isinstance(p, GPTQLinear) for p in parts) and len(
+            {(p.bits, p.group_size) for p in parts}) == 1 and all(
+            torch.equal(p.g_idx, parts[0].g_idx) and p.out_features * p.bits % 32 == 0
+            for p in parts):  # qzeros words must not straddle two parts
+        cat = lambda name: torch.cat([getattr(p, name) for p in parts], dim=1)  # noqa: E731
+        return GPTQLinear(cat("qweight"), cat("qzeros"), cat("scales"), parts[0].g_idx,
+                          parts[0].bits, parts[0].group_size, _merged_bias(parts))
+    if all(isinstance(p, AWQLinear) for p in parts) and len({p.group_size for p in parts}) == 1:
+        cat = lambda name: torch.cat([getattr(p, name) for p in parts], dim=1)  # noqa: E731
+        return AWQLinear(cat("qweight"), cat("qzeros"), cat("scales"), parts[0].group_size,
+                         _merged_bias(parts))
     return ConcatLinear(parts)
+
+
+def _merged_bias(parts: list[nn.Module]) -> torch.Tensor | None:
+    """The parts' biases end to end (zeros for a part without one), None if none has one."""
+    if all(p.bias is None for p in parts):
+        return None
+    ref = next(p.bias for p in parts if p.bias is not None)
+    return torch.cat([p.bias if p.bias is not None else ref.new_zeros(p.out_features)
+                      for p in parts])
 
 
 def pack_for_cpu(model: nn.Module) -> None:

@@ -4,7 +4,8 @@ Routed experts are stacked along a leading expert dim in their published layout 
 4-bit or AWQ), gate and up concatenated along the output dim, so ``fused_moe`` runs every expert
 of a projection in one launch. The stacking moves packed words, never dequantizes them. Layouts
 the fused kernel does not read (NF4, GPTQ at other widths, act-order g_idx that differs between
-gate and up) keep one linear per expert and loop over the experts that received tokens.
+gate and up) keep one linear per expert; on a CPU they loop over the experts that received
+tokens, on a GPU over every expert (no host read of the routing, see ``ExpertLoop``).
 
 On a CPU, ``pack_for_cpu`` converts each GPTQ-4/AWQ-4 expert once for torch's CPU int4 kernel
 (``kernels.cpu_int4``); the grouped loop then runs that kernel for the experts that got tokens
@@ -140,6 +141,8 @@ class ExpertLoop(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
+        if use_triton(x):
+            return self._every_expert(x, topk_weights, topk_ids)
         out = torch.zeros(x.shape[0], x.shape[1], device=x.device, dtype=torch.float32)
         for e in topk_ids.unique().tolist():
             token, slot = (topk_ids == e).nonzero(as_tuple=True)
@@ -147,6 +150,19 @@ class ExpertLoop(nn.Module):
             act = silu_and_mul(torch.cat([self.gate[e](h), self.up[e](h)], dim=-1))
             y = self.down[e](act).float() * topk_weights[token, slot, None].float()
             out.index_add_(0, token, y)
+        return out.to(x.dtype)
+
+    def _every_expert(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> torch.Tensor:
+        """The GPU path: every expert on every token, weighted 0 where not routed. Asking which
+        experts got tokens would read the device back (a host sync per layer, no CUDA graph);
+        this reads every expert instead, the price of a layout the fused kernel cannot read."""
+        routing = torch.zeros(x.shape[0], len(self.gate), device=x.device, dtype=torch.float32)
+        routing.scatter_(1, topk_ids.long(), topk_weights.float())
+        out = torch.zeros(x.shape[0], x.shape[1], device=x.device, dtype=torch.float32)
+        for e in range(len(self.gate)):
+            act = silu_and_mul(torch.cat([self.gate[e](x), self.up[e](x)], dim=-1))
+            out += self.down[e](act).float() * routing[:, e : e + 1]
         return out.to(x.dtype)
 
 

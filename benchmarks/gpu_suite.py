@@ -1,0 +1,534 @@
+"""The GPU suite: every measurement issue 15 asks of a lent GPU, in one command (< 9 min, H100).
+
+    python benchmarks/gpu_suite.py --prepare BUNDLE          # CPU machine: models to carry
+    python benchmarks/gpu_suite.py --bundle BUNDLE --out OUT  # GPU machine: every section
+    python benchmarks/gpu_suite.py --dry-run --out OUT        # CPU: every section at toy sizes
+
+Sections, each a markdown table (printed, and written to OUT/gpu_suite.md; tracebacks and test
+output to OUT/gpu_suite.log; a failing section reports its error and the next one runs):
+
+1. tests: the kernel tests on CUDA tensors and the ``cuda``-marked engine tests.
+2. gemv: W4A16 (grouped GPTQ, AWQ; the act-order GPTQ kernel beside them) and NF4 at M=1 for
+   K, N in {4096, 8192, 14336}, against the device copy bandwidth measured first (bytes read +
+   written). Weights rotate through > 256 MiB of copies, so L2 does not serve them.
+3. decode: tokens/s at concurrency 1 on a random Qwen3-MoE of >= 4 GB in bf16 (hidden 2048,
+   128 experts of 768, top-8, like Qwen3-30B-A3B's layers) against its roofline: copy bandwidth
+   / bytes one token reads (every non-expert weight, top-k experts of each layer, the KV cache).
+4. vs_hf: the engine against transformers' ``generate`` (bf16, same prompts, greedy, same new
+   tokens) at concurrency 1, 16 and 64 on that model.
+5. parity: greedy tokens of the engine against transformers on the device for the demo models
+   and their GPTQ/AWQ/NF4 artifacts from the bundle (transformers runs the dequantized weights).
+6. gptq: GPTQ-4 of the random MoE on the device, wall time; where the compression stages have no
+   device setting yet (issue 15 part 1), the section says so. The 2-core CPU figure to compare
+   with is in docs/benchmarks.md ("Scale").
+
+``--dry-run`` runs the same code at toy sizes on the CPU (Triton kernels through the
+interpreter), to prove the suite end to end before GPU minutes are spent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DRY = "--dry-run" in sys.argv
+if DRY:  # before triton is imported: kernels on CPU tensors run in the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+for _k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(_k, "1")
+
+import gc  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+DEMO_QUANT = {"gptq4": ["--method", "gptq", "--bits", "4", "--group-size", "32"],  # tiny's experts
+              "awq4": ["--method", "awq", "--bits", "4", "--group-size", "32"],  # have 64 inputs
+              "nf4": ["--method", "nf4"]}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Everything that differs between a GPU run and a dry run."""
+
+    gemv_shapes: tuple[int, ...]
+    rotate_bytes: int
+    copy_bytes: int
+    moe: dict
+    concurrency: tuple[int, ...]
+    prompt_len: int
+    new_tokens: int
+    gptq_samples: int
+
+
+GPU = Sizes((4096, 8192, 14336), 256 << 20, 1 << 30,
+            dict(hidden=2048, layers=4, experts=128, inter=768, top_k=8, heads=32, kv=4, hd=128),
+            (1, 16, 64), 64, 64, 32)
+TOY = Sizes((256,), 1 << 20, 8 << 20,
+            dict(hidden=64, layers=2, experts=4, inter=32, top_k=2, heads=4, kv=2, hd=16),
+            (1, 4), 8, 4, 2)
+
+
+# ---------------------------------------------------------------- timing helpers
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def median_seconds(fn: Callable[[], object], iters: int) -> float:
+    """Median wall time of ``fn`` over ``iters`` calls after two warm-ups (device synced)."""
+    for _ in range(2):
+        fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    """Bytes per second a device-to-device copy moves (read + written), median of 10."""
+    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device())
+    dst = torch.empty_like(src)
+    return 2 * nbytes / median_seconds(lambda: dst.copy_(src), 10)
+
+
+# ---------------------------------------------------------------- section 1: tests
+
+def section_tests(sizes: Sizes, log: Path) -> str:
+    files = ["tests/serve_kernels/test_cuda.py"]
+    if not DRY:
+        files.append("tests/serve_kernels/kernels")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
+    if DRY:
+        cmd += ["-m", "cuda"]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    with log.open("a") as f:
+        f.write(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}\n")
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-300:]
+    return ("| tests | exit status | summary | s |\n|---|---|---|---|\n"
+            f"| {' '.join(files)} {'-m cuda' if DRY else ''} | {proc.returncode} | {summary} | "
+            f"{time.perf_counter() - start:.0f} |")
+
+
+# ---------------------------------------------------------------- section 2: GEMV bandwidth
+
+def _random_gptq(k: int, n: int, group: int, dev, gen) -> tuple:
+    qweight = torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=gen, dtype=torch.int32)
+    qzeros = torch.randint(-2**31, 2**31 - 1, (k // group, n // 8), generator=gen,
+                           dtype=torch.int32)
+    scales = (torch.rand(k // group, n, generator=gen) * 0.01).to(torch.bfloat16)
+    return tuple(t.to(dev) for t in (qweight, qzeros, scales))
+
+
+def _random_nf4(k: int, n: int, dev, gen):
+    from thresher.formats.nf4 import NF4Weight
+
+    packed = torch.randint(0, 256, (k * n // 2, 1), generator=gen, dtype=torch.uint8)
+    absmax = torch.rand(k * n // 64, generator=gen)
+    return NF4Weight(packed.to(dev), absmax.to(dev), torch.linspace(-1, 1, 16).to(dev), (n, k),
+                     dtype=torch.bfloat16)
+
+
+def section_gemv(sizes: Sizes, log: Path) -> str:
+    bw = copy_bandwidth(sizes.copy_bytes)
+    rows = [f"device copy bandwidth (read + write): {bw / 1e9:.0f} GB/s\n",
+            "| kernel | K | N | us | GB/s | % of copy |", "|---|---|---|---|---|---|"]
+    for k in sizes.gemv_shapes:
+        for n in sizes.gemv_shapes:
+            for name, sec, nbytes in _gemv_times(k, n, sizes):
+                rate = nbytes / sec
+                rows.append(f"| {name} | {k} | {n} | {sec * 1e6:.1f} | {rate / 1e9:.0f} | "
+                            f"{rate / bw:.0%} |")
+            gc.collect()
+    return "\n".join(rows)
+
+
+def _gemv_times(k: int, n: int, sizes: Sizes) -> list[tuple[str, float, int]]:
+    """(kernel, median seconds, bytes moved) of each 4-bit GEMV at one shape."""
+    from thresher.serve_kernels.kernels import w4a16
+    from thresher.serve_kernels.kernels.nf4 import nf4_matmul_triton
+
+    dev, gen = device(), torch.Generator().manual_seed(k + n)
+    group = 128 if not DRY else 32
+    x = torch.randn(1, k, device=dev).to(torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    q, z, s = _random_gptq(k, n, group, dev, gen)
+    weight_bytes = q.nbytes + z.nbytes + s.nbytes
+    copies = max(1, sizes.rotate_bytes // weight_bytes)
+    gptq = [(q, z, s)] + [tuple(t.clone() for t in (q, z, s)) for _ in range(copies - 1)]
+    g_idx = torch.arange(k, device=dev, dtype=torch.int32) // group
+    awq_q = torch.randint(-2**31, 2**31 - 1, (k, n // 8), generator=gen,
+                          dtype=torch.int32).to(dev)  # the same bytes as GPTQ's qweight
+    awq = [(awq_q, z, s)] + [tuple(t.clone() for t in (awq_q, z, s)) for _ in range(copies - 1)]
+    nf4 = [_random_nf4(k, n, dev, gen)]
+    nf4_bytes = nf4[0].packed.nbytes + nf4[0].absmax.nbytes
+    nf4 += [_random_nf4(k, n, dev, gen) for _ in range(max(0, sizes.rotate_bytes // nf4_bytes - 1))]
+    io = x.nbytes + n * 4  # activations in, fp32 split-K output
+    cases = {
+        f"gptq-4 g{group} grouped": (weight_bytes, lambda i: w4a16.gptq_matmul_triton(
+            x, *gptq[i % len(gptq)], g_idx, group_size=group)),
+        f"gptq-4 g{group} act-order kernel": (weight_bytes + g_idx.nbytes,
+                                         lambda i: w4a16.gptq_matmul_triton(
+                                             x, *gptq[i % len(gptq)], g_idx)),
+        f"awq-4 g{group} grouped": (weight_bytes, lambda i: w4a16.awq_matmul_triton(
+            x, *awq[i % len(awq)], group)),
+        "nf4 (fp32 absmax)": (nf4_bytes, lambda i: nf4_matmul_triton(x, nf4[i % len(nf4)])),
+    }
+    out = []
+    for name, (nbytes, fn) in cases.items():
+        counter = iter(range(10**9))
+        sec = median_seconds(lambda fn=fn, c=counter: fn(next(c)), 5 if DRY else 50)
+        out.append((name, sec, nbytes + io))
+    return out
+
+
+# ---------------------------------------------------------------- the random MoE
+
+def build_random_moe(out: Path, tokenizer_dir: Path, m: dict) -> int:
+    """A random bf16 Qwen3-MoE checkpoint (written one layer at a time); its size in bytes."""
+    from thresher.models.checkpoint import CheckpointWriter
+    from thresher.models.random_init import random_config
+
+    h, e, inter, heads, kv, hd = m["hidden"], m["experts"], m["inter"], m["heads"], m["kv"], m["hd"]
+    config = random_config("qwen3_moe", hidden_size=h, num_layers=m["layers"], num_experts=e,
+                           top_k=m["top_k"], intermediate_size=inter, vocab_size=4096,
+                           num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd,
+                           dtype="bfloat16")
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    config.max_position_embeddings = 2048
+    out.mkdir(parents=True)
+    config.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy2(tokenizer_dir / name, out / name)
+    gen_dev = device()
+    gen = torch.Generator(device=gen_dev).manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=gen_dev) * 0.02).to(
+            torch.bfloat16).cpu()
+
+    ones = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
+    writer = CheckpointWriter(out, max_shard_bytes=2 << 30)
+    writer.add({"model.embed_tokens.weight": rand(4096, h), "lm_head.weight": rand(4096, h),
+                "model.norm.weight": ones(h)})
+    for i in range(m["layers"]):
+        p = f"model.layers.{i}."
+        state = {p + "input_layernorm.weight": ones(h),
+                 p + "post_attention_layernorm.weight": ones(h),
+                 p + "self_attn.q_proj.weight": rand(heads * hd, h),
+                 p + "self_attn.k_proj.weight": rand(kv * hd, h),
+                 p + "self_attn.v_proj.weight": rand(kv * hd, h),
+                 p + "self_attn.o_proj.weight": rand(h, heads * hd),
+                 p + "self_attn.q_norm.weight": ones(hd), p + "self_attn.k_norm.weight": ones(hd),
+                 p + "mlp.gate.weight": rand(e, h) * 50}
+        for j in range(e):
+            state[p + f"mlp.experts.{j}.gate_proj.weight"] = rand(inter, h)
+            state[p + f"mlp.experts.{j}.up_proj.weight"] = rand(inter, h)
+            state[p + f"mlp.experts.{j}.down_proj.weight"] = rand(h, inter)
+        writer.add(state)
+    writer.close()
+    return sum(f.stat().st_size for f in out.glob("*.safetensors"))
+
+
+def bytes_per_token(m: dict, context: int) -> int:
+    """Bytes one decode token reads in bf16: non-expert weights, top-k experts, its KV cache."""
+    h, heads, kv, hd = m["hidden"], m["heads"], m["kv"], m["hd"]
+    attn = h * (heads + 2 * kv) * hd + heads * hd * h
+    experts = m["top_k"] * 3 * h * m["inter"]
+    per_layer = attn + m["experts"] * h + experts
+    kv_cache = 2 * kv * hd * context
+    return 2 * (m["layers"] * (per_layer + kv_cache) + 4096 * h)  # + lm_head (embedding: 1 row)
+
+
+@dataclass
+class MoEContext:
+    path: Path
+    size: int
+    sizes: Sizes
+
+
+def _prompts(count: int, length: int) -> list[list[int]]:
+    return [[(17 * i + 31 * t) % 4000 + 5 for t in range(length)] for i in range(count)]
+
+
+# ---------------------------------------------------------------- sections 3 and 4
+
+def _engine_wall(llm, prompts: list[list[int]], new_tokens: int) -> float:
+    from thresher.serve_kernels import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    sync()
+    start = time.perf_counter()
+    llm.generate(prompts, params)
+    sync()
+    return time.perf_counter() - start
+
+
+def section_decode_and_engine(ctx: MoEContext, log: Path) -> str:
+    from thresher.serve_kernels import LLM
+
+    s = ctx.sizes
+    llm = LLM(ctx.path, dtype="bfloat16" if not DRY else "float32", max_model_len=1024,
+              max_num_seqs=max(s.concurrency))
+    info = llm.engine.model_info
+    one = _prompts(1, s.prompt_len)
+    _engine_wall(llm, one, 2)  # warm-up
+    decode_s = (_engine_wall(llm, one, s.new_tokens + 1) - _engine_wall(llm, one, 1))
+    rate = s.new_tokens / decode_s
+    bw = copy_bandwidth(s.copy_bytes)
+    per_token = bytes_per_token(s.moe, s.prompt_len + s.new_tokens)
+    roof = bw / per_token
+    rows = [f"random Qwen3-MoE {ctx.size / 1e9:.2f} GB bf16 ({s.moe}); KV cache "
+            f"{info['kv_cache_bytes'] / 2**30:.1f} GiB, CUDA graphs {info.get('cuda_graphs')}\n",
+            "| decode c=1 tokens/s | bytes/token | copy GB/s | roofline tokens/s | % of roofline |",
+            "|---|---|---|---|---|",
+            f"| {rate:.0f} | {per_token / 1e6:.1f} MB | {bw / 1e9:.0f} | {roof:.0f} | "
+            f"{rate / roof:.0%} |", ""]
+    engine_rates = {}
+    for c in s.concurrency:
+        prompts = _prompts(c, s.prompt_len)
+        engine_rates[c] = c * s.new_tokens / _engine_wall(llm, prompts, s.new_tokens)
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    hf_rates = _hf_rates(ctx)
+    rows += ["| concurrency | engine tokens/s | transformers generate tokens/s | ratio |",
+             "|---|---|---|---|"]
+    for c in s.concurrency:
+        rows.append(f"| {c} | {engine_rates[c]:.0f} | {hf_rates[c]:.0f} | "
+                    f"{engine_rates[c] / hf_rates[c]:.1f}x |")
+    return "\n".join(rows)
+
+
+def _hf_rates(ctx: MoEContext) -> dict[int, float]:
+    """transformers' greedy generate, same prompts and new tokens (prefill included, as above)."""
+    from transformers import AutoModelForCausalLM
+
+    s = ctx.sizes
+    dtype = torch.bfloat16 if not DRY else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(ctx.path, dtype=dtype).to(device()).eval()
+    rates = {}
+    for c in s.concurrency:
+        ids = torch.tensor(_prompts(c, s.prompt_len), device=device())
+        kwargs = dict(max_new_tokens=s.new_tokens, min_new_tokens=s.new_tokens, do_sample=False,
+                      attention_mask=torch.ones_like(ids), pad_token_id=0)
+        with torch.no_grad():
+            model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+            sync()
+            start = time.perf_counter()
+            model.generate(ids, **kwargs)
+            sync()
+        rates[c] = c * s.new_tokens / (time.perf_counter() - start)
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rates
+
+
+# ---------------------------------------------------------------- section 5: parity
+
+def section_parity(bundle: Path, log: Path) -> str:
+    from thresher.formats.config import packed_format
+    from thresher.serve_kernels import LLM, SamplingParams
+
+    prompts = _prompts(4, 12)
+    new = 24
+    dtype = "bfloat16" if not DRY else "float32"
+    rows = ["| model | engine = transformers (sequences) | token agreement | first diverging "
+            "step |", "|---|---|---|---|"]
+    from transformers import AutoConfig
+
+    for path in parity_models(bundle):
+        if packed_format(AutoConfig.from_pretrained(path), path) is None:
+            from transformers import AutoModelForCausalLM
+
+            ref = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        else:
+            from thresher.models.quantized import load_quantized_model
+
+            ref = load_quantized_model(path, getattr(torch, dtype))
+        ref = ref.to(device()).eval()
+        want = []
+        with torch.no_grad():
+            for p in prompts:
+                ids = torch.tensor([p], device=device())
+                out = ref.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                   attention_mask=torch.ones_like(ids), pad_token_id=0)
+                want.append(out[0, len(p):].tolist())
+        del ref
+        llm = LLM(path, dtype=dtype, max_model_len=256, max_num_seqs=4, kv_cache_gb=0.25)
+        got = [o.token_ids for o in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))]
+        del llm
+        gc.collect()
+        same = sum(g == w for g, w in zip(got, want, strict=True))
+        agree = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w,
+                                                                                    strict=True))
+        first = min((next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), new)
+                     for g, w in zip(got, want, strict=True)), default=new)
+        rows.append(f"| {path.name} | {same}/{len(prompts)} | {agree / (new * len(prompts)):.0%}"
+                    f" | {first if first < new else '-'} |")
+    return "\n".join(rows)
+
+
+# ---------------------------------------------------------------- section 6: GPTQ on the device
+
+def section_gptq(ctx: MoEContext, log: Path) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    usage = subprocess.run([sys.executable, "-m", "thresher", "quantize", "--help"], cwd=ROOT,
+                           capture_output=True, text=True, env=env).stdout
+    has_device = "--device" in usage  # issue 15 part 1 adds it
+    if not has_device and not DRY:
+        return ("| GPTQ-4 on the device |\n|---|\n| not run: the compression stages have no "
+                "device setting yet (issue 15 part 1) |")
+    out = ctx.path.parent / "gptq4"
+    cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(ctx.path), "--out",
+           str(out), "--method", "gptq", "--bits", "4", "--group-size", "128" if not DRY else "32",
+           "--samples", str(ctx.sizes.gptq_samples),
+           "--seq-len", "128" if not DRY else "16", *(["--device", "auto"] if has_device else [])]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - start
+    with log.open("a") as f:
+        f.write(f"$ {' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}\n")
+    if proc.returncode:
+        raise RuntimeError(f"quantize exited {proc.returncode}: {proc.stderr[-500:]}")
+    where = device() if has_device else "cpu (no device setting yet: issue 15 part 1)"
+    return ("| checkpoint | device | GPTQ-4 wall s |\n|---|---|---|\n"
+            f"| {ctx.size / 1e9:.3f} GB | {where} | {wall:.0f} |")
+
+
+# ---------------------------------------------------------------- preparing and running
+
+def prepare(bundle: Path, demos: list[str]) -> None:
+    """Write the bundle to carry: the demo models as thresher's state directory holds them
+    (``BUNDLE/demo-models/<name>-<hash>``: with ``THRESHER_HOME=BUNDLE`` the tests find them
+    instead of training them) and their GPTQ-4, AWQ-4 and NF4 artifacts (``BUNDLE/artifacts``)."""
+    from thresher.data.demo_model import build_demo_model
+
+    (bundle / "demo-models").mkdir(parents=True, exist_ok=True)
+    (bundle / "artifacts").mkdir(exist_ok=True)
+    for name in demos:
+        src = build_demo_model(name)
+        base = bundle / "demo-models" / src.name
+        if not base.exists():
+            shutil.copytree(src, base)
+        for method, args in DEMO_QUANT.items():
+            out = bundle / "artifacts" / f"demo-{name}-{method}"
+            if out.exists():
+                continue
+            cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(base), "--out",
+                   str(out), *args, "--samples", "8", "--seq-len", "64"]
+            subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    total = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file())
+    print(f"bundle {bundle}: {total / 2**20:.1f} MiB")
+
+
+def parity_models(bundle: Path) -> list[Path]:
+    """The demo models and their artifacts in a bundle, base models first."""
+    bases = sorted(p for p in (bundle / "demo-models").iterdir() if (p / "config.json").is_file())
+    arts = bundle / "artifacts"
+    return bases + (sorted(p for p in arts.iterdir() if (p / "config.json").is_file())
+                    if arts.is_dir() else [])
+
+
+def run_sections(out: Path, bundle: Path | None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    log, report = out / "gpu_suite.log", out / "gpu_suite.md"
+    log.write_text("")
+    sizes = TOY if DRY else GPU
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (dry run)"
+    header = (f"# GPU suite: {name}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n"
+              f"torch {torch.__version__}, dry run {DRY}\n")
+    report.write_text(header + "\n")
+    print(header)
+    work = Path(tempfile.mkdtemp(prefix="thresher-gpu-suite-"))
+    if bundle is not None:  # the tests' demo:tiny fixture reads thresher's state directory
+        os.environ["THRESHER_HOME"] = str(bundle.resolve())
+    from thresher.data.demo_model import build_demo_model
+
+    tokenizer_dir = build_demo_model("tiny")
+    ctx: MoEContext | None = None
+
+    def moe() -> MoEContext:
+        nonlocal ctx
+        if ctx is None:
+            path = work / "random-moe"
+            ctx = MoEContext(path, build_random_moe(path, tokenizer_dir, sizes.moe), sizes)
+        return ctx
+
+    parity_dir = bundle
+    if parity_dir is None:  # a dry run without a bundle: the tiny demo model alone
+        parity_dir = work / "parity"
+        (parity_dir / "demo-models").mkdir(parents=True)
+        shutil.copytree(tokenizer_dir, parity_dir / "demo-models" / tokenizer_dir.name)
+    sections = [("1. tests", lambda: section_tests(sizes, log)),
+                ("2. W4A16 / NF4 GEMV at M=1", lambda: section_gemv(sizes, log)),
+                ("3-4. decode roofline, engine vs transformers",
+                 lambda: section_decode_and_engine(moe(), log)),
+                ("5. greedy parity with transformers", lambda: section_parity(parity_dir, log)),
+                ("6. GPTQ-4 of the random MoE on the device", lambda: section_gptq(moe(), log))]
+    try:
+        for title, fn in sections:
+            start = time.perf_counter()
+            try:
+                table = fn()
+            except Exception as exc:  # report and go on: one broken section must not cost the rest
+                with log.open("a") as f:
+                    f.write(f"## {title}\n{traceback.format_exc()}\n")
+                table = f"FAILED: {type(exc).__name__}: {exc}"
+            text = f"## {title} ({time.perf_counter() - start:.0f} s)\n\n{table}\n"
+            print(text, flush=True)
+            with report.open("a") as f:
+                f.write(text + "\n")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"tables: {report}; log: {log}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prepare", type=Path, help="write the bundle to carry to the GPU machine")
+    ap.add_argument("--demos", nargs="+", default=["tiny", "small"], choices=["tiny", "small"],
+                    help="--prepare: the demo models to bundle with their artifacts")
+    ap.add_argument("--bundle", type=Path, help="the prepared bundle (demo models, artifacts)")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/out/gpu_suite"))
+    ap.add_argument("--dry-run", action="store_true",
+                    help="every section at toy sizes on the CPU (kernels through the interpreter)")
+    args = ap.parse_args()
+    if args.prepare:
+        prepare(args.prepare, args.demos)
+        return
+    if not DRY and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --dry-run on a CPU")
+    if not DRY and args.bundle is None:
+        raise SystemExit("--bundle is required on the GPU (made by --prepare on the CPU machine)")
+    run_sections(args.out, args.bundle)
+
+
+if __name__ == "__main__":
+    main()
