@@ -1,10 +1,13 @@
-"""Held-out perplexity after expert pruning: REAP against EAN, frequency and random.
+"""Held-out perplexity after expert pruning: every criterion, auto, and damage budgets.
 
-Every method prunes the same model with statistics from one observation of the same calibration
-windows (the random control observes nothing; it is averaged over seeds). Perplexity is
-token-level on the stdlib held-out split.
+The single criteria (REAP, EAN, frequency, weighted EAN) prune the same model with statistics
+from one observation of all calibration windows; ``auto`` and damage budgets share a second
+observation that holds the last quarter of those windows out for local errors (the random control
+observes nothing; it is averaged over seeds). Perplexity is token-level on the stdlib held-out
+split; each cell shows the increase over the unpruned model. A model is a demo size or a
+checkpoint directory (other training seeds of a demo recipe).
 
-    python benchmarks/prune_quality.py tiny small [--samples 128 --windows 64]
+    python benchmarks/prune_quality.py tiny small /tmp/small-seed1 [--samples 128 --windows 64]
 """
 
 from __future__ import annotations
@@ -23,45 +26,70 @@ from thresher.data.windows import calibration_windows
 from thresher.evaluate.perplexity import heldout_perplexity
 from thresher.models import load_model, load_tokenizer
 from thresher.models.layerwise import LayerwiseModel
-from thresher.prune.api import prune_model
+from thresher.prune.api import observe_for, prune_model
 from thresher.prune.observer import observe_experts
+from thresher.prune.plan import needs_probes
 from thresher.recipe import CalibrationConfig, PerplexityConfig, PruneStage
 
-METHODS = ("reap", "ean", "frequency")
+METHODS = ("reap", "ean", "frequency", "weighted_ean")
+PROBED = {"auto": {"method": "auto"}, "auto damage": {"method": "auto", "budget": "damage"}}
 RATIOS = (0.25, 0.5)
 
 
 def measure(size: str, cal: CalibrationConfig, ppl_cfg: PerplexityConfig, seeds: int,
             work: Path) -> dict[str, str]:
-    path = build_demo_model(size)
+    path = Path(size) if "/" in size else build_demo_model(size)
     tok = load_tokenizer(path)
     def ppl(model_dir: Path) -> float:
         return heldout_perplexity(load_model(model_dir), ppl_cfg, tokenizer=tok,
                                   show_progress=False).perplexity
 
-    row = {"unpruned": f"{ppl(path):.2f}"}
+    base = ppl(path)
+    row = {"unpruned": f"{base:.2f}"}
+    windows = calibration_windows(tok, cal)
     start = time.perf_counter()
-    observed = observe_experts(LayerwiseModel(path), calibration_windows(tok, cal))
+    observed = observe_experts(LayerwiseModel(path), windows)
     row["observation seconds"] = f"{time.perf_counter() - start:.0f}"
+    start = time.perf_counter()
+    probed = observe_for(PruneStage(method="auto", ratio=0.5), LayerwiseModel(path), windows)
+    row["observation with probes seconds"] = f"{time.perf_counter() - start:.0f}"
 
-    def pruned_ppl(stage: PruneStage) -> float:
-        out = work / f"{size}-{stage.method}-{stage.ratio}-{stage.seed}"
-        prune_model(path, stage, cal, out, observed=observed, show_progress=False)
+    def cell(value: float) -> str:
+        return f"{value:.2f} ({100 * (value / base - 1):+.1f}%)"
+
+    def pruned_ppl(stage: PruneStage, name: str) -> float:
+        out = work / f"{path.name}-{name}-{stage.ratio}-{stage.seed}".replace(" ", "-")
+        start = time.perf_counter()
+        report = prune_model(path, stage, cal, out, observed=probed if needs_probes(stage)
+                             else observed, show_progress=False)
+        plan_seconds[name] = time.perf_counter() - start
+        if needs_probes(stage):
+            row[f"{name} {int(stage.ratio * 100)}% layers"] = " ".join(
+                f"{r.criterion}:{len(r.kept)}" for r in report.layers)
         return ppl(out)
 
+    plan_seconds: dict[str, float] = {}
     for ratio in RATIOS:
         pct = f"{int(ratio * 100)}%"
         for method in METHODS:
-            row[f"{method} {pct}"] = f"{pruned_ppl(PruneStage(method=method, ratio=ratio)):.2f}"
-        rand = [pruned_ppl(PruneStage(method="random", ratio=ratio, seed=s)) for s in range(seeds)]
+            row[f"{method} {pct}"] = cell(pruned_ppl(PruneStage(method=method, ratio=ratio),
+                                                     method))
+        for name, options in PROBED.items():
+            row[f"{name} {pct}"] = cell(pruned_ppl(PruneStage(ratio=ratio, **options), name))
+        rand = [pruned_ppl(PruneStage(method="random", ratio=ratio, seed=s), "random")
+                for s in range(seeds)]
         row[f"random {pct}"] = (f"{statistics.mean(rand):.2f} ({min(rand):.0f}-{max(rand):.0f})"
-                                if seeds > 1 else f"{rand[0]:.2f}")
+                                if seeds > 1 else cell(rand[0]))
+    row["prune seconds (reap / auto damage)"] = (f"{plan_seconds['reap']:.0f} / "
+                                                 f"{plan_seconds['auto damage']:.0f}")
+    print(f"{size}: " + "; ".join(f"{k}: {v}" for k, v in row.items()), flush=True)
     return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("sizes", nargs="*", default=["tiny", "small"])
+    parser.add_argument("sizes", nargs="*", default=["tiny", "small"],
+                        help="demo sizes or checkpoint directories")
     parser.add_argument("--samples", type=int, default=128, help="calibration windows")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--windows", type=int, default=64, help="held-out windows scored")
@@ -75,7 +103,7 @@ def main() -> None:
     print(f"Held-out perplexity after pruning ({ppl_cfg.max_windows} windows of {args.seq_len} "
           f"tokens; calibration {args.samples} x {args.seq_len} stdlib train; random = mean "
           f"(range) of {args.seeds} seeds; {platform.machine()})\n")
-    print("| | " + " | ".join(f"demo:{size}" for size in columns) + " |")
+    print("| | " + " | ".join(size if "/" in size else f"demo:{size}" for size in columns) + " |")
     print("|---|" + "---:|" * len(columns))
     for label in next(iter(columns.values())):
         print(f"| {label} | " + " | ".join(col[label] for col in columns.values()) + " |")

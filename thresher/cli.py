@@ -278,7 +278,8 @@ def _calibration_source(text: str):
 def prune_cmd(
     model: Annotated[str, typer.Option(help="Hub id, local dir, models:/name/version or demo:size.")],
     out: Annotated[Path, typer.Option(help="Output directory for the pruned checkpoint (new).")],
-    method: Annotated[str, typer.Option(help="reap, frequency, ean or random.")] = "reap",
+    method: Annotated[str, typer.Option(
+        help="reap, frequency, ean, weighted_ean, auto or random.")] = "reap",
     ratio: Annotated[float | None, typer.Option(
         help="Fraction of experts removed in every MoE layer, in (0, 1); 0.5 unless --keep "
         "is given.")] = None,
@@ -289,6 +290,11 @@ def prune_cmd(
     samples: Annotated[int, typer.Option(help="Calibration windows.")] = 128,
     seq_len: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 256,
     seed: Annotated[int, typer.Option(help="Seed of the calibration sample and of 'random'.")] = 0,
+    budget: Annotated[str, typer.Option(
+        help="'uniform' (every layer loses the same number) or 'damage' (the same total split "
+        "by measured local error).")] = "uniform",
+    protect_super_experts: Annotated[bool, typer.Option(
+        help="Never remove experts whose outputs carry extreme outliers.")] = False,
 ) -> None:
     """Remove the lowest-saliency experts of every MoE layer (REAP or a baseline) and write a
     complete pruned checkpoint with prune_report.json."""
@@ -302,7 +308,8 @@ def prune_cmd(
     if ratio is None and keep is None:
         ratio = 0.5
     try:
-        stage = PruneStage(method=method, ratio=ratio, keep=keep, seed=seed)
+        stage = PruneStage(method=method, ratio=ratio, keep=keep, seed=seed, budget=budget,
+                           protect_super_experts=protect_super_experts)
         cal = CalibrationConfig(source=_calibration_source(calibration), samples=samples,
                                 seq_len=seq_len, seed=seed)
     except ValidationError as err:

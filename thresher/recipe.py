@@ -94,10 +94,30 @@ class EvalConfig(StrictModel):
 class PruneStage(StrictModel):
     """Expert pruning: remove the lowest-saliency experts in every MoE layer."""
 
-    method: Literal["reap", "frequency", "ean", "random"] = "reap"
+    method: Literal["reap", "frequency", "ean", "weighted_ean", "auto", "random"] = Field(
+        "reap", description="saliency criterion; 'auto' keeps, per layer, the candidate set "
+        "(every criterion's and a greedy search's) whose removal changes the MoE block's output "
+        "least on held-out calibration windows")
     ratio: float | None = Field(None, description="fraction of experts removed per layer, in (0, 1)")
     keep: int | None = Field(None, gt=0, description="number of experts kept per layer")
     seed: int = Field(0, description="seed of the 'random' control")
+    budget: Literal["uniform", "damage"] = Field(
+        "uniform", description="'uniform': every layer loses the same number of experts; "
+        "'damage': the same total split across layers by measured local error (per-layer expert "
+        "counts differ: thresher loads such a checkpoint, quantization and serving do not yet)")
+    min_keep_fraction: float = Field(
+        0.25, gt=0.0, le=1.0,
+        description="'damage' budget: no layer keeps fewer than this fraction of its experts")
+    protect_super_experts: bool = Field(
+        False, description="never remove experts whose output carries extreme outliers "
+        "(the REAP reference's super experts)")
+    heldout_fraction: float = Field(
+        0.25, gt=0.0, lt=1.0,
+        description="'auto' and 'damage': share of the calibration windows held out from saliency "
+        "to measure local errors on")
+    probe_tokens: int = Field(
+        4096, gt=0, description="'auto' and 'damage': tokens per layer (of the saliency and of the "
+        "held-out windows) on which every expert's output is kept to measure local errors")
 
     @field_validator("ratio")
     @classmethod
@@ -110,11 +130,16 @@ class PruneStage(StrictModel):
     def _ratio_or_keep(self) -> PruneStage:
         if (self.ratio is None) == (self.keep is None):
             raise ValueError("give exactly one of 'ratio' and 'keep'")
+        if self.method == "random" and (self.budget != "uniform" or self.protect_super_experts):
+            raise ValueError("the 'random' control observes nothing: it takes budget 'uniform' "
+                             "and no protect_super_experts")
         return self
 
     def describe(self) -> str:
         amount = f"ratio={self.ratio}" if self.ratio is not None else f"keep={self.keep}"
-        return f"prune {self.method} {amount}"
+        extra = "" if self.budget == "uniform" else f" budget={self.budget}"
+        extra += " protect_super_experts" if self.protect_super_experts else ""
+        return f"prune {self.method} {amount}{extra}"
 
 
 class QuantizeStage(StrictModel):

@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from tests.conftest import build_random_model
 from thresher.errors import ArtifactError, CompressionError, UnsupportedArchitectureError
 from thresher.formats.artifact import PRUNE_REPORT
-from thresher.models import get_adapter, save_model
+from thresher.models import get_adapter, load_model, save_model
 from thresher.models.checkpoint import CheckpointReader
 from thresher.models.random_init import MOE_FAMILIES
 from thresher.prune import api
@@ -190,3 +190,40 @@ def test_a_crash_leaves_no_partial_artifact(saved_family, tmp_path, monkeypatch)
         prune_model(base, PruneStage(method="frequency", ratio=0.25), CAL, tmp_path / "out",
                     show_progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mixtral-base"]
+
+
+def test_damage_budget_checkpoint_loads_per_layer_expert_counts_and_computes_the_masked_model(
+        saved_family, tmp_path):
+    model, base = saved_family("qwen3_moe")
+    out = tmp_path / "pruned"
+    stage = PruneStage(method="auto", ratio=0.5, budget="damage")
+    report = prune_model(base, stage, CAL, out, show_progress=False)
+
+    counts = [len(r.kept) for r in report.layers]
+    assert sum(counts) == 8 and len(set(counts)) == 2  # the uniform total, split unevenly
+    config = AutoConfig.from_pretrained(out)
+    assert config.layer_num_experts == counts and config.num_experts == max(counts)
+    data = json.loads((out / PRUNE_REPORT).read_text())
+    assert data["budget"] == "damage" and data["heldout_windows"] == 1
+    for layer in data["layers"]:
+        assert layer["criterion"] in layer["errors"]
+        assert layer["local_error"] == min(layer["errors"].values())
+    pruned = load_model(out)
+    adapter = get_adapter(model.config)
+    for i, layer in enumerate(adapter.layers(pruned)):
+        assert adapter.router(layer).weight.shape[0] == counts[i]
+        assert adapter.experts(layer).down_proj.shape[0] == counts[i]
+    ids = torch.randint(0, model.config.vocab_size, (2, 24))
+    with torch.no_grad(), experts_disabled(model, {r.layer: r.removed for r in report.layers}):
+        expected = model(input_ids=ids).logits
+    with torch.no_grad():
+        got = pruned(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_random_control_refuses_damage_budgets_and_protection():
+    for options in ({"budget": "damage"}, {"protect_super_experts": True}):
+        with pytest.raises(ValueError, match="'random' control observes nothing"):
+            PruneStage(method="random", ratio=0.5, **options)
+    with pytest.raises(ValueError, match="min_keep_fraction"):
+        PruneStage(method="auto", ratio=0.5, budget="damage", min_keep_fraction=0.0)

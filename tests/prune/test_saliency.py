@@ -7,8 +7,16 @@ import torch
 
 from tests.conftest import build_random_model
 from thresher.models import get_adapter
-from thresher.prune.observer import ExpertObserver
-from thresher.prune.saliency import ean, frequency, random_saliency, reap, saliency
+from thresher.prune.observer import ExpertObserver, ExpertStats
+from thresher.prune.saliency import (
+    ean,
+    frequency,
+    random_saliency,
+    reap,
+    saliency,
+    super_experts,
+    weighted_ean,
+)
 
 # 4 experts, top-2, hidden 4, expert width 2. Expert 2's router row is so negative that no token
 # selects it: it must score 0 and be reported dead.
@@ -82,6 +90,53 @@ def test_saliencies_match_direct_computation(norm_topk_prob):
                                rtol=1e-5, atol=1e-6)
     assert stats.dead_experts() == [2]
     assert saliency("reap", stats)[2] == 0.0 and saliency("ean", stats)[2] == 0.0
+
+
+def direct_weighted_ean_and_max(renormalize: bool):
+    """The reference's weighted_ean_sum (sum of gate * ||f||) and max_activations, in Python."""
+    weighted, largest = [0.0] * 4, [-math.inf] * 4
+    for x in TOKENS:
+        logits = matvec(ROUTER, x)
+        z = sum(math.exp(v) for v in logits)
+        probs = [math.exp(v) / z for v in logits]
+        top = sorted(range(4), key=lambda e: -logits[e])[:2]
+        denom = sum(probs[e] for e in top) if renormalize else 1.0
+        for e in top:
+            g, u = matvec(GATE[e], x), matvec(UP[e], x)
+            out = matvec(DOWN[e], [gi / (1 + math.exp(-gi)) * ui
+                                   for gi, ui in zip(g, u, strict=True)])
+            weighted[e] += probs[e] / denom * math.sqrt(sum(v * v for v in out))
+            largest[e] = max(largest[e], *out)
+    return weighted, largest
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False], ids=["renormalized", "plain-softmax"])
+def test_weighted_ean_and_max_activation_match_direct_computation(norm_topk_prob):
+    config, layer = hand_built_layer(norm_topk_prob)
+    observer = ExpertObserver(get_adapter(config), layer, config, layer_idx=0)
+    observer.add_batch(torch.tensor(TOKENS[:3]))
+    observer.add_batch(torch.tensor(TOKENS[3:]))
+    weighted, largest = direct_weighted_ean_and_max(norm_topk_prob)
+    torch.testing.assert_close(weighted_ean(observer.stats),
+                               torch.tensor(weighted, dtype=torch.float64), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(saliency("weighted_ean", observer.stats),
+                               reap(observer.stats) * frequency(observer.stats))
+    torch.testing.assert_close(observer.stats.max_activation,
+                               torch.tensor(largest, dtype=torch.float64), rtol=1e-5, atol=1e-6)
+    assert observer.stats.max_activation[2] == -math.inf  # dead: no maximum
+
+
+def test_super_experts_are_the_outliers_of_the_first_three_quarters_of_the_layers():
+    def stats(layer, maxima):
+        s = ExpertStats.empty(layer, 4)
+        s.max_activation = torch.tensor(maxima, dtype=torch.float64)
+        return s
+
+    layers = [stats(0, [1.0, 2.0, 1.5, 1.0]), stats(1, [1.2, 90.0, 0.8, -math.inf]),
+              stats(2, [1.0, 1.1, 1.3, 0.9]), stats(3, [500.0, 1.0, 1.0, 1.0])]
+    assert super_experts(layers, num_layers=4) == {0: [], 1: [], 2: []}  # the outlier is last
+    layers[3].max_activation[0] = 2.0
+    assert super_experts(layers, num_layers=4) == {0: [], 1: [1], 2: []}
 
 
 def test_renormalized_gate_differs_from_plain_softmax():

@@ -128,6 +128,26 @@ class Adapter:
     def set_num_experts(self, config, n: int) -> None:
         setattr(config, self.spec.num_experts_key, int(n))
 
+    def layer_num_experts(self, config, layer_idx: int) -> int:
+        """Experts of decoder layer ``layer_idx``: a damage-budget pruned checkpoint lists them per
+        layer (``layer_num_experts`` in config.json), any other has ``num_experts`` everywhere."""
+        per_layer = getattr(config, "layer_num_experts", None)
+        return int(per_layer[layer_idx]) if per_layer else self.num_experts(config)
+
+    def resize_experts(self, layer: nn.Module, n: int) -> None:
+        """Give an MoE layer's fused experts and router room for ``n`` experts (on the meta device,
+        to be loaded with ``assign=True``)."""
+        experts, router = self.experts(layer), self.router(layer)
+        with torch.device("meta"):
+            experts.gate_up_proj = nn.Parameter(torch.empty(n, *experts.gate_up_proj.shape[1:]))
+            experts.down_proj = nn.Parameter(torch.empty(n, *experts.down_proj.shape[1:]))
+            router.weight = nn.Parameter(torch.empty(n, router.weight.shape[1]))
+            if getattr(router, "bias", None) is not None:
+                router.bias = nn.Parameter(torch.empty(n))
+        for module in (experts, router):
+            if hasattr(module, "num_experts"):
+                module.num_experts = n
+
     def top_k(self, config) -> int:
         return int(config.num_experts_per_tok) if self.is_moe else 0
 

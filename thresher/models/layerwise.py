@@ -93,8 +93,10 @@ class LayerwiseModel:
     def load_layer(self, i: int) -> nn.Module:
         """Read decoder layer ``i`` from disk into memory and return it."""
         layer = self.layer(i)
-        state = read_layer_state(self.reader, self.adapter, i, self.adapter.num_experts(self.config),
-                                 self.dtype)
+        num_experts = self.adapter.layer_num_experts(self.config, i)
+        if self.adapter.is_moe_layer(layer) and num_experts != self.adapter.num_experts(self.config):
+            self.adapter.resize_experts(layer, num_experts)
+        state = read_layer_state(self.reader, self.adapter, i, num_experts, self.dtype)
         layer.load_state_dict(state, strict=True, assign=True)
         self.reader.close()
         self._resident.add(i)

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from thresher.errors import ModelError
 from thresher.formats.dtypes import DTYPES
-from thresher.models.layerwise import load_config
+from thresher.models.layerwise import LayerwiseModel, load_config
 from thresher.models.manifest import verify_artifact
 from thresher.models.quantized import load_quantized_model
 from thresher.models.source import resolve_model
@@ -35,9 +35,24 @@ def load_model(source: str | Path, dtype: torch.dtype | str = torch.float32) -> 
     config = load_config(path)  # refuses unsupported families with the list of supported ones
     if getattr(config, "quantization_config", None) is not None:
         return load_quantized_model(path, dtype)
+    if getattr(config, "layer_num_experts", None):
+        return _load_per_layer_experts(path, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
     return model
+
+
+def _load_per_layer_experts(path: Path, dtype: torch.dtype) -> nn.Module:
+    """A checkpoint whose MoE layers have different expert counts (pruned with a damage budget):
+    transformers builds every layer with ``num_experts``, so the layers are resized and loaded
+    one by one."""
+    lw = LayerwiseModel(path, dtype)
+    lw.load_outer()
+    for i in range(lw.num_layers):
+        lw.load_layer(i)
+    lw.adapter.set_rotary_embedding(lw.model, lw.rotary)
+    lw.model.eval()
+    return lw.model
 
 
 def save_model(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path) -> Path:

@@ -1,7 +1,10 @@
-"""Expert pruning: REAP and its baselines (frequency, EAN, random), and applying an expert mask.
+"""Expert pruning: REAP and its baselines (frequency, EAN, weighted EAN, random), ``auto``, damage
+budgets, and applying an expert mask.
 
-``observer`` collects per-expert statistics layer by layer, ``saliency`` turns them into scores,
-``mask`` chooses and cuts out experts, ``api.prune_model`` is the pipeline stage.
+``observer`` collects per-expert statistics (and probes for local errors) layer by layer,
+``saliency`` turns them into scores, ``reconstruction`` measures how much removing experts changes
+a layer's output, ``budget`` splits removals across layers, ``plan`` decides what each layer keeps,
+``mask`` cuts experts out, ``api.prune_model`` is the pipeline stage.
 """
 
 from thresher.prune.api import PruneReport, prune_model

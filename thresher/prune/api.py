@@ -2,9 +2,11 @@
 
 ``prune_model`` checks every option against the model before any compute, observes the
 calibration data layer by layer (unless the method is the ``random`` control), chooses the experts
-each MoE layer keeps, and writes the pruned checkpoint one decoder layer at a time under the
+each MoE layer keeps (``plan``: criterion or ``auto``, uniform or damage budget, protected super
+experts), and writes the pruned checkpoint one decoder layer at a time under the
 hub-canonical names, with the tokenizer files and ``prune_report.json`` (every expert's saliency,
-routed-token counts, and the removed experts of each layer). The output is built in a hidden
+routed-token counts, the removed experts of each layer and, where measured, the local errors of
+every candidate and the one chosen). The output is built in a hidden
 sibling directory and renamed at the end (``paths.build_dir_atomically``), so a crash never leaves
 a partial artifact behind; wall time and peak memory come from ``resources.measure``, the number
 the flows report too.
@@ -37,8 +39,9 @@ from thresher.models.layerwise import LayerwiseModel, load_config
 from thresher.models.loading import load_tokenizer
 from thresher.paths import build_dir_atomically
 from thresher.prune.mask import choose_experts, experts_to_keep, prune_layer_state
-from thresher.prune.observer import ExpertStats, observe_experts
-from thresher.prune.saliency import random_saliency, saliency
+from thresher.prune.observer import ExpertStats, Observation, observe_experts, observe_layers
+from thresher.prune.plan import LayerChoice, needs_probes, plan_layers
+from thresher.prune.saliency import OBSERVED_METHODS, random_saliency, saliency
 from thresher.recipe import CalibrationConfig, PruneStage
 from thresher.resources import measure
 
@@ -58,6 +61,10 @@ class LayerPruneReport:
     tokens_routed: list[int] | None  # None for the random control, which observes nothing
     kept: list[int]
     removed: list[int]
+    criterion: str = ""  # whose expert set was kept (``auto``: the candidate with least error)
+    protected: list[int] = field(default_factory=list)  # super experts never removed
+    local_error: float | None = None  # held-out local reconstruction error of the kept set
+    errors: dict[str, float] = field(default_factory=dict)  # every candidate's, same count
 
     @property
     def dead_experts(self) -> list[int]:
@@ -76,13 +83,15 @@ class PruneReport:
     keep: int | None
     seed: int
     num_experts: int
-    experts_kept: int
+    experts_kept: int  # per layer; with a damage budget the mean over the MoE layers
     top_k: int
     calibration_samples: int
     calibration_seq_len: int
     observe_seconds: float = 0.0
     wall_seconds: float = 0.0
     peak_rss_mb: float = 0.0
+    budget: str = "uniform"
+    heldout_windows: int = 0  # calibration windows held out from saliency for local errors
     layers: list[LayerPruneReport] = field(default_factory=list)
 
     def metrics(self) -> dict[str, float]:
@@ -103,6 +112,9 @@ class PruneReport:
             m["calibration_tokens"] = float(sum(observed[0].tokens_routed) // self.top_k)
             m["dead_experts"] = float(sum(len(r.dead_experts) for r in observed))
             m["removed_routed_share"] = removed / routed if routed else 0.0
+        measured = [r.local_error for r in self.layers if r.local_error is not None]
+        if measured:
+            m["local_error_sum"] = sum(measured)
         return m
 
     def to_json(self) -> str:
@@ -128,12 +140,13 @@ def check_prune(model_dir: Path, stage: PruneStage) -> tuple[PretrainedConfig, i
 
 
 def prune_model(model_dir: Path, stage: PruneStage, calibration: CalibrationConfig,
-                out_dir: Path, *, observed: list[ExpertStats] | None = None,
+                out_dir: Path, *, observed: list[ExpertStats] | Observation | None = None,
                 show_progress: bool = True) -> PruneReport:
     """Prune ``model_dir`` by ``stage`` and write the pruned checkpoint to ``out_dir``.
 
     ``observed`` may pass statistics of this model on this calibration from an earlier
-    ``observe_experts`` call, so that several methods can be compared on one observation.
+    ``observe_experts`` call (or, for ``auto`` and damage budgets, an ``observe_layers`` call with
+    held-out windows: ``observe_for``), so that several methods can be compared on one observation.
     """
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if out_dir.exists():
@@ -166,34 +179,51 @@ def _prune_into(build: Path, model_dir: Path, out_dir: Path, config: PretrainedC
         model_dir=str(model_dir), out_dir=str(out_dir), method=stage.method, ratio=stage.ratio,
         keep=stage.keep, seed=stage.seed, num_experts=num_experts, experts_kept=n_keep,
         top_k=top_k, calibration_samples=calibration.samples,
-        calibration_seq_len=calibration.seq_len)
+        calibration_seq_len=calibration.seq_len, budget=stage.budget)
 
     if stage.method == "random":
         gen = torch.Generator().manual_seed(stage.seed)
         scores = {i: random_saliency(num_experts, gen) for i in moe_layers}
+        plan = {i: LayerChoice(kept=choose_experts(scores[i], n_keep), criterion="random")
+                for i in moe_layers}
         stats: dict[int, ExpertStats] = {}
     else:
         if observed is None:
             windows = calibration_windows(load_tokenizer(model_dir), calibration)
             t0 = time.perf_counter()
-            observed = observe_experts(lw, windows, show_progress=show_progress)
+            observed = observe_for(stage, lw, windows, show_progress)
             report.observe_seconds = time.perf_counter() - t0
-        stats = {s.layer: s for s in observed}
-        if sorted(stats) != moe_layers or any(s.num_experts != num_experts for s in observed):
+        observed_stats = observed.stats if isinstance(observed, Observation) else observed
+        stats = {s.layer: s for s in observed_stats}
+        if sorted(stats) != moe_layers or any(s.num_experts != num_experts for s in observed_stats):
             raise CompressionError(
                 f"{model_dir}: the observed statistics cover layers {sorted(stats)}, the model's "
                 f"MoE layers are {moe_layers} with {num_experts} experts; observe this model again")
-        scores = {i: saliency(stage.method, stats[i]) for i in moe_layers}
+        if isinstance(observed, Observation) and observed.heldout:
+            report.heldout_windows = observed.heldout_windows
+        plan = plan_layers(stage, observed, lw.num_layers, num_experts, top_k, n_keep,
+                           str(model_dir))
+        shown = stage.method if stage.method in OBSERVED_METHODS else "reap"  # auto: REAP's
+        scores = {i: saliency(shown, stats[i]) for i in moe_layers}
 
     kept: dict[int, list[int]] = {}
     for i in moe_layers:
-        kept[i] = choose_experts(scores[i], n_keep)
+        choice = plan[i]
+        kept[i] = choice.kept
         report.layers.append(LayerPruneReport(
             layer=i, saliency=scores[i].tolist(),
             tokens_routed=stats[i].count.tolist() if i in stats else None,
-            kept=kept[i], removed=[e for e in range(num_experts) if e not in kept[i]]))
-        log.info("layer %d: removing experts %s", i, report.layers[-1].removed)
+            kept=kept[i], removed=[e for e in range(num_experts) if e not in kept[i]],
+            criterion=choice.criterion, protected=choice.protected,
+            local_error=choice.local_error, errors=choice.errors))
+        log.info("layer %d: removing experts %s (%s)", i, report.layers[-1].removed,
+                 choice.criterion)
 
+    counts = {len(k) for k in kept.values()}
+    if len(counts) > 1:  # a damage budget: per-layer expert counts in config.json
+        config.layer_num_experts = [len(kept.get(i, [])) or max(counts)
+                                    for i in range(lw.num_layers)]
+        n_keep = max(counts)
     adapter.set_num_experts(config, n_keep)
     _write_checkpoint(lw.reader, adapter, lw.num_layers, num_experts, kept, build, show_progress)
     config.save_pretrained(build)
@@ -201,6 +231,22 @@ def _prune_into(build: Path, model_dir: Path, out_dir: Path, config: PretrainedC
         if (model_dir / name).is_file():
             shutil.copy2(model_dir / name, build / name)
     return report
+
+
+def observe_for(stage: PruneStage, lw: LayerwiseModel, windows: torch.Tensor,
+                show_progress: bool = True) -> Observation:
+    """The observation ``stage`` needs: saliency statistics on all ``windows``, or, for ``auto``
+    and damage budgets, on all but the last ``heldout_fraction`` of them, with probes."""
+    if not needs_probes(stage):
+        return Observation(stats=observe_experts(lw, windows, show_progress=show_progress),
+                           search={}, heldout={})
+    held = max(1, round(len(windows) * stage.heldout_fraction))
+    if held >= len(windows):
+        raise CompressionError(
+            f"{len(windows)} calibration windows leave none for saliency after holding out "
+            f"{held} (heldout_fraction {stage.heldout_fraction}); use more samples")
+    return observe_layers(lw, windows[:-held], windows[-held:], stage.probe_tokens,
+                          show_progress=show_progress)
 
 
 def _write_checkpoint(reader: CheckpointReader, adapter: Adapter, num_layers: int, num_experts: int,

@@ -6,7 +6,13 @@ For every MoE layer, on the calibration tokens, the observer records for each ex
 - the sum over those tokens of ||f_j(x)||_2, the L2 norm of the expert's output before gating,
 - the sum over those tokens of g_j(x) * ||f_j(x)||_2, with g_j(x) REAP's gate value: the fp32
   softmax over all experts, divided by the top-k sum when the config asks for renormalization
-  (``norm_topk_prob``), as the REAP reference code does.
+  (``norm_topk_prob``), as the REAP reference code does,
+- the largest element of f_j(x) over those tokens (the reference's ``max_activations``, which
+  finds "super experts").
+
+``observe_layers`` can also hold out calibration windows and record, per MoE layer, a
+``LayerProbe`` of them (``thresher.prune.reconstruction``): what the local reconstruction error of
+``auto`` and of damage-based budgets is measured on.
 
 Expert outputs are computed only for the tokens routed to each expert, so the cost is about
 top_k / num_experts of running every expert on every token. ``ExpertObserver`` holds the math for
@@ -25,6 +31,7 @@ from tqdm.auto import tqdm
 
 from thresher.models.adapters import Adapter
 from thresher.models.layerwise import LayerwiseModel
+from thresher.prune.reconstruction import LayerProbe, ProbeRecorder
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +45,12 @@ class ExpertStats:
     count: torch.Tensor  # [E] int64: tokens routed to each expert
     norm_sum: torch.Tensor  # [E] float64: sum of ||f_j(x)|| over routed tokens
     gated_norm_sum: torch.Tensor  # [E] float64: sum of g_j(x) * ||f_j(x)|| over routed tokens
+    max_activation: torch.Tensor | None = None  # [E] float64: largest element of f_j(x), routed
+
+    def __post_init__(self) -> None:
+        if self.max_activation is None:
+            self.max_activation = torch.full((self.num_experts,), float("-inf"),
+                                             dtype=torch.float64)
 
     @classmethod
     def empty(cls, layer: int, num_experts: int) -> ExpertStats:
@@ -84,10 +97,46 @@ class ExpertObserver:
             token, slot = (routing.top_k_index == j).nonzero(as_tuple=True)
             if token.numel() == 0:
                 continue
-            norm = self.adapter.expert_forward(self.layer, j, hidden[token]).double().norm(dim=-1)
+            out = self.adapter.expert_forward(self.layer, j, hidden[token]).double()
+            norm = out.norm(dim=-1)
+            s.max_activation[j] = max(s.max_activation[j], out.max())
             s.count[j] += token.numel()
             s.norm_sum[j] += norm.sum()
             s.gated_norm_sum[j] += (gates[token, slot].double() * norm).sum()
+
+
+@dataclass
+class Observation:
+    """Saliency statistics of every MoE layer, and probes for local reconstruction errors:
+    ``search`` on the saliency windows, ``heldout`` on the windows held out from saliency."""
+
+    stats: list[ExpertStats]
+    search: dict[int, LayerProbe]
+    heldout: dict[int, LayerProbe]
+    heldout_windows: int = 0
+
+
+class _MoECapture:
+    """The MoE block's pre-hook: saliency batches go to the observer, the first tokens of every
+    batch to the probe of its split (saliency or held-out)."""
+
+    def __init__(self, observer: ExpertObserver, probes: tuple[ProbeRecorder, ...] | None,
+                 n_saliency: int):
+        self.observer, self.probes, self.n_saliency = observer, probes, n_saliency
+        self.batch, self.taken = 0, 0
+
+    def __call__(self, _module: nn.Module, args: tuple) -> None:
+        x = args[0].reshape(-1, args[0].shape[-1])
+        if self.batch < self.n_saliency:
+            self.observer.add_batch(x)
+        if self.probes is not None:
+            self.taken = self.probes[self.batch >= self.n_saliency].add_batch(x)
+
+    def layer_output(self, out: torch.Tensor) -> None:
+        if self.taken:
+            flat = out.reshape(-1, out.shape[-1])[:self.taken]
+            self.probes[self.batch >= self.n_saliency].add_layer_output(flat)
+            self.taken = 0
 
 
 @torch.no_grad()
@@ -97,28 +146,47 @@ def observe_experts(model: LayerwiseModel, windows: torch.Tensor, batch_size: in
     """Run calibration ``windows`` [N, S] through ``model`` one decoder layer at a time and return
     the statistics of every MoE layer, in layer order. ``observer_cls`` is the per-layer
     accumulator (the observer benchmark passes one that runs every expert on every token)."""
+    return observe_layers(model, windows, None, 0, batch_size, show_progress, observer_cls).stats
+
+
+@torch.no_grad()
+def observe_layers(model: LayerwiseModel, windows: torch.Tensor, heldout: torch.Tensor | None,
+                   probe_tokens: int, batch_size: int = 8, show_progress: bool = True,
+                   observer_cls: type[ExpertObserver] = ExpertObserver) -> Observation:
+    """``observe_experts`` on ``windows``, and, when ``heldout`` windows are given, probes of at
+    most ``probe_tokens`` tokens of each MoE layer on the saliency and on the held-out windows."""
     adapter, config = model.adapter, model.config
     model.load_outer()
     hidden = [model.embed(batch) for batch in windows.split(batch_size)]
-    results: list[ExpertStats] = []
+    n_saliency = len(hidden)
+    if heldout is not None:
+        hidden += [model.embed(batch) for batch in heldout.split(batch_size)]
+    result = Observation(stats=[], search={}, heldout={},
+                         heldout_windows=0 if heldout is None else len(heldout))
     for i in range(model.num_layers):
         layer = model.load_layer(i)
-        observer = observer_cls(adapter, layer, config, i) if adapter.is_moe_layer(layer) else None
-        handle = None
-        if observer is not None:
-            def capture(_module: nn.Module, args: tuple, obs: ExpertObserver = observer) -> None:
-                obs.add_batch(args[0].reshape(-1, args[0].shape[-1]))
-
+        capture = None
+        if adapter.is_moe_layer(layer):
+            probes = None if heldout is None else tuple(
+                ProbeRecorder(adapter, layer, config, i, probe_tokens) for _ in range(2))
+            capture = _MoECapture(observer_cls(adapter, layer, config, i), probes, n_saliency)
             handle = adapter.mlp(layer).register_forward_pre_hook(capture)
         try:
             for b in tqdm(range(len(hidden)), desc=f"observe layer {i}", unit="batch",
                           disable=not show_progress, leave=False):
+                if capture is not None:
+                    capture.batch = b
                 hidden[b] = model.layer_forward(i, hidden[b])
+                if capture is not None:
+                    capture.layer_output(hidden[b])
         finally:
-            if handle is not None:
+            if capture is not None:
                 handle.remove()
             model.release_layer(i)
-        if observer is not None:
-            results.append(observer.stats)
-            log.debug("layer %d: routed counts %s", i, observer.stats.count.tolist())
-    return results
+        if capture is not None:
+            result.stats.append(capture.observer.stats)
+            if capture.probes is not None:
+                result.search[i] = capture.probes[0].probe()
+                result.heldout[i] = capture.probes[1].probe()
+            log.debug("layer %d: routed counts %s", i, capture.observer.stats.count.tolist())
+    return result

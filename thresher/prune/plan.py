@@ -1,0 +1,116 @@
+"""Which experts each MoE layer keeps: one criterion or ``auto``, a uniform or damage budget, and
+protected super experts.
+
+With one criterion and a uniform budget every layer keeps its highest-saliency experts (REAP's
+rule). ``auto`` considers, per layer, the expert sets of every criterion and of a greedy search on
+the local reconstruction error, and keeps the one whose removal changes the MoE block's output
+least on held-out calibration tokens. A ``damage`` budget measures each layer's error for every
+number of removed experts within its bounds and splits the uniform total across the layers
+(``budget.allocate``). Protected experts are never removed by any candidate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from thresher.errors import CompressionError
+from thresher.prune.budget import allocate, removal_bounds
+from thresher.prune.mask import choose_experts
+from thresher.prune.observer import ExpertStats, Observation
+from thresher.prune.reconstruction import greedy_removal_order, removal_error, routed_output
+from thresher.prune.saliency import OBSERVED_METHODS, saliency, super_experts
+from thresher.recipe import PruneStage
+
+GREEDY = "greedy"
+AUTO_CANDIDATES = (*OBSERVED_METHODS, GREEDY)
+
+
+@dataclass
+class LayerChoice:
+    """What one MoE layer keeps and why."""
+
+    kept: list[int]
+    criterion: str  # the method whose expert set was kept (auto: the winner)
+    protected: list[int] = field(default_factory=list)
+    local_error: float | None = None  # held-out local error of the kept set (None: not measured)
+    errors: dict[str, float] = field(default_factory=dict)  # every candidate's, same count
+
+
+def needs_probes(stage: PruneStage) -> bool:
+    """Whether the stage measures local errors (and so holds calibration windows out)."""
+    return stage.method == "auto" or stage.budget == "damage"
+
+
+def plan_layers(stage: PruneStage, observed: list[ExpertStats] | Observation, num_layers: int,
+                num_experts: int, top_k: int, n_keep: int, model: str) -> dict[int, LayerChoice]:
+    """The kept experts of every observed MoE layer under ``stage`` (``n_keep``: the uniform
+    number kept per layer, which a damage budget keeps on average)."""
+    stats = observed.stats if isinstance(observed, Observation) else observed
+    protected = super_experts(stats, num_layers) if stage.protect_super_experts else {}
+    for layer, experts in protected.items():
+        if len(experts) > n_keep and stage.budget == "uniform":
+            raise CompressionError(
+                f"{model}: layer {layer} has {len(experts)} super experts, more than the "
+                f"{n_keep} experts it keeps; prune less or turn protect_super_experts off")
+    if not needs_probes(stage):
+        return {s.layer: LayerChoice(
+            kept=choose_experts(_protect(saliency(stage.method, s), protected.get(s.layer, [])),
+                                n_keep),
+            criterion=stage.method, protected=protected.get(s.layer, [])) for s in stats}
+    if not isinstance(observed, Observation) or not observed.heldout:
+        raise CompressionError(
+            f"{model}: prune method {stage.method!r} with budget {stage.budget!r} measures local "
+            "errors on held-out windows; observe with observe_layers(..., heldout=...)")
+    names = AUTO_CANDIDATES if stage.method == "auto" else (stage.method,)
+    uniform = num_experts - n_keep
+    tables: dict[int, dict[str, list[tuple[float, list[int]]]]] = {}
+    for s in stats:
+        prot = protected.get(s.layer, [])
+        bound = (removal_bounds(num_experts, top_k, stage.min_keep_fraction, len(prot))
+                 if stage.budget == "damage" else uniform)
+        tables[s.layer] = _error_table(s, observed, names, prot, bound)
+    if stage.budget == "damage":
+        damage = {i: [min(t[name][r][0] for name in names) for r in range(len(t[names[0]]))]
+                  for i, t in tables.items()}
+        removed = allocate(damage, uniform * len(stats))
+    else:
+        removed = {i: uniform for i in tables}
+    plan: dict[int, LayerChoice] = {}
+    for i, table in tables.items():
+        r = removed[i]
+        errors = {name: table[name][r][0] for name in names}
+        best = min(names, key=errors.__getitem__)  # ties: the earlier candidate
+        plan[i] = LayerChoice(kept=table[best][r][1], criterion=best,
+                              protected=protected.get(i, []), local_error=errors[best],
+                              errors=errors)
+    return plan
+
+
+def _protect(scores: torch.Tensor, protected: list[int]) -> torch.Tensor:
+    scores = scores.clone()
+    scores[protected] = float("inf")
+    return scores
+
+
+def _error_table(stats: ExpertStats, observed: Observation, names: tuple[str, ...],
+                 protected: list[int], bound: int) -> dict[str, list[tuple[float, list[int]]]]:
+    """For every candidate and every removal count 0..bound: (held-out local error, kept)."""
+    num_experts = stats.num_experts
+    if bound > num_experts - len(protected):
+        raise CompressionError(
+            f"layer {stats.layer}: {len(protected)} protected experts leave only "
+            f"{num_experts - len(protected)} to remove, the budget asks for {bound}")
+    heldout = observed.heldout[stats.layer]
+    full = routed_output(heldout, torch.ones(num_experts, dtype=torch.bool))
+    table: dict[str, list[tuple[float, list[int]]]] = {}
+    for name in names:
+        if name == GREEDY:
+            order = greedy_removal_order(observed.search[stats.layer], protected, bound)
+            sets = [sorted(set(range(num_experts)) - set(order[:r])) for r in range(bound + 1)]
+        else:
+            scores = _protect(saliency(name, stats), protected)
+            sets = [choose_experts(scores, num_experts - r) for r in range(bound + 1)]
+        table[name] = [(removal_error(heldout, kept, full), kept) for kept in sets]
+    return table

@@ -1,0 +1,123 @@
+"""Local reconstruction error: how much removing experts changes one MoE block's output.
+
+A pruned layer routes each token among the experts it kept: softmax over the kept experts'
+logits, top-k of those, renormalized when the family's forward renormalizes. On a set of probed
+tokens (``LayerProbe``: router logits and every expert's output on every token, recorded while the
+observer walks the layers) that output can be recomputed for any kept set without running the
+model again. The error of a kept set is the summed squared change of the routed output divided by
+the summed squared norm of the layer's output hidden state (the residual stream after the layer),
+so that errors of different layers are on one scale and can be added (``budget``).
+
+``auto`` measures its candidate sets on probes of held-out calibration windows; the ``greedy``
+candidate searches on probes of the saliency windows: it removes, one at a time, the expert whose
+removal changes the block's output least.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from thresher.models.adapters import Adapter
+
+
+@dataclass
+class LayerProbe:
+    """One MoE layer on a sample of tokens: enough to recompute its routed output for any kept set."""
+
+    layer: int
+    logits: torch.Tensor  # [T, E] fp32 raw router logits
+    outputs: torch.Tensor  # [E, T, H] fp32: every expert's output f_e(x) before gating
+    residual_sq: float  # sum over the tokens of ||layer output||^2
+    top_k: int
+    renormalize: bool  # the forward renormalizes the top-k gate values
+
+    @property
+    def tokens(self) -> int:
+        return self.logits.shape[0]
+
+    @property
+    def num_experts(self) -> int:
+        return self.logits.shape[1]
+
+
+class ProbeRecorder:
+    """Builds a ``LayerProbe`` from batches of the MoE block's input, up to ``max_tokens``."""
+
+    def __init__(self, adapter: Adapter, layer: nn.Module, config, layer_idx: int,
+                 max_tokens: int):
+        self.adapter, self.layer, self.config = adapter, layer, config
+        self.layer_idx, self.max_tokens = layer_idx, max_tokens
+        self.logits: list[torch.Tensor] = []
+        self.outputs: list[torch.Tensor] = []
+        self.residual_sq = 0.0
+        self.taken = 0
+
+    @torch.no_grad()
+    def add_batch(self, hidden: torch.Tensor) -> int:
+        """Record the first tokens of ``hidden`` [T, H] that still fit; returns how many."""
+        n = min(hidden.shape[0], self.max_tokens - self.taken)
+        if n <= 0:
+            return 0
+        x = hidden[:n]
+        self.logits.append(self.adapter.route(self.layer, x, self.config).logits.float())
+        self.outputs.append(torch.stack([
+            self.adapter.expert_forward(self.layer, e, x).float()
+            for e in range(self.adapter.num_experts(self.config))]))
+        self.taken += n
+        return n
+
+    def add_layer_output(self, out: torch.Tensor) -> None:
+        """The decoder layer's output for the tokens ``add_batch`` took (same order)."""
+        self.residual_sq += float(out.double().pow(2).sum())
+
+    def probe(self) -> LayerProbe:
+        return LayerProbe(
+            layer=self.layer_idx, logits=torch.cat(self.logits), outputs=torch.cat(self.outputs, 1),
+            residual_sq=self.residual_sq, top_k=self.adapter.top_k(self.config),
+            renormalize=self.adapter.forward_renormalizes(self.config))
+
+
+def routed_output(probe: LayerProbe, kept: torch.Tensor) -> torch.Tensor:
+    """The routed part of the block's output [T, H] when only experts ``kept`` [E] (bool) remain."""
+    logits = probe.logits.masked_fill(~kept, float("-inf"))
+    weights, index = torch.topk(torch.softmax(logits, dim=-1), probe.top_k, dim=-1)
+    if probe.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    tokens = torch.arange(probe.tokens)
+    out = torch.zeros(probe.tokens, probe.outputs.shape[-1])
+    for slot in range(probe.top_k):
+        out += weights[:, slot, None] * probe.outputs[index[:, slot], tokens]
+    return out
+
+
+def kept_mask(num_experts: int, kept: list[int]) -> torch.Tensor:
+    mask = torch.zeros(num_experts, dtype=torch.bool)
+    mask[kept] = True
+    return mask
+
+
+def removal_error(probe: LayerProbe, kept: list[int],
+                  full: torch.Tensor | None = None) -> float:
+    """Local reconstruction error of keeping ``kept``: sum ||y - y_kept||^2 / sum ||h_out||^2."""
+    if full is None:
+        full = routed_output(probe, torch.ones(probe.num_experts, dtype=torch.bool))
+    diff = full - routed_output(probe, kept_mask(probe.num_experts, kept))
+    return float(diff.double().pow(2).sum()) / max(probe.residual_sq, 1e-30)
+
+
+def greedy_removal_order(probe: LayerProbe, protected: list[int], max_remove: int) -> list[int]:
+    """Experts in the order a greedy search removes them: each step removes the expert whose
+    removal (with the earlier ones) gives the smallest local error on ``probe``."""
+    full = routed_output(probe, torch.ones(probe.num_experts, dtype=torch.bool))
+    kept = [e for e in range(probe.num_experts)]
+    order: list[int] = []
+    for _ in range(max_remove):
+        candidates = [e for e in kept if e not in protected]
+        errors = [removal_error(probe, [k for k in kept if k != e], full) for e in candidates]
+        best = candidates[min(range(len(errors)), key=errors.__getitem__)]
+        order.append(best)
+        kept.remove(best)
+    return order
