@@ -237,3 +237,14 @@ def test_check_prints_sweep_plan():
     # one REAP-25% step, used by its three quantized children
     assert "reap25-gptq3, reap25-gptq4, reap25-awq4" in result.output.replace("\n", " ")
     assert "7 variants; runs in this process" in result.output
+
+
+def test_damage_budget_before_quantize_is_refused():
+    """A 'damage' prune leaves per-layer expert counts that quantization cannot take yet."""
+    data = {"name": "r", "model": "demo:tiny", "variants": [{"name": "v", "stages": [
+        {"prune": {"method": "auto", "ratio": 0.5, "budget": "damage"}},
+        {"quantize": {"method": "rtn", "bits": 4}}]}]}
+    with pytest.raises(RecipeError, match="damage.*budget 'uniform' before a quantize stage"):
+        parse_recipe(data)
+    data["variants"][0]["stages"].pop()
+    assert parse_recipe(data).variants[0].per_layer_experts

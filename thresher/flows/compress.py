@@ -194,7 +194,11 @@ def _run_variant(recipe: Recipe, variant: Variant, base_path: str, base_hash: st
                 )
                 model_uri = f"models:/{name}/{version}"
                 tracker.set_tags(run_id, {MODEL_URI_TAG: model_uri})
-        if recipe.validate_.enabled:
+        if recipe.validate_.enabled and variant.per_layer_experts:
+            get_run_logger().warning("variant %s: per-layer expert counts ('damage' budget); the "
+                                     "serving engine cannot load it yet, validation skipped",
+                                     variant.name)
+        elif recipe.validate_.enabled:
             metrics.update(validate_variant(artifact, base_path, recipe.eval.perplexity,
                                             recipe.validate_, recipe.dtype, label=variant.name))
         tracker.log_metrics(run_id, metrics)
