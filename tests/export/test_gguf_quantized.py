@@ -165,3 +165,19 @@ def test_packed_artifacts_that_cannot_hand_off_are_refused(packed, tiny_demo, tm
     with pytest.raises(ExportError, match="groups of 64.*only group size 32"):
         export_gguf(tmp_path / "g64", tmp_path / "a.gguf", "q4_1")
     assert not list(tmp_path.glob("*.gguf"))
+
+
+def test_recipe_names_the_exporters_types():
+    from typing import get_args
+
+    from pydantic import ValidationError
+
+    from thresher.export import GGUF_TYPES
+    from thresher.recipe import GGUFTypeName, PublishConfig
+
+    assert set(get_args(GGUFTypeName)) == set(GGUF_TYPES)
+    assert PublishConfig(formats=["hf", "gguf"], gguf_types=["q4_k_m"]).gguf_types == ["q4_k_m"]
+    with pytest.raises(ValidationError, match="formats must include hf"):
+        PublishConfig(formats=["gguf"])
+    with pytest.raises(ValidationError, match="gguf_types"):
+        PublishConfig(formats=["hf", "gguf"], gguf_types=["q3_k"])
