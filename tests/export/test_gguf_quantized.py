@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import build_random_model
+from tests.export.conftest import CAL
 from thresher.errors import ExportError
 from thresher.export import compute_importance, export_gguf
 from thresher.export.gguf import HANDOFF_GROUP
@@ -14,8 +15,6 @@ from thresher.formats.gptq import unpack_gptq
 from thresher.models import save_model
 from thresher.models.checkpoint import CheckpointReader
 from thresher.recipe import CalibrationConfig, QuantizeStage
-
-CAL = CalibrationConfig(samples=4, seq_len=64)
 
 
 def _tensors(path) -> dict[str, gguf.ReaderTensor]:
@@ -101,18 +100,6 @@ def test_importance_lowers_the_activation_weighted_error(tiny_demo, importance, 
                     total += float((((g - source.get(key).float().numpy()) ** 2) * imp).sum())
         errors[label] = total
     assert errors["weighted"] < 0.9 * errors["plain"], errors
-
-
-@pytest.fixture(scope="module")
-def packed(tiny_demo, tmp_path_factory):
-    """The tiny demo quantized to 4 bits in groups of 32 with asymmetric zeros, by GPTQ and AWQ."""
-    from thresher.compress.api import quantize_model
-
-    root = tmp_path_factory.mktemp("packed")
-    for method, kw in (("gptq", {"sym": False}), ("awq", {})):
-        quantize_model(tiny_demo, QuantizeStage(method=method, group_size=32, **kw), CAL,
-                       root / method, show_progress=False)
-    return root
 
 
 @pytest.mark.slow

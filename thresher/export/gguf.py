@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from thresher.formats.awq import unpack_awq
 from thresher.formats.config import PackedFormat, packed_format
 from thresher.formats.gptq import unpack_gptq
 from thresher.models.adapters import Adapter, get_adapter
-from thresher.models.checkpoint import CheckpointReader
+from thresher.models.checkpoint import CheckpointReader, CheckpointWriter
 from thresher.models.layerwise import load_config
 from thresher.resources import measure
 
@@ -225,6 +226,33 @@ def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", 
     log.info("exported %s -> %s (%s, %d tensors, %.1f MB, %.1f s)", model_dir, out, gguf_type,
              len(plan), result.file_bytes / 1e6, result.wall_seconds)
     return result
+
+
+def dequantize_gguf(gguf_path: str | Path, model_dir: str | Path, out_dir: str | Path) -> Path:
+    """The weights of a GGUF file exported from the plain checkpoint ``model_dir``, dequantized
+    into a plain checkpoint at ``out_dir`` (config and tokenizer copied): thresher's evaluation
+    of it is the evaluation of the very weights llama.cpp runs."""
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    config = load_config(model_dir)
+    adapter = get_adapter(config)
+    reader = CheckpointReader(model_dir)
+    plan = _plan(reader, adapter, config, _architecture(adapter, config, model_dir),
+                 GGUF_TYPES["f32"], None)
+    tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
+    if (missing := sorted({t.name for t in plan} - set(tensors))):
+        raise ExportError(f"{gguf_path} lacks {missing[:4]}; was it exported from {model_dir}?")
+    writer = CheckpointWriter(out_dir)
+    for t in plan:
+        data = gguf.quants.dequantize(tensors[t.name].data, tensors[t.name].tensor_type)
+        parts = data.reshape(t.shape) if t.stacked else [data]
+        writer.add({key: torch.from_numpy(np.ascontiguousarray(part)).reshape(reader.shape(key))
+                    for key, part in zip(t.keys, parts, strict=True)})
+    writer.close()
+    reader.close()
+    for f in model_dir.iterdir():
+        if f.is_file() and ".safetensors" not in f.name and f.name != "thresher.json":
+            shutil.copy2(f, out_dir / f.name)
+    return out_dir
 
 
 def _handoff_format(fmt: PackedFormat | None, model_dir: Path, gguf_type: str,
