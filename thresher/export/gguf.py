@@ -1,4 +1,4 @@
-"""GGUF export: a plain 16/32-bit thresher checkpoint as one GGUF file for llama.cpp and Ollama.
+"""GGUF export: a thresher checkpoint as one GGUF file for llama.cpp and Ollama.
 
 Families: Qwen3-MoE (llama.cpp's ``qwen3moe``), Qwen2-MoE (``qwen2moe``, with its shared expert)
 and the dense Qwen3 and Qwen2 (``qwen3``, ``qwen2``).
@@ -7,13 +7,16 @@ GGUF names tensors by role (``blk.3.attn_q.weight``) and stacks each layer's exp
 tensor per projection (``blk.3.ffn_gate_exps.weight``, [E, I, H] in row-major order); its
 metadata carries the hyperparameters llama.cpp builds its graph from and the whole tokenizer. The
 ``gguf`` package (llama.cpp's own Python writer) supplies the container, the architecture and
-tensor names, the metadata keys and the block quantizers (Q8_0, Q4_0, Q4_1).
+tensor names, the metadata keys and the plain block quantizers (Q8_0, Q4_0, Q4_1, Q5_0);
+``block_quants`` has the K-quants and the importance-weighted ones, and ``imatrix`` collects the
+importance from the calibration windows.
 
-The file is written in two passes so that memory stays near one stacked expert tensor: the tensor
-table is declared from the checkpoint's headers, then each tensor is read, converted and written
-in turn. A REAP-pruned model exports like any other; its config simply has fewer experts.
+A plain 16/32-bit checkpoint (base or REAP-pruned: its config simply has fewer experts) is
+quantized to the ``--type``; a GPTQ/AWQ artifact with 4-bit codes in groups of 32 is handed to
+Q4_1 as it is (its codes and scales are the blocks'). The file is written in two passes so that
+memory stays near one stacked expert tensor: the tensor table is declared from the checkpoint's
+headers, then each tensor is read, converted and written in turn.
 """
-
 from __future__ import annotations
 
 import json
@@ -245,7 +248,7 @@ def dequantize_gguf(gguf_path: str | Path, model_dir: str | Path, out_dir: str |
     for t in plan:
         data = gguf.quants.dequantize(tensors[t.name].data, tensors[t.name].tensor_type)
         parts = data.reshape(t.shape) if t.stacked else [data]
-        writer.add({key: torch.from_numpy(np.ascontiguousarray(part)).reshape(reader.shape(key))
+        writer.add({key: torch.from_numpy(np.array(part)).reshape(reader.shape(key))
                     for key, part in zip(t.keys, parts, strict=True)})
     writer.close()
     reader.close()
