@@ -1,7 +1,8 @@
 """GGUF export: a thresher checkpoint as one GGUF file for llama.cpp and Ollama.
 
-Families: Qwen3-MoE (llama.cpp's ``qwen3moe``), Qwen2-MoE (``qwen2moe``, with its shared expert)
-and the dense Qwen3 and Qwen2 (``qwen3``, ``qwen2``).
+Families: Qwen3-MoE (llama.cpp's ``qwen3moe``), Qwen2-MoE (``qwen2moe``, with its shared
+expert), Mixtral (``llama`` with experts), OLMoE (``olmoe``) and the dense Llama, Qwen3 and Qwen2
+(``llama``, ``qwen3``, ``qwen2``); llama.cpp's llama graph wants q/k rows in its rotary layout.
 
 GGUF names tensors by role (``blk.3.attn_q.weight``) and stacks each layer's experts into one 3-D
 tensor per projection (``blk.3.ffn_gate_exps.weight``, [E, I, H] in row-major order); its
@@ -91,13 +92,16 @@ class GGUFArchitecture:
 
     arch: gguf.MODEL_ARCH
     renormalizes_top_k: bool | None = None  # MoE: llama.cpp renormalizes the top-k gate weights
+    permute_qk: bool = False  # llama.cpp's llama graph rotates interleaved pairs, HF halves
 
 
-# Keyed by the adapter's model_type. Only families whose weights llama.cpp takes as they are on
-# disk are listed; llama and mixtral need their q/k rows permuted for llama.cpp's rotary layout.
+# Keyed by the adapter's model_type. Mixtral runs on llama.cpp's llama graph (with experts).
 GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "qwen3_moe": GGUFArchitecture(gguf.MODEL_ARCH.QWEN3MOE, renormalizes_top_k=True),
     "qwen2_moe": GGUFArchitecture(gguf.MODEL_ARCH.QWEN2MOE, renormalizes_top_k=False),
+    "mixtral": GGUFArchitecture(gguf.MODEL_ARCH.LLAMA, renormalizes_top_k=True, permute_qk=True),
+    "olmoe": GGUFArchitecture(gguf.MODEL_ARCH.OLMOE, renormalizes_top_k=False),
+    "llama": GGUFArchitecture(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
     "qwen3": GGUFArchitecture(gguf.MODEL_ARCH.QWEN3),
     "qwen2": GGUFArchitecture(gguf.MODEL_ARCH.QWEN2),
 }
@@ -139,6 +143,7 @@ class _Tensor:
     shape: tuple[int, ...]
     qtype: QType
     packed: PackedFormat | None = None  # GPTQ/AWQ codes handed to Q4_1 as they are
+    rotary_heads: int = 0  # > 0: rows permuted from HF's rotary layout to llama.cpp's
 
     def declare(self, writer: gguf.GGUFWriter) -> None:
         if self.qtype in _PLAIN_NUMPY:
@@ -153,7 +158,8 @@ class _Tensor:
     def read(self, reader: CheckpointReader) -> np.ndarray:
         """The source weights in fp32 (experts stacked on a new first axis)."""
         if not self.stacked:
-            return reader.get(self.keys[0]).float().numpy().reshape(self.shape)
+            data = reader.get(self.keys[0]).float().numpy().reshape(self.shape)
+            return _to_llama_rotary(data, self.rotary_heads) if self.rotary_heads else data
         out = np.empty(self.shape, dtype=np.float32)
         for e, key in enumerate(self.keys):
             out[e] = reader.get(key).float().numpy()
@@ -162,8 +168,10 @@ class _Tensor:
     def encode(self, reader: CheckpointReader, importance: ImportanceMatrix | None) -> np.ndarray:
         """The tensor's data as the file stores it (blocks as uint8, plain types as numbers)."""
         if self.packed is not None:
-            return np.stack([_handoff_q4_1(reader, key, self.packed) for key in self.keys]
-                            ).reshape(gguf.quant_shape_to_byte_shape(self.shape, self.qtype))
+            blocks = np.stack([_handoff_q4_1(reader, key, self.packed) for key in self.keys])
+            if self.rotary_heads:  # rows move whole: a block lies within one row
+                blocks = _to_llama_rotary(blocks[0], self.rotary_heads)[None]
+            return blocks.reshape(gguf.quant_shape_to_byte_shape(self.shape, self.qtype))
         weights = self.read(reader)
         if importance is None or self.qtype not in IMPORTANCE_WEIGHTED:
             return quantize(weights, self.qtype)
@@ -247,6 +255,8 @@ def dequantize_gguf(gguf_path: str | Path, model_dir: str | Path, out_dir: str |
     writer = CheckpointWriter(out_dir)
     for t in plan:
         data = gguf.quants.dequantize(tensors[t.name].data, tensors[t.name].tensor_type)
+        if t.rotary_heads:
+            data = _from_llama_rotary(data.reshape(t.shape), t.rotary_heads)
         parts = data.reshape(t.shape) if t.stacked else [data]
         writer.add({key: torch.from_numpy(np.array(part)).reshape(reader.shape(key))
                     for key, part in zip(t.keys, parts, strict=True)})
@@ -324,6 +334,10 @@ def _architecture(adapter: Adapter, config, model_dir: Path) -> GGUFArchitecture
             + ("renormalizes" if arch.renormalizes_top_k else "does not renormalize")
             + " the top-k gate weights and this model's forward does not match; the GGUF would "
             "compute a different model")
+    if arch.arch == gguf.MODEL_ARCH.OLMOE and config.num_key_value_heads != config.num_attention_heads:
+        raise ExportError(f"{model_dir}: llama.cpp's olmoe graph normalizes k over all "
+                          f"{config.hidden_size} channels, so it needs as many k/v heads as q heads "
+                          f"({config.num_key_value_heads} vs {config.num_attention_heads})")
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
         raise ExportError(f"{model_dir}: rope type {rope['rope_type']!r} is not exported to GGUF "
@@ -372,7 +386,11 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
             raise ExportError(f"{reader.path}: {keys[0]} has rows of {shape[-1]} values, not a "
                               f"multiple of the {ttype.name} block; choose f16 or bf16")
         name = f"{gguf.TENSOR_NAMES[role].format(bid=bid)}.{suffix}"
-        plan.append(_Tensor(name, keys, stacked, shape, ttype, packed))
+        heads = 0
+        if arch.permute_qk and role in (Role.ATTN_Q, Role.ATTN_K):
+            heads = int(config.num_attention_heads if role == Role.ATTN_Q
+                        else config.num_key_value_heads)
+        plan.append(_Tensor(name, keys, stacked, shape, ttype, packed, heads))
 
     n_experts = adapter.num_experts(config)
     add(Role.TOKEN_EMBD, [adapter.disk_embeddings_key()])
@@ -419,6 +437,18 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
         raise ExportError(f"{reader.path}: tensors with no GGUF counterpart: {unused[:4]}"
                           + (f" and {len(unused) - 4} more" if len(unused) > 4 else ""))
     return plan
+
+
+def _to_llama_rotary(rows: np.ndarray, heads: int) -> np.ndarray:
+    """q/k rows from HF's rotary layout (each head's first half pairs with its second half) to
+    llama.cpp's (adjacent rows pair), as llama.cpp's converter permutes them."""
+    return (rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:])
+            .swapaxes(1, 2).reshape(rows.shape))
+
+
+def _from_llama_rotary(rows: np.ndarray, heads: int) -> np.ndarray:
+    return (rows.reshape(heads, rows.shape[0] // heads // 2, 2, *rows.shape[1:])
+            .swapaxes(1, 2).reshape(rows.shape))
 
 
 def _more_bits(layer: int | None, n_layers: int) -> bool:
