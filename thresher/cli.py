@@ -371,8 +371,8 @@ def export_gguf_cmd(
     calibration_samples: Annotated[int, typer.Option(
         help="Calibration windows for --imatrix (the recipe default).", min=1)] = 128,
 ) -> None:
-    """Write a Qwen3-MoE or Qwen2-MoE (base or REAP-pruned), Qwen3 or Qwen2 checkpoint to one
-    GGUF file for llama.cpp and Ollama, tokenizer included."""
+    """Write a Qwen3-MoE, Qwen2-MoE, Mixtral or OLMoE (base or REAP-pruned), Llama, Qwen3 or
+    Qwen2 checkpoint to one GGUF file for llama.cpp and Ollama, tokenizer included."""
     from thresher.export import compute_importance, export_gguf
     from thresher.models import resolve_model
     from thresher.recipe import CalibrationConfig
