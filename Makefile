@@ -14,7 +14,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test lint bench
+.PHONY: setup demo test lint bench llama
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# llama.cpp for the GGUF tests and benchmark: pip builds it from source (about 18 min on 2 cores).
+llama: setup
+	$(PY) -m pip install -q -e ".[llama]"
 
 lint: setup
 	$(VENV)/bin/ruff check .

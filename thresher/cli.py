@@ -404,20 +404,33 @@ def quantize_cmd(
 @handles_errors
 def export_gguf_cmd(
     model: Annotated[str, typer.Argument(
-        help="A plain 16/32-bit model (base or pruned): hub id, local dir, models:/name/version "
-        "or demo:size.")],
+        help="A 16/32-bit model (base or pruned), or a GPTQ/AWQ artifact with group size 32 "
+        "(exported to q4_1 as it is): hub id, local dir, models:/name/version or demo:size.")],
     out: Annotated[Path, typer.Option(help="The GGUF file to write (must not exist).")],
     type_: Annotated[str, typer.Option(
-        "--type", help="Type of the weight matrices: f32, f16, bf16, q8_0, q4_0 or q4_1 "
-        "(norms and routers stay f32).")] = "f16",
+        "--type", help="Type of the weight matrices: f32, f16, bf16, q8_0, q6_k, q5_0, q4_1, "
+        "q4_0, q4_k or q4_k_m (q4_k with the embeddings, the head and some attn_v/ffn_down at "
+        "q6_k); norms and routers stay f32.")] = "f16",
+    imatrix: Annotated[bool, typer.Option(
+        "--imatrix", help="Weight the rounding of q6_k, q5_0, q4_1, q4_0 and q4_k(_m) by the "
+        "importance of each input column on calibration windows, as llama.cpp's --imatrix.")]
+        = False,
+    calibration_samples: Annotated[int, typer.Option(
+        help="Calibration windows for --imatrix (the recipe default).", min=1)] = 128,
 ) -> None:
-    """Write a Qwen3-MoE or Qwen2-MoE (base or REAP-pruned), Qwen3 or Qwen2 checkpoint to one
-    GGUF file for llama.cpp and Ollama, tokenizer included."""
-    from thresher.export import export_gguf
+    """Write a Qwen3-MoE, Qwen2-MoE, Mixtral or OLMoE (base or REAP-pruned), Llama, Qwen3 or
+    Qwen2 checkpoint to one GGUF file for llama.cpp and Ollama, tokenizer included."""
+    from thresher.export import compute_importance, export_gguf
     from thresher.models import resolve_model
+    from thresher.recipe import CalibrationConfig
 
-    result = export_gguf(resolve_model(model), out, type_)
-    console.print(f"{result.architecture} {result.type}: {result.tensors} tensors, "
+    model_dir = resolve_model(model)
+    importance = (compute_importance(model_dir, CalibrationConfig(samples=calibration_samples))
+                  if imatrix else None)
+    result = export_gguf(model_dir, out, type_, importance=importance)
+    how = " with an importance matrix" if result.imatrix else (
+        " (GPTQ/AWQ codes as they are)" if result.lossless else "")
+    console.print(f"{result.architecture} {result.type}{how}: {result.tensors} tensors, "
                   f"{result.num_experts} experts per layer, {result.file_bytes / 1e6:.1f} MB in "
                   f"{result.wall_seconds:.1f} s -> {out}")
 

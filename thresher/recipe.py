@@ -327,11 +327,30 @@ class Variant(StrictModel):
 # --- publish, validate, tracking ----------------------------------------------------------------
 
 
+GGUFTypeName = Literal["f32", "f16", "bf16", "q8_0", "q6_k", "q5_0", "q4_1", "q4_0", "q4_k",
+                       "q4_k_m"]  # the names of thresher.export.gguf.GGUF_TYPES
+
+
 class PublishConfig(StrictModel):
     """Where each variant is published, and under which MLflow registered model name."""
 
     registry_name: str | None = Field(None, description="MLflow registered model name")
     dir: str | None = Field(None, description="publish location (default: the state directory)")
+    formats: list[Literal["hf", "gguf"]] = Field(
+        default_factory=lambda: ["hf"], description="hf: the checkpoint (always); gguf: GGUF "
+        "files for llama.cpp and Ollama beside it, logged to the variant's run")
+    gguf_types: list[GGUFTypeName] = Field(
+        default_factory=lambda: ["q8_0"], min_length=1, description="GGUF types of a 16-bit "
+        "variant; a GPTQ/AWQ variant with group size 32 is handed to q4_1 as it is")
+    gguf_imatrix: bool = Field(False, description="weight the GGUF rounding by an importance "
+                               "matrix from the recipe's calibration windows")
+
+    @model_validator(mode="after")
+    def _hf_always(self) -> PublishConfig:
+        if "hf" not in self.formats:
+            raise ValueError("formats must include hf: the registry and the validation read the "
+                             "checkpoint; add gguf next to it")
+        return self
 
 
 class ValidateConfig(StrictModel):

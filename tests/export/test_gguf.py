@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import build_random_model
-from thresher.errors import ExportError, UnsupportedArchitectureError
+from thresher.errors import ExportError
 from thresher.export import export_gguf
 from thresher.models import save_model
 from thresher.models.checkpoint import CheckpointReader
@@ -200,11 +200,6 @@ def test_qwen2_pre_tokenizer_is_named_for_llama_cpp(tiny_demo, tmp_path):
 
 
 def test_refuses_what_it_cannot_export(tiny_demo, tiny_tokenizer, tmp_path):
-    save_model(build_random_model("olmoe", num_layers=1, vocab_size=len(tiny_tokenizer)),
-               tiny_tokenizer, tmp_path / "olmoe")
-    with pytest.raises(UnsupportedArchitectureError, match="olmoe.*no GGUF export"):
-        export_gguf(tmp_path / "olmoe", tmp_path / "a.gguf")
-
     save_model(build_random_model("qwen3_moe", num_layers=1, vocab_size=len(tiny_tokenizer),
                                   norm_topk_prob=False), tiny_tokenizer, tmp_path / "no-renorm")
     with pytest.raises(ExportError, match="renormalizes the top-k gate weights"):
@@ -225,9 +220,34 @@ def test_refuses_what_it_cannot_export(tiny_demo, tiny_tokenizer, tmp_path):
     assert export_gguf(tmp_path / "odd-rows", tmp_path / "a.gguf", "BF16").type == "bf16"
     (tmp_path / "a.gguf").unlink()
 
-    with pytest.raises(ExportError, match="q4_k.*choose one of"):
-        export_gguf(tiny_demo, tmp_path / "c.gguf", "q4_k")
+    with pytest.raises(ExportError, match="q3_k.*choose one of"):
+        export_gguf(tiny_demo, tmp_path / "c.gguf", "q3_k")
     (tmp_path / "d.gguf").write_bytes(b"")
     with pytest.raises(ExportError, match="already exists"):
         export_gguf(tiny_demo, tmp_path / "d.gguf")
     assert sorted(p.name for p in tmp_path.glob("*.gguf")) == ["d.gguf"]
+
+
+def test_llama_family_rows_are_permuted_and_read_back(tiny_tokenizer, tmp_path):
+    """Mixtral runs on llama.cpp's llama graph: q/k rows go to its rotary layout, and
+    dequantize_gguf undoes that, so the file's weights come back equal to the checkpoint."""
+    from thresher.export import dequantize_gguf
+
+    save_model(build_random_model("mixtral", num_layers=1, vocab_size=len(tiny_tokenizer)),
+               tiny_tokenizer, tmp_path / "mixtral")
+    result = export_gguf(tmp_path / "mixtral", tmp_path / "m.gguf", "f32", show_progress=False)
+    assert result.architecture == "llama" and result.num_experts == 8
+    source = CheckpointReader(tmp_path / "mixtral")
+    q = next(t for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors if t.name == "blk.0.attn_q.weight")
+    want = source.get("model.layers.0.self_attn.q_proj.weight").numpy()
+    assert not np.array_equal(q.data, want) and np.array_equal(np.sort(q.data, 0), np.sort(want, 0))
+    back = CheckpointReader(dequantize_gguf(tmp_path / "m.gguf", tmp_path / "mixtral", tmp_path / "b"))
+    assert set(back.tensor_names()) == set(source.tensor_names()) - {"lm_head.weight"} | (
+        {"lm_head.weight"} & set(source.tensor_names()))
+    for key in source.tensor_names():
+        np.testing.assert_array_equal(back.get(key).numpy(), source.get(key).numpy(), err_msg=key)
+
+    save_model(build_random_model("olmoe", num_layers=1, vocab_size=len(tiny_tokenizer),
+                                  norm_topk_prob=False), tiny_tokenizer, tmp_path / "olmoe")
+    with pytest.raises(ExportError, match="as many k/v heads as q heads"):
+        export_gguf(tmp_path / "olmoe", tmp_path / "o.gguf")

@@ -41,7 +41,8 @@ def recipe_dict(model: Path, name: str = "ft") -> dict:
             {"name": "rtn4", "stages": [{"quantize": {"method": "rtn", "bits": 4,
                                                       "group_size": 64}}]},
         ],
-        "publish": {"registry_name": name},
+        "publish": {"registry_name": name, "formats": ["hf", "gguf"],
+                    "gguf_types": ["q8_0", "q4_k_m"], "gguf_imatrix": True},
         "validate": {"concurrency": [1, 4], "max_tokens": 8, "rounds": 1},
     }
 
@@ -93,6 +94,11 @@ def test_runs_metrics_and_registry(first_run, flow_env, prefect_server):
     assert by_name["rtn4"].data.metrics["compression_ratio"] > 2
     assert "quantize.wall_seconds" in by_name["rtn4"].data.metrics
     assert "prune_report.json" in {a.path for a in client.list_artifacts(by_name["p25"].info.run_id)}
+    # GGUF files beside the published checkpoints: both types of the pruned 16-bit variant; the
+    # RTN variants' groups of 64 are not Q4_1 blocks, so they get none
+    gguf_files = {a.path for a in client.list_artifacts(by_name["p25"].info.run_id, "gguf")}
+    assert gguf_files == {"gguf/p25-q8_0.gguf", "gguf/p25-q4_k_m.gguf"}
+    assert not client.list_artifacts(by_name["rtn4"].info.run_id, "gguf")
     # the shared prefix (frequency-25%) was computed once: p25-rtn4 found it in the store
     assert by_name["p25-rtn4"].data.metrics["stage_cache_hits"] == 1
     report = {a.path for a in client.list_artifacts(parent.info.run_id, "comparison")}

@@ -1,36 +1,46 @@
-"""GGUF export: a plain 16/32-bit thresher checkpoint as one GGUF file for llama.cpp and Ollama.
+"""GGUF export: a thresher checkpoint as one GGUF file for llama.cpp and Ollama.
 
-Families: Qwen3-MoE (llama.cpp's ``qwen3moe``), Qwen2-MoE (``qwen2moe``, with its shared expert)
-and the dense Qwen3 and Qwen2 (``qwen3``, ``qwen2``).
+Families: Qwen3-MoE (llama.cpp's ``qwen3moe``), Qwen2-MoE (``qwen2moe``, with its shared
+expert), Mixtral (``llama`` with experts), OLMoE (``olmoe``) and the dense Llama, Qwen3 and Qwen2
+(``llama``, ``qwen3``, ``qwen2``); llama.cpp's llama graph wants q/k rows in its rotary layout.
 
 GGUF names tensors by role (``blk.3.attn_q.weight``) and stacks each layer's experts into one 3-D
 tensor per projection (``blk.3.ffn_gate_exps.weight``, [E, I, H] in row-major order); its
 metadata carries the hyperparameters llama.cpp builds its graph from and the whole tokenizer. The
 ``gguf`` package (llama.cpp's own Python writer) supplies the container, the architecture and
-tensor names, the metadata keys and the block quantizers (Q8_0, Q4_0, Q4_1).
+tensor names, the metadata keys and the plain block quantizers (Q8_0, Q4_0, Q4_1, Q5_0);
+``block_quants`` has the K-quants and the importance-weighted ones, and ``imatrix`` collects the
+importance from the calibration windows.
 
-The file is written in two passes so that memory stays near one stacked expert tensor: the tensor
-table is declared from the checkpoint's headers, then each tensor is read, converted and written
-in turn. A REAP-pruned model exports like any other; its config simply has fewer experts.
+A plain 16/32-bit checkpoint (base or REAP-pruned: its config simply has fewer experts) is
+quantized to the ``--type``; a GPTQ/AWQ artifact with 4-bit codes in groups of 32 is handed to
+Q4_1 as it is (its codes and scales are the blocks'). The file is written in two passes so that
+memory stays near one stacked expert tensor: the tensor table is declared from the checkpoint's
+headers, then each tensor is read, converted and written in turn.
 """
-
 from __future__ import annotations
 
 import json
 import logging
 import math
 import os
-from dataclasses import dataclass
+import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
 import numpy as np
+import torch
 from tqdm.auto import tqdm
 
 from thresher.errors import ExportError, UnsupportedArchitectureError
-from thresher.formats.config import packed_format
+from thresher.export.block_quants import IMPORTANCE_WEIGHTED, QK_K, quantize
+from thresher.export.imatrix import ImportanceMatrix
+from thresher.formats.awq import unpack_awq
+from thresher.formats.config import PackedFormat, packed_format
+from thresher.formats.gptq import unpack_gptq
 from thresher.models.adapters import Adapter, get_adapter
-from thresher.models.checkpoint import CheckpointReader
+from thresher.models.checkpoint import CheckpointReader, CheckpointWriter
 from thresher.models.layerwise import load_config
 from thresher.resources import measure
 
@@ -39,15 +49,40 @@ log = logging.getLogger(__name__)
 QType = gguf.GGMLQuantizationType
 Role = gguf.MODEL_TENSOR
 
-GGUF_TYPES: dict[str, QType] = {
-    "f32": QType.F32, "f16": QType.F16, "bf16": QType.BF16,
-    "q8_0": QType.Q8_0, "q4_0": QType.Q4_0, "q4_1": QType.Q4_1,
+
+
+@dataclass(frozen=True)
+class GGUFType:
+    """One ``--type``: the weight matrices' block type and the roles llama.cpp's mixed types keep
+    at higher precision (``_M``: the embeddings, the output head, and attn_v and ffn_down in a
+    third of the layers, at Q6_K)."""
+
+    default: QType
+    file_type: gguf.LlamaFileType
+    embeddings: QType | None = None  # token_embd, and the output head when it is tied to it
+    output: QType | None = None
+    more_bits: QType | None = None  # attn_v and ffn_down where llama.cpp's use_more_bits holds
+
+
+GGUF_TYPES: dict[str, GGUFType] = {
+    "f32": GGUFType(QType.F32, gguf.LlamaFileType.ALL_F32),
+    "f16": GGUFType(QType.F16, gguf.LlamaFileType.MOSTLY_F16),
+    "bf16": GGUFType(QType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
+    "q8_0": GGUFType(QType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+    "q6_k": GGUFType(QType.Q6_K, gguf.LlamaFileType.MOSTLY_Q6_K),
+    "q5_0": GGUFType(QType.Q5_0, gguf.LlamaFileType.MOSTLY_Q5_0),
+    "q4_1": GGUFType(QType.Q4_1, gguf.LlamaFileType.MOSTLY_Q4_1),
+    "q4_0": GGUFType(QType.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
+    "q4_k": GGUFType(QType.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_S),
+    "q4_k_m": GGUFType(QType.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_M, embeddings=QType.Q6_K,
+                       output=QType.Q6_K, more_bits=QType.Q6_K),
 }
-_FILE_TYPES: dict[QType, gguf.LlamaFileType] = {
-    QType.F32: gguf.LlamaFileType.ALL_F32, QType.F16: gguf.LlamaFileType.MOSTLY_F16,
-    QType.BF16: gguf.LlamaFileType.MOSTLY_BF16, QType.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
-    QType.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0, QType.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1,
-}
+# What llama.cpp's quantizer uses for a K-quant tensor whose rows are not whole super-blocks.
+_K_FALLBACK = {QType.Q4_K: QType.Q5_0, QType.Q6_K: QType.Q8_0}
+_MORE_BITS_ROLES = frozenset({Role.ATTN_V, Role.FFN_DOWN, Role.FFN_DOWN_EXP, Role.FFN_DOWN_SHEXP})
+_UNQUANTIZED_FILES = frozenset({gguf.LlamaFileType.ALL_F32, gguf.LlamaFileType.MOSTLY_F16,
+                                gguf.LlamaFileType.MOSTLY_BF16})
+HANDOFF_GROUP = 32  # a Q4_1 block: the group size a GPTQ/AWQ artifact needs to export losslessly
 _PLAIN_NUMPY = {QType.F32: np.float32, QType.F16: np.float16}  # stored as numpy arrays, not bytes
 
 
@@ -57,13 +92,16 @@ class GGUFArchitecture:
 
     arch: gguf.MODEL_ARCH
     renormalizes_top_k: bool | None = None  # MoE: llama.cpp renormalizes the top-k gate weights
+    permute_qk: bool = False  # llama.cpp's llama graph rotates interleaved pairs, HF halves
 
 
-# Keyed by the adapter's model_type. Only families whose weights llama.cpp takes as they are on
-# disk are listed; llama and mixtral need their q/k rows permuted for llama.cpp's rotary layout.
+# Keyed by the adapter's model_type. Mixtral runs on llama.cpp's llama graph (with experts).
 GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "qwen3_moe": GGUFArchitecture(gguf.MODEL_ARCH.QWEN3MOE, renormalizes_top_k=True),
     "qwen2_moe": GGUFArchitecture(gguf.MODEL_ARCH.QWEN2MOE, renormalizes_top_k=False),
+    "mixtral": GGUFArchitecture(gguf.MODEL_ARCH.LLAMA, renormalizes_top_k=True, permute_qk=True),
+    "olmoe": GGUFArchitecture(gguf.MODEL_ARCH.OLMOE, renormalizes_top_k=False),
+    "llama": GGUFArchitecture(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
     "qwen3": GGUFArchitecture(gguf.MODEL_ARCH.QWEN3),
     "qwen2": GGUFArchitecture(gguf.MODEL_ARCH.QWEN2),
 }
@@ -90,6 +128,9 @@ class GGUFExport:
     file_bytes: int
     wall_seconds: float = 0.0
     peak_rss_mb: float = 0.0
+    imatrix: bool = False
+    lossless: bool = False  # GPTQ/AWQ codes handed to Q4_1 without requantizing
+    types: dict[str, str] = field(default_factory=dict)  # GGUF tensor name -> its block type
 
 
 @dataclass(frozen=True)
@@ -101,6 +142,8 @@ class _Tensor:
     stacked: bool
     shape: tuple[int, ...]
     qtype: QType
+    packed: PackedFormat | None = None  # GPTQ/AWQ codes handed to Q4_1 as they are
+    rotary_heads: int = 0  # > 0: rows permuted from HF's rotary layout to llama.cpp's
 
     def declare(self, writer: gguf.GGUFWriter) -> None:
         if self.qtype in _PLAIN_NUMPY:
@@ -115,38 +158,61 @@ class _Tensor:
     def read(self, reader: CheckpointReader) -> np.ndarray:
         """The source weights in fp32 (experts stacked on a new first axis)."""
         if not self.stacked:
-            return reader.get(self.keys[0]).float().numpy().reshape(self.shape)
+            data = reader.get(self.keys[0]).float().numpy().reshape(self.shape)
+            return _to_llama_rotary(data, self.rotary_heads) if self.rotary_heads else data
         out = np.empty(self.shape, dtype=np.float32)
         for e, key in enumerate(self.keys):
             out[e] = reader.get(key).float().numpy()
         return out
 
+    def encode(self, reader: CheckpointReader, importance: ImportanceMatrix | None) -> np.ndarray:
+        """The tensor's data as the file stores it (blocks as uint8, plain types as numbers)."""
+        if self.packed is not None:
+            blocks = np.stack([_handoff_q4_1(reader, key, self.packed) for key in self.keys])
+            if self.rotary_heads:  # rows move whole: a block lies within one row
+                blocks = _to_llama_rotary(blocks[0], self.rotary_heads)[None]
+            return blocks.reshape(gguf.quant_shape_to_byte_shape(self.shape, self.qtype))
+        weights = self.read(reader)
+        if importance is None or self.qtype not in IMPORTANCE_WEIGHTED:
+            return quantize(weights, self.qtype)
+        if not self.stacked:
+            return quantize(weights, self.qtype, importance.get(self.keys[0]))
+        return np.stack([quantize(w, self.qtype, importance.get(key))
+                         for w, key in zip(weights, self.keys, strict=True)])
+
 
 def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", *,
+                importance: ImportanceMatrix | None = None,
                 show_progress: bool = True) -> GGUFExport:
-    """Write the plain checkpoint in ``model_dir`` to the GGUF file ``out`` (which must not
-    exist) with its weight matrices in ``gguf_type``; norms and routers stay F32."""
+    """Write the checkpoint in ``model_dir`` to the GGUF file ``out`` (which must not exist)
+    with its weight matrices in ``gguf_type``; norms and routers stay F32.
+
+    ``importance`` (from ``compute_importance`` on the same model) weights the rounding of the
+    K-quants and Q4_0/Q4_1/Q5_0 as llama.cpp's ``--imatrix`` does. A GPTQ or AWQ artifact with
+    4-bit codes in groups of 32 exports to ``q4_1`` without requantizing: its codes and scales
+    become the Q4_1 blocks, and its 16-bit matrices (embeddings, head) are written as F16."""
     model_dir, out, gguf_type = Path(model_dir), Path(out), gguf_type.lower()
-    qtype = _qtype(gguf_type)
+    gtype = _gguf_type(gguf_type)
     config = load_config(model_dir)
     adapter = get_adapter(config)
     arch = _architecture(adapter, config, model_dir)
-    if (fmt := packed_format(config, model_dir)) is not None:
-        raise ExportError(
-            f"{model_dir} holds {fmt.kind} {fmt.bits}-bit weights; GGUF export takes plain "
-            "16/32-bit checkpoints for now (the base or a pruned model), so export the model "
-            "before quantizing it, with a GGUF --type instead")
+    fmt = _handoff_format(packed_format(config, model_dir), model_dir, gguf_type, importance)
+    if fmt is not None:
+        gtype = GGUFType(QType.F16, gguf.LlamaFileType.MOSTLY_Q4_1)
     if out.exists():
         raise ExportError(f"{out} already exists; choose a new output file or remove it")
     reader = CheckpointReader(model_dir)
-    plan = _plan(reader, adapter, config, arch, qtype)
+    plan = _plan(reader, adapter, config, arch, gtype, fmt)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         with measure() as usage:
             writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[arch.arch])
             try:
-                _write_metadata(writer, model_dir, config, adapter, reader, qtype)
+                _write_metadata(writer, model_dir, config, adapter, reader, gtype, fmt)
+                if importance is not None:
+                    writer.add_array(gguf.Keys.IMatrix.DATASETS, [importance.dataset])
+                    writer.add_uint32(gguf.Keys.IMatrix.CHUNK_COUNT, importance.windows)
                 _write_tokenizer(writer, model_dir, int(config.vocab_size))
                 for tensor in plan:
                     tensor.declare(writer)
@@ -154,8 +220,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", 
                 writer.write_kv_data_to_file()
                 writer.write_ti_data_to_file()
                 for tensor in tqdm(plan, desc=f"GGUF {gguf_type}", disable=not show_progress):
-                    writer.write_tensor_data(gguf.quants.quantize(tensor.read(reader),
-                                                                  tensor.qtype))
+                    writer.write_tensor_data(tensor.encode(reader, importance))
                     reader.close()
             finally:
                 writer.close()
@@ -166,13 +231,90 @@ def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", 
     result = GGUFExport(path=str(out), type=gguf_type, architecture=gguf.MODEL_ARCH_NAMES[arch.arch],
                         num_experts=adapter.num_experts(config), tensors=len(plan),
                         file_bytes=out.stat().st_size, wall_seconds=usage.wall_seconds,
-                        peak_rss_mb=usage.peak_rss_mb)
+                        peak_rss_mb=usage.peak_rss_mb, imatrix=importance is not None,
+                        lossless=fmt is not None,
+                        types={t.name: t.qtype.name for t in plan})
     log.info("exported %s -> %s (%s, %d tensors, %.1f MB, %.1f s)", model_dir, out, gguf_type,
              len(plan), result.file_bytes / 1e6, result.wall_seconds)
     return result
 
 
-def _qtype(gguf_type: str) -> QType:
+def dequantize_gguf(gguf_path: str | Path, model_dir: str | Path, out_dir: str | Path) -> Path:
+    """The weights of a GGUF file exported from the plain checkpoint ``model_dir``, dequantized
+    into a plain checkpoint at ``out_dir`` (config and tokenizer copied): thresher's evaluation
+    of it is the evaluation of the very weights llama.cpp runs."""
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    config = load_config(model_dir)
+    adapter = get_adapter(config)
+    reader = CheckpointReader(model_dir)
+    plan = _plan(reader, adapter, config, _architecture(adapter, config, model_dir),
+                 GGUF_TYPES["f32"], None)
+    tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
+    if (missing := sorted({t.name for t in plan} - set(tensors))):
+        raise ExportError(f"{gguf_path} lacks {missing[:4]}; was it exported from {model_dir}?")
+    writer = CheckpointWriter(out_dir)
+    for t in plan:
+        data = gguf.quants.dequantize(tensors[t.name].data, tensors[t.name].tensor_type)
+        if t.rotary_heads:
+            data = _from_llama_rotary(data.reshape(t.shape), t.rotary_heads)
+        parts = data.reshape(t.shape) if t.stacked else [data]
+        writer.add({key: torch.from_numpy(np.array(part)).reshape(reader.shape(key))
+                    for key, part in zip(t.keys, parts, strict=True)})
+    writer.close()
+    reader.close()
+    for f in model_dir.iterdir():
+        if f.is_file() and ".safetensors" not in f.name and f.name != "thresher.json":
+            shutil.copy2(f, out_dir / f.name)
+    return out_dir
+
+
+def _handoff_format(fmt: PackedFormat | None, model_dir: Path, gguf_type: str,
+                    importance: ImportanceMatrix | None) -> PackedFormat | None:
+    """The packed format of an artifact that exports to Q4_1 as it is; refuses the others."""
+    if fmt is None:
+        return None
+    what = f"{model_dir} holds {fmt.kind} {fmt.bits}-bit weights"
+    if fmt.kind not in ("gptq", "awq") or fmt.bits != 4:
+        raise ExportError(f"{what}; only 4-bit GPTQ and AWQ artifacts export to GGUF (to q4_1, "
+                          "without requantizing), so export the 16-bit model with a GGUF --type")
+    if fmt.group_size != HANDOFF_GROUP:
+        raise ExportError(
+            f"{what} in groups of {fmt.group_size}; GGUF's Q4_1 blocks hold {HANDOFF_GROUP} "
+            f"weights with one scale and minimum, so only group size {HANDOFF_GROUP} exports "
+            "without requantizing: quantize with group_size: 32, or export the 16-bit model with "
+            "a GGUF --type")
+    if gguf_type != "q4_1":
+        raise ExportError(f"{what}; a quantized artifact exports to --type q4_1 only (its codes "
+                          f"and scales as they are), not {gguf_type}")
+    if importance is not None:
+        raise ExportError(f"{what}; an importance matrix applies when quantizing a 16-bit model, "
+                          "and this artifact's codes are already chosen")
+    return fmt
+
+
+def _handoff_q4_1(reader: CheckpointReader, key: str, fmt: PackedFormat) -> np.ndarray:
+    """Q4_1 blocks [N, K/32 * 20] of one packed [N, K] matrix: d = the group's scale, the codes
+    as they are, m = -scale*zero (the one rounding: m is fp16)."""
+    module = key.removesuffix(".weight")
+    names = ("qweight", "qzeros", "scales") + (("g_idx",) if fmt.kind == "gptq" else ())
+    tensors = {name: reader.get(f"{module}.{name}") for name in names}
+    qw = unpack_gptq(tensors, 4, HANDOFF_GROUP) if fmt.kind == "gptq" \
+        else unpack_awq(tensors, HANDOFF_GROUP)
+    rows, cols = qw.codes.shape
+    if not torch.equal(qw.g_idx.long(), torch.arange(cols) // HANDOFF_GROUP):
+        raise ExportError(f"{reader.path}: {module} has act-order groups (g_idx out of order); "
+                          "Q4_1 blocks need input columns in groups of 32 in order")
+    scales = qw.scales.numpy()
+    mins = -(qw.scales * qw.zeros.float()).numpy()
+    codes = qw.codes.numpy().reshape(rows, cols // 32, 2, 16)
+    blocks = np.concatenate([
+        scales.astype(np.float16).view(np.uint8).reshape(rows, -1, 2),
+        mins.astype(np.float16).view(np.uint8).reshape(rows, -1, 2),
+        (codes[:, :, 0] | (codes[:, :, 1] << 4)).astype(np.uint8)], axis=2)
+    return blocks.reshape(rows, -1)
+
+
+def _gguf_type(gguf_type: str) -> GGUFType:
     try:
         return GGUF_TYPES[gguf_type]
     except KeyError:
@@ -192,6 +334,10 @@ def _architecture(adapter: Adapter, config, model_dir: Path) -> GGUFArchitecture
             + ("renormalizes" if arch.renormalizes_top_k else "does not renormalize")
             + " the top-k gate weights and this model's forward does not match; the GGUF would "
             "compute a different model")
+    if arch.arch == gguf.MODEL_ARCH.OLMOE and config.num_key_value_heads != config.num_attention_heads:
+        raise ExportError(f"{model_dir}: llama.cpp's olmoe graph normalizes k over all "
+                          f"{config.hidden_size} channels, so it needs as many k/v heads as q heads "
+                          f"({config.num_key_value_heads} vs {config.num_attention_heads})")
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
         raise ExportError(f"{model_dir}: rope type {rope['rope_type']!r} is not exported to GGUF "
@@ -200,11 +346,24 @@ def _architecture(adapter: Adapter, config, model_dir: Path) -> GGUFArchitecture
 
 
 def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitecture,
-          qtype: QType) -> list[_Tensor]:
+          gtype: GGUFType, fmt: PackedFormat | None) -> list[_Tensor]:
     """Every GGUF tensor in file order, with the checkpoint tensors it is built from. Fails if
     the architecture lacks a role or the checkpoint holds a tensor that nothing exports."""
     allowed = set(gguf.MODEL_TENSORS[arch.arch])
+    n_layers = int(config.num_hidden_layers)
     plan: list[_Tensor] = []
+
+    def matrix_type(role: Role, bid: int | None, cols: int) -> QType:
+        qtype = gtype.default
+        if role == Role.TOKEN_EMBD and gtype.embeddings is not None:
+            qtype = gtype.embeddings
+        elif role == Role.OUTPUT and gtype.output is not None:
+            qtype = gtype.output
+        elif role in _MORE_BITS_ROLES and gtype.more_bits is not None and _more_bits(bid, n_layers):
+            qtype = gtype.more_bits
+        if qtype in _K_FALLBACK and cols % QK_K:
+            qtype = _K_FALLBACK[qtype]
+        return qtype
 
     def add(role: Role, modules: list[str], bid: int | None = None, stacked: bool = False,
             suffix: str = "weight") -> None:
@@ -212,16 +371,26 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
             raise ExportError(f"llama.cpp's {gguf.MODEL_ARCH_NAMES[arch.arch]} has no "
                               f"{role.name} tensor")
         keys = tuple(f"{m}.{suffix}" for m in modules)
-        first = reader.shape(keys[0])
+        packed = fmt if keys[0] not in reader and f"{modules[0]}.qweight" in reader else None
+        first = _matrix_shape(reader, modules[0], packed) if packed else reader.shape(keys[0])
         shape = (len(keys), *first) if stacked else first
         if role in _VECTOR_ROLES:
             shape = (math.prod(shape),)
-        ttype = QType.F32 if len(first) == 1 or role in _F32_ROLES else qtype
+        if packed is not None:
+            ttype = QType.Q4_1
+        elif len(first) == 1 or role in _F32_ROLES:
+            ttype = QType.F32
+        else:
+            ttype = matrix_type(role, bid, shape[-1])
         if ttype not in _PLAIN_NUMPY and shape[-1] % gguf.GGML_QUANT_SIZES[ttype][0]:
             raise ExportError(f"{reader.path}: {keys[0]} has rows of {shape[-1]} values, not a "
                               f"multiple of the {ttype.name} block; choose f16 or bf16")
         name = f"{gguf.TENSOR_NAMES[role].format(bid=bid)}.{suffix}"
-        plan.append(_Tensor(name, keys, stacked, shape, ttype))
+        heads = 0
+        if arch.permute_qk and role in (Role.ATTN_Q, Role.ATTN_K):
+            heads = int(config.num_attention_heads if role == Role.ATTN_Q
+                        else config.num_key_value_heads)
+        plan.append(_Tensor(name, keys, stacked, shape, ttype, packed, heads))
 
     n_experts = adapter.num_experts(config)
     add(Role.TOKEN_EMBD, [adapter.disk_embeddings_key()])
@@ -261,6 +430,8 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
         add(Role.OUTPUT, [adapter.disk_lm_head_key()])
 
     used = {k for t in plan for k in t.keys} | ({head} if tied else set())
+    used |= {f"{k.removesuffix('.weight')}.{part}" for t in plan if t.packed for k in t.keys
+             for part in ("qweight", "qzeros", "scales", "g_idx")}
     unused = sorted(set(reader.tensor_names()) - used)
     if unused:
         raise ExportError(f"{reader.path}: tensors with no GGUF counterpart: {unused[:4]}"
@@ -268,16 +439,49 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
     return plan
 
 
+def _to_llama_rotary(rows: np.ndarray, heads: int) -> np.ndarray:
+    """q/k rows from HF's rotary layout (each head's first half pairs with its second half) to
+    llama.cpp's (adjacent rows pair), as llama.cpp's converter permutes them."""
+    return (rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:])
+            .swapaxes(1, 2).reshape(rows.shape))
+
+
+def _from_llama_rotary(rows: np.ndarray, heads: int) -> np.ndarray:
+    return (rows.reshape(heads, rows.shape[0] // heads // 2, 2, *rows.shape[1:])
+            .swapaxes(1, 2).reshape(rows.shape))
+
+
+def _more_bits(layer: int | None, n_layers: int) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth of the layers and every third one
+    between them keep attn_v and ffn_down at the higher type in the ``_M`` mixes."""
+    return layer is not None and (layer < n_layers // 8 or layer >= 7 * n_layers // 8
+                                  or (layer - n_layers // 8) % 3 == 2)
+
+
+def _matrix_shape(reader: CheckpointReader, module: str, fmt: PackedFormat | None
+                  ) -> tuple[int, ...]:
+    """[out, in] of a weight matrix, plain or packed (GPTQ qweight [in/8, out], AWQ [in, out/8])."""
+    if fmt is None:
+        return reader.shape(f"{module}.weight")
+    packed = reader.shape(f"{module}.qweight")
+    return (packed[1], packed[0] * 8) if fmt.kind == "gptq" else (packed[1] * 8, packed[0])
+
+
 def _write_metadata(writer: gguf.GGUFWriter, model_dir: Path, config, adapter: Adapter,
-                    reader: CheckpointReader, qtype: QType) -> None:
+                    reader: CheckpointReader, gtype: GGUFType, fmt: PackedFormat | None) -> None:
     """The hyperparameters llama.cpp reads; sizes come from the tensors where the config names
     them differently per family."""
     heads = int(config.num_attention_heads)
-    head_dim = reader.shape(adapter.disk_attention_key(0, "q_proj") + ".weight")[0] // heads
+
+    def shape(module: str) -> tuple[int, ...]:
+        packed = fmt if f"{module}.weight" not in reader else None
+        return _matrix_shape(reader, module, packed)
+
+    head_dim = shape(adapter.disk_attention_key(0, "q_proj"))[0] // heads
     rope = getattr(config, "rope_parameters", None) or {}
     writer.add_name(model_dir.name)
-    writer.add_file_type(_FILE_TYPES[qtype])
-    if qtype not in _PLAIN_NUMPY and qtype != QType.BF16:
+    writer.add_file_type(gtype.file_type)
+    if gtype.file_type not in _UNQUANTIZED_FILES:
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_context_length(int(config.max_position_embeddings))
     writer.add_embedding_length(int(config.hidden_size))
@@ -290,13 +494,13 @@ def _write_metadata(writer: gguf.GGUFWriter, model_dir: Path, config, adapter: A
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     if adapter.is_moe:
-        expert_ffn = reader.shape(adapter.disk_expert_key(0, 0, "gate") + ".weight")[0]
+        expert_ffn = shape(adapter.disk_expert_key(0, 0, "gate"))[0]
         writer.add_expert_feed_forward_length(int(expert_ffn))
         writer.add_expert_count(adapter.num_experts(config))
         writer.add_expert_used_count(adapter.top_k(config))
-        shared = adapter.disk_shared_expert_key(0, "gate_proj") + ".weight"
-        if shared in reader:
-            writer.add_expert_shared_feed_forward_length(int(reader.shape(shared)[0]))
+        shared = adapter.disk_shared_expert_key(0, "gate_proj")
+        if shared + ".weight" in reader or shared + ".qweight" in reader:
+            writer.add_expert_shared_feed_forward_length(int(shape(shared)[0]))
 
 
 def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, vocab_size: int) -> None:

@@ -34,6 +34,7 @@ from thresher.flows.pareto import alias_pareto_front
 from thresher.flows.stages import (
     evaluate_artifact,
     publish_artifact,
+    publish_gguf,
     resolve_base,
     run_stage,
     validate_variant,
@@ -184,6 +185,11 @@ def _run_variant(recipe: Recipe, variant: Variant, base_path: str, base_hash: st
                  "metrics": metrics},
             )
             tracker.set_tags(run_id, {ARTIFACT_DIR_TAG: artifact, ARTIFACT_HASH_TAG: content_hash})
+            if "gguf" in recipe.publish.formats:
+                calibration = recipe.calibration if recipe.publish.gguf_imatrix else None
+                for gguf_file in publish_gguf(artifact, content_hash, str(publish_root),
+                                              variant.name, recipe.publish.gguf_types, calibration):
+                    tracker.log_artifact(run_id, gguf_file, artifact_path="gguf")
             if recipe.publish.registry_name:
                 name = f"{recipe.publish.registry_name}-{variant.name}"
                 version = tracker.register(

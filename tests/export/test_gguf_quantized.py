@@ -1,0 +1,170 @@
+"""GGUF export's K-quant mixes, importance matrix and the lossless GPTQ/AWQ hand-off to Q4_1, on
+the tiny demo model (and a random Qwen3-MoE whose rows are whole K-quant super-blocks)."""
+
+import gguf
+import numpy as np
+import pytest
+
+from tests.conftest import build_random_model
+from tests.export.conftest import CAL
+from thresher.errors import ExportError
+from thresher.export import compute_importance, export_gguf
+from thresher.export.gguf import HANDOFF_GROUP
+from thresher.formats.awq import unpack_awq
+from thresher.formats.gptq import unpack_gptq
+from thresher.models import save_model
+from thresher.models.checkpoint import CheckpointReader
+from thresher.recipe import CalibrationConfig, QuantizeStage
+
+
+def _tensors(path) -> dict[str, gguf.ReaderTensor]:
+    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+
+@pytest.fixture(scope="module")
+def importance(tiny_demo):
+    return compute_importance(tiny_demo, CAL, show_progress=False)
+
+
+def test_q4_k_m_mixes_types_as_llama_cpp(tiny_tokenizer, tmp_path):
+    """Rows of 256: Q4_K, with the embeddings and attn_v/ffn_down of the first and last eighth
+    and every third layer at Q6_K; expert down rows of 64 fall back to Q5_0 as in llama.cpp."""
+    model = build_random_model("qwen3_moe", num_layers=8, hidden_size=256, head_dim=32,
+                               num_attention_heads=8, vocab_size=len(tiny_tokenizer))
+    save_model(model, tiny_tokenizer, tmp_path / "k")
+    result = export_gguf(tmp_path / "k", tmp_path / "k.gguf", "q4_k_m", show_progress=False)
+    types = result.types
+    assert types["token_embd.weight"] == "Q6_K"
+    assert [types[f"blk.{i}.attn_v.weight"] for i in range(8)] == \
+        ["Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q6_K"]
+    assert types["blk.2.attn_q.weight"] == types["blk.0.ffn_gate_exps.weight"] == "Q4_K"
+    assert types["blk.0.ffn_down_exps.weight"] == "Q8_0"  # Q6_K's fallback for rows of 32
+    assert types["blk.1.ffn_down_exps.weight"] == "Q5_0"  # Q4_K's
+    reader = gguf.GGUFReader(tmp_path / "k.gguf")
+    assert reader.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q4_K_M
+    source = CheckpointReader(tmp_path / "k")
+    tensors = _tensors(tmp_path / "k.gguf")
+    for name, key in (("blk.2.attn_q.weight", "model.layers.2.self_attn.q_proj.weight"),
+                      ("token_embd.weight", "model.embed_tokens.weight")):
+        got = gguf.quants.dequantize(tensors[name].data, tensors[name].tensor_type)
+        want = source.get(key).float().numpy()
+        rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert rel < (0.12 if types[name] == "Q4_K" else 0.03), (name, rel)
+
+
+def test_importance_matrix_covers_every_quantized_matrix(tiny_demo, importance):
+    reader = CheckpointReader(tiny_demo)
+    matrices = {k for k in reader.tensor_names() if len(reader.shape(k)) == 2}
+    collected = set(importance.tokens)
+    assert collected == matrices - {"model.embed_tokens.weight"} - {
+        f"model.layers.{i}.mlp.gate.weight" for i in range(4)} | {"lm_head.weight"}
+    windows = CAL.samples * CAL.seq_len
+    assert importance.tokens["model.layers.0.self_attn.q_proj.weight"] == windows
+    routed = sum(importance.tokens[f"model.layers.2.mlp.experts.{e}.up_proj.weight"]
+                 for e in range(8) if f"model.layers.2.mlp.experts.{e}.up_proj.weight"
+                 in importance.tokens)
+    assert routed == 2 * windows  # top-2 routing: every token reaches two experts
+    imp = importance.get("model.layers.1.mlp.experts.0.down_proj.weight")
+    assert imp is not None and imp.shape == (64,) and (imp > 0).all()
+
+
+@pytest.mark.parametrize("gguf_type", ["q4_0", "q4_1"])
+def test_importance_lowers_the_activation_weighted_error(tiny_demo, importance, tmp_path,
+                                                         gguf_type):
+    """sum_j imp_j (w_j - q_j)^2 over every matrix (the layer output error on calibration
+    data, up to input correlations) drops with the importance matrix."""
+    plain = export_gguf(tiny_demo, tmp_path / "p.gguf", gguf_type, show_progress=False)
+    weighted = export_gguf(tiny_demo, tmp_path / "w.gguf", gguf_type, importance=importance,
+                           show_progress=False)
+    assert weighted.imatrix and not plain.imatrix
+    assert gguf.GGUFReader(tmp_path / "w.gguf").fields["imatrix.chunk_count"].contents() == 4
+    source = CheckpointReader(tiny_demo)
+    errors = {}
+    for label, path in (("plain", tmp_path / "p.gguf"), ("weighted", tmp_path / "w.gguf")):
+        total = 0.0
+        for name, t in _tensors(path).items():
+            if not name.startswith("blk.0.") or t.tensor_type.name != gguf_type.upper():
+                continue
+            got = gguf.quants.dequantize(t.data, t.tensor_type)
+            role = name.split(".")[2]
+            if role.endswith("_exps"):
+                proj = role.removeprefix("ffn_").removesuffix("_exps")
+                keys = [f"model.layers.0.mlp.experts.{e}.{proj}_proj.weight" for e in range(8)]
+            else:
+                proj = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj",
+                        "attn_output": "o_proj"}[role]
+                keys, got = [f"model.layers.0.self_attn.{proj}.weight"], got[None]
+            for g, key in zip(got, keys, strict=True):
+                imp = importance.get(key)
+                if imp is not None:
+                    total += float((((g - source.get(key).float().numpy()) ** 2) * imp).sum())
+        errors[label] = total
+    assert errors["weighted"] < 0.9 * errors["plain"], errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_packed_artifact_hands_its_codes_to_q4_1(packed, tmp_path, method):
+    """The Q4_1 blocks carry the artifact's codes and scales bit for bit; the minimum
+    -scale*zero is the one value rounded (to fp16), so the weights agree to 2^-11 of it and
+    exactly wherever scale*zero is an fp16 number."""
+    out = tmp_path / f"{method}.gguf"
+    result = export_gguf(packed / method, out, "q4_1", show_progress=False)
+    assert result.lossless and set(result.types.values()) == {"Q4_1", "F16", "F32"}
+    assert result.types["blk.0.ffn_up_exps.weight"] == "Q4_1"
+    assert result.types["token_embd.weight"] == "F16"
+    source = CheckpointReader(packed / method)
+    tensors = _tensors(out)
+    exact = total = 0
+    for name, module in (("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj"),
+                         ("blk.3.ffn_down_exps.weight", "model.layers.3.mlp.experts.{e}.down_proj")):
+        got_all = gguf.quants.dequantize(tensors[name].data, tensors[name].tensor_type)
+        got_all = got_all if got_all.ndim == 3 else got_all[None]
+        for e, got in enumerate(got_all):
+            key = module.format(e=e)
+            names = ("qweight", "qzeros", "scales") + (("g_idx",) if method == "gptq" else ())
+            t = {n: source.get(f"{key}.{n}") for n in names}
+            qw = unpack_gptq(t, 4, 32) if method == "gptq" else unpack_awq(t, 32)
+            want = qw.dequantize().numpy()
+            offset = (qw.scales * qw.zeros.float()).numpy().repeat(HANDOFF_GROUP, axis=1)
+            representable = offset.astype(np.float16).astype(np.float32) == offset
+            assert (np.abs(got - want) <= np.abs(offset) * 2.0**-11 + 1e-12).all(), key
+            np.testing.assert_array_equal(got[representable], want[representable])
+            blocks = tensors[name].data.reshape(got_all.shape[0], got.shape[0], -1, 20)[e]
+            np.testing.assert_array_equal(blocks[..., :2].copy().view(np.float16)[..., 0],
+                                          qw.scales.numpy().astype(np.float16))
+            exact += int((got == want).sum())
+            total += got.size
+    assert exact / total > 0.2
+
+
+def test_packed_artifacts_that_cannot_hand_off_are_refused(packed, tiny_demo, tmp_path):
+    with pytest.raises(ExportError, match="--type q4_1 only"):
+        export_gguf(packed / "gptq", tmp_path / "a.gguf", "q4_k_m")
+    with pytest.raises(ExportError, match="codes are already chosen"):
+        export_gguf(packed / "gptq", tmp_path / "a.gguf", "q4_1",
+                    importance=compute_importance(tiny_demo, CalibrationConfig(samples=1, seq_len=16),
+                                                  show_progress=False))
+    from thresher.compress.api import quantize_model
+
+    quantize_model(tiny_demo, QuantizeStage(method="rtn", group_size=64), CAL, tmp_path / "g64",
+                   show_progress=False)
+    with pytest.raises(ExportError, match="groups of 64.*only group size 32"):
+        export_gguf(tmp_path / "g64", tmp_path / "a.gguf", "q4_1")
+    assert not list(tmp_path.glob("*.gguf"))
+
+
+def test_recipe_names_the_exporters_types():
+    from typing import get_args
+
+    from pydantic import ValidationError
+
+    from thresher.export import GGUF_TYPES
+    from thresher.recipe import GGUFTypeName, PublishConfig
+
+    assert set(get_args(GGUFTypeName)) == set(GGUF_TYPES)
+    assert PublishConfig(formats=["hf", "gguf"], gguf_types=["q4_k_m"]).gguf_types == ["q4_k_m"]
+    with pytest.raises(ValidationError, match="formats must include hf"):
+        PublishConfig(formats=["gguf"])
+    with pytest.raises(ValidationError, match="gguf_types"):
+        PublishConfig(formats=["hf", "gguf"], gguf_types=["q3_k"])

@@ -1,0 +1,172 @@
+"""Exported GGUF files in the real runtime, llama.cpp (llama-cpp-python, the optional ``llama``
+extra): its quantizers against thresher's, and its perplexity and greedy text on the tiny demo
+against thresher's evaluation of the same weights."""
+
+import ctypes
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tests.export.conftest import CAL
+from thresher.data.windows import eval_windows
+from thresher.evaluate.perplexity import perplexity
+from thresher.export import compute_importance, dequantize_gguf, export_gguf
+from thresher.export.block_quants import quantize
+from thresher.export.llama_runtime import INSTALL_HINT, LLAMA_CPP_AVAILABLE, LlamaCppModel
+from thresher.models.checkpoint import CheckpointReader
+from thresher.models.loading import load_model, load_tokenizer
+from thresher.recipe import CalibrationConfig, PerplexityConfig
+
+pytestmark = pytest.mark.skipif(not LLAMA_CPP_AVAILABLE, reason=INSTALL_HINT)
+
+QType = gguf.GGMLQuantizationType
+EVAL = PerplexityConfig(seq_len=128, max_windows=4)
+
+
+@pytest.fixture(scope="module")
+def ggml():
+    """llama.cpp's own block quantizer, ggml_quantize_chunk, from the library the wheel ships."""
+    import llama_cpp
+
+    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                        ctypes.c_void_p]
+
+    def run(weights: np.ndarray, qtype: QType, importance: np.ndarray | None) -> np.ndarray:
+        weights = np.ascontiguousarray(weights, dtype=np.float32)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        out = np.zeros((weights.shape[0], weights.shape[1] // block * size), dtype=np.uint8)
+        imp = None if importance is None else np.ascontiguousarray(importance, dtype=np.float32)
+        lib.ggml_quantize_chunk(int(qtype), weights.ctypes.data, out.ctypes.data, 0,
+                                weights.shape[0], weights.shape[1],
+                                None if imp is None else imp.ctypes.data)
+        return out
+    return run
+
+
+@pytest.fixture(scope="module")
+def windows(tiny_demo):
+    return eval_windows(load_tokenizer(tiny_demo), EVAL)
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K, QType.Q4_0, QType.Q4_1, QType.Q5_0])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_quantizers_match_llama_cpp(tiny_demo, ggml, qtype, weighted):
+    """On the trained expert weights, thresher's blocks are llama.cpp's: the same value for
+    >98% of weights (the rest differ by float summation order in a near-tie of the scale
+    search) and the same squared error to 0.1%."""
+    reader = CheckpointReader(tiny_demo)
+    weights = np.concatenate([
+        reader.get(f"model.layers.{i}.mlp.experts.{e}.up_proj.weight").float().numpy()
+        .reshape(-1, 256) for i in range(4) for e in range(8)])
+    importance = (np.random.default_rng(0).gamma(0.5, size=256).astype(np.float32)
+                  if weighted else None)
+    ours = gguf.quants.dequantize(quantize(weights, qtype, importance), qtype)
+    theirs = gguf.quants.dequantize(ggml(weights, qtype, importance), qtype)
+    assert (ours == theirs).mean() > 0.98
+    ratio = ((ours - weights) ** 2).mean() / ((theirs - weights) ** 2).mean()
+    assert abs(ratio - 1) < 1e-3, ratio
+
+
+def _thresher_greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids[0, len(prompt):].tolist()
+
+
+def _compare(gguf_path, reference_dir, windows) -> tuple[float, float, float]:
+    """llama.cpp's perplexity of the file, thresher's of ``reference_dir``, and the fraction of
+    16 greedy tokens after 2 prompts that agree."""
+    model = load_model(reference_dir)
+    ours = perplexity(model, windows, show_progress=False).perplexity
+    llama = LlamaCppModel(gguf_path, n_ctx=EVAL.seq_len)
+    try:
+        theirs = perplexity(llama.logits, windows, show_progress=False).perplexity
+        agree = [a == b for row in windows[:2]
+                 for a, b in zip(llama.greedy(row[:32].tolist(), 16)[0],
+                                 _thresher_greedy(model, row[:32].tolist(), 16), strict=True)]
+    finally:
+        llama.close()
+    return theirs, ours, float(np.mean(agree))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("gguf_type", "imatrix"), [
+    ("f16", False), ("q8_0", False), ("q4_0", False), ("q4_1", False), ("q6_k", False),
+    ("q4_k_m", False), ("q4_k_m", True), ("q4_0", True)])
+def test_llama_cpp_runs_the_exported_weights(tiny_demo, windows, tmp_path, gguf_type, imatrix):
+    """llama.cpp's perplexity equals thresher's on the GGUF's own (dequantized) weights to 0.5%
+    and its greedy text agrees; F16 and Q8_0 are also within 0.5% of the source model."""
+    importance = compute_importance(tiny_demo, CAL, show_progress=False) if imatrix else None
+    out = tmp_path / "m.gguf"
+    export_gguf(tiny_demo, out, gguf_type, importance=importance, show_progress=False)
+    same = dequantize_gguf(out, tiny_demo, tmp_path / "same")
+    theirs, ours, agree = _compare(out, same, windows)
+    assert theirs == pytest.approx(ours, rel=0.005)
+    assert agree >= 0.9, agree
+    if gguf_type in ("f16", "q8_0"):
+        base = perplexity(load_model(tiny_demo), windows, show_progress=False).perplexity
+        assert theirs == pytest.approx(base, rel=0.005)
+
+
+@pytest.mark.slow
+def test_llama_cpp_runs_a_reap_pruned_model(tiny_demo, windows, tmp_path):
+    from thresher.prune.api import prune_model
+    from thresher.recipe import PruneStage
+
+    pruned = tmp_path / "pruned"
+    prune_model(tiny_demo, PruneStage(method="reap", keep=4), CalibrationConfig(samples=4, seq_len=64),
+                pruned, show_progress=False)
+    export_gguf(pruned, tmp_path / "p.gguf", "q8_0", show_progress=False)
+    theirs, ours, agree = _compare(tmp_path / "p.gguf", pruned, windows)
+    assert theirs == pytest.approx(ours, rel=0.005)
+    assert agree >= 0.9, agree
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_lossless_q4_1_matches_the_quantized_artifact(packed, windows, tmp_path, method):
+    """The hand-off file in llama.cpp scores the GPTQ/AWQ artifact's perplexity (thresher's
+    dequantizing loader) to 0.5%, and writes the same greedy text."""
+    export_gguf(packed / method, tmp_path / "q.gguf", "q4_1", show_progress=False)
+    theirs, ours, agree = _compare(tmp_path / "q.gguf", packed / method, windows)
+    assert theirs == pytest.approx(ours, rel=0.005)
+    assert agree >= 0.9, agree
+
+
+FAMILY_CONFIGS = {
+    "qwen3_moe": {}, "qwen2_moe": {"norm_topk_prob": False}, "mixtral": {},
+    "olmoe": {"norm_topk_prob": False, "num_key_value_heads": 4}, "llama": {}, "qwen3": {},
+    "qwen2": {}}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_CONFIGS))
+def test_every_family_computes_the_same_logits_in_llama_cpp(tiny_tokenizer, tmp_path, family):
+    """F32 export of a random model of each family: llama.cpp's logits are thresher's to float
+    rounding (mean |diff| under 1e-4, about 2e-5 measured; llama with unpermuted q/k rows is off
+    by 1.3e-3), so the architecture mapping, the rotary layout and the routing agree with
+    llama.cpp's graphs. A near-tie in a random router may pick another expert for a token, so
+    the mean and not the maximum is bounded."""
+    from tests.conftest import build_random_model
+    from thresher.models import save_model
+
+    model = build_random_model(family, vocab_size=len(tiny_tokenizer), **FAMILY_CONFIGS[family])
+    save_model(model, tiny_tokenizer, tmp_path / family)
+    export_gguf(tmp_path / family, tmp_path / "f.gguf", "f32", show_progress=False)
+    ids = torch.randint(0, len(tiny_tokenizer), (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    llama = LlamaCppModel(tmp_path / "f.gguf", n_ctx=32)
+    try:
+        got = llama.logits(ids)
+    finally:
+        llama.close()
+    assert (got - want).abs().mean() < 1e-4
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95
