@@ -248,3 +248,6 @@ def test_damage_budget_before_quantize_is_refused():
         parse_recipe(data)
     data["variants"][0]["stages"].pop()
     assert parse_recipe(data).variants[0].per_layer_experts
+    data["publish"] = {"formats": ["hf", "gguf"]}
+    with pytest.raises(RecipeError, match="gguf holds one expert count per model, and v prune"):
+        parse_recipe(data)

@@ -586,6 +586,10 @@ class Recipe(StrictModel):
         if not self.variants:
             raise ValueError("a recipe needs at least one variant: list 'variants' or add a "
                              "'sweep'")
+        uneven = [v.name for v in self.variants if v.per_layer_experts]
+        if uneven and "gguf" in self.publish.formats:
+            raise ValueError(f"publish.formats: gguf holds one expert count per model, and "
+                             f"{', '.join(uneven)} prune with a 'damage' budget")
         return self
 
     def plan(self) -> list[PlanStep]:

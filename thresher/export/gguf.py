@@ -194,6 +194,9 @@ def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", 
     model_dir, out, gguf_type = Path(model_dir), Path(out), gguf_type.lower()
     gtype = _gguf_type(gguf_type)
     config = load_config(model_dir)
+    if getattr(config, "layer_num_experts", None):
+        raise ExportError(f"{model_dir}: its layers keep different numbers of experts (a 'damage' "
+                          "budget prune); GGUF holds one expert count per model")
     adapter = get_adapter(config)
     arch = _architecture(adapter, config, model_dir)
     fmt = _handoff_format(packed_format(config, model_dir), model_dir, gguf_type, importance)

@@ -123,6 +123,9 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
     manifest = verify_artifact(path)
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     config = AutoConfig.from_pretrained(path)
+    if getattr(config, "layer_num_experts", None):
+        raise ArtifactError(f"{path}: its layers keep different numbers of experts (a 'damage' "
+                            "budget prune); the serving engine loads uniform expert counts only")
     adapter = get_adapter(config)
     quant = packed_format(config, path)
     if quant is not None:
