@@ -22,6 +22,7 @@ CAL = CalibrationConfig(samples=8, seq_len=256)
 PROMPT = [5, 17, 300, 42, 9, 77, 1023, 4000, 12, 3, 250, 61, 8, 99, 1500, 31, 7, 2, 640]
 
 
+@pytest.mark.slow
 def test_awq3_artifact_loads_in_the_loader_and_the_engine(tiny_demo, tiny_tokenizer, tmp_path):
     states = {}
     report = quantize_model(tiny_demo, QuantizeStage(method="awq", bits=3, group_size=64), CAL,

@@ -31,7 +31,7 @@ from thresher.recipe import GPTQStage
 
 log = logging.getLogger(__name__)
 
-RARE_SHRINK = 0.3  # r = 0.3 C / n: full shrink (RTN) below 0.3 C effective tokens
+RARE_SHRINK = 0.1  # r = 0.1 C / n: full shrink (RTN) below 0.1 C effective tokens
 
 
 def rare_expert_shrink(columns: int, effective_tokens: float) -> float:
