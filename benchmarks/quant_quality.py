@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--windows", type=int, default=64)
     ap.add_argument("--bits", type=int, nargs="+", default=[4, 3])
+    ap.add_argument("--only", default="", help="run only the rows whose label contains this")
     args = ap.parse_args()
     path = resolve_model(args.model)
     tok = load_tokenizer(path)
@@ -59,6 +60,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for bits in args.bits:
             for i, (label, method, extra) in enumerate(ROWS + (FOUR_BIT_ONLY if bits == 4 else [])):
+                if args.only not in label:
+                    continue
                 gs = -1 if method == "nf4" else args.group_size
                 stage = QuantizeStage(method=method, bits=bits, group_size=gs, **extra)
                 out = Path(tmp) / f"{bits}-{i}"
