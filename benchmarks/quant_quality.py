@@ -1,11 +1,13 @@
-"""Held-out perplexity and wall time of every quantization method on a demo model.
+"""Held-out perplexity and wall time of every quantization method and option on a demo model.
 
     python benchmarks/quant_quality.py --model demo:tiny --samples 64 --group-size 64
+    python benchmarks/quant_quality.py --model demo:small --group-size 128 --bits 3 2
 
-Prints a markdown table: float, RTN, GPTQ (with and without act-order), AWQ and NF4 at 4 and
-3 bits, same calibration and the same held-out windows for all. AWQ at 3 bits has no checkpoint
-format (gemm is 4-bit) and is evaluated in memory; every other row is evaluated from the artifact
-reloaded from disk.
+Prints a markdown table: float, then per bit width RTN (min-max and MSE scale search), GPTQ with
+act-order (with and without MSE search, without the rare-expert rule, calibrated on all tokens),
+AWQ with and without clipping, and at 4 bits plain GPTQ and NF4; same calibration and the same
+held-out windows for all. Every row is evaluated from the artifact reloaded from disk (AWQ below 4
+bits writes the GPTQ format).
 """
 
 from __future__ import annotations
@@ -15,15 +17,24 @@ import tempfile
 import time
 from pathlib import Path
 
-from thresher.compress.api import quantize_in_memory, quantize_model
+from thresher.compress.api import quantize_model
 from thresher.evaluate.perplexity import heldout_perplexity
 from thresher.models import load_model, load_tokenizer, resolve_model
 from thresher.models.quantized import load_quantized_model
 from thresher.recipe import CalibrationConfig, PerplexityConfig, QuantizeStage
 
-ROWS = [("rtn", 4, {}), ("gptq", 4, {}), ("gptq", 4, {"act_order": True}), ("awq", 4, {}),
-        ("nf4", 4, {}), ("rtn", 3, {}), ("gptq", 3, {}), ("gptq", 3, {"act_order": True}),
-        ("awq", 3, {})]
+ACT = {"act_order": True}
+ROWS = [  # (label, method, options); every row at every width asked for
+    ("rtn", "rtn", {}),
+    ("rtn mse", "rtn", {"scale_search": "mse"}),
+    ("gptq act-order", "gptq", ACT),
+    ("gptq act-order mse", "gptq", {**ACT, "scale_search": "mse"}),
+    ("gptq act-order, no rare-expert rule", "gptq", {**ACT, "rare_expert_damping": False}),
+    ("gptq act-order, experts on all tokens", "gptq", {**ACT, "expert_tokens": "all"}),
+    ("awq (clip)", "awq", {}),
+    ("awq scale-only", "awq", {"clip": False}),
+]
+FOUR_BIT_ONLY = [("gptq", "gptq", {}), ("nf4", "nf4", {})]
 
 
 def main() -> None:
@@ -32,6 +43,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--windows", type=int, default=64)
+    ap.add_argument("--bits", type=int, nargs="+", default=[4, 3])
+    ap.add_argument("--only", default="", help="run only the rows whose label contains this")
     args = ap.parse_args()
     path = resolve_model(args.model)
     tok = load_tokenizer(path)
@@ -45,24 +58,21 @@ def main() -> None:
     print("|---|---|---|---|---|")
     print(f"| float | 32 | {fp:.3f} | - | - |")
     with tempfile.TemporaryDirectory() as tmp:
-        for method, bits, extra in ROWS:
-            gs = -1 if method == "nf4" else args.group_size
-            stage = QuantizeStage(method="rtn").model_copy(
-                update={"method": method, "bits": bits, "group_size": gs, **extra})
-            start = time.perf_counter()
-            if method == "awq" and bits != 4:
-                model, _ = quantize_in_memory(path, stage, cal)
-                where = " (in memory)"
-            else:
-                out = Path(tmp) / f"{method}{bits}{len(extra)}"
+        for bits in args.bits:
+            for i, (label, method, extra) in enumerate(ROWS + (FOUR_BIT_ONLY if bits == 4 else [])):
+                if args.only not in label:
+                    continue
+                gs = -1 if method == "nf4" else args.group_size
+                stage = QuantizeStage(method=method, bits=bits, group_size=gs, **extra)
+                out = Path(tmp) / f"{bits}-{i}"
+                start = time.perf_counter()
                 quantize_model(path, stage, cal, out, show_progress=False)
+                seconds = time.perf_counter() - start
                 model = load_quantized_model(out)
-                where = ""
-            seconds = time.perf_counter() - start
-            p = heldout_perplexity(model, heldout, tokenizer=tok, show_progress=False).perplexity
-            name = method + (" act-order" if extra.get("act_order") else "") + where
-            print(f"| {name} | {bits} | {p:.3f} | {100 * (p / fp - 1):+.2f}% | {seconds:.1f} |",
-                  flush=True)
+                p = heldout_perplexity(model, heldout, tokenizer=tok,
+                                       show_progress=False).perplexity
+                print(f"| {label} | {bits} | {p:.3f} | {100 * (p / fp - 1):+.2f}% | "
+                      f"{seconds:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def test_demo_recipe_shares_prefixes():
         (lambda r: r.update(calibration={"sampels": 3}), "calibration.sampels", "unknown key"),
         (lambda r: r["variants"][1]["stages"][0]["prune"].update(ratio=1.5),
          "variants.1.stages.0.prune.ratio", "(0, 1)"),
-        (lambda r: r["variants"][1]["stages"][1].update(quantize={"method": "awq", "bits": 3}),
+        (lambda r: r["variants"][1]["stages"][1].update(quantize={"method": "nf4", "bits": 3}),
          "variants.1.stages.1.quantize", "4-bit"),
         (lambda r: r["variants"].append({"name": "base"}), "variants", "used twice"),
         (lambda r: r["variants"][1]["stages"].reverse(), "variants.1.stages", "before the quantize"),

@@ -339,7 +339,7 @@ def quantize_cmd(
     model: Annotated[str, typer.Option(help="Hub id, local dir, models:/name/version or demo:size.")],
     out: Annotated[Path, typer.Option(help="Output directory (must not exist).")],
     method: Annotated[str, typer.Option(help="rtn, gptq, awq or nf4.")] = "gptq",
-    bits: Annotated[int, typer.Option(help="Bit width: 2, 3, 4 or 8 (awq and nf4: 4).")] = 4,
+    bits: Annotated[int, typer.Option(help="Bit width: 2, 3, 4 or 8 (nf4: 4).")] = 4,
     group_size: Annotated[int, typer.Option(help="Inputs per scale group; -1 = per row.")] = 128,
     sym: Annotated[bool | None, typer.Option(
         "--sym/--asym", help="rtn/gptq/awq: symmetric grid (default: gptq sym, rtn/awq asym).")
@@ -352,7 +352,13 @@ def quantize_cmd(
     damp_percent: Annotated[float | None, typer.Option(
         help="gptq: Hessian dampening (default: 0.01).")] = None,
     clip: Annotated[bool | None, typer.Option(
-        help="awq: search clipping ranges (default: off).")] = None,
+        help="awq: search clipping ranges (default: on).")] = None,
+    scale_search: Annotated[str | None, typer.Option(
+        help="rtn/gptq: group scales 'minmax' or 'mse' (shrink search) (default: minmax).")
+    ] = None,
+    expert_tokens: Annotated[str | None, typer.Option(
+        help="gptq/awq: calibrate experts on their 'routed' tokens or on 'all' (default: routed).")
+    ] = None,
     double_quant: Annotated[bool | None, typer.Option(
         help="nf4: quantize the absmax constants (default: off).")] = None,
     compute_dtype: Annotated[str | None, typer.Option(
@@ -382,7 +388,8 @@ def quantize_cmd(
     options = {"method": method, "bits": bits, "group_size": group_size, "sym": sym,
                "act_order": act_order, "static_groups": static_groups,
                "damp_percent": damp_percent, "clip": clip, "double_quant": double_quant,
-               "compute_dtype": compute_dtype}
+               "compute_dtype": compute_dtype, "scale_search": scale_search,
+               "expert_tokens": expert_tokens}
     try:
         stage = QuantizeStage(**{k: v for k, v in options.items() if v is not None})
     except ValidationError as err:

@@ -194,6 +194,10 @@ class RTNStage(QuantizeStage):
 
     method: Literal["rtn"] = "rtn"
     sym: bool = Field(False, description="symmetric grid")
+    scale_search: Literal["minmax", "mse"] = Field(
+        "minmax", description="group scales: min-max range, or the shrunk range of least "
+        "squared weight error (GPTQ's mse grid search)"
+    )
 
 
 class GPTQStage(QuantizeStage):
@@ -209,29 +213,44 @@ class GPTQStage(QuantizeStage):
     damp_percent: float = Field(0.01, gt=0.0, lt=1.0, description="Hessian dampening")
     block_size: int = Field(128, gt=0, description="lazy-update block")
     min_expert_tokens: int = Field(
-        8, ge=0, description="experts routed fewer calibration tokens fall back to RTN"
+        8, ge=0, description="experts with fewer effective (gate-weighted) calibration tokens "
+        "fall back to RTN"
+    )
+    rare_expert_damping: bool = Field(
+        True, description="raise an expert's dampening by columns / effective tokens, so a "
+        "Hessian seen on few tokens moves GPTQ toward RTN instead of overfitting them"
+    )
+    expert_tokens: Literal["routed", "all"] = Field(
+        "routed", description="calibrate each expert on its routed tokens (gate-weighted) or on "
+        "every token, unweighted (llm-compressor's moe_calibrate_all_experts)"
+    )
+    scale_search: Literal["minmax", "mse"] = Field(
+        "minmax", description="group scales: min-max range, or the shrunk range of least "
+        "squared weight error (GPTQ's mse grid search)"
     )
 
     def describe(self) -> str:
-        return super().describe() + (" act-order" if self.act_order else "")
+        return (super().describe() + (" act-order" if self.act_order else "")
+                + (" mse" if self.scale_search == "mse" else ""))
 
 
 class AWQStage(QuantizeStage):
-    """AWQ: activation-aware input-channel scaling, then RTN; written in the AWQ gemm format."""
+    """AWQ: activation-aware input-channel scaling, then RTN; 4-bit written in the AWQ gemm
+    format, 2, 3 and 8 bits in the GPTQ format (the scales are folded into the weights)."""
 
     method: Literal["awq"] = "awq"
     sym: bool = Field(False, description="symmetric grid")
     duo_scaling: bool = Field(True, description="s = x^a / w^(1-a)")
-    clip: bool = Field(False, description="search weight clipping ranges")
+    clip: bool = Field(True, description="search weight clipping ranges (as both reference "
+                       "implementations do by default)")
     min_expert_tokens: int = Field(
-        8, ge=0, description="experts routed fewer calibration tokens are left unscaled"
+        8, ge=0, description="experts with fewer effective (gate-weighted) calibration tokens are "
+        "left unscaled and unclipped"
     )
-
-    @model_validator(mode="after")
-    def _four_bits(self) -> AWQStage:
-        if self.bits != 4:
-            raise ValueError("awq writes the 'gemm' format, which holds 4-bit weights only")
-        return self
+    expert_tokens: Literal["routed", "all"] = Field(
+        "routed", description="calibrate each expert on its routed tokens (gate-weighted) or on "
+        "every token, unweighted (llm-compressor's moe_calibrate_all_experts)"
+    )
 
 
 class NF4Stage(QuantizeStage):

@@ -95,3 +95,46 @@ def test_unfactorable_hessian_names_the_layer():
     gptq.H[0, 1] = gptq.H[1, 0] = float("nan")
     with pytest.raises(CompressionError, match=r"layers\.3\.mlp\.experts\.5\.gate_proj"):
         gptq.quantize(torch.randn(8, 16), GridSpec(4, sym=True, min_zero=1))
+
+
+def test_effective_tokens_is_kish_of_the_token_weights():
+    gptq = GPTQ(8, "test")
+    gptq.add_batch(torch.randn(10, 8))
+    assert gptq.effective_tokens == pytest.approx(10)
+    skewed = GPTQ(8, "test")
+    skewed.add_batch(torch.randn(10, 8), torch.tensor([1.0] + [0.01] * 9))
+    assert skewed.effective_tokens == pytest.approx(1.09**2 / 1.0009)
+
+
+def test_full_diagonal_shrink_is_rtn_on_the_same_grid():
+    x = correlated_inputs(256, 64)
+    w = torch.randn(48, 64)
+    gptq = GPTQ(64, "test")
+    gptq.add_batch(x)
+    spec = GridSpec(3, sym=True, min_zero=1)
+    q, _ = gptq.quantize(w, spec, group_size=32, act_order=True, diag_shrink=1.0)
+    assert torch.equal(q.dequantize(), quantize_grouped(w, spec, 32).dequantize())
+
+
+def test_rare_expert_shrink_keeps_few_token_gptq_from_losing_to_rtn():
+    """Isotropic inputs (nothing for GPTQ to exploit), 16 calibration tokens for 256 columns: the
+    plain Hessian's correlations are noise and GPTQ loses to RTN on held-out tokens; the rule's
+    shrink (here full) brings it back to RTN, while many tokens leave GPTQ nearly untouched."""
+    from thresher.compress.methods.gptq import rare_expert_shrink
+
+    gen = torch.Generator().manual_seed(0)
+    cols = 256
+    w = torch.randn(64, cols, generator=gen)
+    held_out = torch.randn(2048, cols, generator=gen)
+    spec = GridSpec(3, sym=True, min_zero=1)
+    rtn = output_error(w, quantize_grouped(w, spec, 64).dequantize(), held_out)
+    gptq = GPTQ(cols, "test")
+    gptq.add_batch(torch.randn(16, cols, generator=gen))
+    plain, _ = gptq.quantize(w, spec, 64)
+    shrink = rare_expert_shrink(cols, gptq.effective_tokens)
+    ruled, _ = gptq.quantize(w, spec, 64, diag_shrink=shrink)
+    assert shrink == 1.0
+    assert output_error(w, plain.dequantize(), held_out) > 1.02 * rtn
+    assert output_error(w, ruled.dequantize(), held_out) <= 1.001 * rtn
+    assert rare_expert_shrink(cols, 100 * cols) < 0.01
+    assert rare_expert_shrink(cols, 0) == 1.0

@@ -9,8 +9,17 @@ def test_every_recipe_method_is_registered_with_a_packable_format():
     assert set(METHODS) == set(QUANTIZE_STAGES)
     for name, method in METHODS.items():
         assert method.name == name
-        assert method.format in PACKERS
-        assert isinstance(method_for(QuantizeStage(method=name)), method)
+        built = method_for(QuantizeStage(method=name))
+        assert isinstance(built, method)
+        assert built.format in PACKERS
+
+
+def test_awq_writes_gemm_at_4_bits_and_gptq_at_other_widths():
+    assert method_for(QuantizeStage(method="awq")).format == "awq"
+    for bits in (2, 3, 8):
+        awq = method_for(QuantizeStage(method="awq", bits=bits))
+        assert awq.format == "gptq" and awq.grid.min_zero == 1  # GPTQ v1 stores zero - 1
+        assert awq.quantization_config([])["bits"] == bits
 
 
 def test_calibration_is_asked_for_by_gptq_and_awq_only():

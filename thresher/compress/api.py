@@ -2,9 +2,9 @@
 
 ``quantize_model`` checks every option against the model before any compute, streams the model
 through the sequential driver one decoder layer at a time, packs each finished layer into the
-method's standard format (RTN and GPTQ: GPTQ v1; AWQ: gemm; NF4: bitsandbytes) under hub-canonical
-per-expert names, and builds the directory beside ``out_dir`` (``paths.build_dir_atomically``),
-so a crash never leaves a partial artifact there. Wall time and peak memory come from
+method's standard format (RTN and GPTQ: GPTQ v1; AWQ: gemm at 4 bits, GPTQ v1 at other widths;
+NF4: bitsandbytes) under hub-canonical per-expert names, and builds the directory beside
+``out_dir`` (``paths.build_dir_atomically``), so a crash never leaves a partial artifact there. Wall time and peak memory come from
 ``resources.measure``, the definition the flows and benchmarks report too.
 """
 
@@ -26,7 +26,6 @@ from thresher.compress.methods.protocol import LayerRecord, QuantMethod
 from thresher.compress.targets import ALWAYS_16BIT, OPTIONAL_16BIT, LayerParts, all_targets
 from thresher.data.windows import calibration_windows
 from thresher.errors import ArtifactError, CompressionError
-from thresher.formats import awq as awq_format
 from thresher.formats import gptq as gptq_format
 from thresher.formats.artifact import QUANTIZE_REPORT, STAGE_REPORTS
 from thresher.formats.registry import PACKERS
@@ -105,11 +104,9 @@ def check_stage(stage: QuantizeStage, method: QuantMethod, lw: LayerwiseModel) -
     fmt = method.format
     if fmt == "gptq" and stage.bits not in gptq_format.BITS:
         raise CompressionError(f"bits={stage.bits}: the GPTQ format holds {gptq_format.BITS} bits")
-    if fmt == "awq" and stage.bits != awq_format.BITS:
-        raise CompressionError(f"bits={stage.bits}: the AWQ gemm format holds 4-bit weights only; "
-                               "use method gptq for other widths")
     if fmt == "awq" and stage.group_size == -1:
-        raise CompressionError("group_size=-1: the AWQ gemm format needs a group size (e.g. 128)")
+        raise CompressionError("group_size=-1: the 4-bit AWQ gemm format needs a group size (e.g. "
+                               "128); AWQ at 2, 3 or 8 bits writes the GPTQ format, which allows -1")
     if fmt == "nf4":
         return
     for i in range(lw.num_layers):
@@ -235,8 +232,8 @@ def quantize_in_memory(model_dir: Path, stage: QuantizeStage, calibration: Calib
                        show_progress: bool = False) -> tuple[torch.nn.Module, list[LayerRecord]]:
     """The float model with every quantized weight replaced by its dequantized value.
 
-    For evaluating settings that have no checkpoint format (AWQ below 4 bits) and for comparing
-    an artifact with the model the driver computed. Holds the whole model in memory.
+    For comparing an artifact with the model the driver computed, and for quick in-memory
+    evaluations. Holds the whole model in memory.
     """
     model_dir = Path(model_dir)
     lw = LayerwiseModel(model_dir, torch.float32)

@@ -95,8 +95,9 @@ class SequentialQuantizer:
         return records
 
     def _collect(self, parts: LayerParts, hidden: list[torch.Tensor], sites: list[InputSite],
-                 sink: Sink) -> None:
-        """Run the layer on every batch, handing each site's input (and expert gates) to sink."""
+                 sink: Sink, all_tokens: bool = False) -> None:
+        """Run the layer on every batch, handing each site's input (and expert gates) to sink;
+        with ``all_tokens`` every expert site gets every token, ungated."""
         handles = []
 
         def linear_hook(site: InputSite):
@@ -110,6 +111,11 @@ class SequentialQuantizer:
                 index = _arg(args, kwargs, 1, "top_k_index")
                 weights = _arg(args, kwargs, 2, "top_k_weights")
                 for site in routed:
+                    if all_tokens:
+                        xe = x if not site.down else parts.adapter.expert_hidden(
+                            parts.layer, site.expert, x)
+                        sink(site, xe, None)
+                        continue
                     mask = index == site.expert
                     rows = mask.any(dim=1)
                     gate = (weights * mask).sum(dim=1)[rows].float()

@@ -30,23 +30,32 @@ class GPTQ:
         self.columns = columns
         self.H = torch.zeros(columns, columns, dtype=torch.float32)
         self.nsamples = 0.0  # sum of token weights seen
+        self.weight_sq = 0.0  # sum of squared token weights (for the effective token count)
         self.tokens = 0
 
     def add_batch(self, x: torch.Tensor, token_weight: torch.Tensor | None = None) -> None:
         """Add inputs ``x`` [T, columns]; ``token_weight`` [T] scales each token's x x^T."""
         x = x.reshape(-1, self.columns).float()
         if token_weight is None:
-            n = float(x.shape[0])
+            n = sq = float(x.shape[0])
         else:
             n = float(token_weight.sum())
+            sq = float(token_weight.float().pow(2).sum())
             x = x * token_weight.float().sqrt().unsqueeze(1)
         if n <= 0:
             return
         self.H *= self.nsamples / (self.nsamples + n)
         self.nsamples += n
+        self.weight_sq += sq
         self.tokens += x.shape[0]
         x = math.sqrt(2 / self.nsamples) * x
         self.H += x.T @ x
+
+    @property
+    def effective_tokens(self) -> float:
+        """Kish's effective sample size (sum w)^2 / sum w^2: the token count when all weights are
+        equal, fewer when a few tokens carry most of the weight."""
+        return self.nsamples**2 / self.weight_sq if self.weight_sq > 0 else 0.0
 
     def _inverse_cholesky(self, H: torch.Tensor, damp_percent: float) -> torch.Tensor:
         """Upper Cholesky factor of (H + damp * I)^-1, retrying with more dampening if needed."""
@@ -71,11 +80,18 @@ class GPTQ:
     @torch.no_grad()
     def quantize(self, weight: torch.Tensor, spec: GridSpec, group_size: int = -1,
                  act_order: bool = False, static_groups: bool = True, damp_percent: float = 0.01,
-                 block_size: int = 128) -> tuple[QuantizedWeight, float]:
-        """Quantize ``weight`` [rows, columns]; returns the codes and the summed proxy loss."""
+                 block_size: int = 128, diag_shrink: float = 0.0) -> tuple[QuantizedWeight, float]:
+        """Quantize ``weight`` [rows, columns]; returns the codes and the summed proxy loss.
+
+        ``diag_shrink`` in [0, 1] blends H toward its diagonal, (1 - r) H + r diag(H), before
+        dampening: the correlations of a Hessian seen on few tokens are noise, and at r = 1
+        (diagonal H, no error propagated between columns) GPTQ is RTN on the same grid.
+        """
         W = weight.detach().float().clone()
         rows, cols = W.shape
         H = self.H.clone()
+        if diag_shrink > 0:
+            H = (1 - diag_shrink) * H + diag_shrink * torch.diag(torch.diag(H))
         dead = torch.diag(H) == 0
         H[dead, dead] = 1
         W[:, dead] = 0

@@ -4,8 +4,12 @@ optionally search clipping ranges, then round to nearest (``compress.awq`` holds
 Folding a scale leaves the float layer unchanged, so one capture of the layer serves every
 scaling group. A candidate scale is judged by the output error of the group's block: the
 attention on the input norm's output, the MLP, or, for o_proj and down, the projection itself,
-gate-weighted for a routed expert. An expert routed fewer than ``min_expert_tokens`` tokens is
-left unscaled and unclipped.
+gate-weighted for a routed expert (with ``expert_tokens: all``, every token, ungated). An expert
+with fewer than ``min_expert_tokens`` effective (gate-weighted) tokens is left unscaled and
+unclipped.
+
+4-bit AWQ writes the AWQ gemm format; other widths write the GPTQ format (the scales are already
+folded into the weights, so the codes are plain grouped integers either way).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from thresher.compress.targets import (
     sequential_stages,
 )
 from thresher.formats import awq as awq_format
+from thresher.formats import gptq as gptq_format
 from thresher.recipe import AWQStage
 
 Inputs = tuple[list[torch.Tensor], list[torch.Tensor | None]]  # per batch: inputs, expert gates
@@ -40,19 +45,26 @@ Inputs = tuple[list[torch.Tensor], list[torch.Tensor | None]]  # per batch: inpu
 
 class AWQMethod:
     name: ClassVar[str] = "awq"
-    format: ClassVar[str] = "awq"
     calibrated: ClassVar[bool] = True
 
     def __init__(self, stage: AWQStage):
         self.stage = stage
+        self.format = "awq" if stage.bits == awq_format.BITS else "gptq"
         self.grid = grid_spec(stage.bits, stage.sym, self.format)
+        self.all_tokens = stage.expert_tokens == "all"
 
     def quantization_config(self, skip: list[str]) -> dict:
-        return awq_format.quantization_config(self.stage.group_size, skip)
+        st = self.stage
+        if self.format == "awq":
+            return awq_format.quantization_config(st.group_size, skip)
+        # No Hessian: the GPTQ-only fields get the values of a plain, in-order GPTQ checkpoint.
+        return gptq_format.quantization_config(
+            st.bits, st.group_size, st.sym, desc_act=False, static_groups=True,
+            damp_percent=0.01, true_sequential=False, modules_to_not_convert=skip)
 
     def quantize_layer(self, job: LayerJob) -> None:
         groups = scaling_groups(job.parts)
-        inputs = _capture(job, [g.site for g in groups])
+        inputs = _capture(job, [g.site for g in groups], self.all_tokens)
         for group in job.progress(groups, f"layer {job.parts.idx} awq"):
             self._scale(job, group, *inputs.pop(group.site.name))
         if self.stage.clip:
@@ -63,8 +75,8 @@ class AWQMethod:
     def _scale(self, job: LayerJob, group: ScalingGroup, xs: list[torch.Tensor],
                gates: list[torch.Tensor | None]) -> None:
         """Search the group's scale and fold it into the layer."""
-        tokens = sum(x.shape[0] for x in xs)
-        if job.record.too_few_tokens(group.site, tokens, self.stage.min_expert_tokens):
+        if job.record.too_few_tokens(group.site, _effective_tokens(xs, gates),
+                                     self.stage.min_expert_tokens):
             return
         gs = self.stage.group_size
         x_mean = torch.cat([x.reshape(-1, group.site.columns) for x in xs]).abs().mean(dim=0)
@@ -95,7 +107,7 @@ class AWQMethod:
             x = x.reshape(-1, site.columns).float()
             inputs[site.name].append(x if gate is None else x * gate.unsqueeze(1))
 
-        job.capture(sites, keep)
+        job.capture(sites, keep, all_tokens=self.all_tokens)
         for site in job.progress(sites, f"layer {job.parts.idx} awq clip"):
             if site.expert is not None and site.expert in job.record.fallback_experts:
                 continue
@@ -107,7 +119,15 @@ class AWQMethod:
                 t.weight.copy_(clip_weight(t.weight, max_val, self.stage.group_size))
 
 
-def _capture(job: LayerJob, sites: list[InputSite]) -> dict[str, Inputs]:
+def _effective_tokens(xs: list[torch.Tensor], gates: list[torch.Tensor | None]) -> float:
+    """Kish's (sum g)^2 / sum g^2 over a site's gates: its token count when ungated."""
+    if gates[0] is None:
+        return float(sum(x.reshape(-1, x.shape[-1]).shape[0] for x in xs))
+    g = torch.cat([t for t in gates if t is not None])
+    return float(g.sum() ** 2 / g.pow(2).sum()) if g.numel() else 0.0
+
+
+def _capture(job: LayerJob, sites: list[InputSite], all_tokens: bool) -> dict[str, Inputs]:
     """Every site's inputs (per batch, or per batch of routed tokens) and expert gates."""
     captured: dict[str, Inputs] = {s.name: ([], []) for s in sites}
 
@@ -115,7 +135,7 @@ def _capture(job: LayerJob, sites: list[InputSite]) -> dict[str, Inputs]:
         captured[s.name][0].append(x.float())
         captured[s.name][1].append(gate)
 
-    job.capture(sites, keep)
+    job.capture(sites, keep, all_tokens=all_tokens)
     return captured
 
 

@@ -3,8 +3,15 @@
 Inside a layer the weights are quantized in GPTQ's true-sequential order (q/k/v, o, gate/up,
 down), each stage's Hessians captured with the stages before it already quantized. A routed
 expert's Hessian weights each of its tokens by the squared gate value (the expert's output enters
-the layer output multiplied by the gate, and the objective is squared error); an expert routed
-fewer than ``min_expert_tokens`` tokens falls back to RTN on the same grid.
+the layer output multiplied by the gate, and the objective is squared error), or, with
+``expert_tokens: all``, counts every token of the batch once.
+
+Rare experts: a Hessian estimated from n effective tokens over C columns has correlations that are
+mostly noise when n is not much larger than C, and GPTQ then overfits the calibration tokens
+(worse than RTN on held-out ones). With ``rare_expert_damping`` an expert's Hessian is blended
+toward its diagonal by r = min(1, RARE_SHRINK * C / n): the dampening grows as tokens shrink, and
+at r = 1 GPTQ is RTN on the same grid. Below ``min_expert_tokens`` effective tokens an expert
+falls back to RTN outright.
 """
 
 from __future__ import annotations
@@ -24,6 +31,15 @@ from thresher.recipe import GPTQStage
 
 log = logging.getLogger(__name__)
 
+RARE_SHRINK = 0.1  # r = 0.1 C / n: full shrink (RTN) below 0.1 C effective tokens
+
+
+def rare_expert_shrink(columns: int, effective_tokens: float) -> float:
+    """How far toward its diagonal an expert's Hessian is blended (0: not at all, 1: RTN)."""
+    if effective_tokens <= 0:
+        return 1.0
+    return min(1.0, RARE_SHRINK * columns / effective_tokens)
+
 
 class GPTQMethod:
     name: ClassVar[str] = "gptq"
@@ -32,7 +48,7 @@ class GPTQMethod:
 
     def __init__(self, stage: GPTQStage):
         self.stage = stage
-        self.grid = grid_spec(stage.bits, stage.sym, self.format)
+        self.grid = grid_spec(stage.bits, stage.sym, self.format, stage.scale_search)
         if stage.act_order and not stage.static_groups:
             log.warning("act_order without static_groups writes desc_act=true: vLLM refuses such "
                         "GPTQ checkpoints")
@@ -46,18 +62,25 @@ class GPTQMethod:
 
     def quantize_layer(self, job: LayerJob) -> None:
         st, record = self.stage, job.record
+        all_tokens = st.expert_tokens == "all"
         for sites in sequential_stages(job.parts):
             hessians = {s.name: GPTQ(s.columns, s.name) for s in sites}
-            job.capture(sites, partial(_add_to_hessian, hessians))
+            job.capture(sites, partial(_add_to_hessian, hessians), all_tokens=all_tokens)
             for site in job.progress(sites, f"layer {job.parts.idx} gptq"):
                 h = hessians.pop(site.name)
-                fallback = record.too_few_tokens(site, h.tokens, st.min_expert_tokens)
+                n_eff = h.effective_tokens
+                fallback = record.too_few_tokens(site, n_eff, st.min_expert_tokens)
+                shrink = 0.0
+                if site.expert is not None and st.rare_expert_damping and not fallback:
+                    shrink = rare_expert_shrink(site.columns, n_eff)
+                    record.expert_shrink[site.name] = shrink
                 for t in site.targets:
                     if fallback:
                         q = rtn_quantize(t.weight, self.grid, st.group_size)
                     else:
                         q, loss = h.quantize(t.weight, self.grid, st.group_size, st.act_order,
-                                             st.static_groups, st.damp_percent, st.block_size)
+                                             st.static_groups, st.damp_percent, st.block_size,
+                                             diag_shrink=shrink)
                         record.gptq_loss += loss
                     job.commit(t, q)
 

@@ -33,7 +33,8 @@ class LayerRecord:
     errors: dict[str, float] = field(default_factory=dict)  # target key -> relative weight error
     gptq_loss: float = 0.0
     fallback_experts: list[int] = field(default_factory=list)
-    expert_tokens: dict[int, int] = field(default_factory=dict)
+    expert_tokens: dict[int, float] = field(default_factory=dict)  # effective calibration tokens
+    expert_shrink: dict[str, float] = field(default_factory=dict)  # site -> GPTQ diag_shrink
     awq_alpha: dict[str, float] = field(default_factory=dict)
     peak_rss_mb: float = 0.0  # peak since the stage began (resources.peak_rss_mb)
 
@@ -41,10 +42,10 @@ class LayerRecord:
     def mean_error(self) -> float:
         return sum(self.errors.values()) / max(1, len(self.errors))
 
-    def too_few_tokens(self, site: InputSite, tokens: int, min_tokens: int) -> bool:
-        """Record how many calibration tokens a routed expert's site saw; True (and the expert
-        counted as a fallback) when they are fewer than ``min_tokens``. Always False for a site
-        every token reads."""
+    def too_few_tokens(self, site: InputSite, tokens: float, min_tokens: int) -> bool:
+        """Record how many (effective) calibration tokens a routed expert's site saw; True (and
+        the expert counted as a fallback) when they are fewer than ``min_tokens``. Always False
+        for a site every token reads."""
         if site.expert is None:
             return False
         self.expert_tokens[site.expert] = tokens
@@ -60,14 +61,16 @@ class LayerJob:
     """One decoder layer as the driver lends it to a method.
 
     ``capture(sites, sink)`` runs the layer on every calibration batch (with the weights as they
-    are now) and hands ``sink`` each site's input; ``commit(target, q)`` writes q's dequantized
-    value into the layer and keeps q for the checkpoint. Weights committed earlier in the layer
-    are quantized in every later capture.
+    are now) and hands ``sink`` each site's input; ``capture(sites, sink, all_tokens=True)``
+    hands a routed expert's site every token, with no gate (the layer's output still uses the
+    real routing); ``commit(target, q)`` writes q's dequantized value into the layer and keeps q
+    for the checkpoint. Weights committed earlier in the layer are quantized in every later
+    capture.
     """
 
     parts: LayerParts
     record: LayerRecord
-    capture: Callable[[list[InputSite], Sink], None]
+    capture: Callable[..., None]  # (sites, sink, all_tokens=False)
     commit: Callable[[Target, Quantized], None]
     position_embeddings: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     progress: Callable[[list, str], Iterable]  # wraps a loop in a progress bar
@@ -78,7 +81,7 @@ class QuantMethod(Protocol):
     """A quantization method: built from its recipe stage, it quantizes one layer at a time."""
 
     name: ClassVar[str]  # the recipe's ``method``
-    format: ClassVar[str]  # the checkpoint format written (a key of formats.registry.PACKERS)
+    format: str  # the checkpoint format written (a key of formats.registry.PACKERS)
     calibrated: ClassVar[bool]  # needs calibration activations
     grid: GridSpec | None  # the integer grid weights are rounded to (None: not a uniform grid)
 
@@ -93,6 +96,7 @@ class QuantMethod(Protocol):
         ...
 
 
-def grid_spec(bits: int, sym: bool, fmt: str) -> GridSpec:
+def grid_spec(bits: int, sym: bool, fmt: str, scale_search: str = "minmax") -> GridSpec:
     """The grid a method fits; the GPTQ v1 format stores zero - 1 unsigned, so needs zero >= 1."""
-    return GridSpec(bits=bits, sym=sym, min_zero=1 if fmt == "gptq" else 0)
+    return GridSpec(bits=bits, sym=sym, min_zero=1 if fmt == "gptq" else 0,
+                    scale_search=scale_search)  # type: ignore[arg-type]

@@ -18,7 +18,7 @@ class RTNMethod:
 
     def __init__(self, stage: RTNStage):
         self.stage = stage
-        self.grid = grid_spec(stage.bits, stage.sym, self.format)
+        self.grid = grid_spec(stage.bits, stage.sym, self.format, stage.scale_search)
 
     def quantization_config(self, skip: list[str]) -> dict:
         # No Hessian: the GPTQ-only fields get the values of a plain, in-order GPTQ checkpoint.

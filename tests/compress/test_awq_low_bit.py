@@ -1,0 +1,89 @@
+"""AWQ below 4 bits on the trained tiny demo: written in the GPTQ format, reloaded by the
+dequantizing loader and served by the engine with the logits the driver computed; clipping lowers
+the output error it searches on real activations."""
+
+import json
+
+import pytest
+import torch
+
+from tests.serve_kernels.conftest import prompt_logits
+from thresher.compress.api import quantize_model
+from thresher.compress.awq import search_clip
+from thresher.compress.quantizer import GridSpec, quantize_grouped
+from thresher.data.windows import eval_windows
+from thresher.evaluate.perplexity import perplexity
+from thresher.models import get_adapter, load_model
+from thresher.models.quantized import load_quantized_model
+from thresher.recipe import CalibrationConfig, PerplexityConfig, QuantizeStage
+from thresher.serve_kernels import LLM
+
+CAL = CalibrationConfig(samples=8, seq_len=256)
+PROMPT = [5, 17, 300, 42, 9, 77, 1023, 4000, 12, 3, 250, 61, 8, 99, 1500, 31, 7, 2, 640]
+
+
+@pytest.mark.slow
+def test_awq3_artifact_loads_in_the_loader_and_the_engine(tiny_demo, tiny_tokenizer, tmp_path):
+    states = {}
+    report = quantize_model(tiny_demo, QuantizeStage(method="awq", bits=3, group_size=64), CAL,
+                            tmp_path / "awq3", show_progress=False,
+                            observer=lambda i, layer, q: states.__setitem__(
+                                i, {k: v.clone() for k, v in layer.state_dict().items()}))
+    qc = json.loads((tmp_path / "awq3" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "gptq" and qc["bits"] == 3 and qc["sym"] is False
+    assert report.format == "gptq"
+    in_memory = load_model(tiny_demo)
+    for i, s in states.items():
+        get_adapter(in_memory.config).layers(in_memory)[i].load_state_dict(s)
+    loaded = load_quantized_model(tmp_path / "awq3")
+    windows = eval_windows(tiny_tokenizer, PerplexityConfig(max_windows=8))
+    disk = perplexity(loaded, windows, show_progress=False).perplexity
+    assert disk == pytest.approx(perplexity(in_memory, windows, show_progress=False).perplexity,
+                                 rel=1e-4)
+    float_ppl = perplexity(load_model(tiny_demo), windows, show_progress=False).perplexity
+    assert disk < 1.05 * float_ppl
+    llm = LLM(tmp_path / "awq3", block_size=4)
+    assert llm.engine.model_info["format"] == "gptq"
+    with torch.no_grad():
+        expected = loaded(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(prompt_logits(llm, PROMPT), expected, atol=2e-4, rtol=2e-4)
+
+
+def test_clip_lowers_the_partial_output_error_on_real_activations(tiny_demo, tiny_tokenizer):
+    """o_proj of a trained layer and its real inputs: the searched ranges never raise any (row,
+    group)'s error on the sampled tokens (shrink 0 is a candidate) and lower the total."""
+    model = load_model(tiny_demo)
+    o_proj = model.model.layers[1].self_attn.o_proj
+    seen = []
+    handle = o_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    windows = eval_windows(tiny_tokenizer, PerplexityConfig(max_windows=2))
+    with torch.no_grad():
+        model(windows[:2])
+    handle.remove()
+    x = torch.cat(seen).reshape(-1, o_proj.in_features)[:512]
+    w = o_proj.weight.detach()
+    spec, gs = GridSpec(3, sym=False), 64
+    max_val = search_clip(w, x, spec, gs)
+    clipped = torch.clamp(w.reshape(w.shape[0], -1, gs), -max_val.unsqueeze(2),
+                          max_val.unsqueeze(2)).reshape(w.shape)
+
+    def errors(q: torch.Tensor) -> torch.Tensor:  # [rows, groups]
+        d = (q - w).reshape(w.shape[0], 1, -1, gs)
+        return (d * x.reshape(1, x.shape[0], -1, gs)).sum(-1).pow(2).mean(1)
+
+    plain = errors(quantize_grouped(w, spec, gs).dequantize())
+    clip = errors(quantize_grouped(clipped, spec, gs).dequantize())
+    assert (clip <= plain * (1 + 1e-5)).all()
+    assert clip.sum() < 0.9 * plain.sum()
+
+
+def test_experts_calibrated_on_all_tokens_never_fall_back(tiny_demo):
+    from thresher.compress.api import quantize_in_memory
+
+    cal = CalibrationConfig(samples=1, seq_len=32)  # 32 tokens: some experts see fewer than 8
+    stage = QuantizeStage(method="gptq", bits=4, group_size=64, min_expert_tokens=8)
+    _, routed = quantize_in_memory(tiny_demo, stage, cal)
+    _, every = quantize_in_memory(tiny_demo, stage.model_copy(update={"expert_tokens": "all"}), cal)
+    assert any(r.fallback_experts for r in routed)
+    assert not any(r.fallback_experts for r in every)
+    assert all(t == 32 for r in every for t in r.expert_tokens.values())
