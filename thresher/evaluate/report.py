@@ -32,6 +32,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from thresher.errors import ArtifactError
+from thresher.evaluate.significance import PairedDifference, paired_difference
 from thresher.formats.artifact import (
     COMPARISON_HTML,
     COMPARISON_MD,
@@ -39,6 +40,7 @@ from thresher.formats.artifact import (
     REPORT_ARTIFACT_PATH,
     REPORT_DATA,
     REPORT_HTML,
+    TASK_SAMPLES,
 )
 from thresher.tracking import ARTIFACT_DIR_TAG, MODEL_URI_TAG, Tracker
 
@@ -86,11 +88,15 @@ class VariantRecord:
     other_metrics: dict[str, float] = field(default_factory=dict)
     artifact: str | None = None
     model_uri: str | None = None
+    # "<task>/<metric>" -> per-document scores by doc id (TaskResults.per_sample), for the paired
+    # comparison with the base; the flow logs them as the run's TASK_SAMPLES artifact
+    task_samples: dict[str, list[float]] = field(default_factory=dict)
 
     @classmethod
     def from_metrics(cls, name: str, metrics: dict[str, float], params: dict[str, str] | None = None,
                      prune_report: dict[str, Any] | None = None, run_id: str | None = None,
-                     artifact: str | None = None, model_uri: str | None = None) -> VariantRecord:
+                     artifact: str | None = None, model_uri: str | None = None,
+                     task_samples: dict[str, list[float]] | None = None) -> VariantRecord:
         """A record from flat MLflow-style metrics and params (the flow's naming contract)."""
         params = params or {}
         tasks, stderr, validation, other = {}, {}, {}, {}
@@ -114,6 +120,7 @@ class VariantRecord:
             stages=params.get("stages", ""), run_id=run_id,
             saliency=parse_prune_report(prune_report) if prune_report else None,
             validation=validation, other_metrics=other, artifact=artifact, model_uri=model_uri,
+            task_samples=dict(task_samples or {}),
         )
 
     def metrics(self) -> dict[str, float]:
@@ -334,10 +341,32 @@ def validation_columns(records: list[VariantRecord]) -> dict[str, list[str]]:
     }
 
 
+def paired_deltas(records: list[VariantRecord]) -> dict[str, dict[str, PairedDifference]]:
+    """Per variant and ``<task>/<metric>``: the paired difference from the base variant (the
+    one whose stages are ``base``), where both kept per-document scores on the same documents."""
+    base = next((r for r in records if r.stages == BASE_STAGES), None)
+    if base is None:
+        return {}
+    out: dict[str, dict[str, PairedDifference]] = {}
+    for r in records:
+        if r is base:
+            continue
+        for key, scores in sorted(r.task_samples.items()):
+            reference = base.task_samples.get(key)
+            if reference is None or len(reference) != len(scores) or not scores:
+                continue  # other documents (another limit): no pairs to compare
+            out.setdefault(r.name, {})[key] = paired_difference(reference, scores)
+    return out
+
+
 def comparison_table(records: list[VariantRecord]) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the comparison table: size, quality against the base variant (the one
-    whose stages are ``base``), task scores (the union over the variants) and validation."""
+    whose stages are ``base``), task scores (the union over the variants) and validation.
+
+    A task cell is ``score ± stderr``; where the variant and the base kept per-document scores,
+    it adds ``Δ vs base [95% CI]`` of the paired difference, starred when beyond noise."""
     base_ppl = next((r.perplexity for r in records if r.stages == BASE_STAGES), None)
+    paired = paired_deltas(records)
     tasks = sorted({k for r in records for k in r.tasks})
     extra = validation_columns(records)
     header = ["variant", "stages", "size (MB)", "bits/param", "experts", "perplexity", "vs base",
@@ -352,7 +381,10 @@ def comparison_table(records: list[VariantRecord]) -> tuple[list[str], list[list
         for k in tasks:
             value = r.tasks.get(k)
             err = r.task_stderr.get(k)
-            cells.append(_fmt(value) + (f" ± {err:.3f}" if value is not None and err else ""))
+            cell = _fmt(value) + (f" ± {err:.3f}" if value is not None and err else "")
+            if k in paired.get(r.name, {}):
+                cell += f", Δ {paired[r.name][k].describe()}"
+            cells.append(cell)
         cells += [column[i] for column in extra.values()]
         rows.append(cells)
     return header, rows
@@ -453,7 +485,8 @@ def record_from_run(tracker: Tracker, run) -> VariantRecord:
         run.info.run_name or run.info.run_id, dict(run.data.metrics), dict(run.data.params),
         prune_report=tracker.find_json_artifact(run.info.run_id, PRUNE_REPORT),
         run_id=run.info.run_id, artifact=tags.get(ARTIFACT_DIR_TAG),
-        model_uri=tags.get(MODEL_URI_TAG))
+        model_uri=tags.get(MODEL_URI_TAG),
+        task_samples=tracker.find_json_artifact(run.info.run_id, TASK_SAMPLES))
 
 
 def log_report(report: Report, run_id: str, tracking_uri: str | None = None,

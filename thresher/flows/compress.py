@@ -31,13 +31,14 @@ from thresher.evaluate.report import (
     log_report,
 )
 from thresher.flows.stages import (
+    TASK_SAMPLES_KEY,
     evaluate_artifact,
     publish_artifact,
     resolve_base,
     run_stage,
     validate_variant,
 )
-from thresher.formats.artifact import PRUNE_REPORT, STAGE_REPORTS
+from thresher.formats.artifact import PRUNE_REPORT, STAGE_REPORTS, TASK_SAMPLES
 from thresher.models.adapters import get_adapter
 from thresher.models.inspect import parameter_count, weight_bytes
 from thresher.models.layerwise import load_config
@@ -162,8 +163,12 @@ def _run_variant(recipe: Recipe, variant: Variant, base_path: str, base_hash: st
         facts = _artifact_facts(path)
         metrics.update(facts)
         metrics["compression_ratio"] = base_facts["size_bytes"] / facts["size_bytes"]
-        metrics.update(evaluate_artifact(path, content_hash, recipe.eval, store_root,
-                                         label=variant.name))
+        evaluation = evaluate_artifact(path, content_hash, recipe.eval, store_root,
+                                       label=variant.name)
+        task_samples = evaluation.pop(TASK_SAMPLES_KEY, {})
+        metrics.update(evaluation)
+        if task_samples:
+            tracker.log_text(run_id, json.dumps(task_samples), TASK_SAMPLES)
         artifact, model_uri = path, None
         if variant.stages:
             artifact = publish_artifact(
@@ -191,7 +196,7 @@ def _run_variant(recipe: Recipe, variant: Variant, base_path: str, base_hash: st
         record = VariantRecord.from_metrics(
             variant.name, metrics, {"variant": variant.name, "stages": chain},
             prune_report=json.loads(prune_report.read_text()) if prune_report.is_file() else None,
-            run_id=run_id, artifact=artifact, model_uri=model_uri)
+            run_id=run_id, artifact=artifact, model_uri=model_uri, task_samples=task_samples)
         status = "FINISHED"
         return record
     finally:
