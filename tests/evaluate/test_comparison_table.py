@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from thresher.evaluate.report import VariantRecord, comparison_markdown, validation_columns
+from thresher.evaluate.report import (
+    VariantRecord,
+    build_report,
+    comparison_markdown,
+    validation_columns,
+)
 
 
 def row(name: str, stages: str, ppl: float, **extra: float) -> VariantRecord:
@@ -35,7 +40,7 @@ def test_no_validation_no_columns():
     assert comparison_markdown(rows).splitlines()[0].endswith("| perplexity | vs base |")
 
 
-def test_task_cells_show_the_paired_difference_from_the_base():
+def test_task_cells_show_the_paired_difference_from_the_base(tmp_path):
     """Same documents: a consistent drop is starred, a reshuffle of the same mean is not; a
     variant scored on other documents (another limit) gets no interval."""
     base_docs = [1.0, 0.0] * 100
@@ -54,3 +59,9 @@ def test_task_cells_show_the_paired_difference_from_the_base():
     assert cells[1].startswith("0.300, Δ -0.200 [") and cells[1].endswith("] *")
     assert cells[2].startswith("0.500, Δ +0.000 [-") and not cells[2].endswith("*")
     assert cells[3] == "0.500"
+    report = build_report(records, tmp_path)
+    deltas = report.paired_deltas
+    assert deltas["metrics"] == ["t/acc"] and deltas["variants"] == ["worse", "same"]
+    assert [p["beyond_noise"] for p in deltas["points"][0]] == [True, False]
+    assert report.files["paired_deltas"].stat().st_size > 0
+    assert "paired by document" in report.files["html"].read_text()

@@ -359,6 +359,41 @@ def paired_deltas(records: list[VariantRecord]) -> dict[str, dict[str, PairedDif
     return out
 
 
+def paired_deltas_data(records: list[VariantRecord]) -> dict[str, Any]:
+    """The paired differences as plot data: per ``<task>/<metric>`` and variant, the difference,
+    its interval and whether it is beyond noise (the dashboard's paired-difference panel)."""
+    paired = paired_deltas(records)
+    keys = sorted({k for by_key in paired.values() for k in by_key})
+    return {"metrics": keys, "variants": list(paired),
+            "points": [[{"delta": d.delta, "low": d.low, "high": d.high,
+                         "beyond_noise": d.beyond_noise} if (d := paired[v].get(k)) else None
+                        for v in paired] for k in keys]}
+
+
+def plot_paired_deltas(data: dict[str, Any], path: Path) -> Path:
+    """One panel per task metric: each variant's difference from the base with its 95% paired
+    interval; red where the interval excludes zero."""
+    keys, variants = data["metrics"], data["variants"]
+    fig = Figure(figsize=(4.5 * len(keys), 0.5 * len(variants) + 1.8))
+    for i, key in enumerate(keys):
+        ax = fig.add_subplot(1, len(keys), i + 1)
+        for row, point in enumerate(data["points"][i]):
+            if point is None:
+                continue
+            color = "tab:red" if point["beyond_noise"] else "tab:gray"
+            ax.errorbar([point["delta"]], [row], capsize=3, fmt="o", color=color,
+                        xerr=[[point["delta"] - point["low"]], [point["high"] - point["delta"]]])
+        ax.axvline(0.0, color="black", linewidth=0.8)
+        ax.set_yticks(range(len(variants)))
+        ax.set_yticklabels(variants if i == 0 else [""] * len(variants), fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("Δ vs base (95% paired CI)")
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle("paired difference from the base (red: beyond noise)")
+    return _save(fig, path)
+
+
 def comparison_table(records: list[VariantRecord]) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the comparison table: size, quality against the base variant (the one
     whose stages are ``base``), task scores (the union over the variants) and validation.
@@ -424,6 +459,7 @@ class Report:
     quality_vs_size: list[dict]
     task_bars: dict[str, Any]
     saliency: dict[str, dict[str, Any]]
+    paired_deltas: dict[str, Any] = field(default_factory=dict)
 
 
 def build_report(records: Iterable[VariantRecord], out_dir: str | Path,
@@ -448,10 +484,14 @@ def build_report(records: Iterable[VariantRecord], out_dir: str | Path,
         files["task_scores"] = plot_task_bars(bars, out / "task_scores.png")
     if heat:
         files["saliency"] = plot_saliency(heat, out / "saliency.png")
+    deltas = paired_deltas_data(records)
+    if deltas["metrics"]:
+        files["paired_deltas"] = plot_paired_deltas(deltas, out / "paired_deltas.png")
 
     sections = [f"<h1>{html.escape(title)}</h1>", html_table(header, rows)]
     for key, caption in (("quality_vs_size", "Quality vs size (Pareto frontier in red)"),
                          ("task_scores", "Task scores"),
+                         ("paired_deltas", "Task scores against the base, paired by document"),
                          ("saliency", "REAP saliency per layer and expert (x: removed)")):
         if key in files:
             png = base64.b64encode(files[key].read_bytes()).decode()
@@ -462,10 +502,11 @@ def build_report(records: Iterable[VariantRecord], out_dir: str | Path,
                              + "\n".join(sections) + "</body></html>\n")
     files["data"] = out / REPORT_DATA
     files["data"].write_text(json.dumps(
-        {"quality_vs_size": panels, "task_bars": bars, "saliency": heat}, indent=1))
+        {"quality_vs_size": panels, "task_bars": bars, "saliency": heat,
+         "paired_deltas": deltas}, indent=1))
     log.info("comparison report for %d variants in %s", len(records), out)
     return Report(out_dir=out, files=files, header=header, rows=rows, quality_vs_size=panels,
-                  task_bars=bars, saliency=heat)
+                  task_bars=bars, saliency=heat, paired_deltas=deltas)
 
 
 # --- MLflow --------------------------------------------------------------------------------------
