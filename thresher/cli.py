@@ -451,7 +451,8 @@ def tasks_cmd(
     model: Annotated[str, typer.Option(help="Hub id, local dir, models:/name/version or demo:size.")],
     task: Annotated[list[str], typer.Option(
         "--task", "-t", help="Task to run (repeat). Built-in: stdlib_closing, stdlib_identifier, "
-        "stdlib_next_line; or any lm-eval task name.")] = ["stdlib_closing", "stdlib_identifier",  # noqa: B006
+        "stdlib_next_line (multiple choice), stdlib_complete_line, stdlib_function_body "
+        "(generative, decoded by the serving engine); or any lm-eval task name.")] = ["stdlib_closing", "stdlib_identifier",  # noqa: B006
                                                              "stdlib_next_line"],
     limit: Annotated[int, typer.Option(help="Cap on documents per task (0 = all).")] = 0,
     batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 16,

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from thresher.evaluate.report import VariantRecord, comparison_markdown, validation_columns
+from thresher.evaluate.report import (
+    VariantRecord,
+    build_report,
+    comparison_markdown,
+    validation_columns,
+)
 
 
 def row(name: str, stages: str, ppl: float, **extra: float) -> VariantRecord:
@@ -33,3 +38,30 @@ def test_no_validation_no_columns():
     rows = [row("base", "base", 10.0), row("p25", "prune frequency ratio=0.25", 12.0)]
     assert validation_columns(rows) == {}
     assert comparison_markdown(rows).splitlines()[0].endswith("| perplexity | vs base |")
+
+
+def test_task_cells_show_the_paired_difference_from_the_base(tmp_path):
+    """Same documents: a consistent drop is starred, a reshuffle of the same mean is not; a
+    variant scored on other documents (another limit) gets no interval."""
+    base_docs = [1.0, 0.0] * 100
+    records = [row("base", "base", 10.0, **{"task/t/acc": 0.5}),
+               row("worse", "prune reap ratio=0.5", 12.0, **{"task/t/acc": 0.3}),
+               row("same", "quantize rtn 4-bit g128", 10.1, **{"task/t/acc": 0.5}),
+               row("other", "quantize nf4", 10.2, **{"task/t/acc": 0.5})]
+    records[0].task_samples = {"t/acc": base_docs}
+    records[1].task_samples = {"t/acc": [0.0 if i % 10 < 3 else s
+                                         for i, s in enumerate(base_docs)]}
+    records[2].task_samples = {"t/acc": base_docs[1:] + base_docs[:1]}
+    records[3].task_samples = {"t/acc": base_docs[:50]}
+    cells = [line.split(" | ")[-1].rstrip(" |")
+             for line in comparison_markdown(records).splitlines()[2:]]
+    assert cells[0] == "0.500"
+    assert cells[1].startswith("0.300, Δ -0.200 [") and cells[1].endswith("] *")
+    assert cells[2].startswith("0.500, Δ +0.000 [-") and not cells[2].endswith("*")
+    assert cells[3] == "0.500"
+    report = build_report(records, tmp_path)
+    deltas = report.paired_deltas
+    assert deltas["metrics"] == ["t/acc"] and deltas["variants"] == ["worse", "same"]
+    assert [p["beyond_noise"] for p in deltas["points"][0]] == [True, False]
+    assert report.files["paired_deltas"].stat().st_size > 0
+    assert "paired by document" in report.files["html"].read_text()

@@ -105,6 +105,9 @@ def test_runs_metrics_and_registry(first_run, flow_env, prefect_server):
     assert "comparison/comparison.md" in report
     assert {"comparison/report.html", "comparison/quality_vs_size.png"} <= report, report
     assert "task/stdlib_closing/acc" in by_name["rtn4"].data.metrics
+    # per-document scores, logged per variant, give the table its paired differences
+    samples = client.download_artifacts(by_name["rtn4"].info.run_id, "task_samples.json")
+    assert len(json.loads(Path(samples).read_text())["stdlib_closing/acc"]) == 16
     # the validation run in the serving engine, logged for every variant
     for run in children:
         m = run.data.metrics
@@ -116,6 +119,7 @@ def test_runs_metrics_and_registry(first_run, flow_env, prefect_server):
     table = client.download_artifacts(parent.info.run_id, "comparison/comparison.md")
     header = Path(table).read_text().splitlines()[0]
     assert "agreement" in header and "tok/s @c4" in header and "TTFT p50 ms @c1" in header
+    assert ", Δ " in Path(table).read_text()
     # every published variant is registered and models:/ resolves back to the artifact
     mlflow.set_tracking_uri(flow_env["uri"])
     mlflow.set_registry_uri(flow_env["uri"])

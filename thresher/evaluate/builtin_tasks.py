@@ -1,9 +1,11 @@
-"""Offline multiple-choice tasks over the held-out stdlib split, for lm-evaluation-harness.
+"""Offline tasks over the held-out stdlib split, for lm-evaluation-harness.
 
 Perplexity alone hides damage that tasks reveal, and the standard tasks (hellaswag, arc, ...)
 cannot be downloaded here, nor would a 2 M-parameter model trained on Python source score above
-chance on them. So thresher generates its own: multiple-choice questions about held-out standard
-library files that the demo models never saw in training.
+chance on them. So thresher generates its own from held-out standard library files that the demo
+models never saw in training: multiple-choice questions (one log-likelihood per choice), and
+generative ones (greedy ``generate_until``), which see damage that the choices hide: a pruned
+model that still ranks four candidate lines right may no longer write the line.
 
 The task configs are lm-eval YAML files shipped in ``thresher/evaluate/tasks/``. The data is
 generated deterministically at run time (the questions depend on the running Python's stdlib, so
@@ -14,6 +16,7 @@ path: ``lm_eval --include_path DIR --tasks stdlib_next_line`` runs the same task
 
 from __future__ import annotations
 
+import ast
 import fcntl
 import hashlib
 import json
@@ -22,19 +25,18 @@ import logging
 import platform
 import random
 import re
+import shutil
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import yaml
 
 from thresher.data.sources import stdlib_files, stdlib_root
 from thresher.paths import build_dir_atomically, state_dir
 
 log = logging.getLogger(__name__)
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 CONFIG_DIR = Path(__file__).parent / "tasks"
 NUM_CHOICES = 4
 CONTEXT_LINES = 6
@@ -42,7 +44,15 @@ NEAREST = 8  # distractors come from the answer's nearest neighbours in length
 DOCS_PER_TASK = 300
 MAX_DOCS_PER_FILE = 10
 
-Doc = dict  # {"context": str, "choices": list[str], "label": int, "source": str}
+# multiple choice: {"context", "choices", "label", "source"}; generative: {"context", "target",
+# "source"} (the scoring of generated text is thresher.evaluate.text_match). A generative prompt
+# ends at the end of a line, without its newline: code tokenizers merge a newline with the next
+# line's indentation, and a prompt ending in a bare newline token (rare in training) made the
+# demo models answer with another newline.
+Doc = dict
+GEN_CONTEXT_LINES = 12  # a generative prompt sees more of the file than a choice does
+MAX_LINE_CHARS = 100
+BODY_LINES = 3  # lines of a function body to write
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -58,10 +68,12 @@ class BuiltinTask:
     make_docs: Callable[[str, Corpus, random.Random], list[Doc]]
     balance_answers: bool = False  # no answer text on more than 1/NUM_CHOICES of the questions
     max_per_file: int = MAX_DOCS_PER_FILE
+    generative: bool = False  # generate_until, scored on the text; else multiple choice
 
     @property
-    def chance(self) -> float:
-        return 1.0 / NUM_CHOICES
+    def chance(self) -> float | None:
+        """The score of a blind guess (multiple choice); None for a generative task."""
+        return None if self.generative else 1.0 / NUM_CHOICES
 
 
 def _candidate_line(line: str) -> bool:
@@ -177,6 +189,47 @@ def _doc(source: str, context: str, answer: str, distractors: list[str], rng: ra
             "source": source}
 
 
+def complete_line_docs(source: str, corpus: Corpus, rng: random.Random) -> list[Doc]:
+    """Write the next line: the previous lines of the file as the prompt, the true line as the
+    target (the generated text's first non-blank line is scored). Lines are real code of 12-100 characters after some code."""
+    lines = corpus[source]
+    docs = []
+    for i in range(CONTEXT_LINES, len(lines)):
+        answer = lines[i]
+        if (not _candidate_line(answer) or len(answer) > MAX_LINE_CHARS
+                or not any(ln.strip() for ln in lines[i - 3 : i])):
+            continue
+        docs.append({"context": "\n".join(lines[max(0, i - GEN_CONTEXT_LINES) : i]),
+                     "target": answer, "source": source})
+    return docs
+
+
+def function_body_docs(source: str, corpus: Corpus, rng: random.Random) -> list[Doc]:
+    """Write the first lines of a function: the lines before it, its signature and docstring (if
+    it has one) as the prompt; its first ``BODY_LINES`` non-blank code lines as the target."""
+    lines = corpus[source]
+    try:
+        tree = ast.parse("\n".join(lines))
+    except SyntaxError:
+        return []
+    docs = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+        if not body:
+            continue
+        start = body[0].lineno - 1  # first code line after the docstring
+        target = [ln for ln in lines[start : node.end_lineno]
+                  if ln.strip() and not ln.strip().startswith("#")][:BODY_LINES]
+        if len(target) < BODY_LINES:
+            continue  # a body shorter than the lines asked for
+        head = max(0, node.lineno - 1 - CONTEXT_LINES)
+        docs.append({"context": "\n".join(lines[head:start]),
+                     "target": "\n".join(target), "source": source})
+    return docs
+
+
 TASKS: dict[str, BuiltinTask] = {
     "stdlib_next_line": BuiltinTask(
         "stdlib_next_line",
@@ -190,7 +243,18 @@ TASKS: dict[str, BuiltinTask] = {
         "stdlib_closing",
         "close a cut line with the right run of 2-3 closing brackets", closing_docs,
         balance_answers=True, max_per_file=40),  # rare runs are few: draw from more lines
+    "stdlib_complete_line": BuiltinTask(
+        "stdlib_complete_line",
+        "write the next line of a held-out stdlib file from its previous 12 lines (greedy); "
+        "exact match and character similarity", complete_line_docs, generative=True),
+    "stdlib_function_body": BuiltinTask(
+        "stdlib_function_body",
+        f"write the first {BODY_LINES} lines of a held-out function's body from the lines before "
+        "it, its signature and docstring (greedy); matching lines and character similarity",
+        function_body_docs, generative=True, max_per_file=20),  # functions gather in few files
 }
+MULTIPLE_CHOICE = [name for name, task in TASKS.items() if not task.generative]
+GENERATIVE = [name for name, task in TASKS.items() if task.generative]
 
 
 def generate_docs(task: BuiltinTask, docs: int = DOCS_PER_TASK, seed: int = 0) -> list[Doc]:
@@ -226,7 +290,7 @@ def data_key(seed: int = 0) -> str:
     """What determines the generated data: this generator's code and the task configs, the
     Python whose stdlib is the text, and the seed."""
     code = hashlib.sha256(Path(__file__).read_bytes())
-    for config in sorted(CONFIG_DIR.glob("*.yaml")):
+    for config in sorted([*CONFIG_DIR.glob("*.yaml"), CONFIG_DIR / "utils.py"]):
         code.update(config.read_bytes())
     blob = json.dumps({"generator": GENERATOR_VERSION, "code": code.hexdigest(),
                        "python": platform.python_version(),
@@ -248,9 +312,18 @@ def prepare_builtin_tasks(seed: int = 0) -> Path:
                 data = tmp / f"{task.name}.jsonl"
                 docs = generate_docs(task, seed=seed)
                 data.write_text("".join(json.dumps(d) + "\n" for d in docs))
-                config = yaml.safe_load((CONFIG_DIR / f"{task.name}.yaml").read_text())
-                config["dataset_kwargs"]["data_files"] = {config["test_split"]: str(final / data.name)}
-                (tmp / f"{task.name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+                (tmp / f"{task.name}.yaml").write_text(_with_data_file(task.name, final / data.name))
                 log.info("built-in task %s: %d questions", task.name, len(docs))
+            shutil.copy(CONFIG_DIR / "utils.py", tmp / "utils.py")  # the configs' !function
             (tmp / "complete").write_text("")
     return final
+
+
+def _with_data_file(name: str, data: Path) -> str:
+    """The shipped config with ``data_files`` naming ``data``, edited as text: lm-eval's
+    ``!function`` tags do not survive a safe YAML load and dump."""
+    text = (CONFIG_DIR / f"{name}.yaml").read_text()
+    placeholder = f"test: {name}.jsonl"
+    if text.count(placeholder) != 1:
+        raise ValueError(f"{name}.yaml: expected one data_files line {placeholder!r}")
+    return text.replace(placeholder, f"test: {json.dumps(str(data))}")

@@ -33,6 +33,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from thresher.errors import ArtifactError
+from thresher.evaluate.significance import PairedDifference, paired_difference
 from thresher.formats.artifact import (
     COMPARISON_HTML,
     COMPARISON_MD,
@@ -40,6 +41,7 @@ from thresher.formats.artifact import (
     REPORT_ARTIFACT_PATH,
     REPORT_DATA,
     REPORT_HTML,
+    TASK_SAMPLES,
 )
 from thresher.tracking import ARTIFACT_DIR_TAG, MODEL_URI_TAG, Tracker
 
@@ -87,11 +89,15 @@ class VariantRecord:
     other_metrics: dict[str, float] = field(default_factory=dict)
     artifact: str | None = None
     model_uri: str | None = None
+    # "<task>/<metric>" -> per-document scores by doc id (TaskResults.per_sample), for the paired
+    # comparison with the base; the flow logs them as the run's TASK_SAMPLES artifact
+    task_samples: dict[str, list[float]] = field(default_factory=dict)
 
     @classmethod
     def from_metrics(cls, name: str, metrics: dict[str, float], params: dict[str, str] | None = None,
                      prune_report: dict[str, Any] | None = None, run_id: str | None = None,
-                     artifact: str | None = None, model_uri: str | None = None) -> VariantRecord:
+                     artifact: str | None = None, model_uri: str | None = None,
+                     task_samples: dict[str, list[float]] | None = None) -> VariantRecord:
         """A record from flat MLflow-style metrics and params (the flow's naming contract)."""
         params = params or {}
         tasks, stderr, validation, other = {}, {}, {}, {}
@@ -115,6 +121,7 @@ class VariantRecord:
             stages=params.get("stages", ""), run_id=run_id,
             saliency=parse_prune_report(prune_report) if prune_report else None,
             validation=validation, other_metrics=other, artifact=artifact, model_uri=model_uri,
+            task_samples=dict(task_samples or {}),
         )
 
     def metrics(self) -> dict[str, float]:
@@ -442,10 +449,67 @@ def validation_columns(records: list[VariantRecord]) -> dict[str, list[str]]:
     }
 
 
+def paired_deltas(records: list[VariantRecord]) -> dict[str, dict[str, PairedDifference]]:
+    """Per variant and ``<task>/<metric>``: the paired difference from the base variant (the
+    one whose stages are ``base``), where both kept per-document scores on the same documents."""
+    base = next((r for r in records if r.stages == BASE_STAGES), None)
+    if base is None:
+        return {}
+    out: dict[str, dict[str, PairedDifference]] = {}
+    for r in records:
+        if r is base:
+            continue
+        for key, scores in sorted(r.task_samples.items()):
+            reference = base.task_samples.get(key)
+            if reference is None or len(reference) != len(scores) or not scores:
+                continue  # other documents (another limit): no pairs to compare
+            out.setdefault(r.name, {})[key] = paired_difference(reference, scores)
+    return out
+
+
+def paired_deltas_data(records: list[VariantRecord]) -> dict[str, Any]:
+    """The paired differences as plot data: per ``<task>/<metric>`` and variant, the difference,
+    its interval and whether it is beyond noise (the dashboard's paired-difference panel)."""
+    paired = paired_deltas(records)
+    keys = sorted({k for by_key in paired.values() for k in by_key})
+    return {"metrics": keys, "variants": list(paired),
+            "points": [[{"delta": d.delta, "low": d.low, "high": d.high,
+                         "beyond_noise": d.beyond_noise} if (d := paired[v].get(k)) else None
+                        for v in paired] for k in keys]}
+
+
+def plot_paired_deltas(data: dict[str, Any], path: Path) -> Path:
+    """One panel per task metric: each variant's difference from the base with its 95% paired
+    interval; red where the interval excludes zero."""
+    keys, variants = data["metrics"], data["variants"]
+    fig = Figure(figsize=(4.5 * len(keys), 0.5 * len(variants) + 1.8))
+    for i, key in enumerate(keys):
+        ax = fig.add_subplot(1, len(keys), i + 1)
+        for row, point in enumerate(data["points"][i]):
+            if point is None:
+                continue
+            color = "tab:red" if point["beyond_noise"] else "tab:gray"
+            ax.errorbar([point["delta"]], [row], capsize=3, fmt="o", color=color,
+                        xerr=[[point["delta"] - point["low"]], [point["high"] - point["delta"]]])
+        ax.axvline(0.0, color="black", linewidth=0.8)
+        ax.set_yticks(range(len(variants)))
+        ax.set_yticklabels(variants if i == 0 else [""] * len(variants), fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("Δ vs base (95% paired CI)")
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle("paired difference from the base (red: beyond noise)")
+    return _save(fig, path)
+
+
 def comparison_table(records: list[VariantRecord]) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the comparison table: size, quality against the base variant (the one
-    whose stages are ``base``), task scores (the union over the variants) and validation."""
+    whose stages are ``base``), task scores (the union over the variants) and validation.
+
+    A task cell is ``score ± stderr``; where the variant and the base kept per-document scores,
+    it adds ``Δ vs base [95% CI]`` of the paired difference, starred when beyond noise."""
     base_ppl = next((r.perplexity for r in records if r.stages == BASE_STAGES), None)
+    paired = paired_deltas(records)
     tasks = sorted({k for r in records for k in r.tasks})
     extra = validation_columns(records)
     header = ["variant", "stages", "size (MB)", "bits/param", "experts", "perplexity", "vs base",
@@ -460,7 +524,10 @@ def comparison_table(records: list[VariantRecord]) -> tuple[list[str], list[list
         for k in tasks:
             value = r.tasks.get(k)
             err = r.task_stderr.get(k)
-            cells.append(_fmt(value) + (f" ± {err:.3f}" if value is not None and err else ""))
+            cell = _fmt(value) + (f" ± {err:.3f}" if value is not None and err else "")
+            if k in paired.get(r.name, {}):
+                cell += f", Δ {paired[r.name][k].describe()}"
+            cells.append(cell)
         cells += [column[i] for column in extra.values()]
         rows.append(cells)
     return header, rows
@@ -500,6 +567,7 @@ class Report:
     quality_vs_size: list[dict]
     task_bars: dict[str, Any]
     saliency: dict[str, dict[str, Any]]
+    paired_deltas: dict[str, Any] = field(default_factory=dict)
 
 
 def build_report(records: Iterable[VariantRecord], out_dir: str | Path,
@@ -524,10 +592,14 @@ def build_report(records: Iterable[VariantRecord], out_dir: str | Path,
         files["task_scores"] = plot_task_bars(bars, out / "task_scores.png")
     if heat:
         files["saliency"] = plot_saliency(heat, out / "saliency.png")
+    deltas = paired_deltas_data(records)
+    if deltas["metrics"]:
+        files["paired_deltas"] = plot_paired_deltas(deltas, out / "paired_deltas.png")
 
     sections = [f"<h1>{html.escape(title)}</h1>", html_table(header, rows)]
     for key, caption in (("quality_vs_size", "Quality vs size (Pareto frontier in red)"),
                          ("task_scores", "Task scores"),
+                         ("paired_deltas", "Task scores against the base, paired by document"),
                          ("saliency", "REAP saliency per layer and expert (x: removed)")):
         if key in files:
             png = base64.b64encode(files[key].read_bytes()).decode()
@@ -538,10 +610,11 @@ def build_report(records: Iterable[VariantRecord], out_dir: str | Path,
                              + "\n".join(sections) + "</body></html>\n")
     files["data"] = out / REPORT_DATA
     files["data"].write_text(json.dumps(
-        {"quality_vs_size": panels, "task_bars": bars, "saliency": heat}, indent=1))
+        {"quality_vs_size": panels, "task_bars": bars, "saliency": heat,
+         "paired_deltas": deltas}, indent=1))
     log.info("comparison report for %d variants in %s", len(records), out)
     return Report(out_dir=out, files=files, header=header, rows=rows, quality_vs_size=panels,
-                  task_bars=bars, saliency=heat)
+                  task_bars=bars, saliency=heat, paired_deltas=deltas)
 
 
 # --- MLflow --------------------------------------------------------------------------------------
@@ -561,7 +634,8 @@ def record_from_run(tracker: Tracker, run) -> VariantRecord:
         run.info.run_name or run.info.run_id, dict(run.data.metrics), dict(run.data.params),
         prune_report=tracker.find_json_artifact(run.info.run_id, PRUNE_REPORT),
         run_id=run.info.run_id, artifact=tags.get(ARTIFACT_DIR_TAG),
-        model_uri=tags.get(MODEL_URI_TAG))
+        model_uri=tags.get(MODEL_URI_TAG),
+        task_samples=tracker.find_json_artifact(run.info.run_id, TASK_SAMPLES))
 
 
 def log_report(report: Report, run_id: str, tracking_uri: str | None = None,

@@ -3,6 +3,12 @@
 A score is only comparable to another if the task, its data and the harness are the same, so the
 results carry each metric with its standard error, the lm-eval version, a hash of every task's
 config (and, for the built-in tasks, of its generated data), the batch size and the backend.
+They also keep every document's score (lm-eval's ``log_samples``), in document order, so two
+variants scored on the same documents can be compared pair by pair (``significance``).
+
+Generative tasks decode through the serving engine (``engine_lm.EngineLM``) whenever the engine
+can load the model, i.e. when ``run_tasks`` gets a path or an ``engine=`` artifact; an in-memory
+model with no artifact behind it generates through the reference wrapper.
 """
 
 from __future__ import annotations
@@ -14,12 +20,15 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from thresher.errors import DataError
+from thresher.evaluate.builtin_tasks import GENERATIVE, prepare_builtin_tasks
 from thresher.evaluate.builtin_tasks import TASKS as BUILTIN_TASKS
-from thresher.evaluate.builtin_tasks import prepare_builtin_tasks
 from thresher.evaluate.lm_wrapper import LogitsModel, ThresherLM
+
+if TYPE_CHECKING:
+    from thresher.serve_kernels import LLM
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +57,8 @@ class TaskResults:
     limit: int | None = None
     wall_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    # "<task>/<metric>" -> the score of each document, by document id
+    per_sample: dict[str, list[float]] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, float]:
         """Flat MLflow metrics: ``task/<task>/<metric>`` and ``task/<task>/<metric>_stderr``."""
@@ -79,11 +90,13 @@ class TaskResults:
 
 def run_tasks(model_or_path: LogitsModel | str | Path, tokenizer=None, tasks: list[str] = (),
               limit: int | None = None, batch_size: int = 16, backend: str | None = None,
-              show_progress: bool = True) -> TaskResults:
+              show_progress: bool = True, engine: LLM | str | Path | None = None) -> TaskResults:
     """Score a model on lm-eval tasks: thresher's built-in ones and any lm-eval task name.
 
     ``model_or_path`` is a loaded causal LM (anything with ``model(input_ids=...).logits``) or
-    anything ``thresher.models.load_model`` accepts; a path brings its own tokenizer.
+    anything ``thresher.models.load_model`` accepts; a path brings its own tokenizer, and its
+    generative tasks run through the serving engine. ``engine`` (an ``LLM`` or the artifact the
+    loaded model came from) sends a loaded model's generation through the engine too.
     """
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -92,7 +105,20 @@ def run_tasks(model_or_path: LogitsModel | str | Path, tokenizer=None, tasks: li
     if not tasks:
         raise DataError("no tasks to run: name built-in tasks "
                         f"({', '.join(BUILTIN_TASKS)}) or lm-eval tasks (hellaswag, ...)")
-    model, tokenizer = _model_and_tokenizer(model_or_path, tokenizer)
+    from thresher.evaluate.engine_lm import EngineLM  # the engine loads Triton: only when run
+    from thresher.serve_kernels import LLM
+
+    if isinstance(model_or_path, (str, Path)) and engine is None:
+        from thresher.models import resolve_model
+
+        model_or_path = engine = resolve_model(str(model_or_path))
+    generative_only = all(t in GENERATIVE for t in tasks)
+    if engine is not None and generative_only and isinstance(model_or_path, (str, Path)):
+        model = None  # the engine does all the work: no second copy of the weights
+        llm = engine if isinstance(engine, LLM) else LLM(engine)
+        tokenizer = tokenizer if tokenizer is not None else llm.engine.tokenizer
+    else:
+        model, tokenizer = _model_and_tokenizer(model_or_path, tokenizer)
     builtin_dir = prepare_builtin_tasks()
     standard = [t for t in tasks if t not in BUILTIN_TASKS]
     # Indexing lm-eval's own task catalogue takes ~20 s on 2 cores: only when one is asked for.
@@ -102,13 +128,18 @@ def run_tasks(model_or_path: LogitsModel | str | Path, tokenizer=None, tasks: li
         raise DataError(f"unknown task(s) {', '.join(unknown)}: built-in tasks are "
                         f"{', '.join(BUILTIN_TASKS)}; other names must be lm-eval tasks "
                         "(`lm_eval ls tasks`)")
-    lm = ThresherLM(model, tokenizer, batch_size=batch_size, backend_name=backend,
-                    show_progress=show_progress)
+    if engine is not None and any(t in GENERATIVE for t in tasks):
+        lm: ThresherLM = EngineLM(llm if model is None else engine, model, tokenizer,
+                                  batch_size=batch_size, backend_name=backend,
+                                  show_progress=show_progress)
+    else:
+        lm = ThresherLM(model, tokenizer, batch_size=batch_size, backend_name=backend,
+                        show_progress=show_progress)
     start = time.perf_counter()
     try:
         raw = lm_eval.simple_evaluate(
             model=lm, tasks=tasks, task_manager=manager, limit=limit, batch_size=batch_size,
-            bootstrap_iters=BOOTSTRAP_ITERS, log_samples=False,
+            bootstrap_iters=BOOTSTRAP_ITERS, log_samples=True,
         )
     except (FileNotFoundError, ConnectionError, OSError) as err:
         raise DataError(f"tasks {', '.join(tasks)}: cannot load their data ({err}). Offline, "
@@ -154,7 +185,25 @@ def _collect(raw: dict[str, Any], lm: ThresherLM, limit: int | None, wall: float
         task_versions={t: str(v) for t, v in raw.get("versions", {}).items()},
         lm_eval_version=_lm_eval_version(), batch_size=lm.batch_size, backend=lm.backend_name,
         limit=limit, wall_seconds=round(wall, 2),
+        per_sample=_per_sample(raw.get("samples", {}), scores),
     )
+
+
+def _per_sample(logged: dict[str, list[dict]], scores: dict[str, dict[str, MetricValue]]
+                ) -> dict[str, list[float]]:
+    """lm-eval's logged samples -> ``"<task>/<metric>"``: per-document scores by doc id, for
+    every metric the results report (named as in ``_collect``)."""
+    out: dict[str, list[float]] = {}
+    for task, rows in logged.items():
+        for row in sorted(rows, key=lambda r: r["doc_id"]):
+            filt = row.get("filter", "none")
+            for metric in scores.get(task, {}):
+                base = metric if filt == "none" else metric.removesuffix(f"_{filt}")
+                value = row.get(base)
+                if (base == metric or metric == f"{base}_{filt}") and isinstance(
+                        value, (int, float, bool)):
+                    out.setdefault(f"{task}/{metric}", []).append(float(value))
+    return out
 
 
 def _config_hash(config: dict[str, Any]) -> str:

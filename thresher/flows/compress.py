@@ -32,6 +32,7 @@ from thresher.evaluate.report import (
 )
 from thresher.flows.pareto import alias_pareto_front
 from thresher.flows.stages import (
+    TASK_SAMPLES_KEY,
     evaluate_artifact,
     publish_artifact,
     publish_gguf,
@@ -40,7 +41,7 @@ from thresher.flows.stages import (
     validate_variant,
 )
 from thresher.flows.summary import publish_summary
-from thresher.formats.artifact import PRUNE_REPORT, STAGE_REPORTS
+from thresher.formats.artifact import PRUNE_REPORT, STAGE_REPORTS, TASK_SAMPLES
 from thresher.models.adapters import get_adapter
 from thresher.models.inspect import parameter_count, weight_bytes
 from thresher.models.layerwise import load_config
@@ -174,8 +175,12 @@ def _run_variant(recipe: Recipe, variant: Variant, base_path: str, base_hash: st
         facts = _artifact_facts(path)
         metrics.update(facts)
         metrics["compression_ratio"] = base_facts["size_bytes"] / facts["size_bytes"]
-        metrics.update(evaluate_artifact(path, content_hash, recipe.eval, store_root,
-                                         label=variant.name))
+        evaluation = evaluate_artifact(path, content_hash, recipe.eval, store_root,
+                                       label=variant.name)
+        task_samples = evaluation.pop(TASK_SAMPLES_KEY, {})
+        metrics.update(evaluation)
+        if task_samples:
+            tracker.log_text(run_id, json.dumps(task_samples), TASK_SAMPLES)
         artifact, model_uri = path, None
         if variant.stages:
             artifact = publish_artifact(
@@ -212,7 +217,7 @@ def _run_variant(recipe: Recipe, variant: Variant, base_path: str, base_hash: st
         record = VariantRecord.from_metrics(
             variant.name, metrics, {"variant": variant.name, "stages": chain},
             prune_report=json.loads(prune_report.read_text()) if prune_report.is_file() else None,
-            run_id=run_id, artifact=artifact, model_uri=model_uri)
+            run_id=run_id, artifact=artifact, model_uri=model_uri, task_samples=task_samples)
         status = "FINISHED"
         return record
     finally:

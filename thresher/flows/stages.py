@@ -28,6 +28,8 @@ from thresher.models.source import hash_directory, resolve_model
 from thresher.paths import build_dir_atomically, write_text_atomically
 from thresher.recipe import CalibrationConfig, EvalConfig, PerplexityConfig, Stage, ValidateConfig
 
+TASK_SAMPLES_KEY = "task_samples"  # evaluate_artifact's per-document scores, beside the metrics
+
 log = logging.getLogger(__name__)
 
 
@@ -85,8 +87,10 @@ def run_stage(input_dir: str, input_hash: str, stage: Stage, calibration: Calibr
 @task(name="evaluate", retries=1, retry_delay_seconds=5, retry_condition_fn=_retry_unless_user_error,
       task_run_name="evaluate-{label}")
 def evaluate_artifact(path: str, content_hash: str, eval_cfg: EvalConfig, store_root: str,
-                      label: str) -> dict[str, float]:
-    """Perplexity (and tasks, when the recipe lists them) of an artifact, cached by content hash."""
+                      label: str) -> dict[str, Any]:
+    """Perplexity (and tasks, when the recipe lists them) of an artifact, cached by content hash.
+
+    Flat metrics, plus the per-document task scores under ``TASK_SAMPLES_KEY``."""
     blob = json.dumps({"artifact": content_hash, "eval": eval_cfg.model_dump(mode="json"),
                        "thresher": __version__}, sort_keys=True)
     cache = Path(store_root) / "evals" / f"{hashlib.sha256(blob.encode()).hexdigest()}.json"
@@ -105,8 +109,10 @@ def evaluate_artifact(path: str, content_hash: str, eval_cfg: EvalConfig, store_
     if eval_cfg.tasks:
         from thresher.evaluate.tasks import run_tasks
 
-        results = run_tasks(model, tokenizer, eval_cfg.tasks, limit=eval_cfg.task_limit)
+        results = run_tasks(model, tokenizer, eval_cfg.tasks, limit=eval_cfg.task_limit,
+                            engine=path)  # generative tasks decode through the serving engine
         metrics.update(results.metrics())
+        metrics[TASK_SAMPLES_KEY] = results.per_sample  # popped by the flow, not an MLflow metric
     write_text_atomically(cache, json.dumps(metrics))
     return metrics
 

@@ -19,6 +19,10 @@ QUANTIZE_REPORT = "quantize_report.json"
 
 STAGE_REPORTS = (PRUNE_REPORT, QUANTIZE_REPORT)
 
+TASK_SAMPLES = "task_samples.json"
+"""Per-document task scores of a variant, ``{"<task>/<metric>": [score by doc id]}`` (a run
+artifact the comparison report pairs with the base's)."""
+
 STORE_COMPLETE = ".thresher-complete.json"
 """Marks a finished entry of the artifact store; holds its key, content hash and stage metrics."""
 

@@ -1,0 +1,76 @@
+"""Is a variant's task score different from the base's, or is it noise?
+
+Every variant answers the same documents as the base, so the question is about paired
+differences: per document, variant score minus base score. Pairing removes the spread between
+easy and hard documents, which dominates an unpaired standard error: two variants that agree on
+most documents can differ beyond noise while their separate ± intervals overlap.
+
+``paired_difference`` gives the mean difference with a percentile bootstrap interval (resampling
+documents, so it works for 0/1 scores and for graded ones such as character similarity alike),
+and the exact two-sided sign test on the documents where the two differ (for 0/1 scores this is
+McNemar's exact test). A difference is beyond noise when the interval excludes zero.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+BOOTSTRAP_ITERS = 2000
+CONFIDENCE = 0.95
+
+
+@dataclass(frozen=True)
+class PairedDifference:
+    """Mean of (variant - base) over the paired documents, its interval and sign-test p-value."""
+
+    delta: float
+    low: float
+    high: float
+    n: int
+    p_value: float
+    confidence: float = CONFIDENCE
+
+    @property
+    def beyond_noise(self) -> bool:
+        """The interval excludes zero."""
+        return self.low > 0 or self.high < 0
+
+    def describe(self, digits: int = 3) -> str:
+        """``-0.042 [-0.071, -0.013] *``: the star marks a difference beyond noise."""
+        text = f"{self.delta:+.{digits}f} [{self.low:+.{digits}f}, {self.high:+.{digits}f}]"
+        return text + (" *" if self.beyond_noise else "")
+
+
+def paired_difference(base: Sequence[float], variant: Sequence[float],
+                      iters: int = BOOTSTRAP_ITERS, confidence: float = CONFIDENCE,
+                      seed: int = 0) -> PairedDifference:
+    """Paired bootstrap interval and sign test of ``variant - base``, document by document."""
+    if len(base) != len(variant):
+        raise ValueError(f"paired scores: base has {len(base)} documents, the variant "
+                         f"{len(variant)}; both must be scored on the same documents")
+    if not base:
+        raise ValueError("paired scores: no documents")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence={confidence}: must be in (0, 1)")
+    diff = np.asarray(variant, dtype=np.float64) - np.asarray(base, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    means = diff[rng.integers(0, len(diff), size=(iters, len(diff)))].mean(axis=1)
+    tail = 100 * (1 - confidence) / 2
+    low, high = np.percentile(means, [tail, 100 - tail])
+    return PairedDifference(float(diff.mean()), float(low), float(high), len(diff),
+                            sign_test(int((diff > 0).sum()), int((diff < 0).sum())), confidence)
+
+
+def sign_test(wins: int, losses: int) -> float:
+    """Exact two-sided binomial p-value of ``wins`` against ``losses`` under p = 1/2 (ties are
+    left out); 1.0 when there are none."""
+    n = wins + losses
+    if n == 0:
+        return 1.0
+    k = min(wins, losses)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0 ** n
+    return min(1.0, 2.0 * tail)
