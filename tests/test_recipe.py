@@ -45,8 +45,8 @@ def test_demo_recipe_shares_prefixes():
     recipe = load_recipe(ROOT / "configs" / "demo.yaml")
     plan = recipe.plan()
     prunes = [s for s in plan if s.stage.kind == "prune"]
-    assert len(prunes) == 1, "REAP-50% is computed once for all reap50 variants"
-    assert set(prunes[0].variants) == {"reap50", "reap50-gptq4", "reap50-awq4", "reap50-nf4"}
+    assert len(prunes) == 1, "the 50% prune is computed once for all auto50 variants"
+    assert set(prunes[0].variants) == {"auto50", "auto50-gptq4", "auto50-awq4", "auto50-nf4"}
     children = [s for s in plan if s.parent == prunes[0].index]
     assert {s.stage.quantize.method for s in children} == {"gptq", "awq", "nf4"}
 
@@ -203,8 +203,8 @@ def test_sweep_round_trips_without_expanding_twice():
 @pytest.mark.parametrize(
     "sweep, variants, words",
     [
-        ({"quantize": {"method": ["gptq", "awq"], "bits": [3, 4]}}, None,
-         ["sweep.quantize:", "4-bit", "method=awq, bits=3", "list of grids"]),
+        ({"quantize": {"method": ["gptq", "nf4"], "bits": [3, 4]}}, None,
+         ["sweep.quantize:", "4-bit", "method=nf4, bits=3", "list of grids"]),
         ({"prune": {"ratio": [0.5, 1.5]}}, None, ["sweep.prune: ratio:", "(0, 1)"]),
         ({"quantize": {"method": "gptq", "bitz": 4}}, None, ["sweep.quantize: bitz: unknown key"]),
         ({"prune": {"ratio": [0.1, 0.2, 0.3]}, "quantize": {"method": "rtn", "bits": [2, 3, 4]},

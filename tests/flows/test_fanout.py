@@ -22,7 +22,7 @@ def test_groups_are_maximal_shared_prefixes():
 def test_variants_without_a_shared_first_stage_run_apart():
     recipe = load_recipe(ROOT / "configs" / "demo.yaml")
     groups = variant_groups(recipe)
-    assert ["reap50", "reap50-gptq4", "reap50-awq4", "reap50-nf4"] in groups
+    assert ["auto50", "auto50-gptq4", "auto50-awq4", "auto50-nf4"] in groups
     assert ["gptq4"] in groups and ["awq4"] in groups and ["nf4"] in groups
     assert sorted(n for g in groups for n in g) == sorted(v.name for v in recipe.variants)
 
