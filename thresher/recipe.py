@@ -192,6 +192,8 @@ class QuantizeStage(StrictModel):
 class RTNStage(QuantizeStage):
     """Round-to-nearest on a min-max grid: no calibration data; written in the GPTQ format."""
 
+    model_config = ConfigDict(title="rtn")  # the choice's label in the Prefect run form
+
     method: Literal["rtn"] = "rtn"
     sym: bool = Field(False, description="symmetric grid")
     scale_search: Literal["minmax", "mse"] = Field(
@@ -202,6 +204,8 @@ class RTNStage(QuantizeStage):
 
 class GPTQStage(QuantizeStage):
     """GPTQ: Hessian-compensated rounding, column by column; written in the GPTQ format."""
+
+    model_config = ConfigDict(title="gptq")  # the choice's label in the Prefect run form
 
     method: Literal["gptq"] = "gptq"
     sym: bool = Field(True, description="symmetric grid")
@@ -238,6 +242,8 @@ class AWQStage(QuantizeStage):
     """AWQ: activation-aware input-channel scaling, then RTN; 4-bit written in the AWQ gemm
     format, 2, 3 and 8 bits in the GPTQ format (the scales are folded into the weights)."""
 
+    model_config = ConfigDict(title="awq")  # the choice's label in the Prefect run form
+
     method: Literal["awq"] = "awq"
     sym: bool = Field(False, description="symmetric grid")
     duo_scaling: bool = Field(True, description="s = x^a / w^(1-a)")
@@ -255,6 +261,8 @@ class AWQStage(QuantizeStage):
 
 class NF4Stage(QuantizeStage):
     """NF4 (bitsandbytes): normal-quantile codes in blocks of 64; no calibration data."""
+
+    model_config = ConfigDict(title="nf4")  # the choice's label in the Prefect run form
 
     method: Literal["nf4"] = "nf4"
     double_quant: bool = Field(False, description="quantize the absmax constants too")
