@@ -23,7 +23,7 @@ def test_quantize_command_refuses_bad_options(tiny_demo, tmp_path):
                                  str(tmp_path / "g")])
     assert result.exit_code == 2
     assert "does not divide the 64 inputs" in result.output
-    result = runner.invoke(app, ["quantize", "--model", str(tiny_demo), "--method", "awq",
+    result = runner.invoke(app, ["quantize", "--model", str(tiny_demo), "--method", "nf4",
                                  "--bits", "3", "--out", str(tmp_path / "a")])
     assert result.exit_code == 2 and "4-bit" in result.output
     assert "Traceback" not in result.output and not list(tmp_path.iterdir())
