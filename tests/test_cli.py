@@ -19,7 +19,7 @@ def test_check_prints_plan():
     result = runner.invoke(app, ["check", str(ROOT / "configs" / "demo.yaml")])
     assert result.exit_code == 0, result.output
     assert "recipe is valid" in result.output
-    assert "prune reap ratio=0.5" in result.output
+    assert "prune auto ratio=0.5" in result.output
 
 
 def test_check_reports_field_without_traceback(tmp_path):
