@@ -133,7 +133,8 @@ def run_recipe(recipe: Recipe, tracking_uri: str | None = None, store_dir: str |
         if recipe.publish.registry_name:
             alias_pareto_front(tracker, records)
         log_report(report, parent, tracking_uri=tracker.uri)
-        publish_summary(report, parent_name, recipe.name, tracker.uri, str(tracker.experiment_id), parent)
+        publish_summary(report, parent_name, recipe.name, tracker.uri, str(tracker.experiment_id),
+                        parent)
         status = "FINISHED"
         return {"parent_run_id": parent, "tracking_uri": tracker.uri,
                 "experiment_id": tracker.experiment_id, "report_dir": str(report.out_dir),
