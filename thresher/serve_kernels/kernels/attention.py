@@ -80,6 +80,37 @@ def paged_prefill_attention_ref(
 
 
 @triton.jit
+def _attend_paged(q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, lo, hi, scale,
+                  stride_bt, num_kv_heads, block_size, HEAD_DIM: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """Online softmax of one sequence's query group over its cached positions [lo, hi): the
+    running max ``m``, denominator and unnormalized output (shared by both decode kernels)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    denom = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        mask_n = pos < hi
+        block = tl.load(block_tables_ptr + seq * stride_bt + pos // block_size, mask=mask_n,
+                        other=0).to(tl.int64)
+        row = ((block * block_size + pos % block_size) * num_kv_heads + kv_head) * HEAD_DIM
+        mask_nd = mask_n[:, None] & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
+        s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(tl.float32).to(DOT_DTYPE))) * scale
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        denom = denom * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(tl.float32).to(DOT_DTYPE))
+        m = m_new
+    return m, denom, acc
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
     scale, stride_qb, stride_bt, num_kv_heads, block_size,
@@ -95,26 +126,9 @@ def _decode_kernel(
     heads = kv_head * GROUP + offs_g
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * HEAD_DIM + offs_d[None, :],
                 mask=mask_gd, other=0.0).to(tl.float32)
-    m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
-    denom = tl.zeros((BLOCK_G,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-    for start in range(0, length, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        mask_n = pos < length
-        block = tl.load(block_tables_ptr + seq * stride_bt + pos // block_size, mask=mask_n,
-                        other=0).to(tl.int64)
-        row = ((block * block_size + pos % block_size) * num_kv_heads + kv_head) * HEAD_DIM
-        mask_nd = mask_n[:, None] & (offs_d[None, :] < HEAD_DIM)
-        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
-        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
-        s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(tl.float32).to(DOT_DTYPE))) * scale
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(tl.float32).to(DOT_DTYPE))
-        m = m_new
+    m, denom, acc = _attend_paged(q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head,
+                                  0, length, scale, stride_bt, num_kv_heads, block_size,
+                                  HEAD_DIM, DOT_DTYPE, BLOCK_G, BLOCK_D, BLOCK_N)
     out = acc / denom[:, None]
     tl.store(out_ptr + seq * stride_qb + heads[:, None] * HEAD_DIM + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask_gd)
@@ -139,26 +153,9 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + offs_g
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * HEAD_DIM + offs_d[None, :],
                 mask=mask_gd, other=0.0).to(tl.float32)
-    m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
-    denom = tl.zeros((BLOCK_G,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        mask_n = pos < hi
-        block = tl.load(block_tables_ptr + seq * stride_bt + pos // block_size, mask=mask_n,
-                        other=0).to(tl.int64)
-        row = ((block * block_size + pos % block_size) * num_kv_heads + kv_head) * HEAD_DIM
-        mask_nd = mask_n[:, None] & (offs_d[None, :] < HEAD_DIM)
-        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
-        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
-        s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(tl.float32).to(DOT_DTYPE))) * scale
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(tl.float32).to(DOT_DTYPE))
-        m = m_new
+    m, denom, acc = _attend_paged(q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head,
+                                  lo, hi, scale, stride_bt, num_kv_heads, block_size,
+                                  HEAD_DIM, DOT_DTYPE, BLOCK_G, BLOCK_D, BLOCK_N)
     has = denom > 0  # an empty partition (past the sequence's end) gets weight exp(-inf) = 0
     out = acc / tl.where(has, denom, 1.0)[:, None]
     lse = tl.where(has, m + tl.log(tl.where(has, denom, 1.0)), float("-inf"))
