@@ -6,13 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.flows.conftest import free_port
+from tests.flows.conftest import free_port, wait_healthy
 from thresher.evaluate.builtin_tasks import prepare_builtin_tasks
 from thresher.evaluate.tasks import run_tasks
 
@@ -38,16 +36,7 @@ def test_served_task_scores_as_in_process(tiny_demo, tmp_path):
             start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 180
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, log.read_text()
-            assert time.time() < deadline, log.read_text()
-            time.sleep(0.5)
+        wait_healthy(url, proc, log, timeout=180)
         manager = TaskManager(include_path=str(prepare_builtin_tasks()), include_defaults=False)
         served = lm_eval.simple_evaluate(
             model="local-completions",

@@ -21,6 +21,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    """Wait until ``url``/health answers 200; fail with the server's log if it dies or stalls."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, log.read_text()
+        assert time.time() < deadline, log.read_text()
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
     """`prefect server start` on a free loopback port with its own database; yields the API URL."""

@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.flows.conftest import free_port
+from tests.flows.conftest import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,16 +29,7 @@ def test_serve_command(tiny_demo, tmp_path):
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, log.read_text()
-            assert time.time() < deadline, log.read_text()
-            time.sleep(0.5)
+        wait_healthy(url, proc, log, timeout=120)
         startup = log.read_text()
         assert "loaded tiny:" in startup and "8 experts" in startup and "MiB" in startup, startup
         assert "serving float32" in startup, startup  # --dtype auto on a CPU
