@@ -1,7 +1,7 @@
 """Task scores of demo-model variants: base, compressed, and deliberately damaged controls.
 
     .venv/bin/python benchmarks/tasks.py [tiny|small] [--limit N] [--gen-limit N]
-        [--model DIR] [--variants reap50,rtn2,...] [--img docs/img]
+        [--model DIR] [--variants reap50,rtn2,...|demo] [--img docs/img]
 
 Builds each variant through thresher's own stages (prune_model, quantize_model) in a temporary
 directory, plus a noise-damaged control (saved, so that the engine can load it), then measures
@@ -51,19 +51,32 @@ VARIANTS = {
     "reap50-gptq4": [PruneStage(method="reap", ratio=0.5),
                      QuantizeStage(method="gptq", bits=4, group_size=128, act_order=True)],
 }
+# configs/demo.yaml's variants (``--variants demo``): the ordering issue 20 asks the task to keep.
+_AUTO50 = PruneStage(method="auto", ratio=0.5)
+_DEMO_QUANT = {"gptq4": VARIANTS["gptq4"][0],
+               "awq4": QuantizeStage(method="awq", bits=4, group_size=128),
+               "nf4": VARIANTS["nf4"][0]}
+VARIANTS.update({"awq4": [_DEMO_QUANT["awq4"]], "auto50": [_AUTO50]})
+VARIANTS.update({f"auto50-{q}": [_AUTO50, stage] for q, stage in _DEMO_QUANT.items()})
+SETS = {"demo": "gptq4,awq4,nf4,auto50,auto50-gptq4,auto50-awq4,auto50-nf4"}
 DEFAULT_VARIANTS = "reap50,random75,rtn2"
 PRIMARY = {"stdlib_complete_line": "char_similarity", "stdlib_function_body": "char_similarity"}
 
 
-def build_variant(name: str, base: Path, stages: list, work: Path) -> Path:
+def build_variant(name: str, base: Path, stages: list, work: Path,
+                  built: dict[tuple, Path]) -> Path:
+    """Run ``stages`` on ``base``; a stage prefix another variant already ran is reused."""
     path = base
     for i, stage in enumerate(stages):
-        out = work / f"{name}-{i}"
-        if isinstance(stage, PruneStage):
-            prune_model(path, stage, CALIBRATION, out)
-        else:
-            quantize_model(path, stage, CALIBRATION, out, show_progress=False)
-        path = out
+        key = tuple(s.describe() for s in stages[: i + 1])
+        if key not in built:
+            out = work / f"{name}-{i}"
+            if isinstance(stage, PruneStage):
+                prune_model(path, stage, CALIBRATION, out)
+            else:
+                quantize_model(path, stage, CALIBRATION, out, show_progress=False)
+            built[key] = out
+        path = built[key]
     return path
 
 
@@ -87,7 +100,8 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None,
                         help="a trained model directory to use as the base (another seed)")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
-                        help=f"comma-separated, of {', '.join(VARIANTS)}")
+                        help=f"comma-separated, of {', '.join(VARIANTS)}; or 'demo' for "
+                             "configs/demo.yaml's variants")
     parser.add_argument("--tasks", default=",".join([*MULTIPLE_CHOICE, *GENERATIVE]))
     parser.add_argument("--img", type=Path, default=None, help="copy the plots here")
     parser.add_argument("--limit", type=int, default=None,
@@ -100,16 +114,16 @@ def main() -> None:
     heldout = PerplexityConfig(seq_len=256, max_windows=64)
     params = parameter_count(base)
     tasks = args.tasks.split(",")
-    names = args.variants.split(",") if args.variants else []
+    names = SETS.get(args.variants, args.variants).split(",") if args.variants else []
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         parser.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
     work = Path(tempfile.mkdtemp(prefix="thresher-bench-tasks-"))
     records, timings = [], {}
     try:
-        variants = {"base": base}
+        variants, built = {"base": base}, {}
         for name in names:
-            variants[name] = build_variant(name, base, VARIANTS[name], work)
+            variants[name] = build_variant(name, base, VARIANTS[name], work, built)
         variants["noise2.0"] = noise_damaged(base, work / "noise2.0")
         for name, path in variants.items():
             ppl = heldout_perplexity(load_model(path), heldout, tokenizer=tokenizer,
