@@ -16,7 +16,9 @@ scaled per ``nested_blocksize`` codes by ``nested_absmax``, plus ``nested_offset
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -32,6 +34,17 @@ STATE_KEY = "weight.quant_state.bitsandbytes__nf4"
 TENSOR_NAMES = ("weight", "weight.absmax", "weight.quant_map", "weight.nested_absmax",
                 "weight.nested_quant_map", STATE_KEY)  # relative to the module; nested_* optional
 QUANT_TYPE = "nf4"
+
+
+@functools.cache
+def bitsandbytes_functional() -> Any:
+    """``bitsandbytes.functional``, imported on first use, without the warning bitsandbytes' CPU
+    backend logs at import when the optional ``kernels`` package is missing (it then runs its own
+    native library, which is what thresher uses)."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    import bitsandbytes.functional as bnbf
+
+    return bnbf
 
 
 @dataclass
@@ -65,10 +78,8 @@ class NF4Weight:
     def state(self) -> bnbf.QuantState:
         """This weight's bitsandbytes ``QuantState``, to hand it back to bitsandbytes (imports
         bitsandbytes)."""
-        import bitsandbytes.functional as bnbf
-
         fields = {k.removeprefix("weight."): v for k, v in pack_nf4(self).items() if k != "weight"}
-        return bnbf.QuantState.from_dict(fields, self.packed.device)
+        return bitsandbytes_functional().QuantState.from_dict(fields, self.packed.device)
 
     def absmax_fp32(self) -> torch.Tensor:
         """Per-block absmax in fp32, dequantizing the double-quantized form if present."""

@@ -5,8 +5,9 @@ AWQ gemm (``qweight/qzeros/scales``) and bitsandbytes NF4 (``weight`` bytes + qu
 packed tensors are kept as published; each forward calls the matching kernel, which dequantizes
 tile by tile (Triton) or, on a CPU, runs the kernel's PyTorch reference. ``pack_for_cpu`` (called
 by the loader for a CPU model) adds a copy of each 4-bit GPTQ/AWQ weight in the layout of torch's
-CPU int4 kernel (and of each per-channel 8-bit GPTQ weight for its int8 kernel), which CPU
-forwards then use instead of dequantizing the whole matrix per call.
+CPU int4 kernel (and of each per-channel 8-bit GPTQ weight for its int8 kernel, and of each NF4
+weight for bitsandbytes' CPU NF4 kernel where the CPU has AVX512-BF16), which CPU forwards then use
+instead of dequantizing the whole matrix per call.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from thresher.serve_kernels.kernels.cpu_int4 import (
     pack_gptq_int4,
 )
 from thresher.serve_kernels.kernels.cpu_int8 import Int8Pack, int8_matmul, pack_int8
+from thresher.serve_kernels.kernels.cpu_nf4 import NF4Pack, nf4_cpu_matmul, pack_nf4_cpu
 
 
 class DenseLinear(nn.Module):
@@ -131,9 +133,22 @@ class NF4Linear(nn.Module):
         self.nf4 = weight
         self.register_buffer("bias", bias)
         self.out_features, self.in_features = weight.shape
+        self.cpu_pack: NF4Pack | None = None
+
+    @property
+    def cpu_packs(self) -> list[NF4Pack]:
+        return [] if self.cpu_pack is None else [self.cpu_pack]
+
+    def pack_for_cpu(self) -> None:
+        """Convert the weight for bitsandbytes' CPU NF4 kernel (left unset on CPUs without it,
+        or where the kernel cannot hold the shape)."""
+        self.cpu_pack = pack_nf4_cpu(self.nf4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = nf4_matmul(x, self.nf4)
+        if self.cpu_pack is not None and use_cpu_kernels(x):
+            y = nf4_cpu_matmul(x, self.cpu_pack)
+        else:
+            y = nf4_matmul(x, self.nf4)
         return y if self.bias is None else y + self.bias
 
     def _apply(self, fn, recurse: bool = True):  # move the packed tensors with the module

@@ -1,0 +1,64 @@
+"""The tiny demo's NF4 artifact on bitsandbytes' CPU NF4 kernel against the dequantizing reference.
+
+The kernel runs in bf16 (activations and absmax rounded), the reference in fp32 from the same
+codes, so the two differ by bf16 rounding only; greedy continuations must agree token for token
+and the prompt logits within a small fraction of their scale (their argmax agreeing except at
+near-ties: one position of a 264-token prompt flipped when measured).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.serve_kernels.conftest import prompt_logits
+from thresher.compress.api import quantize_model
+from thresher.recipe import NF4Stage
+from thresher.serve_kernels import LLM, SamplingParams
+from thresher.serve_kernels.kernels import cpu_nf4
+from thresher.serve_kernels.modeling.linear import NF4Linear
+
+PROMPTS = [[5, 17, 300, 42, 9, 77], [1023, 4000, 12, 3, 250], [61, 8, 99, 1500, 31, 7, 2, 640]]
+
+pytestmark = pytest.mark.skipif(not cpu_nf4.cpu_nf4_available(),
+                                reason="bitsandbytes' CPU NF4 kernel needs AVX512-BF16")
+
+
+@pytest.fixture(scope="module")
+def nf4_llm(tiny_demo, tmp_path_factory):
+    out = tmp_path_factory.mktemp("nf4") / "q"
+    quantize_model(tiny_demo, NF4Stage(double_quant=True), None, out, show_progress=False)
+    return LLM(out, max_model_len=256)
+
+
+def test_every_nf4_layer_takes_the_fast_path(nf4_llm):
+    layers = [m for m in nf4_llm.engine.runner.model.modules() if isinstance(m, NF4Linear)]
+    assert layers and all(m.cpu_pack is not None for m in layers)
+
+
+def test_greedy_tokens_and_logits_match_reference(nf4_llm, monkeypatch):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    fast = [o.token_ids for o in nf4_llm.generate(PROMPTS, params)]
+    fast_logits = prompt_logits(nf4_llm, PROMPTS[2])
+    long_prompt = (PROMPTS[0] * 50)[: cpu_nf4.DEQUANTIZE_ROWS + 8]  # the dequantizing branch
+    fast_long = prompt_logits(nf4_llm, long_prompt)
+    monkeypatch.setenv("THRESHER_KERNELS", "torch")
+    assert [o.token_ids for o in nf4_llm.generate(PROMPTS, params)] == fast
+    for got, ids in ((fast_logits, PROMPTS[2]), (fast_long, long_prompt)):
+        ref = prompt_logits(nf4_llm, ids)
+        assert (got - ref).abs().max() < 0.02 * ref.abs().max()
+        assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95  # near-ties may flip
+
+
+def test_pack_matches_reference_and_refuses_odd_shapes():
+    from thresher.compress.nf4 import nf4_quantize
+    from thresher.serve_kernels.kernels.nf4 import nf4_matmul_ref
+
+    w = nf4_quantize(torch.randn(96, 192, generator=torch.Generator().manual_seed(0)), True,
+                     torch.float32)
+    pack = cpu_nf4.pack_nf4_cpu(w)
+    for rows in (1, 7, cpu_nf4.DEQUANTIZE_ROWS):
+        x = torch.randn(rows, 192)
+        ref = nf4_matmul_ref(x, w)
+        assert (cpu_nf4.nf4_cpu_matmul(x, pack) - ref).abs().max() < 0.01 * ref.abs().max()
+    assert cpu_nf4.pack_nf4_cpu(nf4_quantize(torch.randn(40, 192), False, torch.float32)) is None
