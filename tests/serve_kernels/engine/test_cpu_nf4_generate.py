@@ -17,6 +17,7 @@ from thresher.recipe import NF4Stage
 from thresher.serve_kernels import LLM, SamplingParams
 from thresher.serve_kernels.kernels import cpu_nf4
 from thresher.serve_kernels.modeling.linear import NF4Linear
+from thresher.serve_kernels.modeling.moe import ExpertLoop
 
 PROMPTS = [[5, 17, 300, 42, 9, 77], [1023, 4000, 12, 3, 250], [61, 8, 99, 1500, 31, 7, 2, 640]]
 
@@ -32,8 +33,14 @@ def nf4_llm(tiny_demo, tmp_path_factory):
 
 
 def test_every_nf4_layer_takes_the_fast_path(nf4_llm):
-    layers = [m for m in nf4_llm.engine.runner.model.modules() if isinstance(m, NF4Linear)]
-    assert layers and all(m.cpu_pack is not None for m in layers)
+    model = nf4_llm.engine.runner.model
+    loops = [m for m in model.modules() if isinstance(m, ExpertLoop)]
+    assert len(loops) == len(model.layers) and all(loop.cpu_packs for loop in loops)
+    inside = {id(m) for loop in loops for m in loop.modules()}
+    dense = [m for m in model.modules() if isinstance(m, NF4Linear) and id(m) not in inside]
+    assert dense and all(m.cpu_pack is not None for m in dense)
+    gate_up = loops[0].cpu_gate_up[0]  # gate and up of an expert in one pack
+    assert gate_up.out_features == 2 * loops[0].gate[0].out_features
 
 
 def test_greedy_tokens_and_logits_match_reference(nf4_llm, monkeypatch):
@@ -62,3 +69,14 @@ def test_pack_matches_reference_and_refuses_odd_shapes():
         ref = nf4_matmul_ref(x, w)
         assert (cpu_nf4.nf4_cpu_matmul(x, pack) - ref).abs().max() < 0.01 * ref.abs().max()
     assert cpu_nf4.pack_nf4_cpu(nf4_quantize(torch.randn(40, 192), False, torch.float32)) is None
+
+
+def test_concat_rows_is_exact():
+    from thresher.compress.nf4 import nf4_quantize
+
+    parts = [nf4_quantize(torch.randn(n, 128), True, torch.float32) for n in (64, 32)]
+    merged = cpu_nf4.concat_rows(parts)
+    assert merged.shape == (96, 128)
+    assert torch.equal(merged.dequantize_fp32(), torch.cat([p.dequantize_fp32() for p in parts]))
+    odd = [nf4_quantize(torch.randn(8, 100), False, torch.float32) for _ in range(2)]
+    assert cpu_nf4.concat_rows(odd) is None  # 64-element blocks straddle rows of 100

@@ -203,11 +203,15 @@ def _merged_bias(parts: list[nn.Module]) -> torch.Tensor | None:
                       for p in parts])
 
 
-def pack_for_cpu(model: nn.Module) -> None:
-    """Convert every quantized layer that has a CPU kernel (see ``cpu_int4``), once, at load."""
-    for m in model.modules():
-        if hasattr(m, "pack_for_cpu"):
-            m.pack_for_cpu()
+def pack_for_cpu(module: nn.Module) -> None:
+    """Convert every quantized layer that has a CPU kernel (see ``cpu_int4``), once, at load. A
+    module with its own ``pack_for_cpu`` converts its children as it sees fit (an expert loop
+    packs gate and up together)."""
+    if hasattr(module, "pack_for_cpu"):
+        module.pack_for_cpu()
+        return
+    for child in module.children():
+        pack_for_cpu(child)
 
 
 def packed_bytes(module: nn.Module) -> int:
