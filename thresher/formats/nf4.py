@@ -104,6 +104,23 @@ class NF4Weight:
         return self.dequantize_fp32().to(self.dtype).float()
 
 
+def concat_rows(weights: list[NF4Weight]) -> NF4Weight | None:
+    """One NF4 weight whose rows are those of ``weights`` in order (q above k above v, gate
+    above up), exact: the blocks run along the flattened rows, so with whole blocks per row the
+    codes and absmax of each part simply follow each other (the absmax comes out fp32, double
+    quantization undone). None when blocks straddle rows or the parts differ otherwise."""
+    first = weights[0]
+    if first.shape[1] % first.blocksize or any(
+            w.shape[1] != first.shape[1] or w.blocksize != first.blocksize
+            or w.dtype != first.dtype or not torch.equal(w.quant_map, first.quant_map)
+            for w in weights):
+        return None
+    return NF4Weight(torch.cat([w.packed.reshape(-1) for w in weights]),
+                     torch.cat([w.absmax_fp32().float() for w in weights]), first.quant_map,
+                     (sum(w.shape[0] for w in weights), first.shape[1]), first.blocksize,
+                     dtype=first.dtype)
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

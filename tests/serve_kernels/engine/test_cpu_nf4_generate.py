@@ -13,6 +13,7 @@ import torch
 
 from tests.serve_kernels.conftest import prompt_logits
 from thresher.compress.api import quantize_model
+from thresher.formats.nf4 import concat_rows
 from thresher.recipe import NF4Stage
 from thresher.serve_kernels import LLM, SamplingParams
 from thresher.serve_kernels.kernels import cpu_nf4
@@ -75,8 +76,8 @@ def test_concat_rows_is_exact():
     from thresher.compress.nf4 import nf4_quantize
 
     parts = [nf4_quantize(torch.randn(n, 128), True, torch.float32) for n in (64, 32)]
-    merged = cpu_nf4.concat_rows(parts)
+    merged = concat_rows(parts)
     assert merged.shape == (96, 128)
     assert torch.equal(merged.dequantize_fp32(), torch.cat([p.dequantize_fp32() for p in parts]))
     odd = [nf4_quantize(torch.randn(8, 100), False, torch.float32) for _ in range(2)]
-    assert cpu_nf4.concat_rows(odd) is None  # 64-element blocks straddle rows of 100
+    assert concat_rows(odd) is None  # 64-element blocks straddle rows of 100

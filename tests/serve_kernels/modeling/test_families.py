@@ -19,8 +19,8 @@ from thresher.serve_kernels import LLM, SamplingParams
 from thresher.serve_kernels.kernels.cpu_nf4 import cpu_nf4_available
 from thresher.serve_kernels.modeling.linear import (
     AWQLinear,
-    ConcatLinear,
     GPTQLinear,
+    NF4Linear,
     packed_bytes,
 )
 from thresher.serve_kernels.modeling.moe import ExpertLoop, FusedExperts
@@ -100,8 +100,8 @@ def test_quantized_artifact_matches_dequantizing_loader(moe_dirs, tmp_path, fami
     assert all(bool(layer.mlp.experts.cpu_packs) == (
         has_int4 if isinstance(layer.mlp.experts, FusedExperts) else has_nf4)
         for layer in model.layers)
-    # GPTQ/AWQ q, k and v are one packed linear (one launch); NF4 keeps them side by side
-    fused = (ConcatLinear if stage.method == "nf4" else (GPTQLinear, AWQLinear))
+    # q, k and v are one packed linear (one launch, one CPU kernel call)
+    fused = (NF4Linear if stage.method == "nf4" else (GPTQLinear, AWQLinear))
     assert all(isinstance(layer.attn.qkv, fused) for layer in model.layers)
     reference = load_quantized_model(out)
     with torch.no_grad():

@@ -82,21 +82,6 @@ def pack_nf4_cpu(weight: NF4Weight) -> NF4Pack | None:
     return NF4Pack(packed.contiguous(), state, plain.state, weight.packed)
 
 
-def concat_rows(weights: list[NF4Weight]) -> NF4Weight | None:
-    """One NF4 weight whose rows are those of ``weights`` in order (gate above up), exact: the
-    blocks run along the flattened rows, so with whole blocks per row the codes and absmax of
-    each part simply follow each other. None when blocks straddle rows or the parts differ."""
-    first = weights[0]
-    if first.shape[1] % first.blocksize or any(
-            w.shape[1] != first.shape[1] or w.blocksize != first.blocksize
-            or not torch.equal(w.quant_map, first.quant_map) for w in weights):
-        return None
-    return NF4Weight(torch.cat([w.packed.reshape(-1) for w in weights]),
-                     torch.cat([w.absmax_fp32().float() for w in weights]), first.quant_map,
-                     (sum(w.shape[0] for w in weights), first.shape[1]), first.blocksize,
-                     dtype=first.dtype)
-
-
 def nf4_cpu_matmul(x: torch.Tensor, pack: NF4Pack) -> torch.Tensor:
     """x @ W.T for x [..., K] on the CPU kernel (bf16 inside), returned in x's dtype."""
     bnbf = bitsandbytes_functional()

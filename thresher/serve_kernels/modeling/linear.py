@@ -20,7 +20,7 @@ from torch import nn
 from thresher.errors import ArtifactError
 from thresher.formats.config import PackedFormat
 from thresher.formats.gptq import unpack_gptq
-from thresher.formats.nf4 import STATE_KEY, TENSOR_NAMES, NF4Weight, unpack_nf4
+from thresher.formats.nf4 import STATE_KEY, TENSOR_NAMES, NF4Weight, concat_rows, unpack_nf4
 from thresher.models.checkpoint import CheckpointReader
 from thresher.serve_kernels.kernels import awq_matmul, gptq_matmul, nf4_matmul
 from thresher.serve_kernels.kernels.backend import use_cpu_kernels
@@ -177,7 +177,8 @@ class ConcatLinear(nn.Module):
 def merge_linears(parts: list[nn.Module]) -> nn.Module:
     """One linear computing ``cat([p(x) for p in parts], -1)``: a single matmul when every part
     is 16-bit (q|k|v, gate|up), or GPTQ / AWQ with the same bits, groups and (GPTQ) g_idx, whose
-    packed tensors concatenate exactly along the output dim; else the parts side by side."""
+    packed tensors concatenate exactly along the output dim, or NF4 with whole blocks per row
+    (``concat_rows``); else the parts side by side."""
     if all(isinstance(p, DenseLinear) for p in parts):
         return DenseLinear(torch.cat([p.weight for p in parts]), _merged_bias(parts))
     if all(isinstance(p, GPTQLinear) for p in parts) and len(
@@ -191,6 +192,10 @@ def merge_linears(parts: list[nn.Module]) -> nn.Module:
         cat = lambda name: torch.cat([getattr(p, name) for p in parts], dim=1)  # noqa: E731
         return AWQLinear(cat("qweight"), cat("qzeros"), cat("scales"), parts[0].group_size,
                          _merged_bias(parts))
+    if all(isinstance(p, NF4Linear) for p in parts):
+        merged = concat_rows([p.nf4 for p in parts])
+        if merged is not None:
+            return NF4Linear(merged, _merged_bias(parts))
     return ConcatLinear(parts)
 
 

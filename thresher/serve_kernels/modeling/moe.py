@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from thresher.formats.nf4 import concat_rows
 from thresher.serve_kernels.kernels import ExpertWeights, fused_moe, silu_and_mul
 from thresher.serve_kernels.kernels.backend import use_cpu_kernels, use_triton
 from thresher.serve_kernels.kernels.cpu_int4 import (
@@ -28,12 +29,7 @@ from thresher.serve_kernels.kernels.cpu_int4 import (
     pack_awq_int4,
     pack_gptq_int4,
 )
-from thresher.serve_kernels.kernels.cpu_nf4 import (
-    NF4Pack,
-    concat_rows,
-    nf4_cpu_matmul,
-    pack_nf4_cpu,
-)
+from thresher.serve_kernels.kernels.cpu_nf4 import NF4Pack, nf4_cpu_matmul, pack_nf4_cpu
 from thresher.serve_kernels.kernels.w4a16 import awq_dequantize, gptq_dequantize
 from thresher.serve_kernels.modeling.linear import (
     AWQLinear,
