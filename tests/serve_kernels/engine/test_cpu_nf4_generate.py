@@ -22,8 +22,8 @@ from thresher.serve_kernels.modeling.moe import ExpertLoop
 
 PROMPTS = [[5, 17, 300, 42, 9, 77], [1023, 4000, 12, 3, 250], [61, 8, 99, 1500, 31, 7, 2, 640]]
 
-pytestmark = pytest.mark.skipif(not cpu_nf4.cpu_nf4_available(),
-                                reason="bitsandbytes' CPU NF4 kernel needs AVX512-BF16")
+requires_kernel = pytest.mark.skipif(not cpu_nf4.cpu_nf4_available(),
+                                     reason="bitsandbytes' CPU NF4 kernel needs AVX512-BF16")
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +33,7 @@ def nf4_llm(tiny_demo, tmp_path_factory):
     return LLM(out, max_model_len=256)
 
 
+@requires_kernel
 def test_every_nf4_layer_takes_the_fast_path(nf4_llm):
     model = nf4_llm.engine.runner.model
     loops = [m for m in model.modules() if isinstance(m, ExpertLoop)]
@@ -44,6 +45,7 @@ def test_every_nf4_layer_takes_the_fast_path(nf4_llm):
     assert gate_up.out_features == 2 * loops[0].gate[0].out_features
 
 
+@requires_kernel
 def test_greedy_tokens_and_logits_match_reference(nf4_llm, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     fast = [o.token_ids for o in nf4_llm.generate(PROMPTS, params)]
@@ -58,6 +60,7 @@ def test_greedy_tokens_and_logits_match_reference(nf4_llm, monkeypatch):
         assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95  # near-ties may flip
 
 
+@requires_kernel
 def test_pack_matches_reference_and_refuses_odd_shapes():
     from thresher.compress.nf4 import nf4_quantize
     from thresher.serve_kernels.kernels.nf4 import nf4_matmul_ref
@@ -81,3 +84,16 @@ def test_concat_rows_is_exact():
     assert torch.equal(merged.dequantize_fp32(), torch.cat([p.dequantize_fp32() for p in parts]))
     odd = [nf4_quantize(torch.randn(8, 100), False, torch.float32) for _ in range(2)]
     assert concat_rows(odd) is None  # 64-element blocks straddle rows of 100
+
+
+def test_without_the_kernel_nf4_keeps_the_reference(tiny_demo, tmp_path, monkeypatch):
+    """A CPU without AVX512-BF16 (the probe answering no): nothing is converted, bitsandbytes'
+    kernel is never called, and decoding runs on the reference."""
+    out = tmp_path / "q"
+    quantize_model(tiny_demo, NF4Stage(), None, out, show_progress=False)
+    monkeypatch.setattr(cpu_nf4, "cpu_nf4_available", lambda: False)
+    llm = LLM(out, max_model_len=64)
+    model = llm.engine.runner.model
+    assert not any(getattr(m, "cpu_packs", None) for m in model.modules())
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert len(llm.generate(PROMPTS[:1], params)[0].token_ids) == 8

@@ -33,9 +33,9 @@ BLOCK_N = 32  # output rows per block of bitsandbytes' CPU layout
 
 @functools.cache
 def cpu_nf4_available() -> bool:
-    """True when this CPU and bitsandbytes build have the native NF4 gemv (AVX512-BF16)."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return False
+    """True when this CPU and bitsandbytes build have the native NF4 gemv: bitsandbytes registers
+    its CPU ``gemv_4bit`` only where its own probe, ``has_avx512bf16()``, says AVX512-BF16 (torch's
+    ``get_cpu_capability()`` says AVX512 without telling whether BF16 is there)."""
     try:
         return bool(bitsandbytes_functional().has_avx512bf16())
     except ImportError:
