@@ -43,6 +43,9 @@ def test_every_nf4_layer_takes_the_fast_path(nf4_llm):
     assert dense and all(m.cpu_pack is not None for m in dense)
     gate_up = loops[0].cpu_gate_up[0]  # gate and up of an expert in one pack
     assert gate_up.out_features == 2 * loops[0].gate[0].out_features
+    # the reference's gate and up read the pack's published bytes, not a second copy
+    storage = gate_up.published.untyped_storage().data_ptr()
+    assert loops[0].up[0].nf4.packed.untyped_storage().data_ptr() == storage
 
 
 @requires_kernel

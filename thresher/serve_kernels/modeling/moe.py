@@ -15,6 +15,7 @@ the experts that got tokens instead of dequantizing their matrices on every step
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -185,6 +186,11 @@ class ExpertLoop(nn.Module):
             down = [pack_nf4_cpu(d.nf4) for d in self.down]
             if None not in gate_up and None not in down:
                 self.cpu_gate_up, self.cpu_down = gate_up, down
+                for g, u, w in zip(self.gate, self.up, merged, strict=True):
+                    # the reference linears read views of the merged bytes: one published copy
+                    split = g.nf4.packed.numel()
+                    g.nf4 = dataclasses.replace(g.nf4, packed=w.packed[:split])
+                    u.nf4 = dataclasses.replace(u.nf4, packed=w.packed[split:])
                 return
         for m in linears:
             if hasattr(m, "pack_for_cpu"):
