@@ -9,9 +9,10 @@ multiple of 32 and whole blocks per row (K a multiple of the blocksize); other l
 reference.
 
 The kernel runs in bf16 (activations and absmax rounded to bf16) and its time grows with the
-number of rows like a loop of matvecs: from 1 to ~128 rows it beats dequantize-then-matmul, on
-long prefills the bf16 matrix dequantized by bitsandbytes' native routine plus one dense matmul is
-faster (measured, docs/benchmarks.md), so calls with ``DEQUANTIZE_ROWS`` rows or more take that.
+number of rows like a loop of matvecs: up to 16-64 rows it beats dequantize-then-matmul clearly,
+from 256 rows the bf16 matrix dequantized by bitsandbytes' native routine plus one dense matmul
+is faster (``benchmarks/cpu_nf4.py``, docs/benchmarks.md; at 128 it went both ways), so calls with
+``DEQUANTIZE_ROWS`` rows or more take that.
 
 The kernel exists only on CPUs with AVX512-BF16 (bitsandbytes registers it only there); elsewhere
 ``cpu_nf4_available`` is False and NF4 layers keep the dequantizing reference.
