@@ -1,19 +1,28 @@
-"""CPU greedy decode: a memory-bound random Qwen3-MoE in 16 bits against its 4-bit artifacts.
+"""CPU greedy decode: a memory-bound random Qwen3-MoE in 16 bits, its 4-bit artifacts, and the
+same weights in llama.cpp, side by side in one run.
 
-    python benchmarks/cpu_decode.py                   # 10 layers, about 1.1 GB in bf16
-    python benchmarks/cpu_decode.py --layers 4        # smaller, for a loaded machine
+    PYTHONPATH=. python benchmarks/cpu_decode.py --threads 2 --formats gptq4 awq4 nf4 \
+        --dtypes float32 bfloat16                      # the whole table: 10 layers, ~1.1 GB bf16
+    PYTHONPATH=. python benchmarks/cpu_decode.py --layers 2 --threads 2   # small, loaded machine
 
 Run it from the repository root with ``PYTHONPATH=.`` when the editable install points at
 another checkout.
 
 Builds the checkpoint of ``quant_scale`` (hidden 1024, 8 experts of 2048, top-2) on disk,
 quantizes it with thresher (RTN: GPTQ's format without the calibration time; AWQ with a few
-calibration samples), and times greedy decode through the engine for each variant at each
-concurrency: decode tokens per second = new tokens / (time of N+1 tokens - time of 1 token), so
-prefill is left out. Bandwidth use = weight bytes one decode step reads per sequence (attention,
-router, top-k of the experts, lm_head; the packed bytes a 4-bit layer's kernel reads) x tokens/s
-at concurrency 1, against a 512 MB copy (read + write bytes) timed in the same run. Prints a
-table; the files are deleted at the end unless --keep.
+calibration samples; NF4 through bitsandbytes), and times greedy decode through the engine for
+each variant at each concurrency: decode tokens per second = new tokens / (time of N+1 tokens -
+time of 1 token), so prefill is left out. The same bf16 checkpoint is exported with thresher's
+GGUF exporter (``--gguf-types``, default f16 q8_0 q4_0) and decoded greedily by llama.cpp
+(llama-cpp-python, ``make llama``) with the same thread count, prompt excluded; at batch 1 only
+(llama-cpp-python's ``Llama`` decodes one sequence; its c=16 cells are left empty). Without
+llama-cpp-python those rows are skipped with a message.
+
+Bandwidth use = weight bytes one decode step reads per sequence (attention, router, top-k of the
+experts, lm_head; the packed bytes a 4-bit layer's kernel reads; for GGUF the tensor bytes with
+expert tensors scaled by top-k / experts, the embedding table left out) x tokens/s at
+concurrency 1, against a 512 MB copy (read + write bytes) timed in the same run. Prints one table
+and the ratios the issue asks for; the files are deleted at the end unless --keep or --workdir.
 """
 
 from __future__ import annotations
@@ -31,17 +40,20 @@ from pathlib import Path
 import torch
 from quant_scale import build_checkpoint
 
+from thresher.export import export_gguf
+from thresher.export.llama_runtime import INSTALL_HINT, LLAMA_CPP_AVAILABLE, LlamaCppModel
 from thresher.serve_kernels import LLM, SamplingParams
 from thresher.serve_kernels.modeling.linear import DenseLinear
-from thresher.serve_kernels.modeling.moe import FusedExperts
+from thresher.serve_kernels.modeling.moe import ExpertLoop, FusedExperts
 
 PROMPT = [5, 17, 300, 42, 9, 77, 1023, 400, 12, 3, 250, 61, 8, 99, 150, 31]
 QUANTIZE = {
     "gptq4": ["--method", "rtn", "--bits", "4", "--group-size", "128"],
     "awq4": ["--method", "awq", "--bits", "4", "--group-size", "128", "--samples", "4",
              "--seq-len", "64"],
-    "nf4": ["--method", "nf4"],  # no CPU kernel: the dequantizing reference, for the ratio
+    "nf4": ["--method", "nf4"],  # bitsandbytes' CPU NF4 kernel where the CPU has AVX512-BF16
 }
+NAMES = {"gptq4": "GPTQ-4 (RTN g128)", "awq4": "AWQ-4 g128", "nf4": "NF4"}
 
 
 def copy_bandwidth(mb: int = 512) -> float:
@@ -60,22 +72,54 @@ def bytes_per_token(llm: LLM) -> int | None:
     """Weight bytes one decode step reads for one sequence (see the module docstring); None when
     a layer runs a dequantizing reference, whose traffic is not its weight bytes."""
     model = llm.engine.runner.model
-    total = 0
-    for m in model.modules():
-        if isinstance(m, FusedExperts):
-            if m.format != "dense" and not m.cpu_packs:
-                return None
-            full = (sum(p.nbytes for p in m.cpu_packs) if m.cpu_packs else
-                    sum(b.numel() * b.element_size() for b in m.buffers()))
-            experts = m.gate_up_weight.shape[0]
-            total += full * model.layers[0].mlp.top_k // experts
-        elif isinstance(m, DenseLinear):
-            total += m.weight.numel() * m.weight.element_size()
-        elif getattr(m, "cpu_packs", None):
-            total += sum(p.nbytes for p in m.cpu_packs)
-        elif hasattr(m, "qweight") or hasattr(m, "nf4"):
+    return module_bytes(model, model.layers[0].mlp.top_k)
+
+
+def module_bytes(module: torch.nn.Module, top_k: int) -> int | None:
+    """Bytes the linears under ``module`` read per token, top_k of each layer's experts."""
+    if isinstance(module, FusedExperts):
+        if module.format != "dense" and not module.cpu_packs:
             return None
+        full = (sum(p.nbytes for p in module.cpu_packs) if module.cpu_packs else
+                sum(b.numel() * b.element_size() for b in module.buffers()))
+        return full * top_k // module.gate_up_weight.shape[0]
+    if isinstance(module, ExpertLoop) and module.cpu_packs:
+        return sum(p.nbytes for p in module.cpu_packs) * top_k // len(module.gate)
+    if isinstance(module, ExpertLoop):
+        full = [module_bytes(m, top_k) for m in (*module.gate, *module.up, *module.down)]
+        return None if None in full else sum(full) * top_k // len(module.gate)
+    if isinstance(module, DenseLinear):
+        return module.weight.numel() * module.weight.element_size()
+    if getattr(module, "cpu_packs", None):
+        return sum(p.nbytes for p in module.cpu_packs)
+    if hasattr(module, "qweight") or hasattr(module, "nf4"):
+        return None
+    parts = [module_bytes(m, top_k) for m in module.children()]
+    return None if None in parts else sum(parts)
+
+
+def gguf_bytes_per_token(path: Path, experts: int, top_k: int) -> int:
+    """Tensor bytes a llama.cpp decode step reads per token: every tensor but the embedding
+    table (one row of it), the expert tensors scaled by top_k / experts."""
+    import gguf
+
+    total = 0
+    for t in gguf.GGUFReader(path).tensors:
+        if t.name.startswith("token_embd"):
+            continue
+        n = int(t.n_bytes)
+        total += n * top_k // experts if "_exps" in t.name else n
     return total
+
+
+def llama_decode_rate(path: Path, tokens: int, threads: int) -> float:
+    """llama.cpp's greedy decode tokens per second at batch 1, prompt excluded (best of two)."""
+    llm = LlamaCppModel(path, n_ctx=len(PROMPT) + tokens + 8, n_threads=threads)
+    try:
+        llm.greedy(PROMPT, 4)  # warm up
+        return max(llm.greedy(PROMPT, tokens)[1].tokens_per_second for _ in range(2))
+    finally:
+        llm.close()
 
 
 def decode_rate(llm: LLM, concurrency: int, new_tokens: int) -> float:
@@ -103,16 +147,22 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                     help="engine dtypes of the 16-bit model")
-    ap.add_argument("--formats", nargs="+", default=["gptq4", "awq4"], choices=list(QUANTIZE))
+    ap.add_argument("--formats", nargs="+", default=["gptq4", "awq4", "nf4"],
+                    choices=list(QUANTIZE))
+    ap.add_argument("--quant-dtype", default="float32",
+                    help="engine dtype of the 4-bit rows (their kernels compute in bf16 either way)")
+    ap.add_argument("--gguf-types", nargs="*", default=["f16", "q8_0", "q4_0"],
+                    help="llama.cpp rows (thresher's GGUF export of the same weights); none: skip")
     ap.add_argument("--dir", type=Path, default=None, help="where to build (default: a temp dir)")
     ap.add_argument("--workdir", type=Path, default=None,
                     help="build here and keep; a model or artifact already there is reused")
     ap.add_argument("--threads", type=int, default=None,
-                    help="torch intra-op threads (default: torch's; 1 on a shared, loaded machine)")
+                    help="torch and llama.cpp threads (default: torch's)")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
 
     root = args.workdir or Path(tempfile.mkdtemp(prefix="thresher-cpu-decode-", dir=args.dir))
     keep = args.keep or args.workdir is not None
@@ -122,10 +172,10 @@ def main() -> None:
             build_checkpoint(src, args.layers, args.hidden, args.experts, args.intermediate,
                              args.top_k)
         size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-        variants = [(f"16-bit ({d})", src, d) for d in args.dtypes]
+        variants = [(f"engine 16-bit ({d})", src, d) for d in args.dtypes]
         for fmt in args.formats:
             out = root / fmt
-            variants.append((fmt, out, "float32"))
+            variants.append((f"engine {NAMES[fmt]}", out, args.quant_dtype))
             if (out / "config.json").is_file():
                 continue
             cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(src),
@@ -134,39 +184,77 @@ def main() -> None:
             if proc.returncode:
                 sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-2000:])
                 raise SystemExit(f"quantize {fmt} failed with exit status {proc.returncode}")
+        ggufs = []
+        if args.gguf_types and not LLAMA_CPP_AVAILABLE:
+            print(f"llama.cpp rows skipped: {INSTALL_HINT}")
+        elif args.gguf_types:
+            for gguf_type in args.gguf_types:
+                out = root / f"model-{gguf_type}.gguf"
+                if not out.is_file():
+                    export_gguf(src, out, gguf_type, show_progress=False)
+                ggufs.append((f"llama.cpp {gguf_type.upper()}", out))
         bandwidth = copy_bandwidth()
-        rows = []
+        rows: dict[str, tuple[int | None, list[float | None], str]] = {}
         for name, path, dtype in variants:
             try:
                 llm = LLM(path, dtype=dtype, max_num_seqs=max(args.concurrency))
-                rates = [decode_rate(llm, c, args.tokens) for c in args.concurrency]
+                rates: list[float | None] = [decode_rate(llm, c, args.tokens)
+                                             for c in args.concurrency]
             except Exception as exc:  # a dtype the engine cannot serve yet is reported, not fatal
-                rows.append((name, None, [], f"{type(exc).__name__}: {str(exc)[:60]}"))
+                rows[name] = (None, [], f"{type(exc).__name__}: {str(exc)[:60]}")
                 continue
-            rows.append((name, bytes_per_token(llm), rates, ""))
+            per_token = bytes_per_token(llm)
+            rows[name] = (per_token, rates, "" if per_token else "dequantizing reference")
             del llm
-        base = next((r[2] for r in rows if r[2]), None)
-        print(f"\nrandom-init qwen3_moe, {args.layers} layers, hidden {args.hidden}, "
-              f"{args.experts} experts x {args.intermediate} (top-{args.top_k}): {size / 1e9:.2f} GB "
-              f"in bf16; {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-              f"torch {torch.__version__}, {torch.get_num_threads()} threads; copy bandwidth "
-              f"{bandwidth / 1e9:.1f} GB/s; ratios to the first 16-bit row\n")
-        head = " | ".join(f"c={c} tok/s | c={c} ratio" for c in args.concurrency)
-        print(f"| variant | MB read / token | {head} | bandwidth use (c=1) | note |")
-        print("|---|---|" + "---|---|" * len(args.concurrency) + "---|---|")
-        for name, per_token, rates, note in rows:
-            if rates:
-                cells = " | ".join(f"{r:.2f} | {r / b:.2f}x" for r, b in zip(rates, base, strict=True))
-            else:
-                cells = " | ".join("-" for _ in range(2 * len(args.concurrency)))
-            use = f"{per_token * rates[0] / bandwidth:.1%}" if rates and per_token else "-"
-            mb = f"{per_token / 2**20:.0f}" if per_token else "-"
-            print(f"| {name} | {mb} | {cells} | {use} | {note} |")
+        for name, path in ggufs:
+            rate = llama_decode_rate(path, args.tokens, threads)
+            rates = [rate if c == 1 else None for c in args.concurrency]
+            rows[name] = (gguf_bytes_per_token(path, args.experts, args.top_k), rates,
+                          "batch 1 only")
+        print_table(args, size, bandwidth, threads, rows)
     finally:
         if keep:
             print(f"kept {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
+
+
+RATIOS = [  # (numerator row, denominator row): the comparisons issue 14 asks for
+    ("engine 16-bit (bfloat16)", "llama.cpp F16"),
+    ("engine GPTQ-4 (RTN g128)", "llama.cpp Q4_0"),
+    ("engine AWQ-4 g128", "llama.cpp Q4_0"),
+    ("engine NF4", "engine 16-bit (bfloat16)"),
+    ("engine GPTQ-4 (RTN g128)", "engine 16-bit (bfloat16)"),
+    ("engine AWQ-4 g128", "engine 16-bit (bfloat16)"),
+    ("engine 16-bit (float32)", "engine 16-bit (bfloat16)"),
+]
+
+
+def print_table(args: argparse.Namespace, size: int, bandwidth: float, threads: int,
+                rows: dict[str, tuple[int | None, list[float | None], str]]) -> None:
+    """The rates table, then each ratio whose two rows were measured."""
+    print(f"\nrandom-init qwen3_moe, {args.layers} layers, hidden {args.hidden}, "
+          f"{args.experts} experts x {args.intermediate} (top-{args.top_k}): {size / 1e9:.2f} GB "
+          f"in bf16; {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"torch {torch.__version__}, {threads} threads; copy bandwidth "
+          f"{bandwidth / 1e9:.1f} GB/s; load average {os.getloadavg()[0]:.1f}\n")
+    head = " | ".join(f"c={c} tok/s" for c in args.concurrency)
+    print(f"| variant | MB read / token | {head} | bandwidth use (c=1) | note |")
+    print("|---|---|" + "---|" * len(args.concurrency) + "---|---|")
+    for name, (per_token, rates, note) in rows.items():
+        cells = " | ".join("-" if r is None else f"{r:.2f}" for r in rates) if rates else \
+            " | ".join("-" for _ in args.concurrency)
+        use = f"{per_token * rates[0] / bandwidth:.1%}" if rates and rates[0] and per_token else "-"
+        mb = f"{per_token / 2**20:.0f}" if per_token else "-"
+        print(f"| {name} | {mb} | {cells} | {use} | {note} |")
+    print(f"\n| ratio | {' | '.join(f'c={c}' for c in args.concurrency)} |")
+    print("|---|" + "---|" * len(args.concurrency))
+    for num, den in RATIOS:
+        if not (rows.get(num, (0, []))[1] and rows.get(den, (0, []))[1]):
+            continue
+        cells = [f"{a / b:.2f}x" if a and b else "-"
+                 for a, b in zip(rows[num][1], rows[den][1], strict=True)]
+        print(f"| {num} / {den} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":

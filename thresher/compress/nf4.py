@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from thresher.formats.nf4 import NF4Weight
+from thresher.formats.nf4 import NF4Weight, bitsandbytes_functional
 
 BLOCK_SIZE = 64
 
 
 def nf4_quantize(w: torch.Tensor, double_quant: bool, dtype: torch.dtype) -> NF4Weight:
     """Quantize ``w`` (held as ``dtype``, the dtype the artifact dequantizes to) to NF4."""
-    import bitsandbytes.functional as bnbf
-
-    packed, state = bnbf.quantize_4bit(
+    packed, state = bitsandbytes_functional().quantize_4bit(
         w.detach().to(dtype).contiguous(), blocksize=BLOCK_SIZE, compress_statistics=double_quant,
         quant_type="nf4", quant_storage=torch.uint8,
     )

@@ -16,7 +16,9 @@ scaled per ``nested_blocksize`` codes by ``nested_absmax``, plus ``nested_offset
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -32,6 +34,17 @@ STATE_KEY = "weight.quant_state.bitsandbytes__nf4"
 TENSOR_NAMES = ("weight", "weight.absmax", "weight.quant_map", "weight.nested_absmax",
                 "weight.nested_quant_map", STATE_KEY)  # relative to the module; nested_* optional
 QUANT_TYPE = "nf4"
+
+
+@functools.cache
+def bitsandbytes_functional() -> Any:
+    """``bitsandbytes.functional``, imported on first use, without the warning bitsandbytes' CPU
+    backend logs at import when the optional ``kernels`` package is missing (it then runs its own
+    native library, which is what thresher uses)."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    import bitsandbytes.functional as bnbf
+
+    return bnbf
 
 
 @dataclass
@@ -65,10 +78,8 @@ class NF4Weight:
     def state(self) -> bnbf.QuantState:
         """This weight's bitsandbytes ``QuantState``, to hand it back to bitsandbytes (imports
         bitsandbytes)."""
-        import bitsandbytes.functional as bnbf
-
         fields = {k.removeprefix("weight."): v for k, v in pack_nf4(self).items() if k != "weight"}
-        return bnbf.QuantState.from_dict(fields, self.packed.device)
+        return bitsandbytes_functional().QuantState.from_dict(fields, self.packed.device)
 
     def absmax_fp32(self) -> torch.Tensor:
         """Per-block absmax in fp32, dequantizing the double-quantized form if present."""
@@ -91,6 +102,23 @@ class NF4Weight:
     def dequantize(self) -> torch.Tensor:
         """W in float32, equal to ``bitsandbytes.functional.dequantize_4bit(...).float()``."""
         return self.dequantize_fp32().to(self.dtype).float()
+
+
+def concat_rows(weights: list[NF4Weight]) -> NF4Weight | None:
+    """One NF4 weight whose rows are those of ``weights`` in order (q above k above v, gate
+    above up), exact: the blocks run along the flattened rows, so with whole blocks per row the
+    codes and absmax of each part simply follow each other (the absmax comes out fp32, double
+    quantization undone). None when blocks straddle rows or the parts differ otherwise."""
+    first = weights[0]
+    if first.shape[1] % first.blocksize or any(
+            w.shape[1] != first.shape[1] or w.blocksize != first.blocksize
+            or w.dtype != first.dtype or not torch.equal(w.quant_map, first.quant_map)
+            for w in weights):
+        return None
+    return NF4Weight(torch.cat([w.packed.reshape(-1) for w in weights]),
+                     torch.cat([w.absmax_fp32().float() for w in weights]), first.quant_map,
+                     (sum(w.shape[0] for w in weights), first.shape[1]), first.blocksize,
+                     dtype=first.dtype)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

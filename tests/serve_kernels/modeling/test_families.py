@@ -16,10 +16,11 @@ from thresher.models.quantized import load_quantized_model
 from thresher.models.random_init import DENSE_FAMILIES, MOE_FAMILIES
 from thresher.recipe import CalibrationConfig, FilesSource, QuantizeStage
 from thresher.serve_kernels import LLM, SamplingParams
+from thresher.serve_kernels.kernels.cpu_nf4 import cpu_nf4_available
 from thresher.serve_kernels.modeling.linear import (
     AWQLinear,
-    ConcatLinear,
     GPTQLinear,
+    NF4Linear,
     packed_bytes,
 )
 from thresher.serve_kernels.modeling.moe import ExpertLoop, FusedExperts
@@ -92,17 +93,20 @@ def test_quantized_artifact_matches_dequantizing_loader(moe_dirs, tmp_path, fami
     # the experts are held packed: a fraction of what their fp32 matrices would take
     fp32_experts = 8 * 3 * 64 * model.spec.hidden_size * 4
     assert all(packed_bytes(layer.mlp.experts) < 0.35 * fp32_experts for layer in model.layers)
-    # 4-bit GPTQ/AWQ experts carry their CPU int4 form; NF4 and 8-bit keep the references only
+    # 4-bit GPTQ/AWQ experts carry their CPU int4 form, NF4 experts bitsandbytes' CPU NF4 form
+    # where the CPU has it; 8-bit experts keep the references only
     has_int4 = stage.method != "nf4" and stage.bits == 4
-    assert all(bool(layer.mlp.experts.cpu_packs) == has_int4 for layer in model.layers
-               if isinstance(layer.mlp.experts, FusedExperts))
-    # GPTQ/AWQ q, k and v are one packed linear (one launch); NF4 keeps them side by side
-    fused = (ConcatLinear if stage.method == "nf4" else (GPTQLinear, AWQLinear))
+    has_nf4 = stage.method == "nf4" and cpu_nf4_available()
+    assert all(bool(layer.mlp.experts.cpu_packs) == (
+        has_int4 if isinstance(layer.mlp.experts, FusedExperts) else has_nf4)
+        for layer in model.layers)
+    # q, k and v are one packed linear (one launch, one CPU kernel call)
+    fused = (NF4Linear if stage.method == "nf4" else (GPTQLinear, AWQLinear))
     assert all(isinstance(layer.attn.qkv, fused) for layer in model.layers)
     reference = load_quantized_model(out)
     with torch.no_grad():
         expected = reference(torch.tensor([PROMPT])).logits[0]
-    fast = prompt_logits(llm, PROMPT)  # GPTQ-4/AWQ-4 run the CPU int4 kernel (bf16)
+    fast = prompt_logits(llm, PROMPT)  # GPTQ-4/AWQ-4/NF4 run their CPU kernels (bf16)
     monkeypatch.setenv("THRESHER_KERNELS", "torch")  # the dequantizing references, in fp32
     torch.testing.assert_close(prompt_logits(llm, PROMPT), expected, atol=2e-4, rtol=2e-4)
     assert rel_err(fast, expected) < 1e-2

@@ -5,8 +5,9 @@ AWQ gemm (``qweight/qzeros/scales``) and bitsandbytes NF4 (``weight`` bytes + qu
 packed tensors are kept as published; each forward calls the matching kernel, which dequantizes
 tile by tile (Triton) or, on a CPU, runs the kernel's PyTorch reference. ``pack_for_cpu`` (called
 by the loader for a CPU model) adds a copy of each 4-bit GPTQ/AWQ weight in the layout of torch's
-CPU int4 kernel (and of each per-channel 8-bit GPTQ weight for its int8 kernel), which CPU
-forwards then use instead of dequantizing the whole matrix per call.
+CPU int4 kernel (and of each per-channel 8-bit GPTQ weight for its int8 kernel, and of each NF4
+weight for bitsandbytes' CPU NF4 kernel where the CPU has AVX512-BF16), which CPU forwards then use
+instead of dequantizing the whole matrix per call.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import nn
 from thresher.errors import ArtifactError
 from thresher.formats.config import PackedFormat
 from thresher.formats.gptq import unpack_gptq
-from thresher.formats.nf4 import STATE_KEY, TENSOR_NAMES, NF4Weight, unpack_nf4
+from thresher.formats.nf4 import STATE_KEY, TENSOR_NAMES, NF4Weight, concat_rows, unpack_nf4
 from thresher.models.checkpoint import CheckpointReader
 from thresher.serve_kernels.kernels import awq_matmul, gptq_matmul, nf4_matmul
 from thresher.serve_kernels.kernels.backend import use_cpu_kernels
@@ -30,6 +31,7 @@ from thresher.serve_kernels.kernels.cpu_int4 import (
     pack_gptq_int4,
 )
 from thresher.serve_kernels.kernels.cpu_int8 import Int8Pack, int8_matmul, pack_int8
+from thresher.serve_kernels.kernels.cpu_nf4 import NF4Pack, nf4_cpu_matmul, pack_nf4_cpu
 
 
 class DenseLinear(nn.Module):
@@ -131,9 +133,22 @@ class NF4Linear(nn.Module):
         self.nf4 = weight
         self.register_buffer("bias", bias)
         self.out_features, self.in_features = weight.shape
+        self.cpu_pack: NF4Pack | None = None
+
+    @property
+    def cpu_packs(self) -> list[NF4Pack]:
+        return [] if self.cpu_pack is None else [self.cpu_pack]
+
+    def pack_for_cpu(self) -> None:
+        """Convert the weight for bitsandbytes' CPU NF4 kernel (left unset on CPUs without it,
+        or where the kernel cannot hold the shape)."""
+        self.cpu_pack = pack_nf4_cpu(self.nf4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = nf4_matmul(x, self.nf4)
+        if self.cpu_pack is not None and use_cpu_kernels(x):
+            y = nf4_cpu_matmul(x, self.cpu_pack)
+        else:
+            y = nf4_matmul(x, self.nf4)
         return y if self.bias is None else y + self.bias
 
     def _apply(self, fn, recurse: bool = True):  # move the packed tensors with the module
@@ -162,7 +177,8 @@ class ConcatLinear(nn.Module):
 def merge_linears(parts: list[nn.Module]) -> nn.Module:
     """One linear computing ``cat([p(x) for p in parts], -1)``: a single matmul when every part
     is 16-bit (q|k|v, gate|up), or GPTQ / AWQ with the same bits, groups and (GPTQ) g_idx, whose
-    packed tensors concatenate exactly along the output dim; else the parts side by side."""
+    packed tensors concatenate exactly along the output dim, or NF4 with whole blocks per row
+    (``concat_rows``); else the parts side by side."""
     if all(isinstance(p, DenseLinear) for p in parts):
         return DenseLinear(torch.cat([p.weight for p in parts]), _merged_bias(parts))
     if all(isinstance(p, GPTQLinear) for p in parts) and len(
@@ -176,6 +192,10 @@ def merge_linears(parts: list[nn.Module]) -> nn.Module:
         cat = lambda name: torch.cat([getattr(p, name) for p in parts], dim=1)  # noqa: E731
         return AWQLinear(cat("qweight"), cat("qzeros"), cat("scales"), parts[0].group_size,
                          _merged_bias(parts))
+    if all(isinstance(p, NF4Linear) for p in parts):
+        merged = concat_rows([p.nf4 for p in parts])
+        if merged is not None:
+            return NF4Linear(merged, _merged_bias(parts))
     return ConcatLinear(parts)
 
 
@@ -188,11 +208,15 @@ def _merged_bias(parts: list[nn.Module]) -> torch.Tensor | None:
                       for p in parts])
 
 
-def pack_for_cpu(model: nn.Module) -> None:
-    """Convert every quantized layer that has a CPU kernel (see ``cpu_int4``), once, at load."""
-    for m in model.modules():
-        if hasattr(m, "pack_for_cpu"):
-            m.pack_for_cpu()
+def pack_for_cpu(module: nn.Module) -> None:
+    """Convert every quantized layer that has a CPU kernel (see ``cpu_int4``), once, at load. A
+    module with its own ``pack_for_cpu`` converts its children as it sees fit (an expert loop
+    packs gate and up together)."""
+    if hasattr(module, "pack_for_cpu"):
+        module.pack_for_cpu()
+        return
+    for child in module.children():
+        pack_for_cpu(child)
 
 
 def packed_bytes(module: nn.Module) -> int:

@@ -8,15 +8,20 @@ gate and up) keep one linear per expert; on a CPU they loop over the experts tha
 tokens, on a GPU over every expert (no host read of the routing, see ``ExpertLoop``).
 
 On a CPU, ``pack_for_cpu`` converts each GPTQ-4/AWQ-4 expert once for torch's CPU int4 kernel
-(``kernels.cpu_int4``); the grouped loop then runs that kernel for the experts that got tokens
-instead of dequantizing their matrices on every step.
+(``kernels.cpu_int4``), and each NF4 expert (gate and up as one matrix) for bitsandbytes' CPU NF4
+kernel (``kernels.cpu_nf4``, AVX512-BF16 CPUs); ``grouped_moe_packed`` then runs that kernel for
+the experts that got tokens instead of dequantizing their matrices on every step.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from thresher.formats.nf4 import concat_rows
 from thresher.serve_kernels.kernels import ExpertWeights, fused_moe, silu_and_mul
 from thresher.serve_kernels.kernels.backend import use_cpu_kernels, use_triton
 from thresher.serve_kernels.kernels.cpu_int4 import (
@@ -25,12 +30,14 @@ from thresher.serve_kernels.kernels.cpu_int4 import (
     pack_awq_int4,
     pack_gptq_int4,
 )
+from thresher.serve_kernels.kernels.cpu_nf4 import NF4Pack, nf4_cpu_matmul, pack_nf4_cpu
 from thresher.serve_kernels.kernels.w4a16 import awq_dequantize, gptq_dequantize
 from thresher.serve_kernels.modeling.linear import (
     AWQLinear,
     DenseLinear,
     GPTQLinear,
     Linear,
+    NF4Linear,
 )
 
 
@@ -72,8 +79,8 @@ class FusedExperts(nn.Module):
         if use_triton(x):
             return fused_moe(x, gate_up, down, topk_weights, topk_ids)
         if self.cpu_gate_up is not None and use_cpu_kernels(x):
-            return grouped_moe_torch(x, gate_up, down, topk_weights, topk_ids,
-                                     (self.cpu_gate_up, self.cpu_down))
+            return grouped_moe_packed(x, self.cpu_gate_up, self.cpu_down, int4_matmul,
+                                      topk_weights, topk_ids)
         return grouped_moe_torch(x, gate_up, down, topk_weights, topk_ids)
 
 
@@ -96,40 +103,63 @@ def _expert_matrix(w: ExpertWeights, e: int) -> torch.Tensor:
     return awq_dequantize(w.weight[e], w.qzeros[e], w.scales[e], w.group_size).T
 
 
-def grouped_moe_torch(x: torch.Tensor, w_gate_up: ExpertWeights, w_down: ExpertWeights,
-                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                      packs: tuple[list[Int4Pack], list[Int4Pack]] | None = None) -> torch.Tensor:
-    """``fused_moe``'s math for a CPU: (token, expert) pairs sorted by expert, one contiguous
-    slice per expert that got tokens, only those experts' weights touched. With ``packs`` (the
-    gate_up and down experts in the CPU int4 layout) the experts run the int4 kernel."""
-    tokens, top_k = topk_ids.shape
+def _sort_by_expert(topk_ids: torch.Tensor, experts: int
+                    ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """(token, expert) pairs sorted by expert: the order, and (expert, start, end) of each
+    expert's contiguous slice, for the experts that got tokens."""
     flat = topk_ids.flatten()
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=w_gate_up.weight.shape[0]).tolist()
-    xs = x[order // top_k]
     spans = []
     start = 0
-    for e, n in enumerate(counts):
+    for e, n in enumerate(torch.bincount(flat, minlength=experts).tolist()):
         if n:
             spans.append((e, start, start + n))
             start += n
-    gate_up = torch.empty(xs.shape[0], w_gate_up.out_in[0], device=x.device, dtype=x.dtype)
-    for e, a, b in spans:
-        if packs is None:
-            torch.mm(xs[a:b], _expert_matrix(w_gate_up, e).to(x.dtype).T, out=gate_up[a:b])
-        else:
-            gate_up[a:b] = int4_matmul(xs[a:b], packs[0][e])
-    act = silu_and_mul(gate_up)
-    out = torch.empty(xs.shape[0], w_down.out_in[0], device=x.device, dtype=x.dtype)
-    for e, a, b in spans:
-        if packs is None:
-            torch.mm(act[a:b], _expert_matrix(w_down, e).to(x.dtype).T, out=out[a:b])
-        else:
-            out[a:b] = int4_matmul(act[a:b], packs[1][e])
+    return order, spans
+
+
+def _combine(out: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor,
+             dtype: torch.dtype) -> torch.Tensor:
+    """Each token's expert outputs (``out`` in expert order) weighted and summed, in fp32."""
+    tokens, top_k = topk_weights.shape
     pairs = torch.empty_like(out)
     pairs[order] = out
     y = pairs.view(tokens, top_k, -1).float() * topk_weights.float().unsqueeze(-1)
-    return y.sum(dim=1).to(x.dtype)
+    return y.sum(dim=1).to(dtype)
+
+
+def grouped_moe_torch(x: torch.Tensor, w_gate_up: ExpertWeights, w_down: ExpertWeights,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """``fused_moe``'s math for a CPU: (token, expert) pairs sorted by expert, one contiguous
+    slice per expert that got tokens, only those experts' weights touched."""
+    order, spans = _sort_by_expert(topk_ids, w_gate_up.weight.shape[0])
+    xs = x[order // topk_ids.shape[1]]
+    gate_up = torch.empty(xs.shape[0], w_gate_up.out_in[0], device=x.device, dtype=x.dtype)
+    for e, a, b in spans:
+        torch.mm(xs[a:b], _expert_matrix(w_gate_up, e).to(x.dtype).T, out=gate_up[a:b])
+    act = silu_and_mul(gate_up)
+    out = torch.empty(xs.shape[0], w_down.out_in[0], device=x.device, dtype=x.dtype)
+    for e, a, b in spans:
+        torch.mm(act[a:b], _expert_matrix(w_down, e).to(x.dtype).T, out=out[a:b])
+    return _combine(out, order, topk_weights, x.dtype)
+
+
+def grouped_moe_packed(x: torch.Tensor, gate_up: list, down: list, matmul: Callable,
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """``grouped_moe_torch`` over experts converted for a CPU kernel (``gate_up[e]`` and
+    ``down[e]`` its packs, ``matmul(x, pack)``). The kernels compute in bf16, so the routed
+    activations are rounded to bf16 once here rather than on every call, and the expert outputs
+    stay bf16 until the fp32 weighting (the same values as casting around each call)."""
+    order, spans = _sort_by_expert(topk_ids, len(gate_up))
+    xs = x[order // topk_ids.shape[1]].to(torch.bfloat16)
+    h = torch.empty(xs.shape[0], gate_up[0].out_features, dtype=torch.bfloat16)
+    for e, a, b in spans:
+        h[a:b] = matmul(xs[a:b], gate_up[e])
+    act = silu_and_mul(h)
+    out = torch.empty(xs.shape[0], down[0].out_features, dtype=torch.bfloat16)
+    for e, a, b in spans:
+        out[a:b] = matmul(act[a:b], down[e])
+    return _combine(out, order, topk_weights, x.dtype)
 
 
 class ExpertLoop(nn.Module):
@@ -138,11 +168,41 @@ class ExpertLoop(nn.Module):
     def __init__(self, gate: list[Linear], up: list[Linear], down: list[Linear]):
         super().__init__()
         self.gate, self.up, self.down = nn.ModuleList(gate), nn.ModuleList(up), nn.ModuleList(down)
+        self.cpu_gate_up: list[NF4Pack] | None = None
+        self.cpu_down: list[NF4Pack] | None = None
+
+    @property
+    def cpu_packs(self) -> list[NF4Pack]:
+        return [*(self.cpu_gate_up or ()), *(self.cpu_down or ())]
+
+    def pack_for_cpu(self) -> None:
+        """NF4 experts: gate and up of each expert as one pack for bitsandbytes' CPU kernel (one
+        call for both), down as another, run by ``grouped_moe_packed``; other layouts (or NF4
+        shapes the kernel cannot hold) convert each linear on its own."""
+        linears = (*self.gate, *self.up, *self.down)
+        if all(isinstance(m, NF4Linear) for m in linears):
+            merged = [concat_rows([g.nf4, u.nf4]) for g, u in zip(self.gate, self.up, strict=True)]
+            gate_up = [None if w is None else pack_nf4_cpu(w) for w in merged]
+            down = [pack_nf4_cpu(d.nf4) for d in self.down]
+            if None not in gate_up and None not in down:
+                self.cpu_gate_up, self.cpu_down = gate_up, down
+                for g, u, w in zip(self.gate, self.up, merged, strict=True):
+                    # the reference linears read views of the merged bytes: one published copy
+                    split = g.nf4.packed.numel()
+                    g.nf4 = dataclasses.replace(g.nf4, packed=w.packed[:split])
+                    u.nf4 = dataclasses.replace(u.nf4, packed=w.packed[split:])
+                return
+        for m in linears:
+            if hasattr(m, "pack_for_cpu"):
+                m.pack_for_cpu()
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         if use_triton(x):
             return self._every_expert(x, topk_weights, topk_ids)
+        if self.cpu_gate_up is not None and use_cpu_kernels(x):
+            return grouped_moe_packed(x, self.cpu_gate_up, self.cpu_down, nf4_cpu_matmul,
+                                      topk_weights, topk_ids)
         out = torch.zeros(x.shape[0], x.shape[1], device=x.device, dtype=torch.float32)
         for e in topk_ids.unique().tolist():
             token, slot = (topk_ids == e).nonzero(as_tuple=True)

@@ -1,0 +1,102 @@
+"""The tiny demo's NF4 artifact on bitsandbytes' CPU NF4 kernel against the dequantizing reference.
+
+The kernel runs in bf16 (activations and absmax rounded), the reference in fp32 from the same
+codes, so the two differ by bf16 rounding only; greedy continuations must agree token for token
+and the prompt logits within a small fraction of their scale (their argmax agreeing except at
+near-ties: one position of a 264-token prompt flipped when measured).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.serve_kernels.conftest import prompt_logits
+from thresher.compress.api import quantize_model
+from thresher.formats.nf4 import concat_rows
+from thresher.recipe import NF4Stage
+from thresher.serve_kernels import LLM, SamplingParams
+from thresher.serve_kernels.kernels import cpu_nf4
+from thresher.serve_kernels.modeling.linear import NF4Linear
+from thresher.serve_kernels.modeling.moe import ExpertLoop
+
+PROMPTS = [[5, 17, 300, 42, 9, 77], [1023, 4000, 12, 3, 250], [61, 8, 99, 1500, 31, 7, 2, 640]]
+
+requires_kernel = pytest.mark.skipif(not cpu_nf4.cpu_nf4_available(),
+                                     reason="bitsandbytes' CPU NF4 kernel needs AVX512-BF16")
+
+
+@pytest.fixture(scope="module")
+def nf4_llm(tiny_demo, tmp_path_factory):
+    out = tmp_path_factory.mktemp("nf4") / "q"
+    quantize_model(tiny_demo, NF4Stage(double_quant=True), None, out, show_progress=False)
+    return LLM(out, max_model_len=256)
+
+
+@requires_kernel
+def test_every_nf4_layer_takes_the_fast_path(nf4_llm):
+    model = nf4_llm.engine.runner.model
+    loops = [m for m in model.modules() if isinstance(m, ExpertLoop)]
+    assert len(loops) == len(model.layers) and all(loop.cpu_packs for loop in loops)
+    inside = {id(m) for loop in loops for m in loop.modules()}
+    dense = [m for m in model.modules() if isinstance(m, NF4Linear) and id(m) not in inside]
+    assert dense and all(m.cpu_pack is not None for m in dense)
+    gate_up = loops[0].cpu_gate_up[0]  # gate and up of an expert in one pack
+    assert gate_up.out_features == 2 * loops[0].gate[0].out_features
+    # the reference's gate and up read the pack's published bytes, not a second copy
+    storage = gate_up.published.untyped_storage().data_ptr()
+    assert loops[0].up[0].nf4.packed.untyped_storage().data_ptr() == storage
+
+
+@requires_kernel
+def test_greedy_tokens_and_logits_match_reference(nf4_llm, monkeypatch):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    fast = [o.token_ids for o in nf4_llm.generate(PROMPTS, params)]
+    fast_logits = prompt_logits(nf4_llm, PROMPTS[2])
+    long_prompt = (PROMPTS[0] * 50)[: cpu_nf4.DEQUANTIZE_ROWS + 8]  # the dequantizing branch
+    fast_long = prompt_logits(nf4_llm, long_prompt)
+    monkeypatch.setenv("THRESHER_KERNELS", "torch")
+    assert [o.token_ids for o in nf4_llm.generate(PROMPTS, params)] == fast
+    for got, ids in ((fast_logits, PROMPTS[2]), (fast_long, long_prompt)):
+        ref = prompt_logits(nf4_llm, ids)
+        assert (got - ref).abs().max() < 0.02 * ref.abs().max()
+        assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95  # near-ties may flip
+
+
+@requires_kernel
+def test_pack_matches_reference_and_refuses_odd_shapes():
+    from thresher.compress.nf4 import nf4_quantize
+    from thresher.serve_kernels.kernels.nf4 import nf4_matmul_ref
+
+    w = nf4_quantize(torch.randn(96, 192, generator=torch.Generator().manual_seed(0)), True,
+                     torch.float32)
+    pack = cpu_nf4.pack_nf4_cpu(w)
+    for rows in (1, 7, cpu_nf4.DEQUANTIZE_ROWS):
+        x = torch.randn(rows, 192)
+        ref = nf4_matmul_ref(x, w)
+        assert (cpu_nf4.nf4_cpu_matmul(x, pack) - ref).abs().max() < 0.01 * ref.abs().max()
+    assert cpu_nf4.pack_nf4_cpu(nf4_quantize(torch.randn(40, 192), False, torch.float32)) is None
+
+
+def test_concat_rows_is_exact():
+    from thresher.compress.nf4 import nf4_quantize
+
+    parts = [nf4_quantize(torch.randn(n, 128), True, torch.float32) for n in (64, 32)]
+    merged = concat_rows(parts)
+    assert merged.shape == (96, 128)
+    assert torch.equal(merged.dequantize_fp32(), torch.cat([p.dequantize_fp32() for p in parts]))
+    odd = [nf4_quantize(torch.randn(8, 100), False, torch.float32) for _ in range(2)]
+    assert concat_rows(odd) is None  # 64-element blocks straddle rows of 100
+
+
+def test_without_the_kernel_nf4_keeps_the_reference(tiny_demo, tmp_path, monkeypatch):
+    """A CPU without AVX512-BF16 (the probe answering no): nothing is converted, bitsandbytes'
+    kernel is never called, and decoding runs on the reference."""
+    out = tmp_path / "q"
+    quantize_model(tiny_demo, NF4Stage(), None, out, show_progress=False)
+    monkeypatch.setattr(cpu_nf4, "cpu_nf4_available", lambda: False)
+    llm = LLM(out, max_model_len=64)
+    model = llm.engine.runner.model
+    assert not any(getattr(m, "cpu_packs", None) for m in model.modules())
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert len(llm.generate(PROMPTS[:1], params)[0].token_ids) == 8

@@ -1,0 +1,94 @@
+"""NF4 matmuls on the CPU through bitsandbytes' native NF4 gemv (AVX512-BF16 CPUs).
+
+The dequantizing reference rebuilds the whole fp32 matrix on every call. bitsandbytes ships a CPU
+kernel that reads NF4 codes directly (``gemv_4bit``), but only from its own CPU layout: the codes
+regrouped in blocks of 32 output rows and the absmax transposed to bf16 [K / blocksize, N].
+bitsandbytes does that repacking in a private helper (``_convert_weight_packed_for_cpu``), called
+here once per layer at load time; without it the kernel's result is wrong. The kernel needs N a
+multiple of 32 and whole blocks per row (K a multiple of the blocksize); other layers keep the
+reference.
+
+The kernel runs in bf16 (activations and absmax rounded to bf16) and its time grows with the
+number of rows like a loop of matvecs: up to 16-64 rows it beats dequantize-then-matmul clearly,
+from 256 rows the bf16 matrix dequantized by bitsandbytes' native routine plus one dense matmul
+is faster (``benchmarks/cpu_nf4.py``, docs/benchmarks.md; at 128 it went both ways), so calls with
+``DEQUANTIZE_ROWS`` rows or more take that.
+
+The kernel exists only on CPUs with AVX512-BF16 (bitsandbytes registers it only there); elsewhere
+``cpu_nf4_available`` is False and NF4 layers keep the dequantizing reference.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from thresher.formats.nf4 import NF4Weight, bitsandbytes_functional
+
+DEQUANTIZE_ROWS = 256  # from this many rows on, dequantize to bf16 and run one dense matmul
+BLOCK_N = 32  # output rows per block of bitsandbytes' CPU layout
+
+
+@functools.cache
+def cpu_nf4_available() -> bool:
+    """True when this CPU and bitsandbytes build have the native NF4 gemv: bitsandbytes registers
+    its CPU ``gemv_4bit`` only where its own probe, ``has_avx512bf16()``, says AVX512-BF16 (torch's
+    ``get_cpu_capability()`` says AVX512 without telling whether BF16 is there)."""
+    try:
+        return bool(bitsandbytes_functional().has_avx512bf16())
+    except ImportError:
+        return False
+
+
+@dataclass
+class NF4Pack:
+    """One NF4 weight [N, K] in bitsandbytes' CPU layout, plus what dequantizing it takes."""
+
+    weight: torch.Tensor  # uint8 [N, K/2], regrouped for the gemv kernel
+    state: Any  # bitsandbytes QuantState: bf16 absmax [K/blocksize, N], non-nested
+    dense_state: Any  # QuantState of the published bytes with fp32 absmax, dequantizing to bf16
+    published: torch.Tensor  # the published packed bytes (shared with the layer, not a copy)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the kernel reads: the regrouped codes and the bf16 absmax."""
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.state.absmax))
+
+
+def _convert_for_cpu(packed: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
+    """bitsandbytes' private repacking for its CPU kernel (``functional.py``,
+    ``_convert_weight_packed_for_cpu(qweight, quant_state, block_n=32)``, bitsandbytes 0.50):
+    returns the regrouped codes and mutates ``state`` (absmax made fp32, transposed, bf16;
+    nested flag cleared; ``packing_format_for_cpu`` set). The one place thresher calls it."""
+    return bitsandbytes_functional()._convert_weight_packed_for_cpu(packed, state, block_n=BLOCK_N)
+
+
+def pack_nf4_cpu(weight: NF4Weight) -> NF4Pack | None:
+    """``weight`` in the CPU kernel's layout, or None when the kernel is missing or cannot hold it
+    (N not a multiple of 32, blocks straddling rows)."""
+    n, k = weight.shape
+    if not cpu_nf4_available() or n % BLOCK_N or k % weight.blocksize or k % 2:
+        return None
+    absmax = weight.absmax_fp32().float().contiguous()
+    plain = NF4Weight(weight.packed, absmax, weight.quant_map.float(), weight.shape,
+                      weight.blocksize, dtype=torch.bfloat16)
+    packed, state = _convert_for_cpu(weight.packed.reshape(-1), plain.state)
+    return NF4Pack(packed.contiguous(), state, plain.state, weight.packed)
+
+
+def nf4_cpu_matmul(x: torch.Tensor, pack: NF4Pack) -> torch.Tensor:
+    """x @ W.T for x [..., K] on the CPU kernel (bf16 inside), returned in x's dtype."""
+    bnbf = bitsandbytes_functional()
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+    if x2.shape[0] >= DEQUANTIZE_ROWS:
+        y = x2 @ bnbf.dequantize_4bit(pack.published, pack.dense_state).T
+    else:
+        y = bnbf.gemv_4bit(x2, pack.weight, state=pack.state)
+    return y.to(x.dtype).reshape(*x.shape[:-1], pack.out_features)
