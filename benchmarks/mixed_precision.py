@@ -37,6 +37,9 @@ def main() -> None:
     ap.add_argument("--targets", type=float, nargs="+", default=[2.5, 3.5])
     ap.add_argument("--random", type=int, default=3, help="random allocations per target")
     ap.add_argument("--sensitivity", default="gptq", choices=["gptq", "rtn"])
+    ap.add_argument("--uniform", type=int, nargs="*", default=list(UNIFORM),
+                    help="uniform widths to run (none: only the targets' rows, e.g. to run the "
+                    "targets in parallel processes; the table then has no interpolation)")
     args = ap.parse_args()
     path = resolve_model(args.model)
     tok = load_tokenizer(path)
@@ -65,7 +68,7 @@ def main() -> None:
           f"tokens, {args.windows} held-out windows of 256, float perplexity {fp:.3f}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         uniform = {}
-        for b in UNIFORM:
+        for b in args.uniform:
             run("uniform", f"{b}", QuantizeStage(**common, bits=b), Path(tmp) / f"u{b}")
             uniform[b] = rows[-1]
         units: list[Unit] = []
@@ -75,15 +78,15 @@ def main() -> None:
             given = None
             if units:  # the damage table of the first run, allocated for this target
                 budget, name = budget_bits(units, stage, 0.0)
-                allocate(units, list(stage.candidate_bits), gs, budget)
+                allocate(units, stage.auto_widths, gs, budget)
                 given = Allocation(units, gs, budget, name)
             summary = run("auto", f"{target:g}", stage, Path(tmp) / f"a{i}", given)
             if not units:
                 units = [Unit.from_dict(u) for u in summary["units"]]
             for seed in range(args.random):
-                control = random_damage(units, list(stage.candidate_bits), seed)
+                control = random_damage(units, stage.auto_widths, seed)
                 budget, name = budget_bits(control, stage, 0.0)
-                allocate(control, list(stage.candidate_bits), gs, budget)
+                allocate(control, stage.auto_widths, gs, budget)
                 run(f"random {seed}", f"{target:g}", stage, Path(tmp) / f"r{i}-{seed}",
                     Allocation(control, gs, budget, name))
 
@@ -103,6 +106,8 @@ def main() -> None:
 
 def _interpolate(uniform: dict[int, tuple], mb: float) -> float | None:
     """Perplexity of a uniform width at ``mb``, linear between the neighbouring widths' sizes."""
+    if len(uniform) < 2:
+        return None
     points = sorted((row[3], row[4]) for row in uniform.values())
     for (m0, p0), (m1, p1) in zip(points, points[1:], strict=False):
         if m0 <= mb <= m1:

@@ -220,6 +220,9 @@ class RTNStage(QuantizeStage):
     )
 
 
+AUTO_WIDTHS = (2, 3, 4, 8)  # bits auto: the candidate widths unless the stage names others
+
+
 class GPTQStage(QuantizeStage):
     """GPTQ: Hessian-compensated rounding, column by column; written in the GPTQ format."""
 
@@ -255,25 +258,32 @@ class GPTQStage(QuantizeStage):
         "weight count; scales and zeros come on top, as at a uniform width)")
     target_mb: float | None = Field(
         None, gt=0, description="bits 'auto': size of the whole checkpoint's tensors in MiB")
-    candidate_bits: list[Literal[2, 3, 4, 8]] = Field(
-        default_factory=lambda: [2, 3, 4, 8], description="bits 'auto': widths a matrix may get")
-    sensitivity: Literal["gptq", "rtn"] = Field(
-        "gptq", description="bits 'auto': each width's damage measured after GPTQ (this stage's "
-        "settings) or after plain rounding")
+    # None (the default) keeps the store keys of uniform-width stages as they were.
+    candidate_bits: list[Literal[2, 3, 4, 8]] | None = Field(
+        None, description="bits 'auto': widths a matrix may get (default 2, 3, 4, 8)")
+    sensitivity: Literal["gptq", "rtn"] | None = Field(
+        None, description="bits 'auto': each width's damage measured after GPTQ at this stage's "
+        "settings (default) or after plain rounding ('rtn')")
 
     auto_bits: ClassVar[bool] = True
 
+    @property
+    def auto_widths(self) -> list[int]:
+        """``bits: auto``: the candidate widths, narrowest first."""
+        return sorted(self.candidate_bits or AUTO_WIDTHS)
+
     @model_validator(mode="after")
     def _auto_targets(self) -> GPTQStage:
-        given = [f for f in ("target_bits", "target_mb") if getattr(self, f) is not None]
+        auto_only = ("target_bits", "target_mb", "candidate_bits", "sensitivity")
+        given = [f for f in auto_only if getattr(self, f) is not None]
         if self.bits != "auto":
             if given:
                 raise ValueError(f"{given[0]} applies only with bits: auto")
             return self
-        if len(given) != 1:
+        if len([f for f in given if f.startswith("target_")]) != 1:
             raise ValueError("bits: auto needs exactly one of target_bits and target_mb")
-        widths = sorted(set(self.candidate_bits))
-        if len(widths) < 2 or len(widths) != len(self.candidate_bits):
+        widths = self.auto_widths
+        if len(widths) < 2 or len(set(widths)) != len(widths):
             raise ValueError(f"candidate_bits must list at least two different widths, got "
                              f"{self.candidate_bits}")
         tb = self.target_bits

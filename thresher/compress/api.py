@@ -111,7 +111,7 @@ def check_stage(stage: QuantizeStage, method: QuantMethod, lw: LayerwiseModel) -
         raise CompressionError(f"{where}: keep_16bit names unknown parts {sorted(unknown)}; "
                                f"choose from {', '.join(ALWAYS_16BIT + OPTIONAL_16BIT)}")
     fmt = method.format
-    widths = (list(stage.candidate_bits) if isinstance(stage, GPTQStage) and stage.bits == "auto"
+    widths = (stage.auto_widths if isinstance(stage, GPTQStage) and stage.bits == "auto"
               else [stage.uniform_bits])
     if fmt == "gptq" and any(b not in gptq_format.BITS for b in widths):
         raise CompressionError(f"bits={stage.bits}: the GPTQ format holds {gptq_format.BITS} bits")
@@ -257,7 +257,7 @@ def measure_allocation(lw: LayerwiseModel, stage: GPTQStage, windows: torch.Tens
                        store_dtype: torch.dtype, show_progress: bool = False) -> Allocation:
     """``bits: auto``: measure every site's damage at each candidate width (a pass of the
     sequential driver over the float model), then choose the widths under the stage's budget."""
-    probe = SensitivityProbe(stage, list(stage.candidate_bits))
+    probe = SensitivityProbe(stage, stage.auto_widths)
     SequentialQuantizer(lw, probe, stage.keep_16bit, windows, store_dtype=store_dtype,
                         show_progress=show_progress).run(lambda i, layer, quantized: None)
     units = probe.units
@@ -265,7 +265,7 @@ def measure_allocation(lw: LayerwiseModel, stage: GPTQStage, windows: torch.Tens
     total = sum(math.prod(lw.reader.shape(k)) for k in lw.reader.tensor_names())
     other = (total - sum(u.weights for u in units)) * elem
     budget, target = budget_bits(units, stage, other)
-    allocate(units, list(stage.candidate_bits), stage.group_size, budget)
+    allocate(units, stage.auto_widths, stage.group_size, budget)
     result = Allocation(units, stage.group_size, budget, target)
     log.info("bits auto (%s): average %.3f bits, %.3f MiB of quantized matrices", target,
              result.average_bits, result.used_bits / 8 / 2**20)

@@ -56,7 +56,7 @@ class GPTQMethod:
         self.widths = widths or {}
         self.dynamic = dynamic or {}
         self.bits = base_bits if base_bits is not None else (
-            max(stage.candidate_bits) if stage.bits == "auto" else stage.uniform_bits)
+            max(stage.auto_widths) if stage.bits == "auto" else stage.uniform_bits)
         self.grids = {b: grid_spec(b, stage.sym, self.format, stage.scale_search)
                       for b in {self.bits, *self.widths.values()}}
         self.grid = self.grids[self.bits]
