@@ -262,8 +262,9 @@ class GPTQStage(QuantizeStage):
     candidate_bits: list[Literal[2, 3, 4, 8]] | None = Field(
         None, description="bits 'auto': widths a matrix may get (default 2, 3, 4, 8)")
     sensitivity: Literal["gptq", "rtn"] | None = Field(
-        None, description="bits 'auto': each width's damage measured after GPTQ at this stage's "
-        "settings (default) or after plain rounding ('rtn')")
+        None, description="bits 'auto': each width's damage measured after plain rounding "
+        "(default, 'rtn': one Hessian pass) or after GPTQ at this stage's settings ('gptq': one "
+        "GPTQ run per candidate width)")
 
     auto_bits: ClassVar[bool] = True
 

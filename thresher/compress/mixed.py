@@ -7,7 +7,8 @@ measures, for each candidate width b, the damage of quantizing the site's weight
     D_b = tr((W - Q_b) S (W - Q_b)^T),   S = sum over the site's tokens of w_t x_t x_t^T,
 
 the squared output error summed over the calibration tokens (GPTQ's layer-wise objective), with
-Q_b what GPTQ at this stage's settings (``sensitivity: gptq``) or plain rounding (``rtn``) gives.
+Q_b what plain rounding (``sensitivity: rtn``, the default) or GPTQ at this stage's settings
+(``gptq``, one GPTQ run per candidate width) gives.
 S is the *unnormalized* Hessian: a routed expert's tokens count with their gate squared (its
 output enters the layer output times the gate), so a hot expert's damage is larger by its routed
 mass and it wins wider codes for that reason alone; an expert no calibration token reached has no
@@ -246,7 +247,7 @@ class SensitivityProbe:
 
     def _damage(self, method: GPTQMethod, h: GPTQ, S: torch.Tensor, w: torch.Tensor,
                 fallback: bool, shrink: float) -> float:
-        rtn = fallback or self.stage.sensitivity == "rtn"
+        rtn = fallback or self.stage.sensitivity != "gptq"
         q, _ = method.quantize_target(h, w, method.grid, rtn, shrink)
         err = w.float() - q.dequantize()
         d = float(((err @ S) * err).sum())
