@@ -192,3 +192,17 @@ def test_engine_greedy_tokens_match_the_dequantized_model(auto_artifact, monkeyp
         assert isinstance(m.cpu_pack, Int4Pack) == (m.bits == 4)
     monkeypatch.setenv("THRESHER_KERNELS", "torch")  # fp32 everywhere: exact parity expected
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
+
+
+@pytest.mark.slow
+def test_auto_with_a_size_target_fills_the_checkpoint_size(auto_artifact, tiny_demo, tmp_path):
+    _, report, _ = auto_artifact
+    target = round(report.artifact_mb, 3)
+    stage = QuantizeStage(method="gptq", bits="auto", target_mb=target, group_size=64,
+                          sensitivity="rtn")
+    sized = quantize_model(tiny_demo, stage, CAL, tmp_path / "q", show_progress=False)
+    units = [Unit.from_dict(u) for u in sized.allocation["units"]]
+    step = max(u.cost(8, 64) - u.cost(2, 64) for u in units) / 8 / 2**20
+    header = 0.05  # safetensors headers and the index are outside the tensor budget
+    assert target - step < sized.artifact_mb <= target + header
+    assert sized.allocation["quantized_mb"] <= sized.allocation["budget_mb"]
