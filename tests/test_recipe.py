@@ -55,7 +55,7 @@ def test_demo_recipe_shares_prefixes():
     "mutate, field, words",
     [
         (lambda r: r["variants"][1]["stages"][1]["quantize"].update(bits=5),
-         "variants.1.stages.1.quantize.bits", "2, 3, 4 or 8"),
+         "variants.1.stages.1.quantize.bits", "2, 3, 4, 8 or 'auto'"),
         (lambda r: r.update(calibration={"sampels": 3}), "calibration.sampels", "unknown key"),
         (lambda r: r["variants"][1]["stages"][0]["prune"].update(ratio=1.5),
          "variants.1.stages.0.prune.ratio", "(0, 1)"),

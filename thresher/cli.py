@@ -339,7 +339,13 @@ def quantize_cmd(
     model: Annotated[str, typer.Option(help="Hub id, local dir, models:/name/version or demo:size.")],
     out: Annotated[Path, typer.Option(help="Output directory (must not exist).")],
     method: Annotated[str, typer.Option(help="rtn, gptq, awq or nf4.")] = "gptq",
-    bits: Annotated[int, typer.Option(help="Bit width: 2, 3, 4 or 8 (nf4: 4).")] = 4,
+    bits: Annotated[str, typer.Option(
+        help="Bit width: 2, 3, 4 or 8 (nf4: 4), or auto (gptq: per-matrix widths under "
+        "--target-bits or --target-mb).")] = "4",
+    target_bits: Annotated[float | None, typer.Option(
+        help="gptq --bits auto: average bits per quantized weight.")] = None,
+    target_mb: Annotated[float | None, typer.Option(
+        help="gptq --bits auto: size of the whole checkpoint in MiB.")] = None,
     group_size: Annotated[int, typer.Option(help="Inputs per scale group; -1 = per row.")] = 128,
     sym: Annotated[bool | None, typer.Option(
         "--sym/--asym", help="rtn/gptq/awq: symmetric grid (default: gptq sym, rtn/awq asym).")
@@ -385,7 +391,9 @@ def quantize_cmd(
     if method not in QUANTIZE_STAGES:
         raise RecipeError(f"--method {method}: choose one of {', '.join(QUANTIZE_STAGES)}")
     source = "stdlib" if calibration == "stdlib" else FilesSource(files=[calibration])
-    options = {"method": method, "bits": bits, "group_size": group_size, "sym": sym,
+    options = {"method": method, "bits": bits if bits == "auto" else _int_or_text(bits),
+               "target_bits": target_bits, "target_mb": target_mb,
+               "group_size": group_size, "sym": sym,
                "act_order": act_order, "static_groups": static_groups,
                "damp_percent": damp_percent, "clip": clip, "double_quant": double_quant,
                "compute_dtype": compute_dtype, "scale_search": scale_search,
@@ -398,10 +406,23 @@ def quantize_cmd(
     cal = CalibrationConfig(source=source, samples=samples, seq_len=seq_len)
     report = quantize_model(resolve_model(model), stage, cal, out)
     m = report.metrics()
+    if report.allocation is not None:
+        a = report.allocation
+        shares = ", ".join(f"{b}-bit {100 * v:.0f}%" for b, v in a["weight_share"].items())
+        console.print(f"bits auto ({a['target']}): average {a['average_bits']:.3f} bits "
+                      f"({shares}), quantized matrices {a['quantized_mb']:.2f} MiB")
     console.print(f"{stage.describe()}: {int(m['quantized_matrices'])} matrices in "
                   f"{m['wall_seconds']:.1f} s, mean relative error {m['mean_quant_error']:.4f}, "
                   f"{int(m['fallback_experts'])} fallback experts, {m['artifact_mb']:.1f} MB "
                   f"({report.format} format) -> {out}")
+
+
+def _int_or_text(value: str) -> int | str:
+    """An option's integer, or the text as given (for the schema to refuse, naming the option)."""
+    try:
+        return int(value)
+    except ValueError:
+        return value
 
 
 # --- export -------------------------------------------------------------------------------------

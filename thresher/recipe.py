@@ -12,7 +12,7 @@ import itertools
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import (
@@ -152,7 +152,9 @@ class QuantizeStage(StrictModel):
     """
 
     method: str
-    bits: Literal[2, 3, 4, 8] = 4
+    bits: Literal[2, 3, 4, 8, "auto"] = Field(
+        4, description="bit width; 'auto' (gptq): per-matrix widths chosen under target_bits or "
+        "target_mb")
     group_size: int = Field(128, description="-1 = one group per output row")
     keep_16bit: list[str] = Field(
         default_factory=lambda: ["router", "embeddings", "lm_head"],
@@ -166,6 +168,15 @@ class QuantizeStage(StrictModel):
                 QUANTIZE_STAGE.validate_python(data)  # raises, naming the methods there are
             cls = QUANTIZE_STAGES[method]
         return super().__new__(cls)
+
+    auto_bits: ClassVar[bool] = False  # whether the method can choose widths per matrix
+
+    @field_validator("bits")
+    @classmethod
+    def _auto_supported(cls, v: int | str) -> int | str:
+        if v == "auto" and not cls.auto_bits:
+            raise ValueError("'auto' (mixed precision under a budget) is supported by method gptq")
+        return v
 
     @field_validator("group_size")
     @classmethod
@@ -188,6 +199,13 @@ class QuantizeStage(StrictModel):
     def describe(self) -> str:
         return f"quantize {self.method} {self.bits}-bit g{self.group_size}"
 
+    @property
+    def uniform_bits(self) -> int:
+        """The one width of every matrix (refused for ``bits: auto``, whose widths differ)."""
+        if self.bits == "auto":
+            raise ValueError("bits 'auto' has no single width")
+        return int(self.bits)
+
 
 class RTNStage(QuantizeStage):
     """Round-to-nearest on a min-max grid: no calibration data; written in the GPTQ format."""
@@ -200,6 +218,9 @@ class RTNStage(QuantizeStage):
         "minmax", description="group scales: min-max range, or the shrunk range of least "
         "squared weight error (GPTQ's mse grid search)"
     )
+
+
+AUTO_WIDTHS = (2, 3, 4, 8)  # bits auto: the candidate widths unless the stage names others
 
 
 class GPTQStage(QuantizeStage):
@@ -232,9 +253,53 @@ class GPTQStage(QuantizeStage):
         "minmax", description="group scales: min-max range, or the shrunk range of least "
         "squared weight error (GPTQ's mse grid search)"
     )
+    target_bits: float | None = Field(
+        None, gt=0, description="bits 'auto': average code bits per quantized weight (weighted by "
+        "weight count; scales and zeros come on top, as at a uniform width)")
+    target_mb: float | None = Field(
+        None, gt=0, description="bits 'auto': size of the whole checkpoint's tensors in MiB")
+    # None (the default) keeps the store keys of uniform-width stages as they were.
+    candidate_bits: list[Literal[2, 3, 4, 8]] | None = Field(
+        None, description="bits 'auto': widths a matrix may get (default 2, 3, 4, 8)")
+    sensitivity: Literal["gptq", "rtn"] | None = Field(
+        None, description="bits 'auto': each width's damage measured after plain rounding "
+        "(default, 'rtn': one Hessian pass) or after GPTQ at this stage's settings ('gptq': one "
+        "GPTQ run per candidate width)")
+
+    auto_bits: ClassVar[bool] = True
+
+    @property
+    def auto_widths(self) -> list[int]:
+        """``bits: auto``: the candidate widths, narrowest first."""
+        return sorted(self.candidate_bits or AUTO_WIDTHS)
+
+    @model_validator(mode="after")
+    def _auto_targets(self) -> GPTQStage:
+        auto_only = ("target_bits", "target_mb", "candidate_bits", "sensitivity")
+        given = [f for f in auto_only if getattr(self, f) is not None]
+        if self.bits != "auto":
+            if given:
+                raise ValueError(f"{given[0]} applies only with bits: auto")
+            return self
+        if len([f for f in given if f.startswith("target_")]) != 1:
+            raise ValueError("bits: auto needs exactly one of target_bits and target_mb")
+        widths = self.auto_widths
+        if len(widths) < 2 or len(set(widths)) != len(widths):
+            raise ValueError(f"candidate_bits must list at least two different widths, got "
+                             f"{self.candidate_bits}")
+        tb = self.target_bits
+        if tb is not None and not widths[0] <= tb <= widths[-1]:
+            raise ValueError(f"target_bits={tb} is outside candidate_bits {widths}: no allocation "
+                             "can average it")
+        return self
 
     def describe(self) -> str:
-        return (super().describe() + (" act-order" if self.act_order else "")
+        base = super().describe()
+        if self.bits == "auto":
+            target = (f"{self.target_bits:g}-bit" if self.target_bits is not None
+                      else f"{self.target_mb:g}MB")
+            base = f"quantize gptq auto {target} g{self.group_size}"
+        return (base + (" act-order" if self.act_order else "")
                 + (" mse" if self.scale_search == "mse" else ""))
 
 
@@ -407,7 +472,8 @@ StageGrids = Annotated[
 ]
 # Naming: these keys always name a generated variant (reap25, gptq3); other keys only when their
 # value differs between the sweep's choices for that stage (g64, actorder).
-_NAME_KEYS = {"prune": ("method", "ratio", "keep"), "quantize": ("method", "bits")}
+_NAME_KEYS = {"prune": ("method", "ratio", "keep"),
+              "quantize": ("method", "bits", "target_bits", "target_mb")}
 _SHORT = {"group_size": "g", "keep_16bit": "keep16"}
 
 
@@ -531,7 +597,13 @@ def _main_name(stage: PruneStage | QuantizeStage) -> str:
         if stage.ratio is not None:
             return f"{stage.method}{stage.ratio * 100:g}"
         return f"{stage.method}-k{stage.keep}"
-    return stage.method if stage.method == "nf4" else f"{stage.method}{stage.bits}"
+    if stage.method == "nf4":
+        return "nf4"
+    if stage.bits == "auto":
+        target = getattr(stage, "target_bits", None)
+        return f"{stage.method}-auto{target:g}" if target is not None else (
+            f"{stage.method}-auto{stage.target_mb:g}mb")  # type: ignore[attr-defined]
+    return f"{stage.method}{stage.bits}"
 
 
 def _key_name(key: str, value: Any) -> str:

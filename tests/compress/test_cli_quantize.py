@@ -27,3 +27,15 @@ def test_quantize_command_refuses_bad_options(tiny_demo, tmp_path):
                                  "--bits", "3", "--out", str(tmp_path / "a")])
     assert result.exit_code == 2 and "4-bit" in result.output
     assert "Traceback" not in result.output and not list(tmp_path.iterdir())
+
+
+def test_quantize_command_checks_bits_auto_options(tiny_demo, tmp_path):
+    runner = CliRunner()
+    base = ["quantize", "--model", str(tiny_demo), "--out", str(tmp_path / "a")]
+    result = runner.invoke(app, [*base, "--bits", "auto"])
+    assert result.exit_code == 2 and "exactly one of target_bits and target_mb" in result.output
+    result = runner.invoke(app, [*base, "--method", "awq", "--bits", "auto", "--target-bits", "3"])
+    assert result.exit_code == 2 and "--bits: 'auto'" in result.output
+    result = runner.invoke(app, [*base, "--bits", "five"])
+    assert result.exit_code == 2 and "--bits: Input should be 2, 3, 4, 8 or 'auto'" in result.output
+    assert "Traceback" not in result.output and not list(tmp_path.iterdir())

@@ -22,7 +22,9 @@ import torch
 
 from thresher.compress.driver import LayerCallback, SequentialQuantizer
 from thresher.compress.methods import method_for
+from thresher.compress.methods.gptq import GPTQMethod
 from thresher.compress.methods.protocol import LayerRecord, QuantMethod
+from thresher.compress.mixed import Allocation, SensitivityProbe, allocate, budget_bits
 from thresher.compress.targets import ALWAYS_16BIT, OPTIONAL_16BIT, LayerParts, all_targets
 from thresher.data.windows import calibration_windows
 from thresher.errors import ArtifactError, CompressionError
@@ -51,7 +53,7 @@ class QuantizeReport:
 
     method: str
     format: str
-    bits: int
+    bits: int | str  # "auto": per-matrix widths, in ``allocation``
     group_size: int
     sym: bool
     act_order: bool
@@ -62,20 +64,27 @@ class QuantizeReport:
     peak_rss_mb: float = 0.0
     artifact_mb: float = 0.0
     layers: list[dict] = field(default_factory=list)
+    allocation: dict | None = None  # bits auto: Allocation.summary()
 
     def metrics(self) -> dict[str, float]:
         errors = [e for layer in self.layers for e in layer["errors"].values()]
+        mixed = {}
+        if self.allocation is not None:
+            a = self.allocation
+            mixed = {"average_bits": a["average_bits"], "quantized_mb": a["quantized_mb"],
+                     **{f"weight_share_{b}bit": v for b, v in a["weight_share"].items()}}
         return {
             "wall_seconds": self.wall_seconds,
             "peak_rss_mb": self.peak_rss_mb,
             "artifact_mb": self.artifact_mb,
             "layers": float(len(self.layers)),
-            "bits": float(self.bits),
+            "bits": float(mixed["average_bits"] if mixed else self.bits),
             "quantized_matrices": float(len(errors)),
             "mean_quant_error": sum(errors) / max(1, len(errors)),
             "max_quant_error": max(errors, default=0.0),
             "fallback_experts": float(sum(len(la["fallback_experts"]) for la in self.layers)),
             "calibration_tokens": float(self.calibration_tokens),
+            **mixed,
         }
 
     def to_json(self) -> str:
@@ -102,7 +111,9 @@ def check_stage(stage: QuantizeStage, method: QuantMethod, lw: LayerwiseModel) -
         raise CompressionError(f"{where}: keep_16bit names unknown parts {sorted(unknown)}; "
                                f"choose from {', '.join(ALWAYS_16BIT + OPTIONAL_16BIT)}")
     fmt = method.format
-    if fmt == "gptq" and stage.bits not in gptq_format.BITS:
+    widths = (stage.auto_widths if isinstance(stage, GPTQStage) and stage.bits == "auto"
+              else [stage.uniform_bits])
+    if fmt == "gptq" and any(b not in gptq_format.BITS for b in widths):
         raise CompressionError(f"bits={stage.bits}: the GPTQ format holds {gptq_format.BITS} bits")
     if fmt == "awq" and stage.group_size == -1:
         raise CompressionError("group_size=-1: the 4-bit AWQ gemm format needs a group size (e.g. "
@@ -112,20 +123,23 @@ def check_stage(stage: QuantizeStage, method: QuantMethod, lw: LayerwiseModel) -
     for i in range(lw.num_layers):
         parts = LayerParts(lw.adapter, lw.layer(i), i, keep)  # on the meta device: shapes only
         for t in all_targets(parts):
-            _check_shape(stage, fmt, t.key, *t.weight.shape)
+            for bits in widths:
+                _check_shape(stage, fmt, t.key, *t.weight.shape, bits=bits)
 
 
-def _check_shape(stage: QuantizeStage, fmt: str, key: str, n: int, k: int) -> None:
+def _check_shape(stage: QuantizeStage, fmt: str, key: str, n: int, k: int, bits: int) -> None:
     gs = stage.group_size
     if gs != -1 and k % gs:
         raise CompressionError(f"group_size={gs} does not divide the {k} inputs of {key}; "
                                "choose a divisor of every layer's input size or -1 (per row)")
     if fmt == "gptq":
-        period = 32 // math.gcd(stage.bits, 32)
+        period = 32 // math.gcd(bits, 32)
         if k % period or n % period:
+            hint = ("; leave it out of candidate_bits" if stage.bits == "auto"
+                    else "; use 4 or 8 bits")
             raise CompressionError(
-                f"bits={stage.bits}: {key} is [{n}, {k}], but GPTQ packs {stage.bits}-bit codes "
-                f"in runs of {period} rows and columns; use 4 or 8 bits")
+                f"bits={bits}: {key} is [{n}, {k}], but GPTQ packs {bits}-bit codes "
+                f"in runs of {period} rows and columns{hint}")
     if fmt == "awq" and n % 8:
         raise CompressionError(f"{key} has {n} outputs; the AWQ gemm format packs 8 per word")
 
@@ -152,11 +166,13 @@ def _float_modules(lw: LayerwiseModel, keep: set[str]) -> list[str]:
 
 def quantize_model(model_dir: Path, stage: QuantizeStage, calibration: CalibrationConfig,
                    out_dir: Path, *, observer: LayerCallback | None = None,
-                   max_shard_bytes: int = 1 << 30, show_progress: bool = True) -> QuantizeReport:
+                   max_shard_bytes: int = 1 << 30, show_progress: bool = True,
+                   allocation: Allocation | None = None) -> QuantizeReport:
     """Quantize ``model_dir`` into a new checkpoint at ``out_dir`` (refused if it exists).
 
     ``observer`` also receives each finished layer (with dequantized weights), for evaluating the
-    in-memory quantized model next to the artifact.
+    in-memory quantized model next to the artifact. ``allocation`` (``bits: auto``) gives the
+    widths instead of measuring them (for controls such as a random allocation).
     """
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if out_dir.exists():
@@ -164,8 +180,9 @@ def quantize_model(model_dir: Path, stage: QuantizeStage, calibration: Calibrati
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with build_dir_atomically(out_dir) as tmp:
         with measure() as usage:
-            method, records, calibration_tokens = _write_checkpoint(
-                model_dir, stage, calibration, tmp, observer, max_shard_bytes, show_progress)
+            method, records, calibration_tokens, allocation = _write_checkpoint(
+                model_dir, stage, calibration, tmp, observer, max_shard_bytes, show_progress,
+                allocation)
         report = QuantizeReport(
             method=stage.method, format=method.format, bits=stage.bits,
             group_size=stage.group_size, sym=method.grid is not None and method.grid.sym,
@@ -174,6 +191,7 @@ def quantize_model(model_dir: Path, stage: QuantizeStage, calibration: Calibrati
             wall_seconds=usage.wall_seconds, peak_rss_mb=usage.peak_rss_mb,
             artifact_mb=sum(f.stat().st_size for f in tmp.glob("*.safetensors")) / 2**20,
             layers=[dataclasses.asdict(r) for r in records],
+            allocation=None if allocation is None else allocation.summary(),
         )
         (tmp / QUANTIZE_REPORT).write_text(report.to_json())
     log.info("quantized %s with %s in %.1f s -> %s", model_dir, stage.describe(),
@@ -183,9 +201,11 @@ def quantize_model(model_dir: Path, stage: QuantizeStage, calibration: Calibrati
 
 def _write_checkpoint(model_dir: Path, stage: QuantizeStage, calibration: CalibrationConfig,
                       out: Path, observer: LayerCallback | None, max_shard_bytes: int,
-                      show_progress: bool) -> tuple[QuantMethod, list[LayerRecord], int]:
+                      show_progress: bool, allocation: Allocation | None
+                      ) -> tuple[QuantMethod, list[LayerRecord], int, Allocation | None]:
     """Write the quantized checkpoint (weights, config, tokenizer files) into ``out``; returns
-    the method, its per-layer records and the number of calibration tokens."""
+    the method, its per-layer records, the number of calibration tokens and (``bits: auto``) the
+    widths chosen."""
     keep_large_blocks_off_heap()
     lw = LayerwiseModel(model_dir, torch.float32)
     method = method_for(stage)
@@ -199,6 +219,11 @@ def _write_checkpoint(model_dir: Path, stage: QuantizeStage, calibration: Calibr
     if isinstance(store_dtype, str):
         store_dtype = getattr(torch, store_dtype)
     skip = _float_modules(lw, set(stage.keep_16bit))
+    if isinstance(stage, GPTQStage) and stage.bits == "auto":
+        if allocation is None:
+            allocation = measure_allocation(lw, stage, windows, store_dtype, show_progress)
+        method = GPTQMethod(stage, allocation.widths(), allocation.base_bits,
+                            allocation.dynamic())
     writer = CheckpointWriter(out, max_shard_bytes)
 
     def write_layer(i: int, layer: torch.nn.Module, quantized: dict) -> None:
@@ -225,7 +250,26 @@ def _write_checkpoint(model_dir: Path, stage: QuantizeStage, calibration: Calibr
         if (f.is_file() and f.name not in NOT_COPIED and f.suffix != ".safetensors"
                 and f.name not in STAGE_REPORTS):
             shutil.copy2(f, out / f.name)
-    return method, records, 0 if windows is None else int(windows.numel())
+    return method, records, 0 if windows is None else int(windows.numel()), allocation
+
+
+def measure_allocation(lw: LayerwiseModel, stage: GPTQStage, windows: torch.Tensor | None,
+                       store_dtype: torch.dtype, show_progress: bool = False) -> Allocation:
+    """``bits: auto``: measure every site's damage at each candidate width (a pass of the
+    sequential driver over the float model), then choose the widths under the stage's budget."""
+    probe = SensitivityProbe(stage, stage.auto_widths)
+    SequentialQuantizer(lw, probe, stage.keep_16bit, windows, store_dtype=store_dtype,
+                        show_progress=show_progress).run(lambda i, layer, quantized: None)
+    units = probe.units
+    elem = torch.empty(0, dtype=store_dtype).element_size() * 8
+    total = sum(math.prod(lw.reader.shape(k)) for k in lw.reader.tensor_names())
+    other = (total - sum(u.weights for u in units)) * elem
+    budget, target = budget_bits(units, stage, other)
+    allocate(units, stage.auto_widths, stage.group_size, budget)
+    result = Allocation(units, stage.group_size, budget, target)
+    log.info("bits auto (%s): average %.3f bits, %.3f MiB of quantized matrices", target,
+             result.average_bits, result.used_bits / 8 / 2**20)
+    return result
 
 
 def quantize_in_memory(model_dir: Path, stage: QuantizeStage, calibration: CalibrationConfig,
@@ -241,6 +285,9 @@ def quantize_in_memory(model_dir: Path, stage: QuantizeStage, calibration: Calib
     windows = None
     if method.calibrated:
         windows = calibration_windows(load_tokenizer(model_dir), calibration)
+    if isinstance(stage, GPTQStage) and stage.bits == "auto":
+        allocation = measure_allocation(lw, stage, windows, torch.float32, show_progress)
+        method = GPTQMethod(stage, allocation.widths(), allocation.base_bits)
     model = load_model(model_dir)
     layers = lw.adapter.layers(model)
 

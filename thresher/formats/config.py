@@ -7,11 +7,12 @@ artifacts and call each layout by the same name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from thresher.errors import ArtifactError
+from thresher.formats.gptq import dynamic_override
 
 Kind = Literal["gptq", "awq", "nf4"]
 
@@ -23,6 +24,22 @@ class PackedFormat:
     kind: Kind  # gptq: GPTQ v1; awq: AWQ gemm; nf4: bitsandbytes NF4
     bits: int = 4
     group_size: int = -1  # -1: one group per row; nf4: the absmax block size
+    dynamic: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()  # gptq per-module rules
+
+    def for_module(self, name: str) -> PackedFormat | None:
+        """The layout of the module ``name`` (hub-canonical) under the ``dynamic`` rules of a
+        mixed-width GPTQ artifact; None when a rule says it is not quantized."""
+        if not self.dynamic:
+            return self
+        fields = dynamic_override({p: dict(f) for p, f in self.dynamic}, name)
+        if fields is None:
+            return None
+        return replace(self, bits=int(fields.get("bits", self.bits)),
+                       group_size=int(fields.get("group_size", self.group_size)))
+
+    @property
+    def mixed(self) -> bool:
+        return bool(self.dynamic)
 
 
 def packed_format(config: Any, path: str | Path) -> PackedFormat | None:
@@ -34,7 +51,8 @@ def packed_format(config: Any, path: str | Path) -> PackedFormat | None:
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     method = qc.get("quant_method")
     if method == "gptq" and qc.get("checkpoint_format", "gptq") == "gptq":
-        return PackedFormat("gptq", int(qc["bits"]), int(qc.get("group_size", -1)))
+        dynamic = tuple((p, tuple(sorted(f.items()))) for p, f in (qc.get("dynamic") or {}).items())
+        return PackedFormat("gptq", int(qc["bits"]), int(qc.get("group_size", -1)), dynamic)
     if method == "awq" and qc.get("version", "gemm") == "gemm" and qc.get("bits") == 4:
         return PackedFormat("awq", 4, int(qc.get("group_size", 128)))
     if method == "bitsandbytes" and qc.get("load_in_4bit") and qc.get("bnb_4bit_quant_type") == "nf4":

@@ -5,7 +5,8 @@ kernel packages, and its bitsandbytes loading leaves fused experts unquantized).
 It reads the packed tensors through ``thresher.formats`` only, so evaluating an artifact needs
 neither the compressors nor bitsandbytes.
 
-Quantized linear layers become ``DequantLinear``; each MoE layer's fused experts module becomes
+Quantized linear layers become ``DequantLinear``, each at its own width when the GPTQ config has
+per-module ``dynamic`` rules (mixed precision); each MoE layer's fused experts module becomes
 ``QuantizedExperts``, which holds every expert's three projections as ``DequantLinear`` and runs
 the same routed loop as transformers' experts forward.
 """
@@ -85,6 +86,15 @@ def _dequantizer(fmt: PackedFormat) -> Callable[[dict], torch.Tensor]:
     return lambda t: unpack_nf4(t).dequantize()
 
 
+def _module_format(fmt: PackedFormat, key: str, path: Path) -> PackedFormat:
+    """The layout of one packed module (its own width in a mixed-width GPTQ artifact)."""
+    own = fmt.for_module(key)
+    if own is None:
+        raise ArtifactError(f"{path}: {key} is packed, but a '-:' rule of quantization_config."
+                            "dynamic says it is not quantized")
+    return own
+
+
 def _quantized_modules(reader: CheckpointReader, fmt: PackedFormat
                        ) -> dict[str, dict[str, torch.Tensor]]:
     """Disk module name -> its packed tensors (names relative to the module)."""
@@ -125,7 +135,6 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     reader = CheckpointReader(path)
     quantized = _quantized_modules(reader, fmt)
-    dequantize = _dequantizer(fmt)
     packed_keys = {f"{m}.{n}" for m, ts in quantized.items() for n in ts}
 
     experts: dict[int, dict[tuple[int, str], DequantLinear]] = {}
@@ -133,7 +142,8 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -
         bias_key = f"{key}.bias"
         bias = reader.get(bias_key).to(dtype) if bias_key in reader else None
         packed_keys.add(bias_key)
-        module = DequantLinear(tensors, dequantize, bias)
+        mfmt = _module_format(fmt, key, path)
+        module = DequantLinear(tensors, _dequantizer(mfmt), bias)
         expert = adapter.parse_disk_expert_key(key)
         if expert is not None:
             layer_idx, e, role = expert
@@ -144,7 +154,7 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -
             target = model.get_submodule(name)
         except AttributeError:
             raise ArtifactError(f"{path}: quantized module {key} has no place in the model") from None
-        _check_shape(key, fmt, tensors, target.out_features, target.in_features)
+        _check_shape(key, mfmt, tensors, target.out_features, target.in_features)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, module)
 
@@ -157,7 +167,8 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -
             raise ArtifactError(f"{path}: layer {i} lacks quantized experts {missing[:4]}")
         for (e, r), mod in mods.items():
             n, k = (hidden, inter) if r == "down" else (inter, hidden)
-            _check_shape(adapter.disk_expert_key(i, e, r), fmt, mod.packed(), n, k)
+            key = adapter.disk_expert_key(i, e, r)
+            _check_shape(key, _module_format(fmt, key, path), mod.packed(), n, k)
         adapter.mlp(layers[i]).experts = QuantizedExperts(
             [mods[(e, "gate")] for e in range(n_exp)], [mods[(e, "up")] for e in range(n_exp)],
             [mods[(e, "down")] for e in range(n_exp)], fused.act_fn)

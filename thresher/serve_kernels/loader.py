@@ -167,7 +167,7 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
         pack_for_cpu(model)
     info = {
         "format": "bf16" if quant is None else quant.kind,
-        "bits": 16 if quant is None else quant.bits,
+        "bits": 16 if quant is None else "mixed" if quant.mixed else quant.bits,
         "dtype": str(dtype).removeprefix("torch."),
         "model_type": config.model_type,
         "num_experts": adapter.num_experts(config),

@@ -23,7 +23,8 @@ from typing import ClassVar
 import torch
 
 from thresher.compress.gptq import GPTQ
-from thresher.compress.methods.protocol import LayerJob, grid_spec
+from thresher.compress.methods.protocol import LayerJob, LayerRecord, Quantized, grid_spec
+from thresher.compress.quantizer import GridSpec
 from thresher.compress.rtn import rtn_quantize
 from thresher.compress.targets import InputSite, sequential_stages
 from thresher.formats import gptq as gptq_format
@@ -42,13 +43,23 @@ def rare_expert_shrink(columns: int, effective_tokens: float) -> float:
 
 
 class GPTQMethod:
+    """GPTQ at one width, or (``bits: auto``) at the width ``widths`` gives each module, the
+    others at ``base_bits`` (the allocation comes from ``compress.mixed``)."""
+
     name: ClassVar[str] = "gptq"
     format: ClassVar[str] = "gptq"
     calibrated: ClassVar[bool] = True
 
-    def __init__(self, stage: GPTQStage):
+    def __init__(self, stage: GPTQStage, widths: dict[str, int] | None = None,
+                 base_bits: int | None = None, dynamic: dict[str, dict] | None = None):
         self.stage = stage
-        self.grid = grid_spec(stage.bits, stage.sym, self.format, stage.scale_search)
+        self.widths = widths or {}
+        self.dynamic = dynamic or {}
+        self.bits = base_bits if base_bits is not None else (
+            max(stage.auto_widths) if stage.bits == "auto" else stage.uniform_bits)
+        self.grids = {b: grid_spec(b, stage.sym, self.format, stage.scale_search)
+                      for b in {self.bits, *self.widths.values()}}
+        self.grid = self.grids[self.bits]
         if stage.act_order and not stage.static_groups:
             log.warning("act_order without static_groups writes desc_act=true: vLLM refuses such "
                         "GPTQ checkpoints")
@@ -56,36 +67,47 @@ class GPTQMethod:
     def quantization_config(self, skip: list[str]) -> dict:
         st = self.stage
         return gptq_format.quantization_config(
-            st.bits, st.group_size, self.grid.sym, desc_act=st.act_order and not st.static_groups,
-            static_groups=st.static_groups, damp_percent=st.damp_percent, true_sequential=True,
-            modules_to_not_convert=skip)
+            self.bits, st.group_size, self.grid.sym,
+            desc_act=st.act_order and not st.static_groups, static_groups=st.static_groups,
+            damp_percent=st.damp_percent, true_sequential=True, modules_to_not_convert=skip,
+            dynamic=self.dynamic)
 
     def quantize_layer(self, job: LayerJob) -> None:
-        st, record = self.stage, job.record
-        all_tokens = st.expert_tokens == "all"
+        all_tokens = self.stage.expert_tokens == "all"
         for sites in sequential_stages(job.parts):
             hessians = {s.name: GPTQ(s.columns, s.name) for s in sites}
-            job.capture(sites, partial(_add_to_hessian, hessians), all_tokens=all_tokens)
+            job.capture(sites, partial(add_to_hessian, hessians), all_tokens=all_tokens)
             for site in job.progress(sites, f"layer {job.parts.idx} gptq"):
                 h = hessians.pop(site.name)
-                n_eff = h.effective_tokens
-                fallback = record.too_few_tokens(site, n_eff, st.min_expert_tokens)
-                shrink = 0.0
-                if site.expert is not None and st.rare_expert_damping and not fallback:
-                    shrink = rare_expert_shrink(site.columns, n_eff)
-                    record.expert_shrink[site.name] = shrink
+                fallback, shrink = self.site_rule(job.record, site, h)
                 for t in site.targets:
-                    if fallback:
-                        q = rtn_quantize(t.weight, self.grid, st.group_size)
-                    else:
-                        q, loss = h.quantize(t.weight, self.grid, st.group_size, st.act_order,
-                                             st.static_groups, st.damp_percent, st.block_size,
-                                             diag_shrink=shrink)
-                        record.gptq_loss += loss
+                    grid = self.grids[self.widths.get(t.key, self.bits)]
+                    q, loss = self.quantize_target(h, t.weight, grid, fallback, shrink)
+                    job.record.gptq_loss += loss
                     job.commit(t, q)
 
+    def site_rule(self, record: LayerRecord, site: InputSite, h: GPTQ) -> tuple[bool, float]:
+        """Whether the site falls back to RTN (too few tokens), and its rare-expert shrink."""
+        st = self.stage
+        n_eff = h.effective_tokens
+        fallback = record.too_few_tokens(site, n_eff, st.min_expert_tokens)
+        shrink = 0.0
+        if site.expert is not None and st.rare_expert_damping and not fallback:
+            shrink = rare_expert_shrink(site.columns, n_eff)
+            record.expert_shrink[site.name] = shrink
+        return fallback, shrink
 
-def _add_to_hessian(hessians: dict[str, GPTQ], site: InputSite, x: torch.Tensor,
-                    gate: torch.Tensor | None) -> None:
+    def quantize_target(self, h: GPTQ, weight: torch.Tensor, grid: GridSpec, rtn: bool,
+                        shrink: float) -> tuple[Quantized, float]:
+        """One weight on ``grid``: RTN, or GPTQ against the site's Hessian (and its loss)."""
+        st = self.stage
+        if rtn:
+            return rtn_quantize(weight, grid, st.group_size), 0.0
+        return h.quantize(weight, grid, st.group_size, st.act_order, st.static_groups,
+                          st.damp_percent, st.block_size, diag_shrink=shrink)
+
+
+def add_to_hessian(hessians: dict[str, GPTQ], site: InputSite, x: torch.Tensor,
+                   gate: torch.Tensor | None) -> None:
     """GPTQ's objective is squared error, so a routed token counts with its gate squared."""
     hessians[site.name].add_batch(x, None if gate is None else gate**2)

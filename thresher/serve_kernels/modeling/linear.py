@@ -236,6 +236,7 @@ def load_linear(reader: CheckpointReader, prefix: str, quant: PackedFormat | Non
     """The linear layer stored under ``prefix`` (e.g. ``model.layers.0.self_attn.q_proj``)."""
     bias = reader.get(f"{prefix}.bias").to(dtype) if f"{prefix}.bias" in reader else None
     if f"{prefix}.qweight" in reader:
+        quant = None if quant is None else quant.for_module(prefix)  # mixed widths: its own
         if quant is None or quant.kind not in ("gptq", "awq"):
             raise ArtifactError(f"{reader.path}: {prefix} is GPTQ/AWQ-packed but config.json's "
                                 "quantization_config does not say gptq or awq")
