@@ -3,9 +3,11 @@
     PYTHONPATH=.:benchmarks python benchmarks/decode_step_profile.py /tmp/m/model /tmp/m/gptq4 \
         --dtype bfloat16 --threads 2            # models from cpu_decode.py --workdir /tmp/m
 
-For each model it prefills one prompt, then times ``engine.step()`` decode steps (median), runs
-one step under ``torch.profiler`` (operators per step and their self CPU time, the top ones by
-shape) and a few under cProfile (total Python-side wall time per step). Operator counts do not
+For each model it prefills one prompt, then times ``engine.step()`` decode steps (median wall
+time, and median process CPU time, which waiting for a core on a loaded machine does not add to;
+with one thread it is the step's work), runs one step under ``torch.profiler`` (operators per
+step and their self CPU time, the top ones by shape) and a few under cProfile (total wall time
+per step with Python's profiling overhead). Operator counts do not
 depend on the machine's load, so they compare two trees even on a busy machine; the times do.
 """
 
@@ -41,12 +43,13 @@ def measure(path: Path, dtype: str, steps: int, top: int) -> None:
     engine = decoding_engine(path, dtype, 3 * steps + 16)
     for _ in range(3):
         engine.step()  # warm up
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         engine.step()
         times.append(time.perf_counter() - t0)
-    step_ms = statistics.median(times) * 1e3
+        cpu.append(time.process_time() - c0)
+    step_ms, cpu_ms = statistics.median(times) * 1e3, statistics.median(cpu) * 1e3
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         engine.step()
     events = prof.key_averages()
@@ -60,8 +63,8 @@ def measure(path: Path, dtype: str, steps: int, top: int) -> None:
     stats = pstats.Stats(profiler)
     py_ms = stats.total_tt / steps * 1e3  # type: ignore[attr-defined]
     print(f"\n{path.name} ({dtype}): median step {step_ms:.1f} ms ({1e3 / step_ms:.1f} tok/s), "
-          f"{calls} aten calls per step, profiled op self time {self_ms:.1f} ms, "
-          f"cProfile step {py_ms:.1f} ms")
+          f"process CPU time {cpu_ms:.1f} ms, {calls} aten calls per step, profiled op self time "
+          f"{self_ms:.1f} ms, cProfile step {py_ms:.1f} ms")
     print(prof.key_averages(group_by_input_shape=True).table(
         sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=40,
         max_shapes_column_width=60))
