@@ -18,7 +18,7 @@ from thresher.serve_kernels.kernels.backend import launcher, use_triton
 def rms_norm_ref(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """torch's fused ``rms_norm`` (one op instead of ~7, which a CPU decode step pays per norm).
+    """torch's ``rms_norm``: one call instead of the nine a CPU decode step paid per norm.
 
     It computes the statistics and the scaling in fp32 for 16-bit inputs and rounds once, as
     the unfused formula does; a 16-bit add likewise rounds the fp32 sum once. ``weight`` is
