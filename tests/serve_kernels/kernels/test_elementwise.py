@@ -27,6 +27,27 @@ def test_rms_norm_fused_equals_unfused():
     assert torch.equal(out, norm.rms_norm_ref(res, w, 1e-6))
 
 
+def _rms_norm_unfused(x, w, eps):
+    """The formula the reference computed op by op before it called torch's fused rms_norm."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("w_shape", [(256,), (6, 256)])  # one weight, or one row per head
+@pytest.mark.parametrize("w_fp32", [False, True])
+def test_rms_norm_ref_is_bit_equal_to_unfused_formula(dtype, w_shape, w_fp32):
+    # greedy parity rests on the fused op rounding exactly like the formula it replaced
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(9, 6, 256, generator=gen) * 3).to(dtype)
+    r = torch.randn(9, 6, 256, generator=gen).to(dtype)
+    w = (torch.rand(*w_shape, generator=gen) + 0.5).to(torch.float32 if w_fp32 else dtype)
+    assert torch.equal(norm.rms_norm_ref(x, w, 1e-6), _rms_norm_unfused(x, w, 1e-6))
+    out, res = norm.rms_norm_ref(x, w, 1e-6, r)
+    assert torch.equal(res, (x.float() + r.float()).to(dtype))
+    assert torch.equal(out, _rms_norm_unfused(res, w, 1e-6))
+
+
 @pytest.mark.parametrize("dtype,tol", DTYPES)
 @pytest.mark.parametrize("fused", [False, True])
 def test_rms_norm_triton_matches_ref(dtype, tol, fused):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -57,6 +58,13 @@ class StepResult:
     sample_rows: list[int]  # indices into the batch of the sequences that sample
     logits: torch.Tensor | None  # fp32 [len(sample_rows), V]
     prompt_logprobs: dict[int, list[float]]  # batch index -> log-probs of its next prompt tokens
+
+
+def _take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows]: a view when the rows are consecutive (every decode batch), else a gather."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return x[rows[0] : rows[0] + len(rows)]
+    return x[rows]
 
 
 class ModelRunner:
@@ -130,25 +138,28 @@ class ModelRunner:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
+        slot_list: list[int] = []
         context_lens: list[int] = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
+            table = seq.block_table
             input_ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
+            slot_list.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             context_lens.append(start + n)
+        # slots and offsets come from host lists (tensor arithmetic was a dozen small ops a step)
         query_lens = batch.num_new_tokens
         width = max(len(s.block_table) for s in batch.seqs)
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table))
                                for s in batch.seqs], dtype=torch.int32)
         pos = torch.tensor(positions, dtype=torch.long)
-        owner = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(query_lens))
-        slots = tables[owner, pos // bs].long() * bs + pos % bs
-        cu = torch.zeros(len(batch) + 1, dtype=torch.int32)
-        cu[1:] = torch.tensor(query_lens).cumsum(0)
+        slots = torch.tensor(slot_list, dtype=torch.long)
+        cu_list = [0, *accumulate(query_lens)]
+        cu = torch.tensor(cu_list, dtype=torch.int32)
         graphs = self.decode_graphs
         if graphs is not None and max(query_lens) == 1 and (bs_ := graphs.bucket(len(batch))):
             return self._replay(graphs, bs_, input_ids, pos, slots, context_lens, tables), \
-                cu.tolist()
+                cu_list
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=slots.to(dev), block_tables=tables.to(dev),
@@ -158,7 +169,7 @@ class ModelRunner:
             max_query_len=max(query_lens), max_context_len=max(context_lens),
         )
         hidden = self.model(torch.tensor(input_ids, device=dev), pos.to(dev), self.kv_caches, meta)
-        return hidden, cu.tolist()
+        return hidden, cu_list
 
     def _replay(self, g: DecodeGraphs, bucket: int, input_ids: list[int], pos: torch.Tensor,
                 slots: torch.Tensor, context_lens: list[int], tables: torch.Tensor
@@ -183,8 +194,8 @@ class ModelRunner:
                                                           strict=True))
                        if seq.num_computed_tokens + n == seq.num_tokens
                        and seq.num_output_tokens < seq.max_tokens]
-        logits = self.model.logits(hidden[[cu[b + 1] - 1 for b in sample_rows]]) if sample_rows \
-            else None
+        logits = self.model.logits(_take_rows(hidden, [cu[b + 1] - 1 for b in sample_rows])) \
+            if sample_rows else None
         return StepResult(sample_rows, logits, self._prompt_logprobs(batch, hidden, cu))
 
     def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor,

@@ -41,13 +41,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> SampleResult:
         rows = logits.shape[0]
-        chosen = torch.empty(rows, dtype=torch.long, device=logits.device)
         greedy = [i for i, p in enumerate(params) if p.greedy]
-        if greedy:
-            idx = torch.tensor(greedy, device=logits.device)
-            chosen[idx] = logits[idx].argmax(dim=-1)
         random = [i for i, p in enumerate(params) if not p.greedy]
-        if random:
+        if not random:  # the common all-greedy batch: one argmax, no gathers or scatters
+            chosen = logits.argmax(dim=-1)
+        else:
+            chosen = torch.empty(rows, dtype=torch.long, device=logits.device)
+            if greedy:
+                idx = torch.tensor(greedy, device=logits.device)
+                chosen[idx] = logits[idx].argmax(dim=-1)
             chosen[torch.tensor(random, device=logits.device)] = self._sample(
                 logits, [params[i] for i in random], [generators[i] for i in random], random)
         token_ids = chosen.tolist()

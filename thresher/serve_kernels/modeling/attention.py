@@ -65,33 +65,37 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return _paged_attention_torch(q, k_cache, v_cache, meta, scale)
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """[B, blocks] tables -> [B, Hkv, length, D] keys or values (positions past a row's end junk)."""
-    block_size = cache.shape[1]
-    tables = block_tables[:, : -(-length // block_size)].long()
-    kv = cache[tables].flatten(1, 2)[:, :length]  # [B, length, Hkv, D]
-    return kv.transpose(1, 2)
+def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+            length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, blocks] tables -> keys and values [B, Hkv, length, D] (positions past a row's end
+    junk); the tables are sliced and widened once for both."""
+    tables = block_tables[:, : -(-length // k_cache.shape[1])].long()
+    k = k_cache[tables].flatten(1, 2)[:, :length]  # [B, length, Hkv, D]
+    v = v_cache[tables].flatten(1, 2)[:, :length]
+    return k.transpose(1, 2), v.transpose(1, 2)
 
 
 def _paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    out = torch.empty_like(q)
     gqa = q.shape[1] != k_cache.shape[2]
     nd = meta.num_decodes
+    decode_only = nd > 0 and meta.all_decode
+    out = None if decode_only else torch.empty_like(q)
     if nd:
         length = max(meta.context_lens_list[:nd])
-        k = _gather(k_cache, meta.block_tables[:nd], length)
-        v = _gather(v_cache, meta.block_tables[:nd], length)
+        k, v = _gather(k_cache, v_cache, meta.block_tables[:nd], length)
+        # masked from the device lengths: under a CUDA graph the host lists are only bounds
         mask = (torch.arange(length, device=q.device)[None, :]
                 < meta.context_lens[:nd, None]).view(nd, 1, 1, length)
         o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), k, v, attn_mask=mask, scale=scale,
-                                           enable_gqa=gqa)
-        out[:nd] = o.squeeze(2)
+                                           enable_gqa=gqa).squeeze(2)
+        if out is None:
+            return o  # a decode-only batch: SDPA's output is the result, no copy into ``out``
+        out[:nd] = o
     start = nd
     for b in range(nd, len(meta.query_lens)):
         q_len, length = meta.query_lens[b], meta.context_lens_list[b]
-        k = _gather(k_cache, meta.block_tables[b : b + 1], length)
-        v = _gather(v_cache, meta.block_tables[b : b + 1], length)
+        k, v = _gather(k_cache, v_cache, meta.block_tables[b : b + 1], length)
         qb = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
         if q_len == length:
             o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale,

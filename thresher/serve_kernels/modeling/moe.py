@@ -104,9 +104,13 @@ def _expert_matrix(w: ExpertWeights, e: int) -> torch.Tensor:
 
 
 def _sort_by_expert(topk_ids: torch.Tensor, experts: int
-                    ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+                    ) -> tuple[torch.Tensor | None, list[tuple[int, int, int]]]:
     """(token, expert) pairs sorted by expert: the order, and (expert, start, end) of each
-    expert's contiguous slice, for the experts that got tokens."""
+    expert's contiguous slice, for the experts that got tokens. One token (decode at batch 1)
+    keeps its slot order (order None): its top-k experts are distinct, one slice each, with no
+    argsort, bincount or gathers; the results are the same values in the same slots."""
+    if topk_ids.shape[0] == 1:
+        return None, [(e, j, j + 1) for j, e in enumerate(topk_ids[0].tolist())]
     flat = topk_ids.flatten()
     order = flat.argsort(stable=True)
     spans = []
@@ -118,12 +122,19 @@ def _sort_by_expert(topk_ids: torch.Tensor, experts: int
     return order, spans
 
 
-def _combine(out: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor,
+def _routed_rows(x: torch.Tensor, order: torch.Tensor | None, top_k: int) -> torch.Tensor:
+    """The token row of each (token, expert) pair in ``order`` (None: one token, slot order)."""
+    return x.expand(top_k, -1) if order is None else x[order // top_k]
+
+
+def _combine(out: torch.Tensor, order: torch.Tensor | None, topk_weights: torch.Tensor,
              dtype: torch.dtype) -> torch.Tensor:
     """Each token's expert outputs (``out`` in expert order) weighted and summed, in fp32."""
     tokens, top_k = topk_weights.shape
-    pairs = torch.empty_like(out)
-    pairs[order] = out
+    pairs = out
+    if order is not None:
+        pairs = torch.empty_like(out)
+        pairs[order] = out
     y = pairs.view(tokens, top_k, -1).float() * topk_weights.float().unsqueeze(-1)
     return y.sum(dim=1).to(dtype)
 
@@ -133,7 +144,7 @@ def grouped_moe_torch(x: torch.Tensor, w_gate_up: ExpertWeights, w_down: ExpertW
     """``fused_moe``'s math for a CPU: (token, expert) pairs sorted by expert, one contiguous
     slice per expert that got tokens, only those experts' weights touched."""
     order, spans = _sort_by_expert(topk_ids, w_gate_up.weight.shape[0])
-    xs = x[order // topk_ids.shape[1]]
+    xs = _routed_rows(x, order, topk_ids.shape[1])
     gate_up = torch.empty(xs.shape[0], w_gate_up.out_in[0], device=x.device, dtype=x.dtype)
     for e, a, b in spans:
         torch.mm(xs[a:b], _expert_matrix(w_gate_up, e).to(x.dtype).T, out=gate_up[a:b])
@@ -151,7 +162,7 @@ def grouped_moe_packed(x: torch.Tensor, gate_up: list, down: list, matmul: Calla
     activations are rounded to bf16 once here rather than on every call, and the expert outputs
     stay bf16 until the fp32 weighting (the same values as casting around each call)."""
     order, spans = _sort_by_expert(topk_ids, len(gate_up))
-    xs = x[order // topk_ids.shape[1]].to(torch.bfloat16)
+    xs = _routed_rows(x, order, topk_ids.shape[1]).to(torch.bfloat16)
     h = torch.empty(xs.shape[0], gate_up[0].out_features, dtype=torch.bfloat16)
     for e, a, b in spans:
         h[a:b] = matmul(xs[a:b], gate_up[e])
