@@ -437,10 +437,11 @@ def export_gguf_cmd(
     out: Annotated[Path, typer.Option(help="The GGUF file to write (must not exist).")],
     type_: Annotated[str, typer.Option(
         "--type", help="Type of the weight matrices: f32, f16, bf16, q8_0, q6_k, q5_0, q4_1, "
-        "q4_0, q4_k or q4_k_m (q4_k with the embeddings, the head and some attn_v/ffn_down at "
-        "q6_k); norms and routers stay f32.")] = "f16",
+        "q4_0, q4_k, q4_k_m (q4_k with the embeddings, the head and some attn_v/ffn_down at "
+        "q6_k), q3_k or q3_k_m (q3_k with the embeddings and head at q6_k, attn_v/attn_output/"
+        "ffn_down at q4_k); norms and routers stay f32.")] = "f16",
     imatrix: Annotated[bool, typer.Option(
-        "--imatrix", help="Weight the rounding of q6_k, q5_0, q4_1, q4_0 and q4_k(_m) by the "
+        "--imatrix", help="Weight the rounding of q6_k, q5_0, q4_1, q4_0, q4_k(_m) and q3_k(_m) by the "
         "importance of each input column on calibration windows, as llama.cpp's --imatrix.")]
         = False,
     calibration_samples: Annotated[int, typer.Option(

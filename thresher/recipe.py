@@ -420,7 +420,7 @@ class Variant(StrictModel):
 
 
 GGUFTypeName = Literal["f32", "f16", "bf16", "q8_0", "q6_k", "q5_0", "q4_1", "q4_0", "q4_k",
-                       "q4_k_m"]  # the names of thresher.export.gguf.GGUF_TYPES
+                       "q4_k_m", "q3_k", "q3_k_m"]  # the names of thresher.export.gguf.GGUF_TYPES
 
 
 class PublishConfig(StrictModel):

@@ -35,11 +35,14 @@ def _mse(weights, qtype, importance=None, weighting=None) -> float:
 def test_k_quants_have_ggml_sizes_and_beat_plain_rounding(weights):
     assert quantize(weights, QType.Q4_K).shape == (weights.shape[0], 144)
     assert quantize(weights, QType.Q6_K).shape == (weights.shape[0], 210)
+    assert quantize(weights, QType.Q3_K).shape == (weights.shape[0], 110)
     q4_1 = _mse(weights, QType.Q4_1)  # gguf's min/max rounding at 5 bits per weight
     q4_k = _mse(weights, QType.Q4_K)  # 4.5 bits per weight
+    q3_k = _mse(weights, QType.Q3_K)  # 3.44 bits per weight
     q6_k = _mse(weights, QType.Q6_K)
     q8_0 = _mse(weights, QType.Q8_0)
     assert q4_k < 0.9 * q4_1
+    assert 2 * q4_k < q3_k < 8 * q4_k  # one bit fewer: about 4x the squared error
     assert q8_0 < q6_k < 0.1 * q4_k
 
 
@@ -53,7 +56,8 @@ def test_weights_on_the_grid_quantize_to_the_same_bytes(weights):
     assert (gguf.quants.dequantize(quantize(q6, QType.Q6_K), QType.Q6_K) == q6).mean() > 0.999
 
 
-@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K, QType.Q4_0, QType.Q4_1, QType.Q5_0])
+@pytest.mark.parametrize("qtype", [QType.Q3_K, QType.Q4_K, QType.Q6_K, QType.Q4_0, QType.Q4_1,
+                                   QType.Q5_0])
 def test_importance_lowers_the_weighted_error(weights, importance, qtype):
     plain = _mse(weights, qtype, None, importance)
     weighted = _mse(weights, qtype, importance, importance)
@@ -70,7 +74,7 @@ def test_zero_and_constant_rows(importance):
     rows = np.zeros((3, 256), dtype=np.float32)
     rows[1] = 0.5
     rows[2, ::2] = -1.0
-    for qtype in (QType.Q4_K, QType.Q6_K, QType.Q4_0, QType.Q4_1, QType.Q5_0):
+    for qtype in (QType.Q3_K, QType.Q4_K, QType.Q6_K, QType.Q4_0, QType.Q4_1, QType.Q5_0):
         for imp in (None, importance):
             got = gguf.quants.dequantize(quantize(rows, qtype, imp), qtype)
             np.testing.assert_allclose(got, rows, atol=1e-3, err_msg=f"{qtype.name} {imp is None}")

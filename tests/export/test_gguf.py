@@ -220,8 +220,8 @@ def test_refuses_what_it_cannot_export(tiny_demo, tiny_tokenizer, tmp_path):
     assert export_gguf(tmp_path / "odd-rows", tmp_path / "a.gguf", "BF16").type == "bf16"
     (tmp_path / "a.gguf").unlink()
 
-    with pytest.raises(ExportError, match="q3_k.*choose one of"):
-        export_gguf(tiny_demo, tmp_path / "c.gguf", "q3_k")
+    with pytest.raises(ExportError, match="q2_k.*choose one of"):
+        export_gguf(tiny_demo, tmp_path / "c.gguf", "q2_k")
     (tmp_path / "d.gguf").write_bytes(b"")
     with pytest.raises(ExportError, match="already exists"):
         export_gguf(tiny_demo, tmp_path / "d.gguf")

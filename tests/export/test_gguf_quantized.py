@@ -9,12 +9,15 @@ from tests.conftest import build_random_model
 from tests.export.conftest import CAL
 from thresher.errors import ExportError
 from thresher.export import compute_importance, export_gguf
+from thresher.export.block_quants import quantize
 from thresher.export.gguf import HANDOFF_GROUP
 from thresher.formats.awq import unpack_awq
 from thresher.formats.gptq import unpack_gptq
 from thresher.models import save_model
 from thresher.models.checkpoint import CheckpointReader
 from thresher.recipe import CalibrationConfig, QuantizeStage
+
+QType = gguf.GGMLQuantizationType
 
 
 def _tensors(path) -> dict[str, gguf.ReaderTensor]:
@@ -50,6 +53,31 @@ def test_q4_k_m_mixes_types_as_llama_cpp(tiny_tokenizer, tmp_path):
         want = source.get(key).float().numpy()
         rel = np.linalg.norm(got - want) / np.linalg.norm(want)
         assert rel < (0.12 if types[name] == "Q4_K" else 0.03), (name, rel)
+
+
+def test_q3_k_and_q3_k_m_mix_types_as_llama_cpp(tiny_tokenizer, tmp_path):
+    """Rows of 256: q3_k is Q3_K throughout, with Q4_0 (llama.cpp's fallback) for the expert
+    down rows of 32; q3_k_m adds the embeddings and head at Q6_K and attn_v, attn_output and
+    ffn_down at Q4_K (falling back to Q5_0)."""
+    model = build_random_model("qwen3_moe", hidden_size=256, head_dim=32, num_attention_heads=8,
+                               vocab_size=len(tiny_tokenizer))
+    save_model(model, tiny_tokenizer, tmp_path / "k")
+    plain = export_gguf(tmp_path / "k", tmp_path / "s.gguf", "q3_k", show_progress=False).types
+    assert plain["token_embd.weight"] == plain["blk.0.attn_v.weight"] == "Q3_K"
+    assert plain["blk.1.ffn_up_exps.weight"] == plain["output.weight"] == "Q3_K"
+    assert plain["blk.1.ffn_down_exps.weight"] == "Q4_0"
+    mixed = export_gguf(tmp_path / "k", tmp_path / "m.gguf", "q3_k_m", show_progress=False).types
+    assert mixed["token_embd.weight"] == mixed["output.weight"] == "Q6_K"
+    assert mixed["blk.0.attn_v.weight"] == mixed["blk.1.attn_output.weight"] == "Q4_K"
+    assert mixed["blk.1.attn_q.weight"] == mixed["blk.1.ffn_gate_exps.weight"] == "Q3_K"
+    assert mixed["blk.0.ffn_down_exps.weight"] == "Q5_0"
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    assert reader.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q3_K_M
+    source = CheckpointReader(tmp_path / "k")
+    tensors = _tensors(tmp_path / "s.gguf")
+    got = gguf.quants.dequantize(tensors["blk.1.attn_q.weight"].data, QType.Q3_K)
+    want = source.get("model.layers.1.self_attn.q_proj.weight").float().numpy()
+    assert np.linalg.norm(got - want) < 0.25 * np.linalg.norm(want)  # ~0.2 for 3-bit codes
 
 
 def test_importance_matrix_covers_every_quantized_matrix(tiny_demo, importance):
@@ -102,40 +130,88 @@ def test_importance_lowers_the_activation_weighted_error(tiny_demo, importance, 
     assert errors["weighted"] < 0.9 * errors["plain"], errors
 
 
+def _handed_off(source: CheckpointReader, tensor: gguf.ReaderTensor, module: str,
+                method: str) -> tuple[int, int]:
+    """Checks one handed-off Q4_1 tensor (experts stacked when ``module`` has ``{e}``) against
+    the artifact: codes and scales bit for bit, weights within 2^-11 of the fp16-rounded minimum
+    and exact where scale*zero is an fp16 number. Returns (exact weights, weights)."""
+    got_all = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    got_all = got_all if got_all.ndim == 3 else got_all[None]
+    exact = total = 0
+    for e, got in enumerate(got_all):
+        key = module.format(e=e)
+        names = ("qweight", "qzeros", "scales") + (("g_idx",) if method == "gptq" else ())
+        t = {n: source.get(f"{key}.{n}") for n in names}
+        qw = unpack_gptq(t, 4, 32) if method == "gptq" else unpack_awq(t, 32)
+        want = qw.dequantize().numpy()
+        offset = (qw.scales * qw.zeros.float()).numpy().repeat(HANDOFF_GROUP, axis=1)
+        representable = offset.astype(np.float16).astype(np.float32) == offset
+        assert (np.abs(got - want) <= np.abs(offset) * 2.0**-11 + 1e-12).all(), key
+        np.testing.assert_array_equal(got[representable], want[representable])
+        blocks = tensor.data.reshape(got_all.shape[0], got.shape[0], -1, 20)[e]
+        np.testing.assert_array_equal(blocks[..., :2].copy().view(np.float16)[..., 0],
+                                      qw.scales.numpy().astype(np.float16))
+        exact += int((got == want).sum())
+        total += got.size
+    return exact, total
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_packed_artifact_hands_its_codes_to_q4_1(packed, tmp_path, method):
     """The Q4_1 blocks carry the artifact's codes and scales bit for bit; the minimum
     -scale*zero is the one value rounded (to fp16), so the weights agree to 2^-11 of it and
-    exactly wherever scale*zero is an fp16 number."""
+    exactly wherever scale*zero is an fp16 number. The 16-bit embeddings (rows of 128, not a
+    Q6_K super-block) are Q8_0, as llama.cpp's own Q4_1 writes them."""
     out = tmp_path / f"{method}.gguf"
     result = export_gguf(packed / method, out, "q4_1", show_progress=False)
-    assert result.lossless and set(result.types.values()) == {"Q4_1", "F16", "F32"}
+    assert result.lossless and set(result.types.values()) == {"Q4_1", "Q8_0", "F32"}
     assert result.types["blk.0.ffn_up_exps.weight"] == "Q4_1"
-    assert result.types["token_embd.weight"] == "F16"
+    assert result.types["token_embd.weight"] == "Q8_0"
     source = CheckpointReader(packed / method)
     tensors = _tensors(out)
     exact = total = 0
     for name, module in (("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj"),
                          ("blk.3.ffn_down_exps.weight", "model.layers.3.mlp.experts.{e}.down_proj")):
-        got_all = gguf.quants.dequantize(tensors[name].data, tensors[name].tensor_type)
-        got_all = got_all if got_all.ndim == 3 else got_all[None]
-        for e, got in enumerate(got_all):
-            key = module.format(e=e)
-            names = ("qweight", "qzeros", "scales") + (("g_idx",) if method == "gptq" else ())
-            t = {n: source.get(f"{key}.{n}") for n in names}
-            qw = unpack_gptq(t, 4, 32) if method == "gptq" else unpack_awq(t, 32)
-            want = qw.dequantize().numpy()
-            offset = (qw.scales * qw.zeros.float()).numpy().repeat(HANDOFF_GROUP, axis=1)
-            representable = offset.astype(np.float16).astype(np.float32) == offset
-            assert (np.abs(got - want) <= np.abs(offset) * 2.0**-11 + 1e-12).all(), key
-            np.testing.assert_array_equal(got[representable], want[representable])
-            blocks = tensors[name].data.reshape(got_all.shape[0], got.shape[0], -1, 20)[e]
-            np.testing.assert_array_equal(blocks[..., :2].copy().view(np.float16)[..., 0],
-                                          qw.scales.numpy().astype(np.float16))
-            exact += int((got == want).sum())
-            total += got.size
+        e, t = _handed_off(source, tensors[name], module, method)
+        exact, total = exact + e, total + t
     assert exact / total > 0.2
+    embeddings = source.get("model.embed_tokens.weight").float().numpy()
+    np.testing.assert_array_equal(tensors["token_embd.weight"].data,
+                                  quantize(embeddings, QType.Q8_0))
+
+
+@pytest.mark.slow
+def test_handoff_writes_embeddings_and_head_at_q6_k(tiny_tokenizer, tmp_path):
+    """Rows of 256: a GPTQ g32 artifact's 16-bit embeddings and output head become Q6_K (the
+    bytes of thresher's Q6_K quantizer, llama.cpp's type for them in its Q4_1), every linear
+    layer stays the artifact's Q4_1 blocks, and the file is smaller than with F16 embeddings."""
+    from thresher.compress.api import quantize_model
+
+    model = build_random_model("qwen3_moe", hidden_size=256, head_dim=32, num_attention_heads=8,
+                               vocab_size=len(tiny_tokenizer))
+    save_model(model, tiny_tokenizer, tmp_path / "m")
+    quantize_model(tmp_path / "m", QuantizeStage(method="gptq", group_size=32, sym=False), CAL,
+                   tmp_path / "gptq", show_progress=False)
+    result = export_gguf(tmp_path / "gptq", tmp_path / "q.gguf", "q4_1", show_progress=False)
+    assert result.types["token_embd.weight"] == result.types["output.weight"] == "Q6_K"
+    assert {t for n, t in result.types.items() if n.endswith("weight") and "norm" not in n
+            and "gate_inp" not in n and n not in ("token_embd.weight", "output.weight")} == {"Q4_1"}
+    source = CheckpointReader(tmp_path / "gptq")
+    tensors = _tensors(tmp_path / "q.gguf")
+    for name, key in (("token_embd.weight", "model.embed_tokens.weight"),
+                      ("output.weight", "lm_head.weight")):
+        weights = source.get(key).float().numpy()
+        np.testing.assert_array_equal(tensors[name].data, quantize(weights, QType.Q6_K))
+        got = gguf.quants.dequantize(tensors[name].data, QType.Q6_K)
+        assert np.linalg.norm(got - weights) < 0.03 * np.linalg.norm(weights)
+    _handed_off(source, tensors["blk.1.ffn_gate_exps.weight"],
+                "model.layers.1.mlp.experts.{e}.gate_proj", "gptq")
+    _handed_off(source, tensors["blk.0.attn_v.weight"], "model.layers.0.self_attn.v_proj", "gptq")
+    f16_bytes = 2 * sum(source.get(k).numel() for k in ("model.embed_tokens.weight",
+                                                        "lm_head.weight"))
+    q6_bytes = sum(int(tensors[n].n_bytes) for n in ("token_embd.weight", "output.weight"))
+    assert q6_bytes < 0.45 * f16_bytes  # 6.56 of 16 bits
 
 
 def test_packed_artifacts_that_cannot_hand_off_are_refused(packed, tiny_demo, tmp_path):
@@ -167,4 +243,4 @@ def test_recipe_names_the_exporters_types():
     with pytest.raises(ValidationError, match="formats must include hf"):
         PublishConfig(formats=["gguf"])
     with pytest.raises(ValidationError, match="gguf_types"):
-        PublishConfig(formats=["hf", "gguf"], gguf_types=["q3_k"])
+        PublishConfig(formats=["hf", "gguf"], gguf_types=["q2_k"])

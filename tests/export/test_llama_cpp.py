@@ -54,23 +54,46 @@ def windows(tiny_demo):
     return eval_windows(load_tokenizer(tiny_demo), EVAL)
 
 
-@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K, QType.Q4_0, QType.Q4_1, QType.Q5_0])
+@pytest.fixture(scope="module")
+def expert_rows(tiny_demo) -> np.ndarray:
+    """The tiny demo's trained expert up projections as rows of 256 (one K-quant super-block)."""
+    reader = CheckpointReader(tiny_demo)
+    return np.concatenate([
+        reader.get(f"model.layers.{i}.mlp.experts.{e}.up_proj.weight").float().numpy()
+        .reshape(-1, 256) for i in range(4) for e in range(8)])
+
+
+IMPORTANCE = np.random.default_rng(0).gamma(0.5, size=256).astype(np.float32)  # heavy-tailed
+
+
+@pytest.mark.parametrize("qtype", [QType.Q3_K, QType.Q4_K, QType.Q6_K, QType.Q4_0, QType.Q4_1,
+                                   QType.Q5_0])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_quantizers_match_llama_cpp(tiny_demo, ggml, qtype, weighted):
+def test_quantizers_match_llama_cpp(expert_rows, ggml, qtype, weighted):
     """On the trained expert weights, thresher's blocks are llama.cpp's: the same value for
     >98% of weights (the rest differ by float summation order in a near-tie of the scale
     search) and the same squared error to 0.1%."""
-    reader = CheckpointReader(tiny_demo)
-    weights = np.concatenate([
-        reader.get(f"model.layers.{i}.mlp.experts.{e}.up_proj.weight").float().numpy()
-        .reshape(-1, 256) for i in range(4) for e in range(8)])
-    importance = (np.random.default_rng(0).gamma(0.5, size=256).astype(np.float32)
-                  if weighted else None)
+    weights = expert_rows
+    importance = IMPORTANCE if weighted else None
     ours = gguf.quants.dequantize(quantize(weights, qtype, importance), qtype)
     theirs = gguf.quants.dequantize(ggml(weights, qtype, importance), qtype)
     assert (ours == theirs).mean() > 0.98
     ratio = ((ours - weights) ** 2).mean() / ((theirs - weights) ** 2).mean()
     assert abs(ratio - 1) < 1e-3, ratio
+
+
+@pytest.mark.parametrize("qtype", [QType.Q3_K, QType.Q4_K, QType.Q4_1, QType.Q4_0])
+def test_importance_lowers_the_weighted_error_as_in_llama_cpp(expert_rows, ggml, qtype):
+    """sum_j imp_j * (w_j - q_j)^2 is lower with the importance matrix than without, in
+    llama.cpp's quantizer and in thresher's by the same factor (to 1%)."""
+    def weighted_error(quantizer, importance):
+        got = gguf.quants.dequantize(quantizer(expert_rows, qtype, importance), qtype)
+        return float((IMPORTANCE * (got - expert_rows) ** 2).sum())
+
+    ours = weighted_error(quantize, IMPORTANCE) / weighted_error(quantize, None)
+    theirs = weighted_error(ggml, IMPORTANCE) / weighted_error(ggml, None)
+    assert ours < 0.9 and theirs < 0.9, (ours, theirs)
+    assert ours == pytest.approx(theirs, rel=0.01)
 
 
 def _thresher_greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -114,6 +137,25 @@ def test_llama_cpp_runs_the_exported_weights(tiny_demo, windows, tmp_path, gguf_
     if gguf_type in ("f16", "q8_0"):
         base = perplexity(load_model(tiny_demo), windows, show_progress=False).perplexity
         assert theirs == pytest.approx(base, rel=0.005)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("gguf_type", "imatrix"), [("q3_k", False), ("q3_k_m", True)])
+def test_llama_cpp_runs_q3_k_on_small(small_demo, tmp_path, gguf_type, imatrix):
+    """The small demo (hidden 256, so its attention and expert gate/up matrices are whole Q3_K
+    super-blocks): llama.cpp's perplexity of the 3-bit file equals thresher's evaluation of the
+    file's dequantized weights to 0.5%, and its greedy text agrees."""
+    importance = compute_importance(small_demo, CAL, show_progress=False) if imatrix else None
+    out = tmp_path / "m.gguf"
+    result = export_gguf(small_demo, out, gguf_type, importance=importance, show_progress=False)
+    assert result.types["blk.0.attn_q.weight"] == result.types["blk.0.ffn_up_exps.weight"] == "Q3_K"
+    same = dequantize_gguf(out, small_demo, tmp_path / "same")
+    windows = eval_windows(load_tokenizer(small_demo), EVAL)
+    theirs, ours, agree = _compare(out, same, windows)
+    assert theirs == pytest.approx(ours, rel=0.005)
+    assert agree >= 0.9, agree
+    source = perplexity(load_model(small_demo), windows, show_progress=False).perplexity
+    assert source < theirs < 1.2 * source  # 3 bits cost something, and not everything
 
 
 @pytest.mark.slow

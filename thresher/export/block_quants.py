@@ -1,11 +1,12 @@
-"""The ggml block quantizers the gguf package lacks: Q4_K and Q6_K, and the importance-weighted
-(``--imatrix``) Q4_K, Q6_K, Q4_0, Q4_1 and Q5_0.
+"""The ggml block quantizers the gguf package lacks: Q3_K, Q4_K and Q6_K, and the
+importance-weighted (``--imatrix``) Q3_K, Q4_K, Q6_K, Q4_0, Q4_1 and Q5_0.
 
 The gguf package quantizes Q8_0, Q4_0, Q4_1 and Q5_0 by plain rounding and only dequantizes the
 K-quants. These quantizers make the same search llama.cpp's do (ggml-quants.c): a symmetric grid
 whose scale is fitted by weighted least squares over a sweep of trial scales (``_symmetric``,
 llama.cpp's make_qx_quants), an asymmetric grid whose scale and minimum are fitted the same way
-(``_asymmetric``, make_qkx2/qkx3_quants), and the 6-bit sub-block scales of Q4_K fitted to their
+(``_asymmetric``, make_qkx2/qkx3_quants), Q3_K's plain search that moves one code at a time
+(``_symmetric_descent``, make_q3_quants), and the 6-bit sub-block scales of Q4_K fitted to their
 super-block scale with a coordinate descent (``_scales``, make_qp_quants). Each runs on every
 block of a tensor at once in float32 numpy, and the bytes are laid out as ggml's block structs,
 so ``gguf.quants.dequantize`` and llama.cpp read them.
@@ -26,15 +27,16 @@ _EPS = F32(1e-15)
 _CHUNK_BLOCKS = 1 << 15  # blocks of 32 handled per numpy pass: bounds the temporaries' memory
 
 QType = gguf.GGMLQuantizationType
-THRESHER_QUANTIZED = frozenset({QType.Q4_K, QType.Q6_K})  # never by the gguf package
-IMPORTANCE_WEIGHTED = frozenset({QType.Q4_K, QType.Q6_K, QType.Q4_0, QType.Q4_1, QType.Q5_0})
+THRESHER_QUANTIZED = frozenset({QType.Q3_K, QType.Q4_K, QType.Q6_K})  # never by the gguf package
+IMPORTANCE_WEIGHTED = frozenset({QType.Q3_K, QType.Q4_K, QType.Q6_K, QType.Q4_0, QType.Q4_1,
+                                 QType.Q5_0})
 
 
 def quantize(weights: np.ndarray, qtype: QType, importance: np.ndarray | None = None) -> np.ndarray:
     """``weights`` [..., C] as ``qtype`` blocks, [..., bytes per row] uint8 (gguf's byte shape).
 
     ``importance`` [C] (one value per input column, shared by every row) selects the weighted
-    search; without it Q4_K and Q6_K use llama.cpp's plain search and the rest gguf's rounding."""
+    search; without it the K-quants use llama.cpp's plain search and the rest gguf's rounding."""
     if importance is None and qtype not in THRESHER_QUANTIZED:
         return gguf.quants.quantize(weights, qtype)
     if importance is not None and qtype not in IMPORTANCE_WEIGHTED:
@@ -95,6 +97,34 @@ def _symmetric(x: np.ndarray, nmax: int, w: np.ndarray) -> tuple[np.ndarray, np.
         scale = np.where(better, slx / _safe(sl2, sl2 > 0), scale)
         best = np.where(better, scale * slx, best)
     return np.where(live, scale, F32(0)), np.where(live[:, None], codes + nmax, 0)
+
+
+def _symmetric_descent(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """Scale and codes (0..2*nmax-1) of blocks x [N, n] as make_q3_quants finds them without an
+    importance matrix: the grid at the block's largest |x|, then up to 5 rounds that move single
+    codes while that raises the x^2-weighted fit (sumlx^2 / suml2)."""
+    idx = np.abs(x).argmax(axis=1)
+    peak = np.take_along_axis(x, idx[:, None], axis=1)[:, 0]
+    live = np.abs(peak) >= _EPS
+    codes = np.clip(_nearest((F32(-nmax) / _safe(peak, live))[:, None] * x), -nmax, nmax - 1)
+    w = x * x
+    qf = codes.astype(F32)
+    sumlx, suml2 = (w * x * qf).sum(axis=1), (w * qf * qf).sum(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for _ in range(5):  # a block that changed nothing stays put, so all run every round
+            for i in range(x.shape[1]):
+                wi, xi, li = w[:, i], x[:, i], codes[:, i].astype(F32)
+                slx, sl2 = sumlx - wi * xi * li, suml2 - wi * li * li
+                ok = slx > 0
+                new = np.clip(_nearest(np.nan_to_num(xi * sl2 / _safe(slx, ok))), -nmax, nmax - 1)
+                nf = new.astype(F32)
+                slx, sl2 = slx + wi * xi * nf, sl2 + wi * nf * nf
+                accept = ok & (new != codes[:, i]) & (sl2 > 0) & \
+                    (slx * slx * suml2 > sumlx * sumlx * sl2)
+                codes[:, i] = np.where(accept, new, codes[:, i])
+                sumlx, suml2 = np.where(accept, slx, sumlx), np.where(accept, sl2, suml2)
+    scale = np.where(live & (suml2 > 0), sumlx / _safe(suml2, suml2 > 0), F32(0))
+    return scale, np.where(live[:, None], codes + nmax, 0)
 
 
 def _asymmetric(x: np.ndarray, nmax: int, w: np.ndarray, rmin: float, rdelta: float, nstep: int,
@@ -218,6 +248,44 @@ def _q5_0(rows: np.ndarray, importance: np.ndarray) -> np.ndarray:
                           axis=1)
 
 
+def _q3_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
+    """110-byte super-blocks of 256: high-bit mask, low 2 bits, 16 6-bit scales, fp16 d;
+    value = d*(sc - 32)*(q - 4). Plain: llama.cpp's quantize_row_q3_K_ref (the block scale from the
+    largest sub-block scale); weighted: quantize_row_q3_K_impl (both levels fitted by weighted
+    least squares)."""
+    x = rows.reshape(-1, 16, 16)
+    n = x.shape[0]
+    if importance is None:
+        scales, codes = _symmetric_descent(x.reshape(-1, 16), 4)
+        scales = scales.reshape(n, 16)
+        idx = np.abs(scales).argmax(axis=1)
+        top = np.take_along_axis(scales, idx[:, None], axis=1)[:, 0]
+        live = top != 0
+        iscale = F32(-32) / _safe(top, live)
+        ls = np.where(live[:, None], np.clip(_nearest(iscale[:, None] * scales), -32, 31) + 32, 0)
+        d16 = np.where(live, F32(1) / iscale, F32(0)).astype(np.float16)
+    else:
+        sigma2 = F32(2) * (x * x).sum(axis=(1, 2)) / F32(QK_K)
+        imp = np.tile(importance.astype(F32).reshape(-1, 16, 16), (rows.shape[0], 1, 1))
+        w = imp * np.sqrt(sigma2[:, None, None] + x * x)
+        scales, codes = _symmetric(x.reshape(-1, 16), 4, w.reshape(-1, 16))
+        d, ls = _symmetric(scales.reshape(n, 16), 32, w.sum(axis=2))
+        d16 = d.astype(np.float16)
+    sub_d = d16.astype(F32)[:, None] * (ls - 32)
+    ok = sub_d != 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        requant = np.clip(_nearest(x / _safe(sub_d, ok)[..., None]), -4, 3) + 4
+    codes = np.where(ok[..., None], requant, codes.reshape(n, 16, 16)).reshape(n, 8, 32)
+    hmask = sum((codes[:, b] >> 2 & 1) << b for b in range(8)).astype(np.uint8)
+    low = (codes & 3).reshape(n, 2, 4, 32)
+    qs = sum(low[:, :, k] << (2 * k) for k in range(4)).astype(np.uint8).reshape(n, 64)
+    packed = np.empty((n, 12), dtype=np.uint8)
+    packed[:, :8] = (ls[:, :8] & 0xF) | ((ls[:, 8:] & 0xF) << 4)
+    high = (ls >> 4).reshape(n, 4, 4)  # [quarter, r]: scale 4*quarter + r
+    packed[:, 8:] = sum(high[:, q] << (2 * q) for q in range(4))
+    return np.concatenate([hmask, qs, packed, _half_bytes(d16)], axis=1)
+
+
 def _q4_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
     """144-byte super-blocks of 256: fp16 d and dmin, 8 6-bit scales and minimums, 4-bit codes;
     value = d*sc*q - dmin*m."""
@@ -292,5 +360,5 @@ def _q6_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
                            _half_bytes(d16)], axis=1)
 
 
-_QUANTIZERS = {QType.Q4_K: _q4_k, QType.Q6_K: _q6_k, QType.Q4_0: _q4_0, QType.Q4_1: _q4_1,
+_QUANTIZERS = {QType.Q3_K: _q3_k, QType.Q4_K: _q4_k, QType.Q6_K: _q6_k, QType.Q4_0: _q4_0, QType.Q4_1: _q4_1,
                QType.Q5_0: _q5_0}

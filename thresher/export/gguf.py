@@ -54,14 +54,16 @@ Role = gguf.MODEL_TENSOR
 @dataclass(frozen=True)
 class GGUFType:
     """One ``--type``: the weight matrices' block type and the roles llama.cpp's mixed types keep
-    at higher precision (``_M``: the embeddings, the output head, and attn_v and ffn_down in a
-    third of the layers, at Q6_K)."""
+    at higher precision (Q4_K_M: the embeddings, the output head, and attn_v and ffn_down in a
+    third of the layers, at Q6_K; Q3_K_M: the embeddings and head at Q6_K, attn_v, attn_output
+    and ffn_down in every layer at Q4_K)."""
 
     default: QType
     file_type: gguf.LlamaFileType
     embeddings: QType | None = None  # token_embd, and the output head when it is tied to it
     output: QType | None = None
     more_bits: QType | None = None  # attn_v and ffn_down where llama.cpp's use_more_bits holds
+    lifted: QType | None = None  # attn_v, attn_output and ffn_down in every layer
 
 
 GGUF_TYPES: dict[str, GGUFType] = {
@@ -76,10 +78,18 @@ GGUF_TYPES: dict[str, GGUFType] = {
     "q4_k": GGUFType(QType.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_S),
     "q4_k_m": GGUFType(QType.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_M, embeddings=QType.Q6_K,
                        output=QType.Q6_K, more_bits=QType.Q6_K),
+    "q3_k": GGUFType(QType.Q3_K, gguf.LlamaFileType.MOSTLY_Q3_K_S),
+    "q3_k_m": GGUFType(QType.Q3_K, gguf.LlamaFileType.MOSTLY_Q3_K_M, embeddings=QType.Q6_K,
+                       output=QType.Q6_K, lifted=QType.Q4_K),
 }
+# The GPTQ/AWQ hand-off: Q4_1 blocks as the artifact has them; the matrices it keeps in 16 bits
+# (embeddings, head) at Q6_K as in llama.cpp's Q4_1, the rest (none in a full quantize) F16.
+HANDOFF_TYPE = GGUFType(QType.F16, gguf.LlamaFileType.MOSTLY_Q4_1, embeddings=QType.Q6_K,
+                        output=QType.Q6_K)
 # What llama.cpp's quantizer uses for a K-quant tensor whose rows are not whole super-blocks.
-_K_FALLBACK = {QType.Q4_K: QType.Q5_0, QType.Q6_K: QType.Q8_0}
+_K_FALLBACK = {QType.Q3_K: QType.Q4_0, QType.Q4_K: QType.Q5_0, QType.Q6_K: QType.Q8_0}
 _MORE_BITS_ROLES = frozenset({Role.ATTN_V, Role.FFN_DOWN, Role.FFN_DOWN_EXP, Role.FFN_DOWN_SHEXP})
+_LIFTED_ROLES = _MORE_BITS_ROLES | {Role.ATTN_OUT}
 _UNQUANTIZED_FILES = frozenset({gguf.LlamaFileType.ALL_F32, gguf.LlamaFileType.MOSTLY_F16,
                                 gguf.LlamaFileType.MOSTLY_BF16})
 HANDOFF_GROUP = 32  # a Q4_1 block: the group size a GPTQ/AWQ artifact needs to export losslessly
@@ -190,7 +200,8 @@ def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", 
     ``importance`` (from ``compute_importance`` on the same model) weights the rounding of the
     K-quants and Q4_0/Q4_1/Q5_0 as llama.cpp's ``--imatrix`` does. A GPTQ or AWQ artifact with
     4-bit codes in groups of 32 exports to ``q4_1`` without requantizing: its codes and scales
-    become the Q4_1 blocks, and its 16-bit matrices (embeddings, head) are written as F16."""
+    become the Q4_1 blocks, and its 16-bit embeddings and head are quantized to Q6_K (Q8_0 for
+    rows that are not whole super-blocks), the types llama.cpp's own Q4_1 gives them."""
     model_dir, out, gguf_type = Path(model_dir), Path(out), gguf_type.lower()
     gtype = _gguf_type(gguf_type)
     config = load_config(model_dir)
@@ -201,7 +212,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", 
     arch = _architecture(adapter, config, model_dir)
     fmt = _handoff_format(packed_format(config, model_dir), model_dir, gguf_type, importance)
     if fmt is not None:
-        gtype = GGUFType(QType.F16, gguf.LlamaFileType.MOSTLY_Q4_1)
+        gtype = HANDOFF_TYPE
     if out.exists():
         raise ExportError(f"{out} already exists; choose a new output file or remove it")
     reader = CheckpointReader(model_dir)
@@ -364,6 +375,8 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
             qtype = gtype.output
         elif role in _MORE_BITS_ROLES and gtype.more_bits is not None and _more_bits(bid, n_layers):
             qtype = gtype.more_bits
+        elif role in _LIFTED_ROLES and gtype.lifted is not None:
+            qtype = gtype.lifted
         if qtype in _K_FALLBACK and cols % QK_K:
             qtype = _K_FALLBACK[qtype]
         return qtype
