@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--bits", type=int, nargs="+", default=[4, 3, 2])
     ap.add_argument("--methods", nargs="+", default=["gptq", "awq"], choices=["gptq", "awq"])
+    ap.add_argument("--results", type=Path, default=None,
+                    help="JSON file that keeps each finished run: a rerun with the same settings "
+                    "skips them (a long run on a loaded machine can go on where it stopped)")
     args = ap.parse_args(argv)
     if args.setup:
         print(f"peer venv ready: {setup(args.setup)}")
@@ -137,8 +140,22 @@ def main(argv: list[str] | None = None) -> int:
     def score(model) -> float:
         return perplexity(model, heldout, show_progress=False).perplexity
 
-    fp_ours = score(load_model(path))
-    float_peer = peer(args.peer_python, {**base, "method": "float"})
+    settings = f"{args.model} {args.samples} {args.windows} g{args.group_size}"
+    done = json.loads(args.results.read_text()) if args.results and args.results.exists() else {}
+    done = done.get(settings, {})
+
+    def cached(key: str, compute) -> dict:
+        if key not in done:
+            done[key] = compute()
+            if args.results:
+                saved = json.loads(args.results.read_text()) if args.results.exists() else {}
+                saved[settings] = done
+                args.results.write_text(json.dumps(saved, indent=1))
+        return done[key]
+
+    fp_ours = cached("thresher float", lambda: {"perplexity": score(load_model(path))})
+    fp_ours = fp_ours["perplexity"]
+    float_peer = cached("peer float", lambda: peer(args.peer_python, {**base, "method": "float"}))
     fp_theirs = float_peer["perplexity"]
     gap = abs(fp_theirs / fp_ours - 1)
     print(f"model {args.model}, {args.samples} calibration windows x 256 tokens, "
@@ -153,18 +170,22 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for bits in args.bits:
             for method in args.methods:
-                out = Path(tmp) / f"{method}-{bits}"
-                start = time.perf_counter()
-                quantize_model(path, thresher_stage(method, bits, args.group_size), cal, out,
-                               show_progress=False)
-                seconds = time.perf_counter() - start
-                ours = score(load_quantized_model(out))
-                theirs = peer(args.peer_python, {**base, "method": method, "bits": bits,
-                                                 "symmetric": method == "gptq"})
-                rows.append(Row(method, bits, ours, theirs["perplexity"]))
-                print(f"{method} {bits}-bit: thresher {ours:.3f} ({seconds:.0f} s), "
-                      f"llm-compressor {theirs['perplexity']:.3f} ({theirs['seconds']:.0f} s)",
-                      flush=True)
+                def ours(method: str = method, bits: int = bits) -> dict:
+                    out = Path(tmp) / f"{method}-{bits}"
+                    start = time.perf_counter()
+                    quantize_model(path, thresher_stage(method, bits, args.group_size), cal, out,
+                                   show_progress=False)
+                    seconds = time.perf_counter() - start
+                    return {"perplexity": score(load_quantized_model(out)), "seconds": seconds}
+
+                a = cached(f"thresher {method} {bits}", ours)
+                b = cached(f"peer {method} {bits}", lambda method=method, bits=bits: peer(
+                    args.peer_python, {**base, "method": method, "bits": bits,
+                                       "symmetric": method == "gptq"}))
+                rows.append(Row(method, bits, a["perplexity"], b["perplexity"]))
+                print(f"{method} {bits}-bit: thresher {a['perplexity']:.3f} ({a['seconds']:.0f} s "
+                      f"quantize), llm-compressor {b['perplexity']:.3f} ({b['seconds']:.0f} s "
+                      "oneshot)", flush=True)
     print("\n" + format_table(rows, fp_ours, fp_theirs))
     return 0
 
