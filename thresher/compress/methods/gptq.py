@@ -64,7 +64,8 @@ class GPTQMethod:
         st, record = self.stage, job.record
         all_tokens = st.expert_tokens == "all"
         for sites in sequential_stages(job.parts):
-            hessians = {s.name: GPTQ(s.columns, s.name) for s in sites}
+            hessians = {s.name: GPTQ(s.columns, s.name, s.targets[0].weight.device)
+                        for s in sites}
             job.capture(sites, partial(_add_to_hessian, hessians), all_tokens=all_tokens)
             for site in job.progress(sites, f"layer {job.parts.idx} gptq"):
                 h = hessians.pop(site.name)
