@@ -18,9 +18,11 @@ output to OUT/gpu_suite.log; a failing section reports its error and the next on
    tokens) at concurrency 1, 16 and 64 on that model.
 5. parity: greedy tokens of the engine against transformers on the device for the demo models
    and their GPTQ/AWQ/NF4 artifacts from the bundle (transformers runs the dequantized weights).
-6. gptq: GPTQ-4 of the random MoE on the device, wall time; where the compression stages have no
-   device setting yet (issue 15 part 1), the section says so. The 2-core CPU figure to compare
-   with is in docs/benchmarks.md ("Scale").
+6. gptq: GPTQ-4 of the random MoE with ``thresher quantize --device cuda``, and the same command
+   with ``--device cpu`` on a one-layer slice of it (the identical first layer; the whole model on
+   the CPU would not fit the time), limited to 2 threads like the 2-core machine and again with
+   every core: seconds per decoder layer from each report, and the CPU / GPU ratio. The dry run
+   runs both on the CPU at toy sizes.
 
 ``--dry-run`` runs the same code at toy sizes on the CPU (Triton kernels through the
 interpreter), to prove the suite end to end before GPU minutes are spent.
@@ -39,6 +41,7 @@ for _k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_k, "1")
 
 import gc  # noqa: E402
+import json  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -397,19 +400,16 @@ def section_parity(bundle: Path, log: Path) -> str:
 
 # ---------------------------------------------------------------- section 6: GPTQ on the device
 
-def section_gptq(ctx: MoEContext, log: Path) -> str:
+def _gptq4(model: Path, out: Path, dev: str, sizes: Sizes, log: Path,
+           threads: int | None = None) -> tuple[float, dict]:
+    """``thresher quantize`` GPTQ-4 of ``model`` on ``dev``: wall seconds and the report."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
-    usage = subprocess.run([sys.executable, "-m", "thresher", "quantize", "--help"], cwd=ROOT,
-                           capture_output=True, text=True, env=env).stdout
-    has_device = "--device" in usage  # issue 15 part 1 adds it
-    if not has_device and not DRY:
-        return ("| GPTQ-4 on the device |\n|---|\n| not run: the compression stages have no "
-                "device setting yet (issue 15 part 1) |")
-    out = ctx.path.parent / "gptq4"
-    cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(ctx.path), "--out",
+    if threads is not None:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(model), "--out",
            str(out), "--method", "gptq", "--bits", "4", "--group-size", "128" if not DRY else "32",
-           "--samples", str(ctx.sizes.gptq_samples),
-           "--seq-len", "128" if not DRY else "16", *(["--device", "auto"] if has_device else [])]
+           "--samples", str(sizes.gptq_samples), "--seq-len", "128" if not DRY else "16",
+           "--device", dev]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
@@ -417,9 +417,31 @@ def section_gptq(ctx: MoEContext, log: Path) -> str:
         f.write(f"$ {' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}\n")
     if proc.returncode:
         raise RuntimeError(f"quantize exited {proc.returncode}: {proc.stderr[-500:]}")
-    where = device() if has_device else "cpu (no device setting yet: issue 15 part 1)"
-    return ("| checkpoint | device | GPTQ-4 wall s |\n|---|---|---|\n"
-            f"| {ctx.size / 1e9:.3f} GB | {where} | {wall:.0f} |")
+    return wall, json.loads((out / "quantize_report.json").read_text())
+
+
+def section_gptq(ctx: MoEContext, tokenizer_dir: Path, log: Path) -> str:
+    gpu = "cuda" if not DRY else "cpu"
+    runs = [(f"{ctx.size / 1e9:.2f} GB, {ctx.sizes.moe['layers']} layers", gpu, None,
+             ctx.path)]
+    one = ctx.path.parent / "random-moe-1layer"  # the same first layer (same seed and order)
+    if not one.exists():
+        build_random_moe(one, tokenizer_dir, {**ctx.sizes.moe, "layers": 1})
+    cores = os.cpu_count() or 1
+    runs += [("its first layer", "cpu", threads, one) for threads in sorted({2, cores})]
+    rows = ["| checkpoint | device | threads | wall s | s / layer | peak device MiB | "
+            "CPU s/layer / GPU s/layer |", "|---|---|---|---|---|---|---|"]
+    per_layer = {}
+    for i, (what, dev, threads, path) in enumerate(runs):
+        wall, report = _gptq4(path, ctx.path.parent / f"gptq4-{i}", dev, ctx.sizes, log, threads)
+        seconds = sum(layer["seconds"] for layer in report["layers"]) / len(report["layers"])
+        per_layer[i] = seconds
+        ratio = "" if i == 0 else f"{seconds / per_layer[0]:.1f}x"
+        peak = report.get("peak_device_mb")
+        rows.append(f"| {what} | {report['device']} | {threads or torch.get_num_threads()} | "
+                    f"{wall:.0f} | {seconds:.1f} | {'-' if peak is None else f'{peak:.0f}'} | "
+                    f"{ratio} |")
+    return "\n".join(rows)
 
 
 # ---------------------------------------------------------------- preparing and running
@@ -491,7 +513,8 @@ def run_sections(out: Path, bundle: Path | None) -> None:
                 ("3-4. decode roofline, engine vs transformers",
                  lambda: section_decode_and_engine(moe(), log)),
                 ("5. greedy parity with transformers", lambda: section_parity(parity_dir, log)),
-                ("6. GPTQ-4 of the random MoE on the device", lambda: section_gptq(moe(), log))]
+                ("6. GPTQ-4 of the random MoE on the device and on the CPU",
+                 lambda: section_gptq(moe(), tokenizer_dir, log))]
     try:
         for title, fn in sections:
             start = time.perf_counter()

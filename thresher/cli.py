@@ -264,6 +264,21 @@ def stack_down() -> None:
 # --- expert pruning -----------------------------------------------------------------------------
 
 
+DEVICE_OPTION_HELP = ("Where to compute: 'auto' (CUDA when available, else the CPU), 'cpu', "
+                      "'cuda' or 'cuda:N'.")
+BUDGET_OPTION_HELP = ("GiB of calibration activations kept on the device; the rest wait in "
+                      "(pinned) host memory. Default: half the free device memory on CUDA; "
+                      "0: all offloaded.")
+
+
+def _memory_note(report) -> str:
+    """Where a stage computed and its peak memory: the host's, and the device's on CUDA."""
+    note = f"on {report.device}, peak RSS {report.peak_rss_mb:.0f} MiB"
+    if report.peak_device_mb is not None:
+        note += f", peak device memory {report.peak_device_mb:.0f} MiB"
+    return note
+
+
 def _calibration_source(text: str):
     """``stdlib`` or a comma-separated list of local files / globs."""
     from thresher.recipe import FilesSource
@@ -295,6 +310,8 @@ def prune_cmd(
         "by measured local error).")] = "uniform",
     protect_super_experts: Annotated[bool, typer.Option(
         help="Never remove experts whose outputs carry extreme outliers.")] = False,
+    device: Annotated[str, typer.Option(help=DEVICE_OPTION_HELP)] = "auto",
+    offload_budget_gb: Annotated[float | None, typer.Option(help=BUDGET_OPTION_HELP)] = None,
 ) -> None:
     """Remove the lowest-saliency experts of every MoE layer (REAP or a baseline) and write a
     complete pruned checkpoint with prune_report.json."""
@@ -314,7 +331,8 @@ def prune_cmd(
                                 seq_len=seq_len, seed=seed)
     except ValidationError as err:
         raise CompressionError(format_validation_error(err, "prune", as_options=True)) from None
-    report = prune_model(resolve_model(model), stage, cal, out)
+    report = prune_model(resolve_model(model), stage, cal, out, device=device,
+                         offload_budget_gb=offload_budget_gb)
     table = Table(title=f"{stage.describe()}: {report.experts_kept} of {report.num_experts} "
                         "experts kept per MoE layer")
     for col in ("layer", "removed experts", "dead experts"):
@@ -325,7 +343,8 @@ def prune_cmd(
     console.print(table)
     m = report.metrics()
     share = m.get("removed_routed_share")
-    console.print(f"pruned checkpoint: {out} ({PRUNE_REPORT} beside it); {m['wall_seconds']:.1f} s"
+    console.print(f"pruned checkpoint: {out} ({PRUNE_REPORT} beside it); {m['wall_seconds']:.1f} s "
+                  f"{_memory_note(report)}"
                   + (f", removed experts had {share:.1%} of routed tokens" if share is not None
                      else ""))
 
@@ -373,6 +392,8 @@ def quantize_cmd(
         help="'stdlib' or a path/glob of local text files.")] = "stdlib",
     samples: Annotated[int, typer.Option(help="Calibration windows.")] = 128,
     seq_len: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 256,
+    device: Annotated[str, typer.Option(help=DEVICE_OPTION_HELP)] = "auto",
+    offload_budget_gb: Annotated[float | None, typer.Option(help=BUDGET_OPTION_HELP)] = None,
 ) -> None:
     """Quantize a model into a GPTQ / AWQ / bitsandbytes-NF4 checkpoint, layer by layer."""
     from pydantic import ValidationError
@@ -404,7 +425,8 @@ def quantize_cmd(
         where = f"quantize --method {method}"
         raise RecipeError(format_validation_error(err, where, as_options=True)) from None
     cal = CalibrationConfig(source=source, samples=samples, seq_len=seq_len)
-    report = quantize_model(resolve_model(model), stage, cal, out)
+    report = quantize_model(resolve_model(model), stage, cal, out, device=device,
+                            offload_budget_gb=offload_budget_gb)
     m = report.metrics()
     if report.allocation is not None:
         a = report.allocation
@@ -412,7 +434,8 @@ def quantize_cmd(
         console.print(f"bits auto ({a['target']}): average {a['average_bits']:.3f} bits "
                       f"({shares}), quantized matrices {a['quantized_mb']:.2f} MiB")
     console.print(f"{stage.describe()}: {int(m['quantized_matrices'])} matrices in "
-                  f"{m['wall_seconds']:.1f} s, mean relative error {m['mean_quant_error']:.4f}, "
+                  f"{m['wall_seconds']:.1f} s {_memory_note(report)}, "
+                  f"mean relative error {m['mean_quant_error']:.4f}, "
                   f"{int(m['fallback_experts'])} fallback experts, {m['artifact_mb']:.1f} MB "
                   f"({report.format} format) -> {out}")
 

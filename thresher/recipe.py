@@ -616,11 +616,26 @@ def _key_name(key: str, value: Any) -> str:
                   else f"{short}{value}")
 
 
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"  # what --device and execution.device accept
+
+
 class ExecutionConfig(StrictModel):
-    """Where the variants run: in this process (default) or fanned out over a Prefect work pool."""
+    """Where the variants run: in this process (default) or fanned out over a Prefect work pool,
+    and on which device their prune and quantize stages compute.
+
+    The device is an execution setting like the work pool, not part of a stage's store key: the
+    stages agree on the CPU and a GPU up to floating-point order, so an artifact computed on one
+    serves a recipe that names the other.
+    """
 
     work_pool: str | None = Field(None, description="Prefect work pool whose workers run the "
                                   "variants (one flow run per group sharing a first stage)")
+    device: str = Field("auto", pattern=DEVICE_PATTERN,
+                        description="where prune and quantize compute: 'auto' (CUDA when "
+                        "available, else the CPU), 'cpu', 'cuda' or 'cuda:N'")
+    offload_budget_gb: float | None = Field(
+        None, ge=0, description="calibration activations kept on the device (GiB); the rest "
+        "wait in pinned host memory (default: half the device's free memory; 0: all offloaded)")
     retries: int = Field(2, ge=0, description="resubmissions of a variant group whose flow run "
                          "ends FAILED or CRASHED (a lost worker)")
     poll_seconds: float = Field(5.0, gt=0, description="how often the parent polls the runs")

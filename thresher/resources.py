@@ -2,7 +2,9 @@
 
 CLI reports, flow metrics and benchmarks all read it from here, so the same work reports the same
 number wherever it runs. On Linux the peak is the kernel's VmHWM, reset at the start of the block
-(``/proc/self/clear_refs``); elsewhere it falls back to the process-lifetime ``ru_maxrss``.
+(``/proc/self/clear_refs``); elsewhere it falls back to the process-lifetime ``ru_maxrss``. Work on
+a CUDA device also reports the device's peak: PyTorch's ``max_memory_allocated``, reset likewise;
+on the CPU there is no second number (None), the host's peak being the whole story.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 _STATUS = Path("/proc/self/status")
@@ -38,20 +44,42 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def reset_device_peak(device: torch.device | None) -> None:
+    """Reset the peak-memory counter of a CUDA ``device`` (nothing to do for the CPU)."""
+    if device is not None and device.type == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def device_peak_mb(device: torch.device | None) -> float | None:
+    """Peak memory allocated on a CUDA ``device`` (MiB) since the last ``reset_device_peak``;
+    None for the CPU."""
+    if device is None or device.type != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.max_memory_allocated(device) / 2**20
+
+
 @dataclass
 class Usage:
     wall_seconds: float = 0.0
     peak_rss_mb: float = 0.0
+    peak_device_mb: float | None = None  # CUDA work only
 
 
 @contextlib.contextmanager
-def measure() -> Iterator[Usage]:
-    """Measure the enclosed block: wall seconds and the process's peak RSS while it ran."""
+def measure(device: torch.device | None = None) -> Iterator[Usage]:
+    """Measure the enclosed block: wall seconds and the process's peak RSS while it ran (and
+    the peak allocated on ``device`` when that is a CUDA device)."""
     usage = Usage()
     reset_peak()
+    reset_device_peak(device)
     start = time.perf_counter()
     try:
         yield usage
     finally:
         usage.wall_seconds = time.perf_counter() - start
         usage.peak_rss_mb = peak_rss_mb()
+        usage.peak_device_mb = device_peak_mb(device)

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+import torch
 from typer.testing import CliRunner
 
 from thresher.cli import app
@@ -39,3 +41,18 @@ def test_quantize_command_checks_bits_auto_options(tiny_demo, tmp_path):
     result = runner.invoke(app, [*base, "--bits", "five"])
     assert result.exit_code == 2 and "--bits: Input should be 2, 3, 4, 8 or 'auto'" in result.output
     assert "Traceback" not in result.output and not list(tmp_path.iterdir())
+
+
+def test_quantize_command_device_option(tiny_demo, tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(app, ["quantize", "--help"], env={"COLUMNS": "200"})
+    assert "--device" in result.output and "--offload-budget-gb" in result.output
+    assert "cuda:N" in result.output
+    if torch.cuda.is_available():
+        pytest.skip("checks the error of a machine without CUDA")
+    result = runner.invoke(app, ["quantize", "--model", str(tiny_demo), "--method", "rtn",
+                                 "--group-size", "64", "--device", "cuda", "--out",
+                                 str(tmp_path / "q")])
+    assert result.exit_code == 2, result.output
+    assert "no CUDA device is available" in result.output and "--device cpu" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "q").exists()

@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import json.decoder
 
 import pytest
 import torch
@@ -197,7 +198,9 @@ def test_damage_budget_checkpoint_loads_per_layer_expert_counts_and_computes_the
     model, base = saved_family("qwen3_moe")
     out = tmp_path / "pruned"
     stage = PruneStage(method="auto", ratio=0.5, budget="damage")
-    report = prune_model(base, stage, CAL, out, show_progress=False)
+    # The uneven split depends on the text: calibrate on one that thresher's edits do not change.
+    cal = CAL.model_copy(update={"source": FilesSource(files=[json.decoder.__file__])})
+    report = prune_model(base, stage, cal, out, show_progress=False)
 
     counts = [len(r.kept) for r in report.layers]
     assert sum(counts) == 8 and len(set(counts)) == 2  # the uniform total, split unevenly

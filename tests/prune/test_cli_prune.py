@@ -38,3 +38,21 @@ def test_prune_command_reports_bad_options_without_traceback(tmp_path):
                                      "--out", str(tmp_path / "o"), *args])
         assert result.exit_code == 2, result.output
         assert message in result.output and "Traceback" not in result.output
+
+
+def test_prune_command_device_option(tmp_path, tiny_tokenizer):
+    result = runner.invoke(app, ["prune", "--help"], env={"COLUMNS": "200"})
+    assert "--device" in result.output and "--offload-budget-gb" in result.output
+    assert "cuda:N" in result.output
+    save_model(build_random_model("qwen3_moe", vocab_size=len(tiny_tokenizer)), tiny_tokenizer,
+               tmp_path / "base")
+    args = ["prune", "--model", str(tmp_path / "base"), "--ratio", "0.25", "--calibration",
+            api.__file__, "--samples", "3", "--seq-len", "16"]
+    result = runner.invoke(app, [*args, "--out", str(tmp_path / "p"), "--device", "cpu",
+                                 "--offload-budget-gb", "0"])
+    assert result.exit_code == 0, result.output
+    assert "on cpu" in result.output
+    assert json.loads((tmp_path / "p" / "prune_report.json").read_text())["device"] == "cpu"
+    result = runner.invoke(app, [*args, "--out", str(tmp_path / "q"), "--device", "tpu"])
+    assert result.exit_code == 2 and "device 'tpu'" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "q").exists()

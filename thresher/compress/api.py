@@ -5,7 +5,9 @@ through the sequential driver one decoder layer at a time, packs each finished l
 method's standard format (RTN and GPTQ: GPTQ v1; AWQ: gemm at 4 bits, GPTQ v1 at other widths;
 NF4: bitsandbytes) under hub-canonical per-expert names, and builds the directory beside
 ``out_dir`` (``paths.build_dir_atomically``), so a crash never leaves a partial artifact there. Wall time and peak memory come from
-``resources.measure``, the definition the flows and benchmarks report too.
+``resources.measure``, the definition the flows and benchmarks report too. ``device`` and
+``offload_budget_gb`` say where it computes (``models.device``); they are execution settings: the
+artifact is the same up to floating-point order on any device.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from thresher.formats import gptq as gptq_format
 from thresher.formats.artifact import QUANTIZE_REPORT, STAGE_REPORTS
 from thresher.formats.registry import PACKERS
 from thresher.models.checkpoint import INDEX_NAME, CheckpointWriter, canonical_layer_state
+from thresher.models.device import Compute
 from thresher.models.layerwise import (
     LayerwiseModel,
     keep_large_blocks_off_heap,
@@ -63,6 +66,9 @@ class QuantizeReport:
     wall_seconds: float = 0.0
     peak_rss_mb: float = 0.0
     artifact_mb: float = 0.0
+    device: str = "cpu"
+    peak_device_mb: float | None = None  # CUDA only
+    offloaded_batches: int = 0  # most calibration batches held in host memory beyond the budget
     layers: list[dict] = field(default_factory=list)
     allocation: dict | None = None  # bits auto: Allocation.summary()
 
@@ -73,7 +79,8 @@ class QuantizeReport:
             a = self.allocation
             mixed = {"average_bits": a["average_bits"], "quantized_mb": a["quantized_mb"],
                      **{f"weight_share_{b}bit": v for b, v in a["weight_share"].items()}}
-        return {
+        device = {} if self.peak_device_mb is None else {"peak_device_mb": self.peak_device_mb}
+        return {**device,
             "wall_seconds": self.wall_seconds,
             "peak_rss_mb": self.peak_rss_mb,
             "artifact_mb": self.artifact_mb,
@@ -167,22 +174,27 @@ def _float_modules(lw: LayerwiseModel, keep: set[str]) -> list[str]:
 def quantize_model(model_dir: Path, stage: QuantizeStage, calibration: CalibrationConfig,
                    out_dir: Path, *, observer: LayerCallback | None = None,
                    max_shard_bytes: int = 1 << 30, show_progress: bool = True,
-                   allocation: Allocation | None = None) -> QuantizeReport:
+                   allocation: Allocation | None = None, device: str = "auto",
+                   offload_budget_gb: float | None = None) -> QuantizeReport:
     """Quantize ``model_dir`` into a new checkpoint at ``out_dir`` (refused if it exists).
 
-    ``observer`` also receives each finished layer (with dequantized weights), for evaluating the
-    in-memory quantized model next to the artifact. ``allocation`` (``bits: auto``) gives the
-    widths instead of measuring them (for controls such as a random allocation).
+    ``observer`` also receives each finished layer (with dequantized weights, on the host), for
+    evaluating the in-memory quantized model next to the artifact. ``allocation`` (``bits:
+    auto``) gives the widths instead of measuring them (for controls such as a random
+    allocation). ``device``: auto, cpu, cuda or cuda:N; ``offload_budget_gb``: calibration
+    activations kept on the device (default: half its free memory on CUDA), the rest in pinned
+    host memory.
     """
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if out_dir.exists():
         raise ArtifactError(f"{out_dir}: already exists; choose a new output directory")
+    compute = Compute.resolve(device, offload_budget_gb)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with build_dir_atomically(out_dir) as tmp:
-        with measure() as usage:
-            method, records, calibration_tokens, allocation = _write_checkpoint(
+        with measure(compute.device) as usage:
+            method, records, calibration_tokens, allocation, offloaded = _write_checkpoint(
                 model_dir, stage, calibration, tmp, observer, max_shard_bytes, show_progress,
-                allocation)
+                compute, allocation)
         report = QuantizeReport(
             method=stage.method, format=method.format, bits=stage.bits,
             group_size=stage.group_size, sym=method.grid is not None and method.grid.sym,
@@ -190,24 +202,25 @@ def quantize_model(model_dir: Path, stage: QuantizeStage, calibration: Calibrati
             out_dir=str(out_dir), calibration_tokens=calibration_tokens,
             wall_seconds=usage.wall_seconds, peak_rss_mb=usage.peak_rss_mb,
             artifact_mb=sum(f.stat().st_size for f in tmp.glob("*.safetensors")) / 2**20,
+            device=compute.name, peak_device_mb=usage.peak_device_mb, offloaded_batches=offloaded,
             layers=[dataclasses.asdict(r) for r in records],
             allocation=None if allocation is None else allocation.summary(),
         )
         (tmp / QUANTIZE_REPORT).write_text(report.to_json())
-    log.info("quantized %s with %s in %.1f s -> %s", model_dir, stage.describe(),
-             report.wall_seconds, out_dir)
+    log.info("quantized %s with %s on %s in %.1f s -> %s", model_dir, stage.describe(),
+             compute.name, report.wall_seconds, out_dir)
     return report
 
 
 def _write_checkpoint(model_dir: Path, stage: QuantizeStage, calibration: CalibrationConfig,
                       out: Path, observer: LayerCallback | None, max_shard_bytes: int,
-                      show_progress: bool, allocation: Allocation | None
-                      ) -> tuple[QuantMethod, list[LayerRecord], int, Allocation | None]:
+                      show_progress: bool, compute: Compute, allocation: Allocation | None
+                      ) -> tuple[QuantMethod, list[LayerRecord], int, Allocation | None, int]:
     """Write the quantized checkpoint (weights, config, tokenizer files) into ``out``; returns
-    the method, its per-layer records, the number of calibration tokens and (``bits: auto``) the
-    widths chosen."""
+    the method, its per-layer records, the number of calibration tokens, (``bits: auto``) the
+    widths chosen, and the most activation batches offloaded to the host."""
     keep_large_blocks_off_heap()
-    lw = LayerwiseModel(model_dir, torch.float32)
+    lw = LayerwiseModel(model_dir, torch.float32, compute.device)
     method = method_for(stage)
     check_stage(stage, method, lw)
     windows = None
@@ -221,7 +234,8 @@ def _write_checkpoint(model_dir: Path, stage: QuantizeStage, calibration: Calibr
     skip = _float_modules(lw, set(stage.keep_16bit))
     if isinstance(stage, GPTQStage) and stage.bits == "auto":
         if allocation is None:
-            allocation = measure_allocation(lw, stage, windows, store_dtype, show_progress)
+            allocation = measure_allocation(lw, stage, windows, store_dtype, show_progress,
+                                            compute.budget_bytes)
         method = GPTQMethod(stage, allocation.widths(), allocation.base_bits,
                             allocation.dynamic())
     writer = CheckpointWriter(out, max_shard_bytes)
@@ -237,7 +251,8 @@ def _write_checkpoint(model_dir: Path, stage: QuantizeStage, calibration: Calibr
             observer(i, layer, quantized)
 
     driver = SequentialQuantizer(lw, method, stage.keep_16bit, windows, store_dtype=store_dtype,
-                                 show_progress=show_progress)
+                                 show_progress=show_progress,
+                                 offload_budget_bytes=compute.budget_bytes)
     records = driver.run(write_layer)
     reader = lw.reader
     writer.add({k: reader.get(k) for k in reader.tensor_names()
@@ -250,16 +265,19 @@ def _write_checkpoint(model_dir: Path, stage: QuantizeStage, calibration: Calibr
         if (f.is_file() and f.name not in NOT_COPIED and f.suffix != ".safetensors"
                 and f.name not in STAGE_REPORTS):
             shutil.copy2(f, out / f.name)
-    return method, records, 0 if windows is None else int(windows.numel()), allocation
+    tokens = 0 if windows is None else int(windows.numel())
+    return method, records, tokens, allocation, driver.offloaded
 
 
 def measure_allocation(lw: LayerwiseModel, stage: GPTQStage, windows: torch.Tensor | None,
-                       store_dtype: torch.dtype, show_progress: bool = False) -> Allocation:
+                       store_dtype: torch.dtype, show_progress: bool = False,
+                       offload_budget_bytes: float | None = None) -> Allocation:
     """``bits: auto``: measure every site's damage at each candidate width (a pass of the
     sequential driver over the float model), then choose the widths under the stage's budget."""
     probe = SensitivityProbe(stage, stage.auto_widths)
     SequentialQuantizer(lw, probe, stage.keep_16bit, windows, store_dtype=store_dtype,
-                        show_progress=show_progress).run(lambda i, layer, quantized: None)
+                        show_progress=show_progress, offload_budget_bytes=offload_budget_bytes
+                        ).run(lambda i, layer, quantized: None)
     units = probe.units
     elem = torch.empty(0, dtype=store_dtype).element_size() * 8
     total = sum(math.prod(lw.reader.shape(k)) for k in lw.reader.tensor_names())
@@ -273,20 +291,24 @@ def measure_allocation(lw: LayerwiseModel, stage: GPTQStage, windows: torch.Tens
 
 
 def quantize_in_memory(model_dir: Path, stage: QuantizeStage, calibration: CalibrationConfig,
-                       show_progress: bool = False) -> tuple[torch.nn.Module, list[LayerRecord]]:
+                       show_progress: bool = False, device: str = "auto",
+                       offload_budget_gb: float | None = None
+                       ) -> tuple[torch.nn.Module, list[LayerRecord]]:
     """The float model with every quantized weight replaced by its dequantized value.
 
     For comparing an artifact with the model the driver computed, and for quick in-memory
-    evaluations. Holds the whole model in memory.
+    evaluations. Holds the whole model in host memory; layers compute on ``device``.
     """
     model_dir = Path(model_dir)
-    lw = LayerwiseModel(model_dir, torch.float32)
+    compute = Compute.resolve(device, offload_budget_gb)
+    lw = LayerwiseModel(model_dir, torch.float32, compute.device)
     method = method_for(stage)
     windows = None
     if method.calibrated:
         windows = calibration_windows(load_tokenizer(model_dir), calibration)
     if isinstance(stage, GPTQStage) and stage.bits == "auto":
-        allocation = measure_allocation(lw, stage, windows, torch.float32, show_progress)
+        allocation = measure_allocation(lw, stage, windows, torch.float32, show_progress,
+                                        compute.budget_bytes)
         method = GPTQMethod(stage, allocation.widths(), allocation.base_bits)
     model = load_model(model_dir)
     layers = lw.adapter.layers(model)
@@ -295,6 +317,7 @@ def quantize_in_memory(model_dir: Path, stage: QuantizeStage, calibration: Calib
         layers[i].load_state_dict(layer.state_dict())
 
     driver = SequentialQuantizer(lw, method, stage.keep_16bit, windows,
-                                 show_progress=show_progress)
+                                 show_progress=show_progress,
+                                 offload_budget_bytes=compute.budget_bytes)
     records = driver.run(copy_layer)
     return model, records

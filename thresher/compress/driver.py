@@ -9,11 +9,16 @@ back into the layer. The layer's outputs are then computed *with the quantized w
 next layer's inputs. Hooks, routing and I/O live here; what to capture and how to quantize live in
 the method modules (``compress/methods/``), and the algorithms (``gptq.py``, ``awq.py``) only see
 tensors.
+
+On a device (``Compute``: CUDA, or the CPU), the layer computes there, the calibration activations
+stay there within the activation budget (``ActivationStore``), and each finished layer and its
+quantized tensors come back to the host before the callback writes them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -27,8 +32,9 @@ from tqdm.auto import tqdm
 from thresher.compress.methods.protocol import LayerJob, LayerRecord, Quantized, QuantMethod, Sink
 from thresher.compress.quantizer import relative_error
 from thresher.compress.targets import InputSite, LayerParts, Target
+from thresher.models.device import ActivationStore, activation_budget
 from thresher.models.layerwise import LayerwiseModel
-from thresher.resources import peak_rss_mb
+from thresher.resources import device_peak_mb, peak_rss_mb
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +55,10 @@ class SequentialQuantizer:
 
     def __init__(self, lw: LayerwiseModel, method: QuantMethod, keep_16bit: list[str],
                  windows: torch.Tensor | None = None, batch_size: int = 8,
-                 store_dtype: torch.dtype = torch.float32, show_progress: bool = True):
+                 store_dtype: torch.dtype = torch.float32, show_progress: bool = True,
+                 offload_budget_bytes: float | None = None):
+        """``lw``'s device is where the layers compute; ``offload_budget_bytes`` bounds the
+        activations kept there (default: ``device.activation_budget`` for that device)."""
         self.lw = lw
         self.method = method
         self.keep = set(keep_16bit)
@@ -57,15 +66,21 @@ class SequentialQuantizer:
         self.batch_size = batch_size
         self.store_dtype = store_dtype
         self.show_progress = show_progress
+        self.budget = (activation_budget(lw.device, None) if offload_budget_bytes is None
+                       else offload_budget_bytes)
+        self.offloaded = 0  # most activation batches held in host memory at once
 
     def run(self, on_layer: LayerCallback) -> list[LayerRecord]:
         calibrated = self.method.calibrated
-        hidden: list[torch.Tensor] = []
+        device = self.lw.device
+        hidden = ActivationStore(device, self.budget)
         if calibrated:
             if self.windows is None:
                 raise ValueError(f"{self.method.name} needs calibration windows")
             self.lw.load_outer()
-            hidden = [self.lw.embed(b) for b in self.windows.split(self.batch_size)]
+            for b in self.windows.split(self.batch_size):
+                hidden.append(self.lw.embed(b))
+            self.offloaded = hidden.offloaded
         records = []
         layers = tqdm(range(self.lw.num_layers), desc=f"quantize {self.method.name}",
                       unit="layer", disable=not self.show_progress)
@@ -83,18 +98,22 @@ class SequentialQuantizer:
             with torch.no_grad():
                 self.method.quantize_layer(job)
             if calibrated:
-                hidden = [self.lw.layer_forward(i, h) for h in hidden]
+                for b in range(len(hidden)):
+                    hidden[b] = self.lw.layer_forward(i, hidden[b])
+                self.offloaded = max(self.offloaded, hidden.offloaded)
+            layer = self.lw.layer_to_host(i) if device.type != "cpu" else layer
             record.seconds = time.perf_counter() - start
             on_layer(i, layer, quantized)
             del quantized, parts  # freed before the next layer is read
             self.lw.release_layer(i)
             record.peak_rss_mb = peak_rss_mb()
+            record.peak_device_mb = device_peak_mb(device)
             records.append(record)
             log.debug("layer %d: %.1f s, mean relative error %.3g", i, record.seconds,
                       record.mean_error)
         return records
 
-    def _collect(self, parts: LayerParts, hidden: list[torch.Tensor], sites: list[InputSite],
+    def _collect(self, parts: LayerParts, hidden: ActivationStore, sites: list[InputSite],
                  sink: Sink, all_tokens: bool = False) -> None:
         """Run the layer on every batch, handing each site's input (and expert gates) to sink;
         with ``all_tokens`` every expert site gets every token, ungated."""
@@ -149,10 +168,18 @@ class SequentialQuantizer:
     def _commit(self, record: LayerRecord, out: dict[str, Quantized], t: Target,
                 q: Quantized) -> None:
         """Write the dequantized weight into the layer (the next layer sees quantized outputs)."""
-        deq = q.dequantize()
+        deq = q.dequantize().to(t.weight.device)
         record.errors[t.key] = relative_error(t.weight, deq)
         t.weight.copy_(deq.to(t.weight.dtype))
-        out[t.key] = q
+        out[t.key] = _on_host(q)
 
     def _progress(self, items: list[T], desc: str) -> Iterable[T]:
         return tqdm(items, desc=desc, leave=False, disable=not self.show_progress)
+
+
+def _on_host(q: Quantized) -> Quantized:
+    """``q`` with every tensor in host memory (where the checkpoint writer reads them)."""
+    moved = {f.name: getattr(q, f.name).cpu() for f in dataclasses.fields(q)
+             if isinstance(getattr(q, f.name), torch.Tensor)
+             and getattr(q, f.name).device.type != "cpu"}
+    return dataclasses.replace(q, **moved) if moved else q

@@ -3,7 +3,8 @@ error of each column in the columns not yet quantized, with the inverse Hessian 
 inputs. Readable beside the paper's Algorithm 1 and IST-DASLab's gptq.py.
 
 One ``GPTQ`` object holds the Hessian of one input site (several weights that read the same input,
-e.g. q/k/v, or one expert's gate and up projections, share it).
+e.g. q/k/v, or one expert's gate and up projections, share it). The Hessian and the column loop
+live on the weight's device (the layer's, on a GPU), the codes come back there too.
 """
 
 from __future__ import annotations
@@ -25,23 +26,23 @@ DAMP_RETRIES = 3  # each retry multiplies the dampening by 10
 class GPTQ:
     """Accumulates H = 2/n * sum(w_t * x_t x_t^T) and quantizes weights against it."""
 
-    def __init__(self, columns: int, name: str):
+    def __init__(self, columns: int, name: str, device: torch.device | str = "cpu"):
         self.name = name
         self.columns = columns
-        self.H = torch.zeros(columns, columns, dtype=torch.float32)
+        self.H = torch.zeros(columns, columns, dtype=torch.float32, device=device)
         self.nsamples = 0.0  # sum of token weights seen
         self.weight_sq = 0.0  # sum of squared token weights (for the effective token count)
         self.tokens = 0
 
     def add_batch(self, x: torch.Tensor, token_weight: torch.Tensor | None = None) -> None:
         """Add inputs ``x`` [T, columns]; ``token_weight`` [T] scales each token's x x^T."""
-        x = x.reshape(-1, self.columns).float()
+        x = x.reshape(-1, self.columns).float().to(self.H.device)
         if token_weight is None:
             n = sq = float(x.shape[0])
         else:
             n = float(token_weight.sum())
             sq = float(token_weight.float().pow(2).sum())
-            x = x * token_weight.float().sqrt().unsqueeze(1)
+            x = x * token_weight.float().to(x.device).sqrt().unsqueeze(1)
         if n <= 0:
             return
         self.H *= self.nsamples / (self.nsamples + n)
@@ -60,7 +61,7 @@ class GPTQ:
     def _inverse_cholesky(self, H: torch.Tensor, damp_percent: float) -> torch.Tensor:
         """Upper Cholesky factor of (H + damp * I)^-1, retrying with more dampening if needed."""
         mean_diag = torch.mean(torch.diag(H))
-        eye = torch.eye(self.columns)
+        eye = torch.eye(self.columns, device=H.device)
         for attempt in range(DAMP_RETRIES + 1):
             percent = damp_percent * 10**attempt
             L, info = torch.linalg.cholesky_ex(H + percent * mean_diag * eye)
@@ -87,7 +88,8 @@ class GPTQ:
         dampening: the correlations of a Hessian seen on few tokens are noise, and at r = 1
         (diagonal H, no error propagated between columns) GPTQ is RTN on the same grid.
         """
-        W = weight.detach().float().clone()
+        W = weight.detach().float().to(self.H.device, copy=True)
+        dev = W.device
         rows, cols = W.shape
         H = self.H.clone()
         if diag_shrink > 0:
@@ -102,18 +104,19 @@ class GPTQ:
         if group_size == -1 or static_groups:  # fit every group up front on the original weights
             static = [fit_grid(W[:, g * gs:(g + 1) * gs], spec) for g in range(n_groups)]
 
-        perm = torch.arange(cols)
+        perm = torch.arange(cols, device=dev)
         if act_order:
             perm = torch.argsort(torch.diag(H), descending=True)
             W, H = W[:, perm], H[perm][:, perm]
         # group of each quantization position: by original column, or by position without static
-        pos_group = perm // gs if static else torch.arange(cols) // gs
+        pos_group = perm // gs if static else torch.arange(cols, device=dev) // gs
+        groups = pos_group.tolist()  # read on the host once, not once a column from the device
 
         Hinv = self._inverse_cholesky(H, damp_percent)
         codes = torch.zeros_like(W)
-        scales = torch.zeros(rows, n_groups)
-        zeros = torch.zeros(rows, n_groups)
-        losses = torch.zeros(rows)
+        scales = torch.zeros(rows, n_groups, device=dev)
+        zeros = torch.zeros(rows, n_groups, device=dev)
+        losses = torch.zeros(rows, device=dev)
         scale = zero = None
         for i1 in range(0, cols, block_size):
             i2 = min(i1 + block_size, cols)
@@ -122,7 +125,7 @@ class GPTQ:
             Hinv1 = Hinv[i1:i2, i1:i2]
             for i in range(i2 - i1):
                 col = i1 + i
-                g = int(pos_group[col])
+                g = groups[col]
                 if static:
                     scale, zero = static[g]
                 elif col % gs == 0:  # a new group: fit on the already-updated weights

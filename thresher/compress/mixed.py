@@ -232,7 +232,8 @@ class SensitivityProbe:
         all_tokens = self.stage.expert_tokens == "all"
         rule = self.gptq[self.candidates[0]]
         for sites in sequential_stages(job.parts):
-            hessians = {s.name: GPTQ(s.columns, s.name) for s in sites}
+            hessians = {s.name: GPTQ(s.columns, s.name, s.targets[0].weight.device)
+                        for s in sites}
             job.capture(sites, partial(add_to_hessian, hessians), all_tokens=all_tokens)
             for site in job.progress(sites, f"layer {job.parts.idx} sensitivity"):
                 h = hessians.pop(site.name)

@@ -105,7 +105,7 @@ def quantize_grouped(w: torch.Tensor, spec: GridSpec, group_size: int) -> Quanti
         codes=codes.to(torch.uint8),
         scales=scale.reshape(rows, cols // gs),
         zeros=zero.reshape(rows, cols // gs).to(torch.int32),
-        g_idx=(torch.arange(cols) // gs).to(torch.int32),
+        g_idx=(torch.arange(cols, device=w.device) // gs).to(torch.int32),
         bits=spec.bits,
         group_size=group_size,
     )
@@ -114,4 +114,4 @@ def quantize_grouped(w: torch.Tensor, spec: GridSpec, group_size: int) -> Quanti
 def relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:
     """||w - w_hat||^2 / ||w||^2: the weight-space error reported for every method."""
     w = w.float()
-    return float((w - w_hat.float()).pow(2).sum() / w.pow(2).sum().clamp(min=1e-30))
+    return float((w - w_hat.float().to(w.device)).pow(2).sum() / w.pow(2).sum().clamp(min=1e-30))

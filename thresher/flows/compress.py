@@ -162,7 +162,7 @@ def _run_variant(recipe: Recipe, variant: Variant, base_path: str, base_hash: st
         hits = 0
         for i, stage in enumerate(variant.stages):
             out = run_stage(path, content_hash, stage, recipe.calibration, store_root,
-                            label=f"{variant.name}/{i}-{stage.kind}")
+                            label=f"{variant.name}/{i}-{stage.kind}", execution=recipe.execution)
             hits += int(out["cache_hit"])
             metrics[f"{stage.kind}.cache_hit"] = float(out["cache_hit"])
             path, content_hash = out["path"], out["content_hash"]

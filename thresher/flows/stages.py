@@ -26,7 +26,14 @@ from thresher.formats.artifact import STORE_COMPLETE
 from thresher.models.manifest import read_manifest, write_manifest
 from thresher.models.source import hash_directory, resolve_model
 from thresher.paths import build_dir_atomically, write_text_atomically
-from thresher.recipe import CalibrationConfig, EvalConfig, PerplexityConfig, Stage, ValidateConfig
+from thresher.recipe import (
+    CalibrationConfig,
+    EvalConfig,
+    ExecutionConfig,
+    PerplexityConfig,
+    Stage,
+    ValidateConfig,
+)
 
 TASK_SAMPLES_KEY = "task_samples"  # evaluate_artifact's per-document scores, beside the metrics
 
@@ -51,22 +58,30 @@ def resolve_base(model: str) -> tuple[str, str]:
     return str(path), hash_directory(path)
 
 
-def execute_stage(input_dir: Path, stage: Stage, calibration: CalibrationConfig, out_dir: Path):
-    """Run one stage's algorithm (no caching, no tracking): the unit the store caches."""
+def execute_stage(input_dir: Path, stage: Stage, calibration: CalibrationConfig, out_dir: Path,
+                  execution: ExecutionConfig | None = None):
+    """Run one stage's algorithm (no caching, no tracking): the unit the store caches, computed
+    on ``execution.device``."""
+    execution = execution or ExecutionConfig()
+    compute = {"device": execution.device, "offload_budget_gb": execution.offload_budget_gb}
     if stage.prune is not None:
         from thresher.prune.api import prune_model
 
-        return prune_model(input_dir, stage.prune, calibration, out_dir)
+        return prune_model(input_dir, stage.prune, calibration, out_dir, **compute)
     from thresher.compress.api import quantize_model
 
-    return quantize_model(input_dir, stage.quantize, calibration, out_dir)
+    return quantize_model(input_dir, stage.quantize, calibration, out_dir, **compute)
 
 
 @task(name="stage", retries=1, retry_delay_seconds=5, retry_condition_fn=_retry_unless_user_error,
       task_run_name="{label}")
 def run_stage(input_dir: str, input_hash: str, stage: Stage, calibration: CalibrationConfig,
-              store_root: str, label: str) -> dict[str, Any]:
-    """The store entry for ``stage`` on the input artifact, computing it only when missing."""
+              store_root: str, label: str, execution: ExecutionConfig | None = None
+              ) -> dict[str, Any]:
+    """The store entry for ``stage`` on the input artifact, computing it only when missing.
+
+    ``execution`` (the device) is not part of the key: any device computes the same artifact up
+    to floating-point order, so a store entry made on the CPU serves a GPU run and back."""
     store = ArtifactStore(store_root)
     key = stage_key(input_hash, stage, calibration)
     with store.locked(key) as entry:
@@ -77,7 +92,7 @@ def run_stage(input_dir: str, input_hash: str, stage: Stage, calibration: Calibr
                     "cache_hit": True, "metrics": record.get("metrics", {})}
         out = store.scratch_dir(key)
         log.info("%s: computing (store key %s)", label, key[:12])
-        metrics = execute_stage(Path(input_dir), stage, calibration, out).metrics()
+        metrics = execute_stage(Path(input_dir), stage, calibration, out, execution).metrics()
         entry = store.commit(key, out, {"stage": stage.model_dump(mode="json", exclude_none=True),
                                         "input_hash": input_hash, "metrics": metrics})
     return {"path": str(entry.path), "content_hash": entry.content_hash, "key": key,

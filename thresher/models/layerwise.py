@@ -4,6 +4,8 @@ Calibration (REAP observation, GPTQ, AWQ) walks the decoder layers in order and 
 current layer's weights and the activations flowing between layers. The skeleton is built on the
 ``meta`` device (no memory); ``load_layer`` reads one layer from the safetensors files and
 ``release_layer`` returns it to ``meta``. Peak weight memory is one layer plus the embeddings.
+With a ``device`` (CUDA), each layer is read into host memory and moved there when its turn comes,
+with the embeddings and the rotary tables; ``layer_to_host`` brings a finished layer back.
 """
 
 from __future__ import annotations
@@ -66,9 +68,11 @@ def load_config(path: str | Path):
 class LayerwiseModel:
     """A causal LM whose decoder layers are materialized one at a time from disk."""
 
-    def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32):
+    def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
         self.path = Path(path)
         self.dtype = dtype
+        self.device = torch.device(device)
         self.config = load_config(self.path)
         self.config._attn_implementation = "sdpa"
         self.adapter: Adapter = get_adapter(self.config)
@@ -79,6 +83,7 @@ class LayerwiseModel:
         with torch.device("cpu"):
             rotary_cls = type(self.adapter.decoder(self.model).rotary_emb)
             self.rotary = rotary_cls(config=self.config)
+        self.rotary.to(self.device)
         self._resident: set[int] = set()
 
     @property
@@ -97,10 +102,16 @@ class LayerwiseModel:
         if self.adapter.is_moe_layer(layer) and num_experts != self.adapter.num_experts(self.config):
             self.adapter.resize_experts(layer, num_experts)
         state = read_layer_state(self.reader, self.adapter, i, num_experts, self.dtype)
+        if self.device.type != "cpu":
+            state = {k: v.to(self.device) for k, v in state.items()}
         layer.load_state_dict(state, strict=True, assign=True)
         self.reader.close()
         self._resident.add(i)
         return layer
+
+    def layer_to_host(self, i: int) -> nn.Module:
+        """Move resident layer ``i`` to host memory (for writing it) and return it."""
+        return self.layer(i).to("cpu")
 
     def release_layer(self, i: int) -> None:
         """Drop layer ``i``'s weights (back to the meta device) and hand the memory back."""
@@ -118,24 +129,27 @@ class LayerwiseModel:
     def load_outer(self) -> None:
         """Materialize the embeddings, the final norm and the LM head (small next to the layers)."""
         emb = self.adapter.embeddings(self.model)
-        emb.load_state_dict({"weight": self.reader.get("model.embed_tokens.weight").to(self.dtype)},
-                            assign=True)
+        emb.load_state_dict({"weight": self._outer("model.embed_tokens.weight")}, assign=True)
         norm = self.adapter.final_norm(self.model)
-        norm.load_state_dict({"weight": self.reader.get("model.norm.weight").to(self.dtype)}, assign=True)
+        norm.load_state_dict({"weight": self._outer("model.norm.weight")}, assign=True)
         head = self.adapter.lm_head(self.model)
         if "lm_head.weight" in self.reader:
-            head.load_state_dict({"weight": self.reader.get("lm_head.weight").to(self.dtype)}, assign=True)
+            head.load_state_dict({"weight": self._outer("lm_head.weight")}, assign=True)
         else:  # tied embeddings
             head.weight = emb.weight
+
+    def _outer(self, name: str) -> torch.Tensor:
+        return self.reader.get(name).to(self.device, self.dtype)
 
     # -- computation --------------------------------------------------------------------------
 
     @torch.no_grad()
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.adapter.embeddings(self.model)(input_ids)
+        return self.adapter.embeddings(self.model)(input_ids.to(self.device))
 
     def position_embeddings(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(hidden.shape[1]).unsqueeze(0).expand(hidden.shape[0], -1)
+        pos = torch.arange(hidden.shape[1], device=hidden.device)
+        pos = pos.unsqueeze(0).expand(hidden.shape[0], -1)
         return self.rotary(hidden, pos)
 
     @torch.no_grad()

@@ -9,7 +9,8 @@ routed-token counts, the removed experts of each layer and, where measured, the 
 every candidate and the one chosen). The output is built in a hidden
 sibling directory and renamed at the end (``paths.build_dir_atomically``), so a crash never leaves
 a partial artifact behind; wall time and peak memory come from ``resources.measure``, the number
-the flows report too.
+the flows report too. ``device`` says where the observation computes (``models.device``): an
+execution setting, the statistics agreeing up to floating-point order on any device.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from thresher.models.checkpoint import (
     canonical_layer_state,
     read_layer_state,
 )
+from thresher.models.device import Compute
 from thresher.models.layerwise import LayerwiseModel, load_config
 from thresher.models.loading import load_tokenizer
 from thresher.paths import build_dir_atomically
@@ -90,6 +92,8 @@ class PruneReport:
     observe_seconds: float = 0.0
     wall_seconds: float = 0.0
     peak_rss_mb: float = 0.0
+    device: str = "cpu"
+    peak_device_mb: float | None = None  # CUDA only
     budget: str = "uniform"
     heldout_windows: int = 0  # calibration windows held out from saliency for local errors
     layers: list[LayerPruneReport] = field(default_factory=list)
@@ -105,6 +109,8 @@ class PruneReport:
             "experts_removed": float(self.num_experts - self.experts_kept),
             "layers": float(len(self.layers)),
         }
+        if self.peak_device_mb is not None:
+            m["peak_device_mb"] = self.peak_device_mb
         observed = [r for r in self.layers if r.tokens_routed is not None]
         if observed:
             routed = sum(sum(r.tokens_routed) for r in observed)
@@ -141,23 +147,28 @@ def check_prune(model_dir: Path, stage: PruneStage) -> tuple[PretrainedConfig, i
 
 def prune_model(model_dir: Path, stage: PruneStage, calibration: CalibrationConfig,
                 out_dir: Path, *, observed: list[ExpertStats] | Observation | None = None,
-                show_progress: bool = True) -> PruneReport:
+                show_progress: bool = True, device: str = "auto",
+                offload_budget_gb: float | None = None) -> PruneReport:
     """Prune ``model_dir`` by ``stage`` and write the pruned checkpoint to ``out_dir``.
 
     ``observed`` may pass statistics of this model on this calibration from an earlier
     ``observe_experts`` call (or, for ``auto`` and damage budgets, an ``observe_layers`` call with
     held-out windows: ``observe_for``), so that several methods can be compared on one observation.
+    ``device`` (auto, cpu, cuda, cuda:N) and ``offload_budget_gb`` (calibration activations kept
+    on the device; default: half its free memory on CUDA) say where the observation runs.
     """
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if out_dir.exists():
         raise ArtifactError(f"{out_dir} already exists; choose a new output directory or remove it")
     config, n_keep = check_prune(model_dir, stage)
+    compute = Compute.resolve(device, offload_budget_gb)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with build_dir_atomically(out_dir) as build:
-        with measure() as usage:
+        with measure(compute.device) as usage:
             report = _prune_into(build, model_dir, out_dir, config, n_keep, stage, calibration,
-                                 observed, show_progress)
+                                 observed, show_progress, compute)
         report.wall_seconds, report.peak_rss_mb = usage.wall_seconds, usage.peak_rss_mb
+        report.device, report.peak_device_mb = compute.name, usage.peak_device_mb
         (build / PRUNE_REPORT).write_text(report.to_json())
         if out_dir.exists():
             raise ArtifactError(f"{out_dir} appeared while pruning; refusing to overwrite it")
@@ -168,10 +179,11 @@ def prune_model(model_dir: Path, stage: PruneStage, calibration: CalibrationConf
 
 def _prune_into(build: Path, model_dir: Path, out_dir: Path, config: PretrainedConfig, n_keep: int,
                 stage: PruneStage, calibration: CalibrationConfig,
-                observed: list[ExpertStats] | None, show_progress: bool) -> PruneReport:
+                observed: list[ExpertStats] | None, show_progress: bool,
+                compute: Compute) -> PruneReport:
     """Score and choose the experts, then write the pruned checkpoint, config and tokenizer files
     into ``build``; the report it returns lacks only wall time and peak memory."""
-    lw = LayerwiseModel(model_dir)
+    lw = LayerwiseModel(model_dir, device=compute.device)
     adapter = lw.adapter
     num_experts, top_k = adapter.num_experts(config), adapter.top_k(config)
     moe_layers = [i for i in range(lw.num_layers) if adapter.is_moe_layer(lw.layer(i))]
@@ -191,7 +203,7 @@ def _prune_into(build: Path, model_dir: Path, out_dir: Path, config: PretrainedC
         if observed is None:
             windows = calibration_windows(load_tokenizer(model_dir), calibration)
             t0 = time.perf_counter()
-            observed = observe_for(stage, lw, windows, show_progress)
+            observed = observe_for(stage, lw, windows, show_progress, compute.budget_bytes)
             report.observe_seconds = time.perf_counter() - t0
         observed_stats = observed.stats if isinstance(observed, Observation) else observed
         stats = {s.layer: s for s in observed_stats}
@@ -234,11 +246,13 @@ def _prune_into(build: Path, model_dir: Path, out_dir: Path, config: PretrainedC
 
 
 def observe_for(stage: PruneStage, lw: LayerwiseModel, windows: torch.Tensor,
-                show_progress: bool = True) -> Observation:
+                show_progress: bool = True, offload_budget_bytes: float | None = None
+                ) -> Observation:
     """The observation ``stage`` needs: saliency statistics on all ``windows``, or, for ``auto``
     and damage budgets, on all but the last ``heldout_fraction`` of them, with probes."""
     if not needs_probes(stage):
-        return Observation(stats=observe_experts(lw, windows, show_progress=show_progress),
+        return Observation(stats=observe_experts(lw, windows, show_progress=show_progress,
+                                                 offload_budget_bytes=offload_budget_bytes),
                            search={}, heldout={})
     held = max(1, round(len(windows) * stage.heldout_fraction))
     if held >= len(windows):
@@ -246,7 +260,7 @@ def observe_for(stage: PruneStage, lw: LayerwiseModel, windows: torch.Tensor,
             f"{len(windows)} calibration windows leave none for saliency after holding out "
             f"{held} (heldout_fraction {stage.heldout_fraction}); use more samples")
     return observe_layers(lw, windows[:-held], windows[-held:], stage.probe_tokens,
-                          show_progress=show_progress)
+                          show_progress=show_progress, offload_budget_bytes=offload_budget_bytes)
 
 
 def _write_checkpoint(reader: CheckpointReader, adapter: Adapter, num_layers: int, num_experts: int,

@@ -17,7 +17,9 @@ For every MoE layer, on the calibration tokens, the observer records for each ex
 Expert outputs are computed only for the tokens routed to each expert, so the cost is about
 top_k / num_experts of running every expert on every token. ``ExpertObserver`` holds the math for
 one layer; ``observe_experts`` is the sequential driver: one decoder layer resident at a time, the
-outputs of layer L (unpruned) feeding layer L+1.
+outputs of layer L (unpruned) feeding layer L+1. On a GPU (the ``LayerwiseModel``'s device) the
+statistics accumulate on the device and come back to the host when the layer is done; probes go
+to the host batch by batch; the activations between layers stay on the device within a budget.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from thresher.models.adapters import Adapter
+from thresher.models.device import ActivationStore, activation_budget
 from thresher.models.layerwise import LayerwiseModel
 from thresher.prune.reconstruction import LayerProbe, ProbeRecorder
 
@@ -50,14 +53,23 @@ class ExpertStats:
     def __post_init__(self) -> None:
         if self.max_activation is None:
             self.max_activation = torch.full((self.num_experts,), float("-inf"),
-                                             dtype=torch.float64)
+                                             dtype=torch.float64, device=self.count.device)
 
     @classmethod
-    def empty(cls, layer: int, num_experts: int) -> ExpertStats:
+    def empty(cls, layer: int, num_experts: int,
+              device: torch.device | str = "cpu") -> ExpertStats:
         return cls(layer=layer, tokens=0,
-                   count=torch.zeros(num_experts, dtype=torch.int64),
-                   norm_sum=torch.zeros(num_experts, dtype=torch.float64),
-                   gated_norm_sum=torch.zeros(num_experts, dtype=torch.float64))
+                   count=torch.zeros(num_experts, dtype=torch.int64, device=device),
+                   norm_sum=torch.zeros(num_experts, dtype=torch.float64, device=device),
+                   gated_norm_sum=torch.zeros(num_experts, dtype=torch.float64, device=device))
+
+    def cpu(self) -> ExpertStats:
+        """These statistics in host memory (where pruning plans and reports read them)."""
+        tensors = ("count", "norm_sum", "gated_norm_sum", "max_activation")
+        if all(getattr(self, n).device.type == "cpu" for n in tensors):
+            return self
+        return ExpertStats(layer=self.layer, tokens=self.tokens,
+                           **{n: getattr(self, n).cpu() for n in tensors})
 
     @property
     def num_experts(self) -> int:
@@ -76,7 +88,8 @@ class ExpertObserver:
         self.layer = layer
         self.config = config
         self.renormalize = adapter.norm_topk_prob(config)
-        self.stats = ExpertStats.empty(layer_idx, adapter.num_experts(config))
+        device = adapter.router(layer).weight.device
+        self.stats = ExpertStats.empty(layer_idx, adapter.num_experts(config), device)
 
     def gates(self, probs: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
         """REAP's g_j(x) for each selected expert: softmax value, renormalized over the top-k if
@@ -142,25 +155,35 @@ class _MoECapture:
 @torch.no_grad()
 def observe_experts(model: LayerwiseModel, windows: torch.Tensor, batch_size: int = 8,
                     show_progress: bool = True,
-                    observer_cls: type[ExpertObserver] = ExpertObserver) -> list[ExpertStats]:
+                    observer_cls: type[ExpertObserver] = ExpertObserver,
+                    offload_budget_bytes: float | None = None) -> list[ExpertStats]:
     """Run calibration ``windows`` [N, S] through ``model`` one decoder layer at a time and return
     the statistics of every MoE layer, in layer order. ``observer_cls`` is the per-layer
     accumulator (the observer benchmark passes one that runs every expert on every token)."""
-    return observe_layers(model, windows, None, 0, batch_size, show_progress, observer_cls).stats
+    return observe_layers(model, windows, None, 0, batch_size, show_progress, observer_cls,
+                          offload_budget_bytes).stats
 
 
 @torch.no_grad()
 def observe_layers(model: LayerwiseModel, windows: torch.Tensor, heldout: torch.Tensor | None,
                    probe_tokens: int, batch_size: int = 8, show_progress: bool = True,
-                   observer_cls: type[ExpertObserver] = ExpertObserver) -> Observation:
+                   observer_cls: type[ExpertObserver] = ExpertObserver,
+                   offload_budget_bytes: float | None = None) -> Observation:
     """``observe_experts`` on ``windows``, and, when ``heldout`` windows are given, probes of at
-    most ``probe_tokens`` tokens of each MoE layer on the saliency and on the held-out windows."""
+    most ``probe_tokens`` tokens of each MoE layer on the saliency and on the held-out windows.
+    Activations beyond ``offload_budget_bytes`` (default: ``device.activation_budget``) wait
+    in host memory."""
     adapter, config = model.adapter, model.config
     model.load_outer()
-    hidden = [model.embed(batch) for batch in windows.split(batch_size)]
+    budget = (activation_budget(model.device, None) if offload_budget_bytes is None
+              else offload_budget_bytes)
+    hidden = ActivationStore(model.device, budget)
+    for batch in windows.split(batch_size):
+        hidden.append(model.embed(batch))
     n_saliency = len(hidden)
     if heldout is not None:
-        hidden += [model.embed(batch) for batch in heldout.split(batch_size)]
+        for batch in heldout.split(batch_size):
+            hidden.append(model.embed(batch))
     result = Observation(stats=[], search={}, heldout={},
                          heldout_windows=0 if heldout is None else len(heldout))
     for i in range(model.num_layers):
@@ -176,15 +199,16 @@ def observe_layers(model: LayerwiseModel, windows: torch.Tensor, heldout: torch.
                           disable=not show_progress, leave=False):
                 if capture is not None:
                     capture.batch = b
-                hidden[b] = model.layer_forward(i, hidden[b])
+                out = model.layer_forward(i, hidden[b])
+                hidden[b] = out
                 if capture is not None:
-                    capture.layer_output(hidden[b])
+                    capture.layer_output(out)
         finally:
             if capture is not None:
                 handle.remove()
             model.release_layer(i)
         if capture is not None:
-            result.stats.append(capture.observer.stats)
+            result.stats.append(capture.observer.stats.cpu())
             if capture.probes is not None:
                 result.search[i] = capture.probes[0].probe()
                 result.heldout[i] = capture.probes[1].probe()

@@ -62,10 +62,10 @@ class ProbeRecorder:
         if n <= 0:
             return 0
         x = hidden[:n]
-        self.logits.append(self.adapter.route(self.layer, x, self.config).logits.float())
+        self.logits.append(self.adapter.route(self.layer, x, self.config).logits.float().cpu())
         self.outputs.append(torch.stack([
             self.adapter.expert_forward(self.layer, e, x).float()
-            for e in range(self.adapter.num_experts(self.config))]))
+            for e in range(self.adapter.num_experts(self.config))]).cpu())  # to the host
         self.taken += n
         return n
 

@@ -37,6 +37,7 @@ class LayerRecord:
     expert_shrink: dict[str, float] = field(default_factory=dict)  # site -> GPTQ diag_shrink
     awq_alpha: dict[str, float] = field(default_factory=dict)
     peak_rss_mb: float = 0.0  # peak since the stage began (resources.peak_rss_mb)
+    peak_device_mb: float | None = None  # CUDA: likewise (resources.device_peak_mb); CPU: None
 
     @property
     def mean_error(self) -> float:
