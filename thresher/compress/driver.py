@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from thresher.compress.methods.protocol import LayerJob, LayerRecord, Quantized, QuantMethod, Sink
+from thresher.compress.methods.protocol import LayerJob, LayerPass, LayerRecord, Quantized, Sink
 from thresher.compress.quantizer import relative_error
 from thresher.compress.targets import InputSite, LayerParts, Target
 from thresher.models.device import ActivationStore, activation_budget
@@ -53,7 +53,7 @@ def _arg(args: tuple, kwargs: dict, pos: int, name: str) -> torch.Tensor:
 class SequentialQuantizer:
     """Quantizes a checkpoint layer by layer; ``run`` hands each finished layer to a callback."""
 
-    def __init__(self, lw: LayerwiseModel, method: QuantMethod, keep_16bit: list[str],
+    def __init__(self, lw: LayerwiseModel, method: LayerPass, keep_16bit: list[str],
                  windows: torch.Tensor | None = None, batch_size: int = 8,
                  store_dtype: torch.dtype = torch.float32, show_progress: bool = True,
                  offload_budget_bytes: float | None = None):

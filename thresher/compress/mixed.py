@@ -31,13 +31,12 @@ import heapq
 import math
 import random
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from typing import ClassVar
 
 import torch
 
 from thresher.compress.gptq import GPTQ
-from thresher.compress.methods.gptq import GPTQMethod, add_to_hessian
+from thresher.compress.methods.gptq import GPTQMethod
 from thresher.compress.methods.protocol import LayerJob
 from thresher.compress.targets import sequential_stages
 from thresher.errors import CompressionError
@@ -215,9 +214,7 @@ class SensitivityProbe:
     layer is measured on the float model's activations."""
 
     name: ClassVar[str] = "gptq sensitivity"
-    format: ClassVar[str] = "gptq"
     calibrated: ClassVar[bool] = True
-    grid = None
 
     def __init__(self, stage: GPTQStage, candidates: list[int]):
         self.stage = stage
@@ -225,16 +222,10 @@ class SensitivityProbe:
         self.gptq = {b: GPTQMethod(stage, {}, base_bits=b) for b in self.candidates}
         self.units: list[Unit] = []
 
-    def quantization_config(self, skip: list[str]) -> dict:
-        raise NotImplementedError("the sensitivity probe writes no checkpoint")
-
     def quantize_layer(self, job: LayerJob) -> None:
-        all_tokens = self.stage.expert_tokens == "all"
         rule = self.gptq[self.candidates[0]]
         for sites in sequential_stages(job.parts):
-            hessians = {s.name: GPTQ(s.columns, s.name, s.targets[0].weight.device)
-                        for s in sites}
-            job.capture(sites, partial(add_to_hessian, hessians), all_tokens=all_tokens)
+            hessians = rule.site_hessians(job, sites)
             for site in job.progress(sites, f"layer {job.parts.idx} sensitivity"):
                 h = hessians.pop(site.name)
                 fallback, shrink = rule.site_rule(job.record, site, h)

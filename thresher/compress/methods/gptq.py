@@ -73,11 +73,8 @@ class GPTQMethod:
             dynamic=self.dynamic)
 
     def quantize_layer(self, job: LayerJob) -> None:
-        all_tokens = self.stage.expert_tokens == "all"
         for sites in sequential_stages(job.parts):
-            hessians = {s.name: GPTQ(s.columns, s.name, s.targets[0].weight.device)
-                        for s in sites}
-            job.capture(sites, partial(add_to_hessian, hessians), all_tokens=all_tokens)
+            hessians = self.site_hessians(job, sites)
             for site in job.progress(sites, f"layer {job.parts.idx} gptq"):
                 h = hessians.pop(site.name)
                 fallback, shrink = self.site_rule(job.record, site, h)
@@ -86,6 +83,14 @@ class GPTQMethod:
                     q, loss = self.quantize_target(h, t.weight, grid, fallback, shrink)
                     job.record.gptq_loss += loss
                     job.commit(t, q)
+
+    def site_hessians(self, job: LayerJob, sites: list[InputSite]) -> dict[str, GPTQ]:
+        """One capture of ``sites``' inputs into a Hessian each, on the weights' device (routed
+        tokens, or every token with ``expert_tokens: all``)."""
+        hessians = {s.name: GPTQ(s.columns, s.name, s.targets[0].weight.device) for s in sites}
+        job.capture(sites, partial(_add_to_hessian, hessians),
+                    all_tokens=self.stage.expert_tokens == "all")
+        return hessians
 
     def site_rule(self, record: LayerRecord, site: InputSite, h: GPTQ) -> tuple[bool, float]:
         """Whether the site falls back to RTN (too few tokens), and its rare-expert shrink."""
@@ -108,7 +113,7 @@ class GPTQMethod:
                           st.damp_percent, st.block_size, diag_shrink=shrink)
 
 
-def add_to_hessian(hessians: dict[str, GPTQ], site: InputSite, x: torch.Tensor,
+def _add_to_hessian(hessians: dict[str, GPTQ], site: InputSite, x: torch.Tensor,
                    gate: torch.Tensor | None) -> None:
     """GPTQ's objective is squared error, so a routed token counts with its gate squared."""
     hessians[site.name].add_batch(x, None if gate is None else gate**2)

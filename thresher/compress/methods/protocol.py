@@ -78,22 +78,30 @@ class LayerJob:
     store_dtype: torch.dtype  # the dtype the checkpoint holds float weights in
 
 
-class QuantMethod(Protocol):
+class LayerPass(Protocol):
+    """What the sequential driver runs layer by layer: a quantization method, or a pass that
+    only measures (``bits: auto``'s sensitivity probe, which commits nothing)."""
+
+    name: ClassVar[str]  # for progress bars and errors
+    calibrated: ClassVar[bool]  # needs calibration activations
+
+    def quantize_layer(self, job: LayerJob) -> None:
+        """Handle every target of ``job.parts`` (runs without autograd); a method commits a
+        quantized value for each."""
+        ...
+
+
+class QuantMethod(LayerPass, Protocol):
     """A quantization method: built from its recipe stage, it quantizes one layer at a time."""
 
     name: ClassVar[str]  # the recipe's ``method``
     format: str  # the checkpoint format written (a key of formats.registry.PACKERS)
-    calibrated: ClassVar[bool]  # needs calibration activations
     grid: GridSpec | None  # the integer grid weights are rounded to (None: not a uniform grid)
 
     def __init__(self, stage: Any) -> None: ...
 
     def quantization_config(self, skip: list[str]) -> dict:
         """The ``quantization_config`` of config.json; ``skip`` lists modules left in 16 bits."""
-        ...
-
-    def quantize_layer(self, job: LayerJob) -> None:
-        """Commit a quantized value for every target of ``job.parts`` (runs without autograd)."""
         ...
 
 
