@@ -107,7 +107,18 @@ def _symmetric_descent(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray
     peak = np.take_along_axis(x, idx[:, None], axis=1)[:, 0]
     live = np.abs(peak) >= _EPS
     codes = np.clip(_nearest((F32(-nmax) / _safe(peak, live))[:, None] * x), -nmax, nmax - 1)
-    w = x * x
+    sumlx, suml2 = _descend(x, x * x, codes, -nmax, nmax - 1, positive_before=False)
+    scale = np.where(live & (suml2 > 0), sumlx / _safe(suml2, suml2 > 0), F32(0))
+    return scale, np.where(live[:, None], codes + nmax, 0)
+
+
+def _descend(x: np.ndarray, w: np.ndarray, codes: np.ndarray, lo: int, hi: int,
+              positive_before: bool) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's coordinate descent on a block's codes (in place): up to 5 rounds that move one
+    code at a time to the value that best fits with the others fixed, kept while it raises the
+    weighted fit sumlx^2 / suml2; returns sumlx and suml2 of the final codes. The two llama.cpp
+    loops differ only in where they require sl2 > 0: before the move (make_qp_quants,
+    ``positive_before``) or after it (make_q3_quants)."""
     qf = codes.astype(F32)
     sumlx, suml2 = (w * x * qf).sum(axis=1), (w * qf * qf).sum(axis=1)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -115,16 +126,16 @@ def _symmetric_descent(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray
             for i in range(x.shape[1]):
                 wi, xi, li = w[:, i], x[:, i], codes[:, i].astype(F32)
                 slx, sl2 = sumlx - wi * xi * li, suml2 - wi * li * li
-                ok = slx > 0
-                new = np.clip(_nearest(np.nan_to_num(xi * sl2 / _safe(slx, ok))), -nmax, nmax - 1)
+                ok = (slx > 0) & (sl2 > 0) if positive_before else slx > 0
+                new = np.clip(_nearest(np.nan_to_num(xi * sl2 / _safe(slx, ok))), lo, hi)
                 nf = new.astype(F32)
                 slx, sl2 = slx + wi * xi * nf, sl2 + wi * nf * nf
-                accept = ok & (new != codes[:, i]) & (sl2 > 0) & \
-                    (slx * slx * suml2 > sumlx * sumlx * sl2)
+                accept = ok & (new != codes[:, i]) & (slx * slx * suml2 > sumlx * sumlx * sl2)
+                if not positive_before:
+                    accept &= sl2 > 0
                 codes[:, i] = np.where(accept, new, codes[:, i])
                 sumlx, suml2 = np.where(accept, slx, sumlx), np.where(accept, sl2, suml2)
-    scale = np.where(live & (suml2 > 0), sumlx / _safe(suml2, suml2 > 0), F32(0))
-    return scale, np.where(live[:, None], codes + nmax, 0)
+    return sumlx, suml2
 
 
 def _asymmetric(x: np.ndarray, nmax: int, w: np.ndarray, rmin: float, rdelta: float, nstep: int,
@@ -190,20 +201,7 @@ def _scales(x: np.ndarray, nmax: int, w: np.ndarray) -> tuple[np.ndarray, np.nda
         iscale = np.where(err < best, trial, iscale)
         best = np.minimum(err, best)
     codes = np.clip(_nearest(iscale[:, None] * x), 0, nmax)
-    qf = codes.astype(F32)
-    sumlx, suml2 = (w * x * qf).sum(axis=1), (w * qf * qf).sum(axis=1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        for _ in range(5):  # a block that changed nothing stays put, so all run every round
-            for i in range(x.shape[1]):
-                wi, xi, li = w[:, i], x[:, i], codes[:, i].astype(F32)
-                slx, sl2 = sumlx - wi * xi * li, suml2 - wi * li * li
-                ok = (slx > 0) & (sl2 > 0)
-                new = np.clip(_nearest(np.nan_to_num(xi * sl2 / _safe(slx, ok))), 0, nmax)
-                nf = new.astype(F32)
-                slx, sl2 = slx + wi * xi * nf, sl2 + wi * nf * nf
-                accept = ok & (new != codes[:, i]) & (slx * slx * suml2 > sumlx * sumlx * sl2)
-                codes[:, i] = np.where(accept, new, codes[:, i])
-                sumlx, suml2 = np.where(accept, slx, sumlx), np.where(accept, sl2, suml2)
+    sumlx, suml2 = _descend(x, w, codes, 0, nmax, positive_before=True)
     scale = np.where(suml2 > 0, sumlx / _safe(suml2, suml2 > 0), F32(0))
     return np.where(live, scale, F32(0)), np.where(live[:, None], codes, 0)
 
