@@ -9,8 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.conftest import build_random_model
-from thresher import recipe
+from tests.conftest import CALIBRATION_FILE, build_random_model
 from thresher.compress.api import quantize_model
 from thresher.errors import ArtifactError, CompressionError
 from thresher.models import get_adapter, load_model, save_model
@@ -18,7 +17,7 @@ from thresher.models.quantized import load_quantized_model
 from thresher.recipe import CalibrationConfig, FilesSource, QuantizeStage
 
 # A small local text keeps calibration fast (the stdlib corpus is tokenized per tokenizer path).
-CAL = CalibrationConfig(source=FilesSource(files=[recipe.__file__]), samples=4, seq_len=32)
+CAL = CalibrationConfig(source=FilesSource(files=[CALIBRATION_FILE]), samples=4, seq_len=32)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from thresher import recipe
+from tests.conftest import CALIBRATION_FILE
 from thresher.compress.api import quantize_model
 from thresher.compress.mixed import Allocation, Unit, allocate
 from thresher.errors import CompressionError, RecipeError
@@ -22,7 +22,7 @@ from thresher.serve_kernels import LLM, SamplingParams
 from thresher.serve_kernels.kernels.cpu_int4 import Int4Pack
 from thresher.serve_kernels.modeling.linear import GPTQLinear
 
-CAL = CalibrationConfig(source=FilesSource(files=[recipe.__file__]), samples=4, seq_len=32)
+CAL = CalibrationConfig(source=FilesSource(files=[CALIBRATION_FILE]), samples=4, seq_len=32)
 PROMPTS = [[5, 17, 300, 42, 9, 77], [1023, 4000, 12, 3, 250], [61, 8, 99, 1500, 31, 7, 2, 640]]
 
 

@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from thresher import recipe
+from tests.conftest import CALIBRATION_FILE
 from thresher.flows.stages import run_stage
 from thresher.formats.artifact import QUANTIZE_REPORT
 from thresher.models.source import hash_directory
@@ -15,7 +15,7 @@ def test_stage_runs_on_the_execution_device_and_keeps_its_key(tiny_demo, tmp_pat
     stage = Stage.model_validate({"quantize": {
         "method": "gptq", "bits": 4, "group_size": 32, "min_expert_tokens": 10**9,
         "keep_16bit": ["router", "embeddings", "lm_head", "attention"]}})
-    cal = CalibrationConfig(source=FilesSource(files=[recipe.__file__]), samples=2, seq_len=16)
+    cal = CalibrationConfig(source=FilesSource(files=[CALIBRATION_FILE]), samples=2, seq_len=16)
     args = (str(tiny_demo), hash_directory(tiny_demo), stage, cal, str(tmp_path / "store"))
     first = run_stage.fn(*args, label="a",
                          execution=ExecutionConfig(device="cpu", offload_budget_gb=0))

@@ -5,6 +5,7 @@ on the trained demo model."""
 import pytest
 import torch
 
+from tests.conftest import CALIBRATION_FILE
 from thresher import recipe
 from thresher.compress.api import quantize_in_memory, quantize_model
 from thresher.compress.gptq import GPTQ
@@ -16,7 +17,7 @@ from thresher.models.layerwise import LayerwiseModel
 from thresher.prune.observer import observe_experts
 from thresher.recipe import CalibrationConfig, FilesSource, QuantizeStage
 
-CAL = CalibrationConfig(source=FilesSource(files=[recipe.__file__]), samples=6, seq_len=32)
+CAL = CalibrationConfig(source=FilesSource(files=[CALIBRATION_FILE]), samples=6, seq_len=32)
 HAS_CUDA = torch.cuda.is_available()
 
 

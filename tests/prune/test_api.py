@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tests.conftest import build_random_model
+from tests.conftest import CALIBRATION_FILE, build_random_model
 from thresher.errors import ArtifactError, CompressionError, UnsupportedArchitectureError
 from thresher.formats.artifact import PRUNE_REPORT
 from thresher.models import get_adapter, load_model, save_model
@@ -19,7 +19,7 @@ from thresher.prune.api import prune_model
 from thresher.recipe import CalibrationConfig, FilesSource, PruneStage
 
 # A small local text keeps tokenization out of these tests' time (the stdlib source is 13 MB).
-CAL = CalibrationConfig(source=FilesSource(files=[api.__file__]), samples=4, seq_len=32)
+CAL = CalibrationConfig(source=FilesSource(files=[CALIBRATION_FILE]), samples=4, seq_len=32)
 
 
 @pytest.fixture

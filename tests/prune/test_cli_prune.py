@@ -4,10 +4,9 @@ import json
 
 from typer.testing import CliRunner
 
-from tests.conftest import build_random_model
+from tests.conftest import CALIBRATION_FILE, build_random_model
 from thresher.cli import app
 from thresher.models import save_model
-from thresher.prune import api
 
 runner = CliRunner()
 
@@ -17,7 +16,7 @@ def test_prune_command_writes_checkpoint_and_report(tmp_path, tiny_tokenizer):
                tmp_path / "base")
     out = tmp_path / "pruned"
     result = runner.invoke(app, ["prune", "--model", str(tmp_path / "base"), "--method", "frequency",
-                                 "--ratio", "0.25", "--calibration", api.__file__,
+                                 "--ratio", "0.25", "--calibration", CALIBRATION_FILE,
                                  "--samples", "3", "--seq-len", "16", "--out", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "prune_report.json").read_text())
@@ -47,7 +46,7 @@ def test_prune_command_device_option(tmp_path, tiny_tokenizer):
     save_model(build_random_model("qwen3_moe", vocab_size=len(tiny_tokenizer)), tiny_tokenizer,
                tmp_path / "base")
     args = ["prune", "--model", str(tmp_path / "base"), "--ratio", "0.25", "--calibration",
-            api.__file__, "--samples", "3", "--seq-len", "16"]
+            CALIBRATION_FILE, "--samples", "3", "--seq-len", "16"]
     result = runner.invoke(app, [*args, "--out", str(tmp_path / "p"), "--device", "cpu",
                                  "--offload-budget-gb", "0"])
     assert result.exit_code == 0, result.output

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import build_random_model
+from tests.conftest import CALIBRATION_FILE, build_random_model
 from tests.serve_kernels.conftest import prompt_logits, save_family
 from tests.serve_kernels.kernels.helpers import rel_err
-from thresher import recipe
 from thresher.compress.api import quantize_model
 from thresher.errors import ArtifactError
 from thresher.models.quantized import load_quantized_model
@@ -26,7 +25,7 @@ from thresher.serve_kernels.modeling.linear import (
 from thresher.serve_kernels.modeling.moe import ExpertLoop, FusedExperts
 
 PROMPT = [5, 17, 300, 42, 9, 77, 1023, 4000, 12, 3, 250, 61, 8, 99, 1500, 31, 7, 2, 640]
-CAL = CalibrationConfig(source=FilesSource(files=[recipe.__file__]), samples=2, seq_len=16)
+CAL = CalibrationConfig(source=FilesSource(files=[CALIBRATION_FILE]), samples=2, seq_len=16)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES + DENSE_FAMILIES)
