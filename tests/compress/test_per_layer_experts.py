@@ -15,29 +15,16 @@ from thresher.data.windows import eval_windows
 from thresher.evaluate.perplexity import perplexity
 from thresher.models import get_adapter, load_model
 from thresher.models.quantized import QuantizedExperts, load_quantized_model
-from thresher.prune.api import prune_model
 from thresher.recipe import (
     CalibrationConfig,
     FilesSource,
     PerplexityConfig,
-    PruneStage,
     QuantizeStage,
 )
 
-# a file outside this repository, so that editing thresher does not change the split
+# a file outside this repository, so that editing thresher does not change the artifacts
 CAL = CalibrationConfig(source=FilesSource(files=[json.decoder.__file__]), samples=8, seq_len=64)
 GROUP = 64  # the tiny model's down projections have 64 inputs
-
-
-@pytest.fixture(scope="module")
-def damage_pruned(tiny_demo, tmp_path_factory):
-    """demo:tiny half-pruned with a damage budget: its layers keep different expert counts."""
-    out = tmp_path_factory.mktemp("damage") / "pruned"
-    report = prune_model(tiny_demo, PruneStage(method="reap", ratio=0.5, budget="damage"), CAL,
-                         out, show_progress=False)
-    counts = [len(layer.kept) for layer in report.layers]
-    assert len(set(counts)) > 1, counts  # the premise: an uneven split
-    return out, counts
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +33,8 @@ def windows(tiny_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def pruned_ppl(damage_pruned, windows):
-    return perplexity(load_model(damage_pruned[0]), windows, show_progress=False).perplexity
+def pruned_ppl(tiny_damage_pruned, windows):
+    return perplexity(load_model(tiny_damage_pruned[0]), windows, show_progress=False).perplexity
 
 
 @pytest.mark.parametrize("stage", [
@@ -57,9 +44,9 @@ def pruned_ppl(damage_pruned, windows):
     QuantizeStage(method="nf4", group_size=GROUP),
     QuantizeStage(method="gptq", bits="auto", target_bits=3.0, group_size=GROUP),
 ], ids=["gptq", "awq", "rtn", "nf4", "gptq-auto"])
-def test_damage_budget_checkpoint_quantizes_reloads_and_evaluates(damage_pruned, windows,
+def test_damage_budget_checkpoint_quantizes_reloads_and_evaluates(tiny_damage_pruned, windows,
                                                                   pruned_ppl, tmp_path, stage):
-    path, counts = damage_pruned
+    path, counts = tiny_damage_pruned
     states = {}
     quantize_model(path, stage, CAL, tmp_path / "q", show_progress=False,
                    observer=lambda i, layer, q: states.__setitem__(
