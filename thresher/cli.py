@@ -319,6 +319,8 @@ def prune_cmd(
 
     from thresher.errors import CompressionError
     from thresher.models import resolve_model
+    from thresher.models.card import runtime_note
+    from thresher.models.layerwise import load_config
     from thresher.prune.api import prune_model
     from thresher.recipe import CalibrationConfig, PruneStage, format_validation_error
 
@@ -347,6 +349,9 @@ def prune_cmd(
                   f"{_memory_note(report)}"
                   + (f", removed experts had {share:.1%} of routed tokens" if share is not None
                      else ""))
+    note = runtime_note(load_config(out))
+    if note is not None:
+        console.print(f"[yellow]note:[/] {note}")
 
 
 # --- quantization -------------------------------------------------------------------------------
