@@ -536,6 +536,8 @@ def _describe_loaded(name: str, info: dict, max_model_len: int) -> str:
     fmt = f"{info.get('format', '?')}" + (f", {bits}-bit weights" if bits else "")
     fmt += f", serving {info['dtype']}" if info.get("dtype") else ""
     experts = f", {info['num_experts']} experts" if info.get("num_experts") else ""
+    if info.get("layer_num_experts"):  # a damage-budget prune: one count per layer
+        experts = f", experts per layer {'/'.join(map(str, info['layer_num_experts']))}"
     params = f", {info['params'] / 1e6:.1f} M parameters" if info.get("params") else ""
     memory = ""
     if info.get("weight_bytes") is not None:

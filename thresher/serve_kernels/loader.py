@@ -170,6 +170,7 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
         "dtype": str(dtype).removeprefix("torch."),
         "model_type": config.model_type,
         "num_experts": adapter.num_experts(config),  # the largest layer's, with per-layer counts
+        "layer_num_experts": getattr(config, "layer_num_experts", None),
         "params": b.params,
         "weight_bytes": weight_bytes,
     }

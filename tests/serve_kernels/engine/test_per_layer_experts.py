@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.serve_kernels.conftest import prompt_logits
+from thresher.cli import _describe_loaded
 from thresher.compress.api import quantize_model
 from thresher.models import load_model
 from thresher.recipe import CalibrationConfig, FilesSource, QuantizeStage
@@ -41,6 +42,9 @@ def test_16bit_damage_budget_checkpoint_matches_thresher_loader(tiny_damage_prun
     path, counts = tiny_damage_pruned
     llm = LLM(path)
     assert expert_counts(llm) == counts
+    assert llm.engine.model_info["layer_num_experts"] == counts
+    startup = _describe_loaded("pruned", llm.engine.model_info, 256)  # `thresher serve` prints it
+    assert f"experts per layer {'/'.join(map(str, counts))}" in startup
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference_greedy(path, PROMPTS)
 
 
