@@ -319,8 +319,6 @@ def prune_cmd(
 
     from thresher.errors import CompressionError
     from thresher.models import resolve_model
-    from thresher.models.card import runtime_note
-    from thresher.models.layerwise import load_config
     from thresher.prune.api import prune_model
     from thresher.recipe import CalibrationConfig, PruneStage, format_validation_error
 
@@ -349,9 +347,7 @@ def prune_cmd(
                   f"{_memory_note(report)}"
                   + (f", removed experts had {share:.1%} of routed tokens" if share is not None
                      else ""))
-    note = runtime_note(load_config(out))
-    if note is not None:
-        console.print(f"[yellow]note:[/] {note}")
+    _print_runtime_note(out)
 
 
 # --- quantization -------------------------------------------------------------------------------
@@ -443,6 +439,17 @@ def quantize_cmd(
                   f"mean relative error {m['mean_quant_error']:.4f}, "
                   f"{int(m['fallback_experts'])} fallback experts, {m['artifact_mb']:.1f} MB "
                   f"({report.format} format) -> {out}")
+    _print_runtime_note(out)
+
+
+def _print_runtime_note(checkpoint: Path) -> None:
+    """Say when standard runtimes cannot load what a command wrote (per-layer expert counts)."""
+    from thresher.models.card import runtime_note
+    from thresher.models.layerwise import load_config
+
+    note = runtime_note(load_config(checkpoint))
+    if note is not None:
+        console.print(f"[yellow]note:[/] {note}")
 
 
 def _int_or_text(value: str) -> int | str:

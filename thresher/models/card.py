@@ -4,7 +4,7 @@ A damage-budget prune leaves MoE layers with different expert counts (``layer_nu
 config.json). thresher's loader, quantizers and serving engine read that list; transformers,
 vLLM and llama.cpp build every layer with one ``num_experts`` and cannot load the checkpoint.
 The flow warns when it publishes one and writes the note into the artifact's model card
-(README.md), and ``thresher prune`` prints it.
+(README.md); ``thresher prune`` and ``thresher quantize`` print it.
 """
 
 from __future__ import annotations
