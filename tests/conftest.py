@@ -47,6 +47,25 @@ def small_demo() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_damage_pruned(tiny_demo, tmp_path_factory) -> tuple[Path, list[int]]:
+    """demo:tiny half-pruned by REAP with a damage budget, whose MoE layers keep different expert
+    counts (``layer_num_experts``), and those counts; pruned once per session (~10 s)."""
+    import json.decoder
+
+    from thresher.prune.api import prune_model
+    from thresher.recipe import CalibrationConfig, FilesSource, PruneStage
+
+    # a file outside this repository, so that editing thresher does not change the split
+    cal = CalibrationConfig(source=FilesSource(files=[json.decoder.__file__]), samples=8, seq_len=64)
+    out = tmp_path_factory.mktemp("damage") / "pruned"
+    report = prune_model(tiny_demo, PruneStage(method="reap", ratio=0.5, budget="damage"), cal,
+                         out, show_progress=False)
+    counts = [len(layer.kept) for layer in report.layers]
+    assert len(set(counts)) > 1, counts  # the premise of every test using it: an uneven split
+    return out, counts
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_demo):
     from thresher.models import load_tokenizer
 

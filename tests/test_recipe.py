@@ -239,15 +239,17 @@ def test_check_prints_sweep_plan():
     assert "7 variants; runs in this process" in result.output
 
 
-def test_damage_budget_before_quantize_is_refused():
-    """A 'damage' prune leaves per-layer expert counts that quantization cannot take yet."""
+def test_damage_budget_before_quantize_is_accepted_but_not_published_as_gguf():
+    """A 'damage' prune leaves per-layer expert counts: thresher quantizes and serves them, but
+    llama.cpp holds one expert count per model."""
     data = {"name": "r", "model": "demo:tiny", "variants": [{"name": "v", "stages": [
         {"prune": {"method": "auto", "ratio": 0.5, "budget": "damage"}},
-        {"quantize": {"method": "rtn", "bits": 4}}]}]}
-    with pytest.raises(RecipeError, match="damage.*budget 'uniform' before a quantize stage"):
-        parse_recipe(data)
-    data["variants"][0]["stages"].pop()
-    assert parse_recipe(data).variants[0].per_layer_experts
+        {"quantize": {"method": "gptq", "bits": 4}}]}]}
+    variant = parse_recipe(data).variants[0]
+    assert variant.per_layer_experts and [s.kind for s in variant.stages] == ["prune", "quantize"]
+    data["variants"][0]["stages"][0]["prune"]["budget"] = "uniform"
+    assert not parse_recipe(data).variants[0].per_layer_experts
+    data["variants"][0]["stages"][0]["prune"]["budget"] = "damage"
     data["publish"] = {"formats": ["hf", "gguf"]}
     with pytest.raises(RecipeError, match="gguf holds one expert count per model, and v prune"):
         parse_recipe(data)

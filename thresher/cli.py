@@ -347,6 +347,7 @@ def prune_cmd(
                   f"{_memory_note(report)}"
                   + (f", removed experts had {share:.1%} of routed tokens" if share is not None
                      else ""))
+    _print_runtime_note(out)
 
 
 # --- quantization -------------------------------------------------------------------------------
@@ -438,6 +439,17 @@ def quantize_cmd(
                   f"mean relative error {m['mean_quant_error']:.4f}, "
                   f"{int(m['fallback_experts'])} fallback experts, {m['artifact_mb']:.1f} MB "
                   f"({report.format} format) -> {out}")
+    _print_runtime_note(out)
+
+
+def _print_runtime_note(checkpoint: Path) -> None:
+    """Say when standard runtimes cannot load what a command wrote (per-layer expert counts)."""
+    from thresher.models.card import runtime_note
+    from thresher.models.layerwise import load_config
+
+    note = runtime_note(load_config(checkpoint))
+    if note is not None:
+        console.print(f"[yellow]note:[/] {note}")
 
 
 def _int_or_text(value: str) -> int | str:
@@ -531,6 +543,8 @@ def _describe_loaded(name: str, info: dict, max_model_len: int) -> str:
     fmt = f"{info.get('format', '?')}" + (f", {bits}-bit weights" if bits else "")
     fmt += f", serving {info['dtype']}" if info.get("dtype") else ""
     experts = f", {info['num_experts']} experts" if info.get("num_experts") else ""
+    if info.get("layer_num_experts"):  # a damage-budget prune: one count per layer
+        experts = f", experts per layer {'/'.join(map(str, info['layer_num_experts']))}"
     params = f", {info['params'] / 1e6:.1f} M parameters" if info.get("params") else ""
     memory = ""
     if info.get("weight_bytes") is not None:

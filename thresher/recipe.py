@@ -403,16 +403,13 @@ class Variant(StrictModel):
             raise ValueError("a variant has at most one quantize stage")
         if "quantize" in kinds and "prune" in kinds[kinds.index("quantize") :]:
             raise ValueError("prune stages come before the quantize stage")
-        if "quantize" in kinds and any(s.prune is not None and s.prune.budget == "damage"
-                                       for s in stages):
-            raise ValueError("a 'damage' budget leaves per-layer expert counts, which quantization "
-                             "does not handle yet: use budget 'uniform' before a quantize stage")
         return stages
 
     @property
     def per_layer_experts(self) -> bool:
         """Whether the variant's layers keep different numbers of experts ('damage' budget):
-        thresher loads and evaluates such a checkpoint; the serving engine does not yet."""
+        thresher quantizes, evaluates and serves such a checkpoint; plain transformers, vLLM and
+        GGUF (llama.cpp) hold one expert count per model and cannot load it."""
         return any(s.prune is not None and s.prune.budget == "damage" for s in self.stages)
 
 

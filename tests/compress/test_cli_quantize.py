@@ -16,6 +16,17 @@ def test_quantize_command_writes_an_artifact(tiny_demo, tmp_path):
     assert result.exit_code == 0, result.output
     assert "gptq format" in result.output
     assert json.loads((out / "config.json").read_text())["quantization_config"]["bits"] == 4
+    assert "note:" not in result.output  # a standard checkpoint
+
+
+def test_quantize_command_says_a_damage_budget_artifact_runs_in_thresher_only(tiny_damage_pruned,
+                                                                              tmp_path):
+    path, counts = tiny_damage_pruned
+    result = CliRunner().invoke(app, ["quantize", "--model", str(path), "--method", "rtn",
+                                      "--group-size", "64", "--out", str(tmp_path / "q")])
+    assert result.exit_code == 0, result.output
+    output = " ".join(result.output.split())  # rich wraps long lines
+    assert f"layer_num_experts {counts}" in output and "vLLM" in output
 
 
 def test_quantize_command_refuses_bad_options(tiny_demo, tmp_path):

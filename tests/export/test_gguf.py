@@ -251,3 +251,11 @@ def test_llama_family_rows_are_permuted_and_read_back(tiny_tokenizer, tmp_path):
                                   norm_topk_prob=False), tiny_tokenizer, tmp_path / "olmoe")
     with pytest.raises(ExportError, match="as many k/v heads as q heads"):
         export_gguf(tmp_path / "olmoe", tmp_path / "o.gguf")
+
+
+def test_damage_budget_checkpoint_is_refused_with_the_reason(tiny_damage_pruned, tmp_path):
+    """llama.cpp holds one expert count per model; a damage-budget prune has one per layer."""
+    path, _ = tiny_damage_pruned
+    with pytest.raises(ExportError, match="different numbers of experts.*one expert count per model"):
+        export_gguf(path, tmp_path / "a.gguf")
+    assert not list(tmp_path.glob("*.gguf"))

@@ -271,3 +271,40 @@ def test_two_flows_at_once_write_distinct_artifacts(tmp_path, tiny_demo, prefect
     pub3, pub4 = tmp_path / "pub" / "par3" / "rtn3", tmp_path / "pub" / "par4" / "rtn4"
     assert hash_directory(pub3) != hash_directory(pub4)
     assert json.loads((pub3 / "config.json").read_text())["quantization_config"]["bits"] == 3
+
+
+def test_damage_budget_prune_then_gptq_runs_validates_and_says_what_loads_it(tmp_path, tiny_demo,
+                                                                              prefect_server):
+    """A damage-budget prune followed by GPTQ: quantized, evaluated, published with a model card
+    that says standard runtimes cannot load it, and validated in the serving engine."""
+    import json.decoder
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from thresher.flows.compress import compress
+
+    data = {
+        "name": "dmg", "model": str(tiny_demo),
+        # a file outside this repository, so that editing thresher does not change the split
+        "calibration": {"source": {"files": [json.decoder.__file__]}, "samples": 8, "seq_len": 64},
+        "eval": {"perplexity": {"seq_len": 64, "max_windows": 4}},
+        "variants": [{"name": "dmg-gptq4", "stages": [
+            {"prune": {"method": "reap", "ratio": 0.5, "budget": "damage"}},
+            {"quantize": {"method": "gptq", "bits": 4, "group_size": 64}}]}],
+        "validate": {"concurrency": [1], "max_tokens": 8, "rounds": 1},
+    }
+    with temporary_settings(updates={PREFECT_API_URL: prefect_server["url"]}):
+        summary = compress(parse_recipe(data), tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+                           store_dir=str(tmp_path / "store"), publish_dir=str(tmp_path / "pub"))
+    (row,) = summary["variants"]
+    artifact = Path(row["artifact"])
+    config = json.loads((artifact / "config.json").read_text())
+    counts = config["layer_num_experts"]
+    assert len(set(counts)) > 1 and "quantization_config" in config
+    assert row["experts_kept"] == sum(counts) / len(counts)
+    card = (artifact / "README.md").read_text()
+    assert f"layer_num_experts {counts}" in card and "vLLM" in card and "transformers" in card
+    assert "README.md" in json.loads((artifact / "thresher.json").read_text())["files"]
+    # validated in the serving engine (no longer skipped), perplexity matching the evaluator's
+    assert row["validate/perplexity"] == pytest.approx(row["perplexity"], rel=0.02)
+    assert 0 < row["validate/agreement"] <= 1

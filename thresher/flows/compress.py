@@ -43,6 +43,7 @@ from thresher.flows.stages import (
 from thresher.flows.summary import publish_summary
 from thresher.formats.artifact import PRUNE_REPORT, STAGE_REPORTS, TASK_SAMPLES
 from thresher.models.adapters import get_adapter
+from thresher.models.card import runtime_note
 from thresher.models.inspect import parameter_count, weight_bytes
 from thresher.models.layerwise import load_config
 from thresher.paths import state_dir
@@ -59,8 +60,9 @@ def _artifact_facts(path: str) -> dict[str, float]:
     facts = {"size_bytes": float(size), "parameters": float(params),
              "bits_per_param": 8.0 * size / params}
     adapter = get_adapter(config)
-    if adapter.is_moe:
-        facts["experts_kept"] = float(adapter.num_experts(config))
+    if adapter.is_moe:  # per layer after a damage-budget prune: their mean, as the prune report
+        per_layer = getattr(config, "layer_num_experts", None) or [adapter.num_experts(config)]
+        facts["experts_kept"] = sum(per_layer) / len(per_layer)
     return facts
 
 
@@ -191,6 +193,9 @@ def _run_variant(recipe: Recipe, variant: Variant, base_path: str, base_hash: st
                  "metrics": metrics},
             )
             tracker.set_tags(run_id, {ARTIFACT_DIR_TAG: artifact, ARTIFACT_HASH_TAG: content_hash})
+            note = runtime_note(load_config(artifact))
+            if note is not None:  # also the lead of the artifact's README.md
+                get_run_logger().warning("variant %s: %s", variant.name, note)
             if "gguf" in recipe.publish.formats:
                 calibration = recipe.calibration if recipe.publish.gguf_imatrix else None
                 for gguf_file in publish_gguf(artifact, content_hash, str(publish_root),
@@ -206,11 +211,7 @@ def _run_variant(recipe: Recipe, variant: Variant, base_path: str, base_hash: st
                 )
                 model_uri = f"models:/{name}/{version}"
                 tracker.set_tags(run_id, {MODEL_URI_TAG: model_uri})
-        if recipe.validate_.enabled and variant.per_layer_experts:
-            get_run_logger().warning("variant %s: per-layer expert counts ('damage' budget); the "
-                                     "serving engine cannot load it yet, validation skipped",
-                                     variant.name)
-        elif recipe.validate_.enabled:
+        if recipe.validate_.enabled:
             metrics.update(validate_variant(artifact, base_path, recipe.eval.perplexity,
                                             recipe.validate_, recipe.dtype, label=variant.name))
         tracker.log_metrics(run_id, metrics)

@@ -23,6 +23,8 @@ from thresher import __version__
 from thresher.errors import ThresherError
 from thresher.flows.store import ArtifactStore, stage_key
 from thresher.formats.artifact import STORE_COMPLETE
+from thresher.models.card import runtime_note, write_model_card
+from thresher.models.layerwise import load_config
 from thresher.models.manifest import read_manifest, write_manifest
 from thresher.models.source import hash_directory, resolve_model
 from thresher.paths import build_dir_atomically, write_text_atomically
@@ -135,7 +137,9 @@ def evaluate_artifact(path: str, content_hash: str, eval_cfg: EvalConfig, store_
 @task(name="publish", retries=2, retry_delay_seconds=5, task_run_name="publish-{variant}")
 def publish_artifact(path: str, content_hash: str, dest_root: str, variant: str,
                      manifest_fields: dict[str, Any]) -> str:
-    """Copy the artifact to ``dest_root/variant`` atomically, with its ``thresher.json`` manifest."""
+    """Copy the artifact to ``dest_root/variant`` atomically, with its ``thresher.json`` manifest
+    and, when standard runtimes cannot load it (per-layer expert counts), a README.md that says
+    so."""
     dest = Path(dest_root) / variant
     existing = read_manifest(dest) if dest.is_dir() else None
     if existing and existing.get("content_hash") == content_hash:
@@ -144,6 +148,9 @@ def publish_artifact(path: str, content_hash: str, dest_root: str, variant: str,
     with build_dir_atomically(dest) as building:
         shutil.copytree(path, building, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns(STORE_COMPLETE))
+        note = runtime_note(load_config(path))
+        if note is not None:
+            write_model_card(building, variant, note)
         write_manifest(building, content_hash=content_hash, **manifest_fields)
     return str(dest)
 
@@ -159,7 +166,6 @@ def publish_gguf(artifact: str, content_hash: str, dest_root: str, variant: str,
     from thresher.errors import ExportError
     from thresher.export import compute_importance, export_gguf
     from thresher.formats.config import packed_format
-    from thresher.models.layerwise import load_config
 
     dest = Path(dest_root) / f"{variant}.gguf"
     stamp = dest / "source.json"

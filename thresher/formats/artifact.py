@@ -11,6 +11,10 @@ from __future__ import annotations
 MANIFEST = "thresher.json"
 """Recipe, lineage, metrics, library versions and the sha256 of every file (published artifacts)."""
 
+MODEL_CARD = "README.md"
+"""A published artifact's model card, written when standard runtimes cannot load it (per-layer
+expert counts): it says which runtimes can."""
+
 PRUNE_REPORT = "prune_report.json"
 """Per-layer REAP saliency and the experts removed (written beside a pruned checkpoint)."""
 

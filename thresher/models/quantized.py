@@ -8,7 +8,8 @@ neither the compressors nor bitsandbytes.
 Quantized linear layers become ``DequantLinear``, each at its own width when the GPTQ config has
 per-module ``dynamic`` rules (mixed precision); each MoE layer's fused experts module becomes
 ``QuantizedExperts``, which holds every expert's three projections as ``DequantLinear`` and runs
-the same routed loop as transformers' experts forward.
+the same routed loop as transformers' experts forward. A checkpoint pruned with a damage budget
+(``layer_num_experts`` in its config) gets each MoE layer's own expert count.
 """
 
 from __future__ import annotations
@@ -160,6 +161,9 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -
 
     layers = adapter.layers(model)
     for i, mods in experts.items():
+        n_layer = adapter.layer_num_experts(config, i)
+        if n_layer != adapter.num_experts(config):  # a damage-budget prune: fewer experts here
+            adapter.resize_experts(layers[i], n_layer)
         fused = adapter.experts(layers[i])
         n_exp, inter, hidden = fused.down_proj.shape[0], fused.down_proj.shape[2], fused.down_proj.shape[1]
         missing = [(e, r) for e in range(n_exp) for r in EXPERT_ROLES if (e, r) not in mods]

@@ -4,7 +4,8 @@ Reads safetensors directly under the hub-canonical names thresher publishes (per
 GPTQ/AWQ tensor sets, bitsandbytes NF4 state), checks ``thresher.json`` hashes first when the
 artifact has one, and builds ``modeling.decoder.CausalLM`` layer by layer. Which switches a family
 needs (q/k norms, biases, shared expert, dense layers) is read from the tensors present; the
-adapter supplies the family facts that are not in the checkpoint (expert names, router rule).
+adapter supplies the family facts that are not in the checkpoint (expert names, router rule, each
+MoE layer's expert count, which differs per layer after a damage-budget prune).
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def _rotary(config, adapter: Adapter) -> tuple[torch.Tensor, float]:
 
 
 def _moe(b: _Builder, adapter: Adapter, config, i: int) -> MoE:
-    experts = {r: [b.linear(adapter.disk_expert_key(i, e, r)) for e in range(adapter.num_experts(config))]
+    count = adapter.layer_num_experts(config, i)  # per layer after a damage-budget prune
+    experts = {r: [b.linear(adapter.disk_expert_key(i, e, r)) for e in range(count)]
                for r in EXPERT_ROLES}
     shared = shared_gate = None
     if b.has_linear(adapter.disk_shared_expert_key(i, MLP_PROJECTIONS[0])):
@@ -123,9 +125,6 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
     manifest = verify_artifact(path)
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     config = AutoConfig.from_pretrained(path)
-    if getattr(config, "layer_num_experts", None):
-        raise ArtifactError(f"{path}: its layers keep different numbers of experts (a 'damage' "
-                            "budget prune); the serving engine loads uniform expert counts only")
     adapter = get_adapter(config)
     quant = packed_format(config, path)
     if quant is not None:
@@ -170,7 +169,8 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
         "bits": 16 if quant is None else "mixed" if quant.mixed else quant.bits,
         "dtype": str(dtype).removeprefix("torch."),
         "model_type": config.model_type,
-        "num_experts": adapter.num_experts(config),
+        "num_experts": adapter.num_experts(config),  # the largest layer's, with per-layer counts
+        "layer_num_experts": getattr(config, "layer_num_experts", None),
         "params": b.params,
         "weight_bytes": weight_bytes,
     }
