@@ -144,6 +144,7 @@ def test_gptq_linear_dense_copy_matches_reference(default_threshold, monkeypatch
     both = ConcatLinear([GPTQLinear(qweight, qzeros, scales, g_idx, 4, 64, bias), other])
     both.pack_for_cpu(torch.float32)
     assert both.cpu_dense is not None and both.cpu_dense.shape == (n + 48, k)
+    assert all(p.cpu_dense is None for p in both.parts)  # one dense copy, not two
     monkeypatch.setenv("THRESHER_KERNELS", "torch")
     ref = both(x)
     monkeypatch.delenv("THRESHER_KERNELS")

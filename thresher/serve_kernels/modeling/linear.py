@@ -241,6 +241,9 @@ class ConcatLinear(nn.Module):
         if all(w is not None for w in dense):
             self.cpu_dense = torch.cat([w.to(dtype) for w in dense]).contiguous()
             self.cpu_bias = _merged_bias(list(self.parts))
+            for p in self.parts:  # the merged copy serves them: one dense copy, not two
+                if not isinstance(p, DenseLinear):
+                    p.cpu_dense = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_dense is not None and use_cpu_kernels(x):
