@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -61,12 +62,18 @@ def hf_run(model, prompts: list[list[int]], new_tokens: int, batch: int, pad_id:
 
 
 def vllm_run(python: str, path: Path, prompts: list[list[int]], new_tokens: int,
-             rate: float) -> dict | None:
-    """The same requests through vLLM's engine loop in its own venv (benchmarks/vllm_worker.py)."""
+             rate: float, threads: int) -> dict | None:
+    """The same requests through vLLM's engine loop in its own venv (benchmarks/vllm_worker.py),
+    in float32 like the engine's ``auto`` on a CPU. With fewer ``threads`` than CPUs, vLLM's
+    OpenMP threads are bound to CPUs 0..threads-1 (its default binds one per core), the CPUs
+    ``main`` pins this process to."""
     req = {"mode": "serve", "path": str(path), "prompts": prompts, "new_tokens": new_tokens,
            "concurrency": list(CONCURRENCY), "rate": rate}
+    env = dict(os.environ)
+    if threads < (os.cpu_count() or threads):
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
     proc = subprocess.run([python, str(WORKER)], input=json.dumps(req), capture_output=True,
-                          text=True, timeout=1800)
+                          text=True, timeout=1800, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
@@ -90,6 +97,10 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.threads < (os.cpu_count() or args.threads) and hasattr(os, "sched_setaffinity"):
+        # vLLM binds its threads to CPUs (vllm_run); on a loaded machine a pinned process is
+        # scheduled differently from a free one, so every system here runs on the same CPUs
+        os.sched_setaffinity(0, range(args.threads))
     path = resolve_model(args.model)
     tokenizer = load_tokenizer(path)
     windows = eval_windows(tokenizer, PerplexityConfig(seq_len=args.prompt_len,
@@ -116,7 +127,8 @@ def main() -> None:
         wall, lat_hf = hf_run(hf, prompts, n, c, pad)
         rows[("transformers padded batch" if c > 1 else "transformers one at a time", c)] = (
             total / wall, lat_hf)
-    vllm = vllm_run(args.vllm_python, path, prompts, n, args.rate) if args.vllm_python else None
+    vllm = (vllm_run(args.vllm_python, path, prompts, n, args.rate, args.threads)
+            if args.vllm_python else None)
     if vllm:
         for c in CONCURRENCY:
             run = vllm["concurrency"][str(c)]
@@ -124,7 +136,9 @@ def main() -> None:
 
     print(f"model: {path.name} ({engine.model_info['params']:,} params, "
           f"{engine.model_info['format']}), {len(prompts)} requests x {args.prompt_len} prompt "
-          f"tokens x {n} greedy tokens, torch threads {args.threads}, {platform.machine()}\n")
+          f"tokens x {n} greedy tokens, torch threads {args.threads}, {platform.machine()}, "
+          f"engine dtype {engine.model_info['dtype']} (vLLM float32), load average "
+          f"{os.getloadavg()[0]:.1f}\n")
     print("| system | concurrency | output tok/s | engine / system | mean latency (s) |")
     print("|---|---|---|---|---|")
     for (system, c), (tps, lat) in rows.items():
