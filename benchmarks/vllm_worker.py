@@ -10,7 +10,8 @@ with a JSON request on stdin and read one line ``RESULT {...}`` from stdout. Mod
   gives every prompt token after the first (``prompt_logprobs``), plus its greedy next token.
 - ``serve``: the same requests at each concurrency (at most c in flight, a new one joining as one
   finishes, through the engine's add_request/step loop), then Poisson arrivals at ``rate``/s;
-  returns wall times, latencies, TTFT and TPOT.
+  returns wall times, latencies, TTFT and TPOT, and the CPU seconds each concurrency took in this
+  process and its children (vLLM's engine core runs in a child process).
 """
 
 from __future__ import annotations
@@ -46,6 +47,21 @@ def logprobs(req: dict) -> dict:
     return {"loaded": True, "results": result}
 
 
+def cpu_seconds() -> float:
+    """User + system CPU time of this process and its live children (psutil, a vLLM dependency)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
 def serve(req: dict) -> dict:
     from vllm import SamplingParams
 
@@ -63,8 +79,10 @@ def serve(req: dict) -> dict:
     continuous(engine, submit, prompts[:2], 2)  # warm-up
     out: dict = {"concurrency": {}}
     for c in req["concurrency"]:
+        cpu = cpu_seconds()
         wall, lat = continuous(engine, submit, prompts, c)
-        out["concurrency"][str(c)] = {"wall": wall, "latency": sum(lat) / len(lat)}
+        out["concurrency"][str(c)] = {"wall": wall, "latency": sum(lat) / len(lat),
+                                      "cpu": cpu_seconds() - cpu}
     if req.get("rate"):
         out["ttft"], out["tpot"] = poisson(engine, submit, generated, prompts, req["rate"])
     return out

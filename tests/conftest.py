@@ -8,6 +8,10 @@ for _k, _v in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_
                "DO_NOT_TRACK": "1", "MLFLOW_DISABLE_TELEMETRY": "true",
                "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(_k, _v)
+# The demo models' matrices are all small enough that a CPU engine would serve them dequantized
+# (serve_kernels/kernels/cpu_dense.py); the tests keep them on the packed 4-bit kernels, which they
+# test, unless a test asks for the default (tests/serve_kernels/engine/test_cpu_dense.py).
+os.environ.setdefault("THRESHER_CPU_DENSE_MAX", "0")
 
 import json.decoder  # noqa: E402
 from pathlib import Path  # noqa: E402

@@ -163,7 +163,7 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
     weight_bytes = packed_bytes(model) - cos_sin.numel() * cos_sin.element_size()
     model = model.to(device).eval()
     if torch.device(device).type == "cpu":
-        pack_for_cpu(model)
+        pack_for_cpu(model, dtype)
     info = {
         "format": "bf16" if quant is None else quant.kind,
         "bits": 16 if quant is None else "mixed" if quant.mixed else quant.bits,

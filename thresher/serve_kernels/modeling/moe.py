@@ -10,7 +10,10 @@ tokens, on a GPU over every expert (no host read of the routing, see ``ExpertLoo
 On a CPU, ``pack_for_cpu`` converts each GPTQ-4/AWQ-4 expert once for torch's CPU int4 kernel
 (``kernels.cpu_int4``), and each NF4 expert (gate and up as one matrix) for bitsandbytes' CPU NF4
 kernel (``kernels.cpu_nf4``, AVX512-BF16 CPUs); ``grouped_moe_packed`` then runs that kernel for
-the experts that got tokens instead of dequantizing their matrices on every step.
+the experts that got tokens instead of dequantizing their matrices on every step. Experts small
+enough that a dense matmul beats those kernels (``kernels.cpu_dense``; every expert of the demo
+models) are instead dequantized once into the serving dtype and run the 16-bit experts' path
+(``grouped_moe_torch``), whatever their layout.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import nn
 from thresher.formats.nf4 import concat_rows
 from thresher.serve_kernels.kernels import ExpertWeights, fused_moe, silu_and_mul
 from thresher.serve_kernels.kernels.backend import use_cpu_kernels, use_triton
+from thresher.serve_kernels.kernels.cpu_dense import serve_dense
 from thresher.serve_kernels.kernels.cpu_int4 import (
     Int4Pack,
     int4_matmul,
@@ -54,14 +58,19 @@ class FusedExperts(nn.Module):
             self.register_buffer(f"down_{name}", down[name])
         self.cpu_gate_up: list[Int4Pack] | None = None
         self.cpu_down: list[Int4Pack] | None = None
+        self.cpu_dense: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def cpu_packs(self) -> list[Int4Pack]:
         return [*(self.cpu_gate_up or ()), *(self.cpu_down or ())]
 
-    def pack_for_cpu(self) -> None:
-        """Convert every expert for the CPU int4 kernel, or none if any expert cannot be held."""
+    def pack_for_cpu(self, dtype: torch.dtype = torch.float32) -> None:
+        """Dequantize small experts into ``dtype`` (``cpu_dense``), else convert every expert
+        for the CPU int4 kernel, or none if any expert cannot be held."""
         if self.format == "dense":
+            return
+        self.cpu_dense = _dense_experts(self._weights("gate_up"), self._weights("down"), dtype)
+        if self.cpu_dense is not None:
             return
         gate_up = _pack_experts(self._weights("gate_up"))
         down = _pack_experts(self._weights("down"))
@@ -78,10 +87,28 @@ class FusedExperts(nn.Module):
         gate_up, down = self._weights("gate_up"), self._weights("down")
         if use_triton(x):
             return fused_moe(x, gate_up, down, topk_weights, topk_ids)
+        if self.cpu_dense is not None and use_cpu_kernels(x):
+            return _dense_moe(x, self.cpu_dense, topk_weights, topk_ids)
         if self.cpu_gate_up is not None and use_cpu_kernels(x):
             return grouped_moe_packed(x, self.cpu_gate_up, self.cpu_down, int4_matmul,
                                       topk_weights, topk_ids)
         return grouped_moe_torch(x, gate_up, down, topk_weights, topk_ids)
+
+
+def _dense_experts(gate_up: ExpertWeights, down: ExpertWeights, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Both projections of every expert dequantized into ``dtype`` ([E, N, K] each), when each
+    expert's matrices are small enough to serve dense (``kernels.cpu_dense``); else None."""
+    if not (serve_dense(*gate_up.out_in) and serve_dense(*down.out_in)):
+        return None
+    return (gate_up.dequantize().to(dtype).contiguous(), down.dequantize().to(dtype).contiguous())
+
+
+def _dense_moe(x: torch.Tensor, dense: tuple[torch.Tensor, torch.Tensor],
+               topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Experts dequantized at load, through the 16-bit experts' path."""
+    return grouped_moe_torch(x, ExpertWeights("dense", dense[0]), ExpertWeights("dense", dense[1]),
+                             topk_weights, topk_ids)
 
 
 def _pack_experts(w: ExpertWeights) -> list[Int4Pack] | None:
@@ -181,16 +208,28 @@ class ExpertLoop(nn.Module):
         self.gate, self.up, self.down = nn.ModuleList(gate), nn.ModuleList(up), nn.ModuleList(down)
         self.cpu_gate_up: list[NF4Pack] | None = None
         self.cpu_down: list[NF4Pack] | None = None
+        self.cpu_dense: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def cpu_packs(self) -> list[NF4Pack]:
         return [*(self.cpu_gate_up or ()), *(self.cpu_down or ())]
 
-    def pack_for_cpu(self) -> None:
-        """NF4 experts: gate and up of each expert as one pack for bitsandbytes' CPU kernel (one
-        call for both), down as another, run by ``grouped_moe_packed``; other layouts (or NF4
-        shapes the kernel cannot hold) convert each linear on its own."""
+    def pack_for_cpu(self, dtype: torch.dtype = torch.float32) -> None:
+        """Small experts (``kernels.cpu_dense``): every expert's gate|up and down dequantized
+        into ``dtype`` and stacked, run as 16-bit experts are. NF4 experts: gate and up of each
+        expert as one pack for bitsandbytes' CPU kernel (one call for both), down as another, run
+        by ``grouped_moe_packed``; other layouts (or NF4 shapes the kernel cannot hold) convert
+        each linear on its own."""
         linears = (*self.gate, *self.up, *self.down)
+        g, d = self.gate[0], self.down[0]
+        if serve_dense(2 * g.out_features, g.in_features) and serve_dense(d.out_features,
+                                                                          d.in_features):
+            gate_up = [torch.cat([a.dequantized(), b.dequantized()])
+                       for a, b in zip(self.gate, self.up, strict=True)]
+            self.cpu_dense = (torch.stack(gate_up).to(dtype).contiguous(),
+                              torch.stack([m.dequantized() for m in self.down]).to(dtype)
+                              .contiguous())
+            return
         if all(isinstance(m, NF4Linear) for m in linears):
             merged = [concat_rows([g.nf4, u.nf4]) for g, u in zip(self.gate, self.up, strict=True)]
             gate_up = [None if w is None else pack_nf4_cpu(w) for w in merged]
@@ -205,12 +244,14 @@ class ExpertLoop(nn.Module):
                 return
         for m in linears:
             if hasattr(m, "pack_for_cpu"):
-                m.pack_for_cpu()
+                m.pack_for_cpu(dtype)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         if use_triton(x):
             return self._every_expert(x, topk_weights, topk_ids)
+        if self.cpu_dense is not None and use_cpu_kernels(x):
+            return _dense_moe(x, self.cpu_dense, topk_weights, topk_ids)
         if self.cpu_gate_up is not None and use_cpu_kernels(x):
             return grouped_moe_packed(x, self.cpu_gate_up, self.cpu_down, nf4_cpu_matmul,
                                       topk_weights, topk_ids)

@@ -1,0 +1,86 @@
+"""Where a packed 4-bit CPU kernel stops paying: per-shape kernel call against a dense matmul.
+
+    PYTHONPATH=. python benchmarks/cpu_small_matrices.py --threads 1
+
+A 4-bit kernel saves weight bytes; below some matrix size there are no bytes worth saving (the
+matrix sits in cache) and the kernel's fixed cost per call (casting the activations to bf16 and
+back, the packed layout's setup) decides. For each shape N x K and row count M it times, as an
+fp32 engine calls them (fp32 activations in, fp32 out): the dense fp32 matmul, the int4 kernel
+(``cpu_int4.int4_matmul``, GPTQ/AWQ g128) and, on AVX512-BF16 CPUs, bitsandbytes' NF4 gemv
+(``cpu_nf4.nf4_cpu_matmul``). Times are medians of ``--repeats`` calls, interleaved so that load
+changes hit every column alike; ratios are kernel / dense (above 1: dense is faster). The engine
+dequantizes matrices of at most ``cpu_dense.DENSE_MAX_ELEMENTS`` weights at load
+(``kernels/cpu_dense.py``); that threshold comes from this table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import time
+
+import torch
+
+from thresher.compress.nf4 import nf4_quantize
+from thresher.serve_kernels.kernels import cpu_nf4
+from thresher.serve_kernels.kernels.cpu_dense import DENSE_MAX_ELEMENTS
+from thresher.serve_kernels.kernels.cpu_int4 import int4_matmul, pack_int4
+
+SHAPES = ["128x128", "256x128", "256x256", "512x256", "512x512", "1024x512", "1024x1024",
+          "2048x1024", "4096x1024"]
+
+
+def medians(fns: list, repeats: int) -> list[float]:
+    """Median ms of each function, the calls interleaved."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) * 1e3 for t in times]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", default=SHAPES)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    nf4 = cpu_nf4.cpu_nf4_available()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
+          f"{os.getloadavg()[0]:.1f}, NF4 kernel {'yes' if nf4 else 'no'}, "
+          f"DENSE_MAX_ELEMENTS {DENSE_MAX_ELEMENTS:,}\n")
+    print("| N x K | weights | M | fp32 dense ms | int4 ms | int4 / dense | NF4 ms | NF4 / dense |")
+    print("|---|---|---|---|---|---|---|---|")
+    gen = torch.Generator().manual_seed(0)
+    for shape in args.shapes:
+        n, k = (int(v) for v in shape.split("x"))
+        w = torch.randn(n, k, generator=gen) * 0.02
+        groups = k // 128
+        q = torch.randint(0, 16, (k, n), generator=gen)
+        scales = torch.rand(groups, n, generator=gen) * 0.01
+        zeros = torch.full((groups, n), 8.0)
+        pack = pack_int4(q, zeros, scales, torch.arange(k) // 128)
+        nf4_pack = cpu_nf4.pack_nf4_cpu(nf4_quantize(w, False, torch.float32)) if nf4 else None
+        for m in args.rows:
+            x = torch.randn(m, k, generator=gen)
+            fns = [functools.partial(torch.nn.functional.linear, x, w),
+                   functools.partial(int4_matmul, x, pack)]
+            if nf4_pack is not None:
+                fns.append(functools.partial(cpu_nf4.nf4_cpu_matmul, x, nf4_pack))
+            t = medians(fns, args.repeats)
+            nf4_cols = (f"{t[2]:.4f} | {t[2] / t[0]:.2f}x" if len(t) > 2 else "- | -")
+            print(f"| {n} x {k} | {n * k:,} | {m} | {t[0]:.4f} | {t[1]:.4f} | {t[1] / t[0]:.2f}x | "
+                  f"{nf4_cols} |")
+
+
+if __name__ == "__main__":
+    main()
