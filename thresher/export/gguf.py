@@ -185,10 +185,17 @@ class _Tensor:
         weights = self.read(reader)
         if importance is None or self.qtype not in IMPORTANCE_WEIGHTED:
             return quantize(weights, self.qtype)
+        rows = self.importance(importance)
         if not self.stacked:
-            return quantize(weights, self.qtype, importance.get(self.keys[0]))
-        return np.stack([quantize(w, self.qtype, importance.get(key))
-                         for w, key in zip(weights, self.keys, strict=True)])
+            return quantize(weights, self.qtype, rows[0])
+        return np.stack([quantize(w, self.qtype, imp)
+                         for w, imp in zip(weights, rows, strict=True)])
+
+    def importance(self, importance: ImportanceMatrix) -> list[np.ndarray | None]:
+        """The importance of this tensor's input columns, one vector per matrix (per expert of a
+        stacked tensor): llama.cpp's imatrix entry for the tensor's GGUF name. Rows permuted to
+        llama.cpp's rotary layout keep their columns, so their importance is unchanged."""
+        return [importance.get(key) for key in self.keys]
 
 
 def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", *,
@@ -251,6 +258,23 @@ def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", 
     log.info("exported %s -> %s (%s, %d tensors, %.1f MB, %.1f s)", model_dir, out, gguf_type,
              len(plan), result.file_bytes / 1e6, result.wall_seconds)
     return result
+
+
+def gguf_importance(model_dir: str | Path, importance: ImportanceMatrix
+                    ) -> dict[str, list[np.ndarray | None]]:
+    """``importance`` keyed as llama.cpp's imatrix keys it: every weight matrix's GGUF name, with
+    one vector per matrix (per expert of ``ffn_*_exps``; None where no calibration token reached
+    it). The export weights each tensor's rounding with exactly these vectors."""
+    model_dir = Path(model_dir)
+    config = load_config(model_dir)
+    adapter = get_adapter(config)
+    reader = CheckpointReader(model_dir)
+    try:
+        plan = _plan(reader, adapter, config, _architecture(adapter, config, model_dir),
+                     GGUF_TYPES["f32"], None)
+    finally:
+        reader.close()
+    return {t.name: t.importance(importance) for t in plan if len(t.shape) > 1}
 
 
 def dequantize_gguf(gguf_path: str | Path, model_dir: str | Path, out_dir: str | Path) -> Path:

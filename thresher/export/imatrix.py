@@ -58,12 +58,15 @@ class ImportanceMatrix:
 
 
 def compute_importance(model_dir: str | Path, calibration: CalibrationConfig | None = None, *,
-                       batch_size: int = 8, show_progress: bool = True) -> ImportanceMatrix:
+                       windows: torch.Tensor | None = None, batch_size: int = 8,
+                       show_progress: bool = True) -> ImportanceMatrix:
     """Run the calibration windows through the plain checkpoint in ``model_dir`` and collect the
-    importance of every weight matrix's inputs (the output head's too; not the embeddings')."""
+    importance of every weight matrix's inputs (the output head's too; not the embeddings').
+    ``windows`` (token ids [N, S]) runs those instead, for a caller that has them tokenized."""
     calibration = calibration or CalibrationConfig()
     lw = LayerwiseModel(model_dir)
-    windows = calibration_windows(load_tokenizer(model_dir), calibration)
+    if windows is None:
+        windows = calibration_windows(load_tokenizer(model_dir), calibration)
     imatrix = ImportanceMatrix(windows=int(windows.shape[0]), dataset=str(calibration.source))
     lw.load_outer()
     with torch.no_grad():
@@ -82,7 +85,7 @@ def compute_importance(model_dir: str | Path, calibration: CalibrationConfig | N
         for h in hidden:
             imatrix.add(lw.adapter.disk_lm_head_key() + ".weight", final_norm(h))
     log.info("importance matrix: %d weights from %d windows of %d tokens", len(imatrix),
-             calibration.samples, calibration.seq_len)
+             windows.shape[0], windows.shape[1])
     return imatrix
 
 
