@@ -3,7 +3,9 @@
 The single criteria (REAP, EAN, frequency, weighted EAN) prune the same model with statistics
 from one observation of all calibration windows; ``auto`` and damage budgets share a second
 observation that holds the last quarter of those windows out for local errors (the random control
-observes nothing; it is averaged over seeds). Perplexity is token-level on the stdlib held-out
+observes nothing; it is averaged over seeds). ``auto`` and ``auto damage`` minimize the local
+error, ``auto loss`` and ``auto damage loss`` the end-to-end loss increase on those held-out
+windows (``damage: loss``). Perplexity is token-level on the stdlib held-out
 split; each cell shows the increase over the unpruned model. A model is a demo size or a
 checkpoint directory (other training seeds of a demo recipe).
 
@@ -13,6 +15,7 @@ checkpoint directory (other training seeds of a demo recipe).
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import tempfile
@@ -32,7 +35,9 @@ from thresher.prune.plan import needs_probes
 from thresher.recipe import CalibrationConfig, PerplexityConfig, PruneStage
 
 METHODS = ("reap", "ean", "frequency", "weighted_ean")
-PROBED = {"auto": {"method": "auto"}, "auto damage": {"method": "auto", "budget": "damage"}}
+PROBED = {"auto": {"method": "auto"}, "auto damage": {"method": "auto", "budget": "damage"},
+          "auto loss": {"method": "auto", "damage": "loss"},
+          "auto damage loss": {"method": "auto", "budget": "damage", "damage": "loss"}}
 RATIOS = (0.25, 0.5)
 
 
@@ -80,8 +85,9 @@ def measure(size: str, cal: CalibrationConfig, ppl_cfg: PerplexityConfig, seeds:
                 for s in range(seeds)]
         row[f"random {pct}"] = (f"{statistics.mean(rand):.2f} ({min(rand):.0f}-{max(rand):.0f})"
                                 if seeds > 1 else cell(rand[0]))
-    row["prune seconds (reap / auto damage)"] = (f"{plan_seconds['reap']:.0f} / "
-                                                 f"{plan_seconds['auto damage']:.0f}")
+    row["prune seconds (reap / auto damage / auto damage loss)"] = (
+        f"{plan_seconds['reap']:.0f} / {plan_seconds['auto damage']:.0f} / "
+        f"{plan_seconds['auto damage loss']:.0f}")
     print(f"{size}: " + "; ".join(f"{k}: {v}" for k, v in row.items()), flush=True)
     return row
 
@@ -95,7 +101,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=64, help="held-out windows scored")
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the random control")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     cal = CalibrationConfig(samples=args.samples, seq_len=args.seq_len)
     ppl_cfg = PerplexityConfig(seq_len=args.seq_len, max_windows=args.windows)
     with tempfile.TemporaryDirectory() as work:

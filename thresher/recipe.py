@@ -118,6 +118,13 @@ class PruneStage(StrictModel):
     probe_tokens: int = Field(
         4096, gt=0, description="'auto' and 'damage': tokens per layer (of the saliency and of the "
         "held-out windows) on which every expert's output is kept to measure local errors")
+    damage: Literal["local", "loss"] = Field(
+        "local", description="what 'auto' and the 'damage' budget minimize: 'local', the MoE "
+        "block's reconstruction error; 'loss', the increase of the model's next-token loss on the "
+        "held-out windows when only that layer is pruned (runs the layers after it per candidate)")
+    loss_tokens: int = Field(
+        8192, gt=0, description="damage 'loss': held-out tokens (whole windows, at least one) the "
+        "loss is measured on")
 
     @field_validator("ratio")
     @classmethod
@@ -133,11 +140,16 @@ class PruneStage(StrictModel):
         if self.method == "random" and (self.budget != "uniform" or self.protect_super_experts):
             raise ValueError("the 'random' control observes nothing: it takes budget 'uniform' "
                              "and no protect_super_experts")
+        if self.damage != "local" and self.method != "auto" and self.budget != "damage":
+            raise ValueError(f"damage {self.damage!r} is what 'auto' and the 'damage' budget "
+                             f"minimize; method {self.method!r} with budget 'uniform' reads no "
+                             "damage (use method 'auto' or budget 'damage')")
         return self
 
     def describe(self) -> str:
         amount = f"ratio={self.ratio}" if self.ratio is not None else f"keep={self.keep}"
         extra = "" if self.budget == "uniform" else f" budget={self.budget}"
+        extra += "" if self.damage == "local" else f" damage={self.damage}"
         extra += " protect_super_experts" if self.protect_super_experts else ""
         return f"prune {self.method} {amount}{extra}"
 

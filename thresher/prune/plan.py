@@ -7,10 +7,15 @@ the local reconstruction error, and keeps the one whose removal changes the MoE 
 least on held-out calibration tokens. A ``damage`` budget measures each layer's error for every
 number of removed experts within its bounds and splits the uniform total across the layers
 (``budget.allocate``). Protected experts are never removed by any candidate.
+
+The stage's ``damage`` says what "error" is: ``local``, the block's reconstruction error
+(``reconstruction``), or ``loss``, the increase of the model's held-out next-token loss when only
+that layer is pruned (``endtoend``), which sees what later layers make of the change.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +31,9 @@ from thresher.recipe import PruneStage
 GREEDY = "greedy"
 AUTO_CANDIDATES = (*OBSERVED_METHODS, GREEDY)
 
+# kept sets per MoE layer -> each set's end-to-end damage (``endtoend.single_layer_damage``)
+EndToEnd = Callable[[dict[int, list[tuple[int, ...]]]], dict[int, dict[tuple[int, ...], float]]]
+
 
 @dataclass
 class LayerChoice:
@@ -36,6 +44,8 @@ class LayerChoice:
     protected: list[int] = field(default_factory=list)
     local_error: float | None = None  # held-out local error of the kept set (None: not measured)
     errors: dict[str, float] = field(default_factory=dict)  # every candidate's, same count
+    loss_increase: float | None = None  # damage 'loss': held-out loss increase of the kept set
+    damage: list[float] = field(default_factory=list)  # damage budget: the DP's input, r = 0..
 
 
 def needs_probes(stage: PruneStage) -> bool:
@@ -44,9 +54,12 @@ def needs_probes(stage: PruneStage) -> bool:
 
 
 def plan_layers(stage: PruneStage, observed: list[ExpertStats] | Observation, num_layers: int,
-                num_experts: int, top_k: int, n_keep: int, model: str) -> dict[int, LayerChoice]:
+                num_experts: int, top_k: int, n_keep: int, model: str,
+                end_to_end: EndToEnd | None = None) -> dict[int, LayerChoice]:
     """The kept experts of every observed MoE layer under ``stage`` (``n_keep``: the uniform
-    number kept per layer, which a damage budget keeps on average)."""
+    number kept per layer, which a damage budget keeps on average). ``end_to_end`` measures the
+    candidates' loss increases for ``damage: loss`` (``endtoend.single_layer_damage`` on the
+    model and the held-out windows)."""
     stats = observed.stats if isinstance(observed, Observation) else observed
     protected = super_experts(stats, num_layers) if stage.protect_super_experts else {}
     for layer, experts in protected.items():
@@ -71,21 +84,41 @@ def plan_layers(stage: PruneStage, observed: list[ExpertStats] | Observation, nu
         bound = (removal_bounds(num_experts, top_k, stage.min_keep_fraction, len(prot))
                  if stage.budget == "damage" else uniform)
         tables[s.layer] = _error_table(s, observed, names, prot, bound)
+    measured = tables
+    if stage.damage == "loss":
+        if end_to_end is None:
+            raise CompressionError(
+                f"{model}: damage 'loss' runs the model on held-out windows; pass end_to_end")
+        measured = _loss_tables(tables, end_to_end, num_experts)
+    damage = {i: [min(t[name][r][0] for name in names) for r in range(len(t[names[0]]))]
+              for i, t in measured.items()}
     if stage.budget == "damage":
-        damage = {i: [min(t[name][r][0] for name in names) for r in range(len(t[names[0]]))]
-                  for i, t in tables.items()}
         removed = allocate(damage, uniform * len(stats))
     else:
         removed = {i: uniform for i in tables}
     plan: dict[int, LayerChoice] = {}
-    for i, table in tables.items():
+    for i, table in measured.items():
         r = removed[i]
         errors = {name: table[name][r][0] for name in names}
         best = min(names, key=errors.__getitem__)  # ties: the earlier candidate
-        plan[i] = LayerChoice(kept=table[best][r][1], criterion=best,
-                              protected=protected.get(i, []), local_error=errors[best],
-                              errors=errors)
+        kept = table[best][r][1]
+        plan[i] = LayerChoice(
+            kept=kept, criterion=best, protected=protected.get(i, []),
+            local_error=next(e for e, k in tables[i][best] if k == kept), errors=errors,
+            loss_increase=errors[best] if stage.damage == "loss" else None,
+            damage=damage[i] if stage.budget == "damage" else [])
     return plan
+
+
+def _loss_tables(tables: dict[int, dict[str, list[tuple[float, list[int]]]]], end_to_end: EndToEnd,
+                 num_experts: int) -> dict[int, dict[str, list[tuple[float, list[int]]]]]:
+    """``tables`` with each kept set's local error replaced by its end-to-end loss increase
+    (the full set's is 0: nothing removed)."""
+    sets = {i: [tuple(k) for rows in t.values() for _, k in rows if len(k) < num_experts]
+            for i, t in tables.items()}
+    loss = end_to_end(sets)
+    return {i: {name: [(loss[i][tuple(k)] if len(k) < num_experts else 0.0, k) for _, k in rows]
+                for name, rows in t.items()} for i, t in tables.items()}
 
 
 def _protect(scores: torch.Tensor, protected: list[int]) -> torch.Tensor:
