@@ -5,7 +5,7 @@ from one observation of all calibration windows; ``auto`` and damage budgets sha
 observation that holds the last quarter of those windows out for local errors (the random control
 observes nothing; it is averaged over seeds). ``auto`` and ``auto damage`` minimize the local
 error, ``auto loss`` and ``auto damage loss`` the end-to-end loss increase on those held-out
-windows (``damage: loss``). Perplexity is token-level on the stdlib held-out
+windows (``damage: loss``), ``sequential`` measured with the earlier layers already pruned. Perplexity is token-level on the stdlib held-out
 split; each cell shows the increase over the unpruned model. A model is a demo size or a
 checkpoint directory (other training seeds of a demo recipe).
 
@@ -37,7 +37,9 @@ from thresher.recipe import CalibrationConfig, PerplexityConfig, PruneStage
 METHODS = ("reap", "ean", "frequency", "weighted_ean")
 PROBED = {"auto": {"method": "auto"}, "auto damage": {"method": "auto", "budget": "damage"},
           "auto loss": {"method": "auto", "damage": "loss"},
-          "auto damage loss": {"method": "auto", "budget": "damage", "damage": "loss"}}
+          "auto damage loss": {"method": "auto", "budget": "damage", "damage": "loss"},
+          "auto damage loss sequential": {"method": "auto", "budget": "damage", "damage": "loss",
+                                          "sequential": True}}
 RATIOS = (0.25, 0.5)
 
 

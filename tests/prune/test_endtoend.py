@@ -19,7 +19,7 @@ from thresher.formats.artifact import PRUNE_REPORT
 from thresher.models import load_model
 from thresher.models.layerwise import LayerwiseModel
 from thresher.prune.api import observe_for, prune_model
-from thresher.prune.endtoend import heldout_losses, single_layer_damage
+from thresher.prune.endtoend import heldout_losses, loss_of, single_layer_damage
 from thresher.prune.plan import AUTO_CANDIDATES, plan_layers
 from thresher.recipe import CalibrationConfig, PruneStage
 
@@ -83,10 +83,23 @@ def test_single_layer_damage_is_the_loss_of_pruning_that_layer_alone(tiny_demo, 
     lw = LayerwiseModel(tiny_demo)
     windows = observed.heldout_ids[:2]
     sets = {1: [(0, 1, 2, 3), (4, 5, 6, 7)], 3: [(0, 1, 2, 3)]}
-    damage = single_layer_damage(lw, windows, sets, show_progress=False)
+    damage = single_layer_damage(loss_of(lw, windows, show_progress=False), sets)
     full, alone = heldout_losses(lw, windows, [{}, {1: (4, 5, 6, 7)}], show_progress=False)
     assert damage[1][(4, 5, 6, 7)] == pytest.approx(alone - full, abs=1e-6)
     assert set(damage) == {1, 3} and set(damage[1]) == set(sets[1])
+
+
+def test_sequential_choice_adds_up_to_the_written_checkpoints_loss(tiny_demo, observed, tmp_path):
+    stage = LOSS.model_copy(update={"sequential": True})
+    out = tmp_path / "tiny-sequential"
+    report = prune_model(tiny_demo, stage, CAL, out, observed=observed, show_progress=False)
+    assert sum(8 - len(r.kept) for r in report.layers) == 4 * 4
+    windows = observed.heldout_ids
+    increase = mean_nll(load_model(out), windows) - mean_nll(load_model(tiny_demo), windows)
+    # each layer's loss increase is over the earlier layers' choice: they add up to the model's
+    assert sum(r.loss_increase for r in report.layers) == pytest.approx(increase, abs=1e-4)
+    for r in report.layers:
+        assert r.loss_increase == r.errors[r.criterion] == min(r.errors.values())
 
 
 def test_loss_damage_needs_a_model_run_and_a_reader(observed):
@@ -97,4 +110,6 @@ def test_loss_damage_needs_a_model_run_and_a_reader(observed):
         PruneStage(method="reap", ratio=0.5, damage="loss")
     with pytest.raises(ValidationError, match="'local' or 'loss'"):
         PruneStage(method="auto", ratio=0.5, damage="kl")
+    with pytest.raises(ValidationError, match="takes damage 'loss'"):
+        PruneStage(method="auto", ratio=0.5, sequential=True)
     assert PruneStage(method="reap", ratio=0.5, budget="damage", damage="loss").damage == "loss"

@@ -40,7 +40,7 @@ from thresher.models.device import Compute
 from thresher.models.layerwise import LayerwiseModel, load_config
 from thresher.models.loading import load_tokenizer
 from thresher.paths import build_dir_atomically
-from thresher.prune.endtoend import single_layer_damage
+from thresher.prune.endtoend import loss_of
 from thresher.prune.mask import choose_experts, experts_to_keep, prune_layer_state
 from thresher.prune.observer import ExpertStats, Observation, observe_experts, observe_layers
 from thresher.prune.plan import LayerChoice, needs_probes, plan_layers
@@ -225,9 +225,7 @@ def _prune_into(build: Path, model_dir: Path, out_dir: Path, config: PretrainedC
         if stage.damage == "loss" and isinstance(observed, Observation) and observed.heldout:
             windows = _loss_windows(observed, stage.loss_tokens)
             report.loss_windows = len(windows)
-
-            def end_to_end(sets):
-                return single_layer_damage(lw, windows, sets, show_progress=show_progress)
+            end_to_end = loss_of(lw, windows, show_progress=show_progress)
         plan = plan_layers(stage, observed, lw.num_layers, num_experts, top_k, n_keep,
                            str(model_dir), end_to_end)
         shown = stage.method if stage.method in OBSERVED_METHODS else "reap"  # auto: REAP's

@@ -15,7 +15,7 @@ kept experts' slices of the fused expert tensors and router rows (``mask.prune_l
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -77,9 +77,19 @@ def heldout_losses(lw: LayerwiseModel, windows: torch.Tensor, plans: Sequence[Pl
     return [losses[k] for k in keys]
 
 
-def single_layer_damage(lw: LayerwiseModel, windows: torch.Tensor,
-                        sets: dict[int, list[tuple[int, ...]]], batch_size: int = 8,
-                        show_progress: bool = True) -> dict[int, dict[tuple[int, ...], float]]:
+Losses = Callable[[Sequence[Plan]], list[float]]  # plans -> held-out loss of each
+
+
+def loss_of(lw: LayerwiseModel, windows: torch.Tensor, batch_size: int = 8,
+            show_progress: bool = True) -> Losses:
+    """``heldout_losses`` on ``lw`` and ``windows``, as one callable for the planner."""
+    def losses(plans: Sequence[Plan]) -> list[float]:
+        return heldout_losses(lw, windows, plans, batch_size, show_progress)
+    return losses
+
+
+def single_layer_damage(losses: Losses, sets: dict[int, list[tuple[int, ...]]]
+                        ) -> dict[int, dict[tuple[int, ...], float]]:
     """For every MoE layer and kept set in ``sets``: the increase of the held-out loss when only
     that layer is pruned to that set (the unpruned model's loss subtracted)."""
     plans: list[Plan] = [{}]
@@ -88,10 +98,10 @@ def single_layer_damage(lw: LayerwiseModel, windows: torch.Tensor,
         for kept in dict.fromkeys(kept_sets):
             plans.append({layer: kept})
             index.append((layer, kept))
-    losses = heldout_losses(lw, windows, plans, batch_size, show_progress)
+    measured = losses(plans)
     damage: dict[int, dict[tuple[int, ...], float]] = {layer: {} for layer in sets}
-    for (layer, kept), loss in zip(index, losses[1:], strict=True):
-        damage[layer][kept] = loss - losses[0]
+    for (layer, kept), loss in zip(index, measured[1:], strict=True):
+        damage[layer][kept] = loss - measured[0]
     return damage
 
 
