@@ -44,7 +44,7 @@ RATIOS = (0.25, 0.5)
 
 
 def measure(size: str, cal: CalibrationConfig, ppl_cfg: PerplexityConfig, seeds: int,
-            work: Path) -> dict[str, str]:
+            work: Path, probed: tuple[str, ...] = tuple(PROBED)) -> dict[str, str]:
     path = Path(size) if "/" in size else build_demo_model(size)
     tok = load_tokenizer(path)
     def ppl(model_dir: Path) -> float:
@@ -81,15 +81,15 @@ def measure(size: str, cal: CalibrationConfig, ppl_cfg: PerplexityConfig, seeds:
         for method in METHODS:
             row[f"{method} {pct}"] = cell(pruned_ppl(PruneStage(method=method, ratio=ratio),
                                                      method))
-        for name, options in PROBED.items():
+        for name in probed:
+            options = PROBED[name]
             row[f"{name} {pct}"] = cell(pruned_ppl(PruneStage(ratio=ratio, **options), name))
         rand = [pruned_ppl(PruneStage(method="random", ratio=ratio, seed=s), "random")
                 for s in range(seeds)]
         row[f"random {pct}"] = (f"{statistics.mean(rand):.2f} ({min(rand):.0f}-{max(rand):.0f})"
                                 if seeds > 1 else cell(rand[0]))
-    row["prune seconds (reap / auto damage / auto damage loss)"] = (
-        f"{plan_seconds['reap']:.0f} / {plan_seconds['auto damage']:.0f} / "
-        f"{plan_seconds['auto damage loss']:.0f}")
+    row["prune seconds (reap / " + " / ".join(probed) + ")"] = " / ".join(
+        f"{plan_seconds[name]:.0f}" for name in ("reap", *probed))
     print(f"{size}: " + "; ".join(f"{k}: {v}" for k, v in row.items()), flush=True)
     return row
 
@@ -102,12 +102,15 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--windows", type=int, default=64, help="held-out windows scored")
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the random control")
+    parser.add_argument("--probed", nargs="+", choices=tuple(PROBED), default=tuple(PROBED),
+                        help="the auto / damage-budget rows to measure (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     cal = CalibrationConfig(samples=args.samples, seq_len=args.seq_len)
     ppl_cfg = PerplexityConfig(seq_len=args.seq_len, max_windows=args.windows)
     with tempfile.TemporaryDirectory() as work:
-        columns = {size: measure(size, cal, ppl_cfg, args.seeds, Path(work)) for size in args.sizes}
+        columns = {size: measure(size, cal, ppl_cfg, args.seeds, Path(work),
+                                 tuple(args.probed)) for size in args.sizes}
     print(f"Held-out perplexity after pruning ({ppl_cfg.max_windows} windows of {args.seq_len} "
           f"tokens; calibration {args.samples} x {args.seq_len} stdlib train; random = mean "
           f"(range) of {args.seeds} seeds; {platform.machine()})\n")
