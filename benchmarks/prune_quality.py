@@ -44,7 +44,7 @@ RATIOS = (0.25, 0.5)
 
 
 def measure(size: str, cal: CalibrationConfig, ppl_cfg: PerplexityConfig, seeds: int,
-            work: Path, probed: tuple[str, ...] = tuple(PROBED)) -> dict[str, str]:
+            work: Path, rows: tuple[str, ...] = tuple(PROBED)) -> dict[str, str]:
     path = Path(size) if "/" in size else build_demo_model(size)
     tok = load_tokenizer(path)
     def ppl(model_dir: Path) -> float:
@@ -81,15 +81,15 @@ def measure(size: str, cal: CalibrationConfig, ppl_cfg: PerplexityConfig, seeds:
         for method in METHODS:
             row[f"{method} {pct}"] = cell(pruned_ppl(PruneStage(method=method, ratio=ratio),
                                                      method))
-        for name in probed:
+        for name in rows:
             options = PROBED[name]
             row[f"{name} {pct}"] = cell(pruned_ppl(PruneStage(ratio=ratio, **options), name))
         rand = [pruned_ppl(PruneStage(method="random", ratio=ratio, seed=s), "random")
                 for s in range(seeds)]
         row[f"random {pct}"] = (f"{statistics.mean(rand):.2f} ({min(rand):.0f}-{max(rand):.0f})"
                                 if seeds > 1 else cell(rand[0]))
-    row["prune seconds (reap / " + " / ".join(probed) + ")"] = " / ".join(
-        f"{plan_seconds[name]:.0f}" for name in ("reap", *probed))
+    row["prune seconds (reap / " + " / ".join(rows) + ")"] = " / ".join(
+        f"{plan_seconds[name]:.0f}" for name in ("reap", *rows))
     print(f"{size}: " + "; ".join(f"{k}: {v}" for k, v in row.items()), flush=True)
     return row
 
