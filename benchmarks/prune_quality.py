@@ -3,7 +3,9 @@
 The single criteria (REAP, EAN, frequency, weighted EAN) prune the same model with statistics
 from one observation of all calibration windows; ``auto`` and damage budgets share a second
 observation that holds the last quarter of those windows out for local errors (the random control
-observes nothing; it is averaged over seeds). Perplexity is token-level on the stdlib held-out
+observes nothing; it is averaged over seeds). ``auto`` and ``auto damage`` minimize the local
+error, ``auto loss`` and ``auto damage loss`` the end-to-end loss increase on those held-out
+windows (``damage: loss``), ``sequential`` measured with the earlier layers already pruned. Perplexity is token-level on the stdlib held-out
 split; each cell shows the increase over the unpruned model. A model is a demo size or a
 checkpoint directory (other training seeds of a demo recipe).
 
@@ -13,6 +15,7 @@ checkpoint directory (other training seeds of a demo recipe).
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import tempfile
@@ -32,12 +35,16 @@ from thresher.prune.plan import needs_probes
 from thresher.recipe import CalibrationConfig, PerplexityConfig, PruneStage
 
 METHODS = ("reap", "ean", "frequency", "weighted_ean")
-PROBED = {"auto": {"method": "auto"}, "auto damage": {"method": "auto", "budget": "damage"}}
+PROBED = {"auto": {"method": "auto"}, "auto damage": {"method": "auto", "budget": "damage"},
+          "auto loss": {"method": "auto", "damage": "loss"},
+          "auto damage loss": {"method": "auto", "budget": "damage", "damage": "loss"},
+          "auto damage loss sequential": {"method": "auto", "budget": "damage", "damage": "loss",
+                                          "sequential": True}}
 RATIOS = (0.25, 0.5)
 
 
 def measure(size: str, cal: CalibrationConfig, ppl_cfg: PerplexityConfig, seeds: int,
-            work: Path) -> dict[str, str]:
+            work: Path, rows: tuple[str, ...] = tuple(PROBED)) -> dict[str, str]:
     path = Path(size) if "/" in size else build_demo_model(size)
     tok = load_tokenizer(path)
     def ppl(model_dir: Path) -> float:
@@ -74,14 +81,15 @@ def measure(size: str, cal: CalibrationConfig, ppl_cfg: PerplexityConfig, seeds:
         for method in METHODS:
             row[f"{method} {pct}"] = cell(pruned_ppl(PruneStage(method=method, ratio=ratio),
                                                      method))
-        for name, options in PROBED.items():
+        for name in rows:
+            options = PROBED[name]
             row[f"{name} {pct}"] = cell(pruned_ppl(PruneStage(ratio=ratio, **options), name))
         rand = [pruned_ppl(PruneStage(method="random", ratio=ratio, seed=s), "random")
                 for s in range(seeds)]
         row[f"random {pct}"] = (f"{statistics.mean(rand):.2f} ({min(rand):.0f}-{max(rand):.0f})"
                                 if seeds > 1 else cell(rand[0]))
-    row["prune seconds (reap / auto damage)"] = (f"{plan_seconds['reap']:.0f} / "
-                                                 f"{plan_seconds['auto damage']:.0f}")
+    row["prune seconds (reap / " + " / ".join(rows) + ")"] = " / ".join(
+        f"{plan_seconds[name]:.0f}" for name in ("reap", *rows))
     print(f"{size}: " + "; ".join(f"{k}: {v}" for k, v in row.items()), flush=True)
     return row
 
@@ -94,12 +102,15 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--windows", type=int, default=64, help="held-out windows scored")
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the random control")
+    parser.add_argument("--probed", nargs="+", choices=tuple(PROBED), default=tuple(PROBED),
+                        help="the auto / damage-budget rows to measure (default: all)")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     cal = CalibrationConfig(samples=args.samples, seq_len=args.seq_len)
     ppl_cfg = PerplexityConfig(seq_len=args.seq_len, max_windows=args.windows)
     with tempfile.TemporaryDirectory() as work:
-        columns = {size: measure(size, cal, ppl_cfg, args.seeds, Path(work)) for size in args.sizes}
+        columns = {size: measure(size, cal, ppl_cfg, args.seeds, Path(work),
+                                 tuple(args.probed)) for size in args.sizes}
     print(f"Held-out perplexity after pruning ({ppl_cfg.max_windows} windows of {args.seq_len} "
           f"tokens; calibration {args.samples} x {args.seq_len} stdlib train; random = mean "
           f"(range) of {args.seeds} seeds; {platform.machine()})\n")

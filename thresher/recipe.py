@@ -118,6 +118,17 @@ class PruneStage(StrictModel):
     probe_tokens: int = Field(
         4096, gt=0, description="'auto' and 'damage': tokens per layer (of the saliency and of the "
         "held-out windows) on which every expert's output is kept to measure local errors")
+    damage: Literal["local", "loss"] = Field(
+        "local", description="what 'auto' and the 'damage' budget minimize: 'local', the MoE "
+        "block's reconstruction error; 'loss', the increase of the model's next-token loss on the "
+        "held-out windows when only that layer is pruned (runs the layers after it per candidate)")
+    sequential: bool = Field(
+        False, description="damage 'loss': choose layer by layer in order, measuring each "
+        "layer's candidates (and, with the 'damage' budget, removal counts) with the earlier "
+        "layers already pruned as chosen")
+    loss_tokens: int = Field(
+        8192, gt=0, description="damage 'loss': held-out tokens (whole windows, at least one) the "
+        "loss is measured on")
 
     @field_validator("ratio")
     @classmethod
@@ -133,11 +144,20 @@ class PruneStage(StrictModel):
         if self.method == "random" and (self.budget != "uniform" or self.protect_super_experts):
             raise ValueError("the 'random' control observes nothing: it takes budget 'uniform' "
                              "and no protect_super_experts")
+        if self.sequential and self.damage != "loss":
+            raise ValueError("sequential measures the model's loss with earlier layers pruned; "
+                             "it takes damage 'loss'")
+        if self.damage != "local" and self.method != "auto" and self.budget != "damage":
+            raise ValueError(f"damage {self.damage!r} is what 'auto' and the 'damage' budget "
+                             f"minimize; method {self.method!r} with budget 'uniform' reads no "
+                             "damage (use method 'auto' or budget 'damage')")
         return self
 
     def describe(self) -> str:
         amount = f"ratio={self.ratio}" if self.ratio is not None else f"keep={self.keep}"
         extra = "" if self.budget == "uniform" else f" budget={self.budget}"
+        extra += "" if self.damage == "local" else f" damage={self.damage}"
+        extra += " sequential" if self.sequential else ""
         extra += " protect_super_experts" if self.protect_super_experts else ""
         return f"prune {self.method} {amount}{extra}"
 

@@ -5,8 +5,8 @@ calibration data layer by layer (unless the method is the ``random`` control), c
 each MoE layer keeps (``plan``: criterion or ``auto``, uniform or damage budget, protected super
 experts), and writes the pruned checkpoint one decoder layer at a time under the
 hub-canonical names, with the tokenizer files and ``prune_report.json`` (every expert's saliency,
-routed-token counts, the removed experts of each layer and, where measured, the local errors of
-every candidate and the one chosen). The output is built in a hidden
+routed-token counts, the removed experts of each layer and, where measured, the local errors or
+end-to-end loss increases of every candidate, the one chosen, and a damage budget's table). The output is built in a hidden
 sibling directory and renamed at the end (``paths.build_dir_atomically``), so a crash never leaves
 a partial artifact behind; wall time and peak memory come from ``resources.measure``, the number
 the flows report too. ``device`` says where the observation computes (``models.device``): an
@@ -40,6 +40,7 @@ from thresher.models.device import Compute
 from thresher.models.layerwise import LayerwiseModel, load_config
 from thresher.models.loading import load_tokenizer
 from thresher.paths import build_dir_atomically
+from thresher.prune.endtoend import loss_of
 from thresher.prune.mask import choose_experts, experts_to_keep, prune_layer_state
 from thresher.prune.observer import ExpertStats, Observation, observe_experts, observe_layers
 from thresher.prune.plan import LayerChoice, needs_probes, plan_layers
@@ -66,7 +67,9 @@ class LayerPruneReport:
     criterion: str = ""  # whose expert set was kept (``auto``: the candidate with least error)
     protected: list[int] = field(default_factory=list)  # super experts never removed
     local_error: float | None = None  # held-out local reconstruction error of the kept set
-    errors: dict[str, float] = field(default_factory=dict)  # every candidate's, same count
+    errors: dict[str, float] = field(default_factory=dict)  # every candidate's (stage's damage)
+    loss_increase: float | None = None  # damage 'loss': held-out loss increase of the kept set
+    damage: list[float] = field(default_factory=list)  # damage budget: per removal count 0..bound
 
     @property
     def dead_experts(self) -> list[int]:
@@ -95,7 +98,9 @@ class PruneReport:
     device: str = "cpu"
     peak_device_mb: float | None = None  # CUDA only
     budget: str = "uniform"
+    damage: str = "local"  # what auto and a damage budget minimize: local error or loss increase
     heldout_windows: int = 0  # calibration windows held out from saliency for local errors
+    loss_windows: int = 0  # damage 'loss': held-out windows the loss increases are measured on
     layers: list[LayerPruneReport] = field(default_factory=list)
 
     def metrics(self) -> dict[str, float]:
@@ -121,6 +126,9 @@ class PruneReport:
         measured = [r.local_error for r in self.layers if r.local_error is not None]
         if measured:
             m["local_error_sum"] = sum(measured)
+        losses = [r.loss_increase for r in self.layers if r.loss_increase is not None]
+        if losses:
+            m["loss_increase_sum"] = sum(losses)
         return m
 
     def to_json(self) -> str:
@@ -191,7 +199,7 @@ def _prune_into(build: Path, model_dir: Path, out_dir: Path, config: PretrainedC
         model_dir=str(model_dir), out_dir=str(out_dir), method=stage.method, ratio=stage.ratio,
         keep=stage.keep, seed=stage.seed, num_experts=num_experts, experts_kept=n_keep,
         top_k=top_k, calibration_samples=calibration.samples,
-        calibration_seq_len=calibration.seq_len, budget=stage.budget)
+        calibration_seq_len=calibration.seq_len, budget=stage.budget, damage=stage.damage)
 
     if stage.method == "random":
         gen = torch.Generator().manual_seed(stage.seed)
@@ -213,8 +221,13 @@ def _prune_into(build: Path, model_dir: Path, out_dir: Path, config: PretrainedC
                 f"MoE layers are {moe_layers} with {num_experts} experts; observe this model again")
         if isinstance(observed, Observation) and observed.heldout:
             report.heldout_windows = observed.heldout_windows
+        end_to_end = None
+        if stage.damage == "loss" and isinstance(observed, Observation) and observed.heldout:
+            windows = _loss_windows(observed, stage.loss_tokens)
+            report.loss_windows = len(windows)
+            end_to_end = loss_of(lw, windows, show_progress=show_progress)
         plan = plan_layers(stage, observed, lw.num_layers, num_experts, top_k, n_keep,
-                           str(model_dir))
+                           str(model_dir), end_to_end)
         shown = stage.method if stage.method in OBSERVED_METHODS else "reap"  # auto: REAP's
         scores = {i: saliency(shown, stats[i]) for i in moe_layers}
 
@@ -227,7 +240,8 @@ def _prune_into(build: Path, model_dir: Path, out_dir: Path, config: PretrainedC
             tokens_routed=stats[i].count.tolist() if i in stats else None,
             kept=kept[i], removed=[e for e in range(num_experts) if e not in kept[i]],
             criterion=choice.criterion, protected=choice.protected,
-            local_error=choice.local_error, errors=choice.errors))
+            local_error=choice.local_error, errors=choice.errors,
+            loss_increase=choice.loss_increase, damage=choice.damage))
         log.info("layer %d: removing experts %s (%s)", i, report.layers[-1].removed,
                  choice.criterion)
 
@@ -261,6 +275,14 @@ def observe_for(stage: PruneStage, lw: LayerwiseModel, windows: torch.Tensor,
             f"{held} (heldout_fraction {stage.heldout_fraction}); use more samples")
     return observe_layers(lw, windows[:-held], windows[-held:], stage.probe_tokens,
                           show_progress=show_progress, offload_budget_bytes=offload_budget_bytes)
+
+
+def _loss_windows(observed: Observation, loss_tokens: int) -> torch.Tensor:
+    """The held-out windows damage 'loss' runs: whole windows up to ``loss_tokens``, at least one."""
+    if observed.heldout_ids is None:
+        raise CompressionError("damage 'loss' needs the held-out windows; observe with observe_for")
+    ids = observed.heldout_ids
+    return ids[:max(1, loss_tokens // ids.shape[1])]
 
 
 def _write_checkpoint(reader: CheckpointReader, adapter: Adapter, num_layers: int, num_experts: int,

@@ -127,6 +127,7 @@ class Observation:
     search: dict[int, LayerProbe]
     heldout: dict[int, LayerProbe]
     heldout_windows: int = 0
+    heldout_ids: torch.Tensor | None = None  # [N, S] the held-out windows (end-to-end damage)
 
 
 class _MoECapture:
@@ -185,7 +186,8 @@ def observe_layers(model: LayerwiseModel, windows: torch.Tensor, heldout: torch.
         for batch in heldout.split(batch_size):
             hidden.append(model.embed(batch))
     result = Observation(stats=[], search={}, heldout={},
-                         heldout_windows=0 if heldout is None else len(heldout))
+                         heldout_windows=0 if heldout is None else len(heldout),
+                         heldout_ids=heldout)
     for i in range(model.num_layers):
         layer = model.load_layer(i)
         capture = None
