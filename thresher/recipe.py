@@ -252,8 +252,8 @@ class GPTQStage(QuantizeStage):
     expert_weighting: Literal["auto", "once", "gate"] = Field(
         "auto", description="routed tokens in an expert's Hessian: each counted once (as "
         "AutoGPTQ and llm-compressor do), weighted by its gate squared (its weight in the layer "
-        "output's squared error), or auto: gate at 2 bits, once at wider widths (what won on "
-        "both demo models)"
+        "output's squared error), or auto: gate at 2 bits, once at wider widths (once won at 3 "
+        "bits and lost at 2 on both demo models)"
     )
     scale_search: Literal["minmax", "mse"] = Field(
         "minmax", description="group scales: min-max range, or the shrunk range of least "

@@ -6,9 +6,10 @@ expert's Hessian counts each of its routed tokens once (``expert_weighting: once
 and llm-compressor do), or weights it by its squared gate (``gate``: the expert's output enters
 the layer output multiplied by the gate, and the objective is squared error), or, with
 ``expert_tokens: all``, counts every token of the batch once. The default ``auto`` gates at 2
-bits and counts once at 3 and 4, which is what won at each width on both demo models
-(docs/benchmarks.md): gating aims the large 2-bit errors where the output feels them, while at 3
-and 4 bits the Hessian's estimation noise, higher with fewer effective (Kish) tokens, weighs more.
+bits and counts once at 3 and 4: on both demo models counting once won at 3 bits, was level at 4
+and lost at 2 (docs/benchmarks.md). Gating aims the large 2-bit errors where the output feels
+them; at 3 bits the Hessian's estimation noise, higher with fewer effective (Kish) tokens, weighs
+more.
 
 Rare experts: a Hessian estimated from n effective tokens over C columns has correlations that are
 mostly noise when n is not much larger than C, and GPTQ then overfits the calibration tokens
