@@ -16,8 +16,10 @@ stops unless the two agree to 1e-4 relative. Settings, matched where both have t
 - AWQ: asymmetric grid, duo scaling; thresher clips weights (its default, as the AutoAWQ
   reference does), llm-compressor's AWQModifier has no clip search;
 - MoE experts calibrated on their routed tokens (thresher's default; llm-compressor's
-  ``moe_calibrate_all_experts=False``, its default being True); routers, embeddings and lm_head
-  stay unquantized on both sides.
+  ``moe_calibrate_all_experts=False``, its default being True); thresher's GPTQ counts each
+  routed token once at 3 and 4 bits, as llm-compressor does, and weights it by its gate squared
+  at 2 bits (``expert_weighting: auto``); routers, embeddings and lm_head stay unquantized on
+  both sides.
 
 thresher is scored from the artifact reloaded from disk, llm-compressor from the model ``oneshot``
 returns, its fake-quantized weights (what its compressed-tensors checkpoint holds). Skips with a

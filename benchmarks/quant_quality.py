@@ -4,7 +4,8 @@
     python benchmarks/quant_quality.py --model demo:small --group-size 128 --bits 3 2
 
 Prints a markdown table: float, then per bit width RTN (min-max and MSE scale search), GPTQ with
-act-order (with and without MSE search, without the rare-expert rule, calibrated on all tokens),
+act-order (with and without MSE search, without the rare-expert rule, calibrated on all tokens,
+routed tokens counted once or gate-weighted; the plain row is the default, ``auto``),
 AWQ with and without clipping, and at 4 bits plain GPTQ and NF4; same calibration and the same
 held-out windows for all. Every row is evaluated from the artifact reloaded from disk (AWQ below 4
 bits writes the GPTQ format).
@@ -31,6 +32,8 @@ ROWS = [  # (label, method, options); every row at every width asked for
     ("gptq act-order mse", "gptq", {**ACT, "scale_search": "mse"}),
     ("gptq act-order, no rare-expert rule", "gptq", {**ACT, "rare_expert_damping": False}),
     ("gptq act-order, experts on all tokens", "gptq", {**ACT, "expert_tokens": "all"}),
+    ("gptq act-order, routed tokens once", "gptq", {**ACT, "expert_weighting": "once"}),
+    ("gptq act-order, routed tokens gate-weighted", "gptq", {**ACT, "expert_weighting": "gate"}),
     ("awq (clip)", "awq", {}),
     ("awq scale-only", "awq", {"clip": False}),
 ]

@@ -87,3 +87,30 @@ def test_experts_calibrated_on_all_tokens_never_fall_back(tiny_demo):
     assert any(r.fallback_experts for r in routed)
     assert not any(r.fallback_experts for r in every)
     assert all(t == 32 for r in every for t in r.expert_tokens.values())
+
+
+def test_gptq_counts_routed_tokens_once_unless_gate_weighted(tiny_demo):
+    """Counted once (the default at 4 bits), an expert's effective tokens are its routed tokens:
+    whole numbers summing to tokens x top-k in every layer; gate-weighted, Kish's count is lower
+    for some expert, and the weights GPTQ fits differ. ``auto`` gates at 2 bits only."""
+    from thresher.compress.api import quantize_in_memory
+    from thresher.compress.methods.gptq import GPTQMethod
+
+    assert [GPTQMethod(QuantizeStage(method="gptq", bits=b)).gated for b in (2, 3, 4)] == [
+        True, False, False]
+
+    cal = CalibrationConfig(samples=1, seq_len=64)
+    stage = QuantizeStage(method="gptq", bits=4, group_size=64, min_expert_tokens=0)
+    model_once, once = quantize_in_memory(tiny_demo, stage, cal)
+    model_gate, gated = quantize_in_memory(
+        tiny_demo, stage.model_copy(update={"expert_weighting": "gate"}), cal)
+    top_k = load_model(tiny_demo).config.num_experts_per_tok
+    for a, b in zip(once, gated, strict=True):
+        assert all(float(n).is_integer() for n in a.expert_tokens.values())
+        assert sum(a.expert_tokens.values()) == 64 * top_k
+        assert all(b.expert_tokens[e] <= n + 1e-3 for e, n in a.expert_tokens.items())
+        assert any(b.expert_tokens[e] < n - 1 for e, n in a.expert_tokens.items())
+    expert = "model.layers.0.mlp.experts"
+    w_once = {k: v for k, v in model_once.state_dict().items() if k.startswith(expert)}
+    w_gate = {k: v for k, v in model_gate.state_dict().items() if k.startswith(expert)}
+    assert w_once and any(not torch.equal(w_once[k], w_gate[k]) for k in w_once)

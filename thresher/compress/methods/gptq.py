@@ -2,9 +2,14 @@
 
 Inside a layer the weights are quantized in GPTQ's true-sequential order (q/k/v, o, gate/up,
 down), each stage's Hessians captured with the stages before it already quantized. A routed
-expert's Hessian weights each of its tokens by the squared gate value (the expert's output enters
+expert's Hessian counts each of its routed tokens once (``expert_weighting: once``, as AutoGPTQ
+and llm-compressor do), or weights it by its squared gate (``gate``: the expert's output enters
 the layer output multiplied by the gate, and the objective is squared error), or, with
-``expert_tokens: all``, counts every token of the batch once.
+``expert_tokens: all``, counts every token of the batch once. The default ``auto`` gates at 2
+bits and counts once at 3 and 4: on both demo models counting once won at 3 bits, was level at 4
+and lost at 2 (docs/benchmarks.md). Gating aims the large 2-bit errors where the output feels
+them; at 3 bits the Hessian's estimation noise, higher with fewer effective (Kish) tokens, weighs
+more.
 
 Rare experts: a Hessian estimated from n effective tokens over C columns has correlations that are
 mostly noise when n is not much larger than C, and GPTQ then overfits the calibration tokens
@@ -32,6 +37,7 @@ from thresher.recipe import GPTQStage
 
 log = logging.getLogger(__name__)
 
+GATED_BITS = 2  # expert_weighting auto: gate-weighted Hessians at this width and below
 RARE_SHRINK = 0.1  # r = 0.1 C / n: full shrink (RTN) below 0.1 C effective tokens
 
 
@@ -88,9 +94,18 @@ class GPTQMethod:
         """One capture of ``sites``' inputs into a Hessian each, on the weights' device (routed
         tokens, or every token with ``expert_tokens: all``)."""
         hessians = {s.name: GPTQ(s.columns, s.name, s.targets[0].weight.device) for s in sites}
-        job.capture(sites, partial(_add_to_hessian, hessians),
+        job.capture(sites, partial(_add_to_hessian, hessians, self.gated),
                     all_tokens=self.stage.expert_tokens == "all")
         return hessians
+
+    @property
+    def gated(self) -> bool:
+        """Whether routed tokens enter an expert's Hessian with their gate squared: ``auto``
+        gates at 2 bits, and with ``bits: auto`` (one Hessian for every width, as measured)."""
+        weighting = self.stage.expert_weighting
+        if weighting == "auto":
+            return self.stage.bits == "auto" or self.bits <= GATED_BITS
+        return weighting == "gate"
 
     def site_rule(self, record: LayerRecord, site: InputSite, h: GPTQ) -> tuple[bool, float]:
         """Whether the site falls back to RTN (too few tokens), and its rare-expert shrink."""
@@ -113,7 +128,8 @@ class GPTQMethod:
                           st.damp_percent, st.block_size, diag_shrink=shrink)
 
 
-def _add_to_hessian(hessians: dict[str, GPTQ], site: InputSite, x: torch.Tensor,
-                   gate: torch.Tensor | None) -> None:
-    """GPTQ's objective is squared error, so a routed token counts with its gate squared."""
-    hessians[site.name].add_batch(x, None if gate is None else gate**2)
+def _add_to_hessian(hessians: dict[str, GPTQ], gated: bool, site: InputSite,
+                    x: torch.Tensor, gate: torch.Tensor | None) -> None:
+    """A routed token counts once, or (``gated``) with its gate squared: the weight of its
+    squared error in the layer's output."""
+    hessians[site.name].add_batch(x, gate**2 if gated and gate is not None else None)
