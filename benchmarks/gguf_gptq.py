@@ -6,9 +6,10 @@ importance-weighted (``--imatrix``) files of the same type, through llama.cpp.
 
 Needs llama-cpp-python (``make llama``). One calibration pass (``--samples`` windows of 256
 tokens) collects the importance matrix and the Hessians; each type is exported plain, with the
-importance matrix and rounded by GPTQ (the importance-weighted fit's scales), and llama.cpp scores
-every file on the same held-out windows. Prints the file size, the perplexity, its margin over
-the plain file, on how many windows it has the lower loss, and the export time.
+importance matrix, rounded by GPTQ with the importance-weighted fit's scales (``gptq``) and with
+the plain fit's (``gptq-plain-scales``), and llama.cpp scores every file on the same held-out
+windows. Prints the file size, the perplexity, its margin over the plain file, on how many
+windows it has the lower loss, and the export time.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from thresher.models.loading import load_tokenizer
 from thresher.recipe import CalibrationConfig, PerplexityConfig
 
 TYPES = ["q4_0", "q4_1", "q4_k", "q3_k", "q4_k_m", "q3_k_m"]
-ROUNDINGS = ["plain", "imatrix", "gptq"]
+ROUNDINGS = ["plain", "imatrix", "gptq", "gptq-plain-scales"]
 
 
 def main() -> None:
@@ -64,7 +65,8 @@ def main() -> None:
                 out = root / f"{gguf_type}-{rounding}.gguf"
                 result = export_gguf(model, out, gguf_type, show_progress=False,
                                      importance=None if rounding == "plain" else importance,
-                                     gptq=rounding == "gptq")
+                                     gptq=rounding.startswith("gptq"),
+                                     gptq_scales="plain" if "plain" in rounding else "imatrix")
                 llm = LlamaCppModel(out, n_ctx=windows.shape[1], n_threads=args.threads)
                 losses = torch.cat([window_nll(llm.logits(b), b) for b in windows.split(8)])
                 llm.close()

@@ -123,3 +123,24 @@ def test_llama_cpp_runs_the_gptq_file(tiny_demo, importance, tmp_path, gguf_type
     theirs, ours, agree = _compare(out, same, eval_windows(load_tokenizer(tiny_demo), EVAL))
     assert theirs == pytest.approx(ours, rel=0.005)
     assert agree >= 0.9, agree
+
+
+@pytest.mark.slow
+def test_publish_gguf_rounds_by_gptq_and_rebuilds_when_it_changes(tiny_demo, importance,
+                                                                   tmp_path):
+    """The recipe's ``gguf_gptq`` path: the published file holds the GPTQ blocks of the
+    recipe's calibration windows, and turning it off rebuilds the plain-importance file."""
+    from thresher.flows.stages import publish_gguf
+
+    def publish(gptq: bool) -> gguf.GGUFReader:
+        files = publish_gguf.fn(str(tiny_demo), "h0", str(tmp_path), "v", ["q4_0"], CAL,
+                                gptq=gptq)
+        assert len(files) == 1
+        return {t.name: np.asarray(t.data) for t in gguf.GGUFReader(files[0]).tensors}
+
+    key = "model.layers.0.self_attn.o_proj.weight"
+    weights = CheckpointReader(tiny_demo).get(key).float().numpy()
+    expected, _ = gptq_quantize(weights, QType.Q4_0, importance.hessian(key))
+    np.testing.assert_array_equal(publish(True)["blk.0.attn_output.weight"], expected)
+    np.testing.assert_array_equal(publish(False)["blk.0.attn_output.weight"],
+                                  quantize(weights, QType.Q4_0, importance.get(key)))

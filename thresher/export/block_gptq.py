@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Literal
 
 import gguf
 import numpy as np
@@ -38,11 +39,13 @@ ONE_THREAD_BELOW = 1 << 22  # matrices smaller than this (values) loop on one th
 
 
 def gptq_quantize(weights: np.ndarray, qtype: QType, hessian: np.ndarray, *,
+                  scales: Literal["imatrix", "plain"] = "imatrix",
                   damp_percent: float = DAMP_PERCENT,
                   block_size: int = LAZY_BLOCK) -> tuple[np.ndarray, np.ndarray]:
     """``weights`` [rows, C] as ``qtype`` blocks rounded by GPTQ against ``hessian`` [C, C] (the
     inputs' second moment); returns the blocks [rows, bytes per row] and the weights they hold
-    (fp32, what ``gguf.quants.dequantize`` gives back)."""
+    (fp32, what ``gguf.quants.dequantize`` gives back). ``scales``: the blocks' scales from the
+    fit weighted by H's diagonal (the importance matrix) or from the plain fit."""
     if qtype not in GPTQ_TYPES:
         raise ValueError(f"{qtype.name} has no GPTQ rounding")
     rows, cols = weights.shape
@@ -51,7 +54,8 @@ def gptq_quantize(weights: np.ndarray, qtype: QType, hessian: np.ndarray, *,
     block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
     weights = np.ascontiguousarray(weights, dtype=np.float32)
     diag = np.diag(hessian).astype(np.float32)
-    blocks = quantize(weights, qtype, diag).reshape(-1, type_bytes)
+    blocks = quantize(weights, qtype, diag if scales == "imatrix" else None)
+    blocks = blocks.reshape(-1, type_bytes)
     step, base = block_grid(blocks, qtype)
     levels, offset = code_range(qtype)
     with _threads_for(rows * cols):

@@ -178,7 +178,7 @@ class _Tensor:
         return out
 
     def encode(self, reader: CheckpointReader, importance: ImportanceMatrix | None,
-               gptq: bool = False) -> np.ndarray:
+               gptq: bool = False, gptq_scales: str = "imatrix") -> np.ndarray:
         """The tensor's data as the file stores it (blocks as uint8, plain types as numbers).
         ``gptq`` rounds each matrix that has a Hessian by GPTQ into its fitted blocks; a matrix
         without one (an expert no calibration token reached) keeps the weighted fit."""
@@ -198,7 +198,8 @@ class _Tensor:
         def one(w: np.ndarray, imp: np.ndarray | None, h: np.ndarray | None) -> np.ndarray:
             if h is None:
                 return quantize(w, self.qtype, imp)
-            return gptq_quantize(w.reshape(-1, w.shape[-1]), self.qtype, h)[0].reshape(
+            return gptq_quantize(w.reshape(-1, w.shape[-1]), self.qtype, h,
+                                 scales=gptq_scales)[0].reshape(
                 *w.shape[:-1], -1)
 
         if not self.stacked:
@@ -215,7 +216,7 @@ class _Tensor:
 
 def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", *,
                 importance: ImportanceMatrix | None = None, gptq: bool = False,
-                show_progress: bool = True) -> GGUFExport:
+                gptq_scales: str = "imatrix", show_progress: bool = True) -> GGUFExport:
     """Write the checkpoint in ``model_dir`` to the GGUF file ``out`` (which must not exist)
     with its weight matrices in ``gguf_type``; norms and routers stay F32.
 
@@ -227,7 +228,8 @@ def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", 
 
     ``gptq`` (with an ``importance`` collected with ``hessians=True``) keeps the weighted fit's
     block scales and rounds the values by GPTQ against each matrix's full Hessian
-    (``block_gptq``) for Q4_0, Q4_1, Q5_0, Q3_K, Q4_K and Q6_K tensors."""
+    (``block_gptq``) for Q4_0, Q4_1, Q5_0, Q3_K, Q4_K and Q6_K tensors; ``gptq_scales="plain"``
+    takes the block scales from the plain fit instead."""
     model_dir, out, gguf_type = Path(model_dir), Path(out), gguf_type.lower()
     gtype = _gguf_type(gguf_type)
     config = load_config(model_dir)
@@ -263,7 +265,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", 
                 writer.write_kv_data_to_file()
                 writer.write_ti_data_to_file()
                 for tensor in tqdm(plan, desc=f"GGUF {gguf_type}", disable=not show_progress):
-                    writer.write_tensor_data(tensor.encode(reader, importance, gptq))
+                    writer.write_tensor_data(tensor.encode(reader, importance, gptq, gptq_scales))
                     reader.close()
             finally:
                 writer.close()
