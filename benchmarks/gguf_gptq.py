@@ -10,6 +10,11 @@ importance matrix, rounded by GPTQ with the importance-weighted fit's scales (``
 the plain fit's (``gptq-plain-scales``), and llama.cpp scores every file on the same held-out
 windows. Prints the file size, the perplexity, its margin over the plain file, on how many
 windows it has the lower loss, and the export time.
+
+``--proxy`` prints instead, per type, GPTQ's objective summed over the weight matrices,
+sum tr((W - Q) H (W - Q)^T), for the importance-weighted fit's own rounding and for GPTQ's on the
+same scales, with H from the calibration windows (what GPTQ minimizes) and from the held-out
+windows (whether the gain carries to other text).
 """
 
 from __future__ import annotations
@@ -22,13 +27,17 @@ import tempfile
 import time
 from pathlib import Path
 
+import gguf
 import torch
 
 from thresher.data.windows import eval_windows
 from thresher.evaluate.perplexity import window_nll
-from thresher.export import compute_importance, export_gguf
+from thresher.export import ImportanceMatrix, compute_importance, export_gguf
+from thresher.export.block_gptq import gptq_quantize, output_error
+from thresher.export.block_quants import quantize
 from thresher.export.llama_runtime import LlamaCppModel
 from thresher.models import resolve_model
+from thresher.models.checkpoint import CheckpointReader
 from thresher.models.loading import load_tokenizer
 from thresher.recipe import CalibrationConfig, PerplexityConfig
 
@@ -43,6 +52,7 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=64, help="held-out windows of 256 tokens")
     ap.add_argument("--types", nargs="+", default=TYPES)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--proxy", action="store_true", help="the summed output error instead")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = resolve_model(args.model)
@@ -51,6 +61,10 @@ def main() -> None:
     importance = compute_importance(model, CalibrationConfig(samples=args.samples),
                                     show_progress=False, hessians=True)
     collect_s = time.perf_counter() - start
+    if args.proxy:
+        held_out = compute_importance(model, windows=windows, show_progress=False, hessians=True)
+        proxy(model, args.types, importance, held_out)
+        return
     root = Path(tempfile.mkdtemp(prefix="thresher-gguf-gptq-"))
     tokens = windows.numel() - windows.shape[0]
     print(f"\n{args.model}: {windows.shape[0]} held-out windows of {windows.shape[1]} tokens; "
@@ -79,6 +93,36 @@ def main() -> None:
                       f"| {result.wall_seconds:.0f} |", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def proxy(model: Path, types: list[str], calib: ImportanceMatrix, held: ImportanceMatrix) -> None:
+    """Summed output error of the fit's rounding and GPTQ's on every matrix that fits the type's
+    blocks, under the calibration and the held-out Hessians."""
+    from thresher.export.gguf import GGUF_TYPES
+
+    reader = CheckpointReader(model)
+    print("| type | matrices | calibration H: fit | GPTQ | GPTQ / fit | held-out H: fit | GPTQ | "
+          "GPTQ / fit |")
+    print("|---|---|---|---|---|---|---|---|")
+    for gguf_type in types:
+        qtype = GGUF_TYPES[gguf_type].default
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+        sums = torch.zeros(4, dtype=torch.float64)
+        count = 0
+        for key in sorted(calib.hessians or {}):
+            h, h_out = calib.hessian(key), held.hessian(key)
+            if h is None or h_out is None or h.shape[0] % block or key not in reader:
+                continue
+            weights = reader.get(key).float().numpy()
+            fit = gguf.quants.dequantize(quantize(weights, qtype, calib.get(key)), qtype)
+            _, ours = gptq_quantize(weights, qtype, h)
+            sums += torch.tensor([output_error(weights, fit, h), output_error(weights, ours, h),
+                                  output_error(weights, fit, h_out),
+                                  output_error(weights, ours, h_out)], dtype=torch.float64)
+            count += 1
+        a, b, c, d = sums.tolist()
+        print(f"| {gguf_type} | {count} | {a:.2f} | {b:.2f} | {b / a:.3f} | {c:.2f} | {d:.2f} | "
+              f"{d / c:.3f} |", flush=True)
 
 
 if __name__ == "__main__":
