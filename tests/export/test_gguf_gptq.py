@@ -68,6 +68,11 @@ def test_gptq_blocks_hold_the_loop_weights_with_the_fitted_scales(tiny_demo, imp
         plain = gguf.quants.dequantize(fitted, qtype)
         ours, theirs = output_error(weights, values, hessian), output_error(weights, plain, hessian)
         assert ours < 0.7 * theirs, (key, ours, theirs)
+    # the plain fit's scales: the same exactness, those scale bytes
+    blocks, values = gptq_quantize(weights, qtype, hessian, scales="plain")
+    np.testing.assert_array_equal(gguf.quants.dequantize(blocks, qtype), values)
+    np.testing.assert_array_equal(blocks.reshape(-1, type_bytes)[:, same],
+                                  quantize(weights, qtype).reshape(-1, type_bytes)[:, same])
 
 
 def _non_code_bytes(qtype: QType) -> np.ndarray:
