@@ -479,8 +479,12 @@ def export_gguf_cmd(
         "--imatrix", help="Weight the rounding of q6_k, q5_0, q4_1, q4_0, q4_k(_m) and q3_k(_m) by the "
         "importance of each input column on calibration windows, as llama.cpp's --imatrix.")]
         = False,
+    gptq: Annotated[bool, typer.Option(
+        "--gptq", help="Round q4_0, q4_1, q5_0, q4_k(_m), q3_k(_m) and q6_k blocks by GPTQ against "
+        "each matrix's Hessian on calibration windows, with the --imatrix fit's block scales "
+        "(implies --imatrix).")] = False,
     calibration_samples: Annotated[int, typer.Option(
-        help="Calibration windows for --imatrix (the recipe default).", min=1)] = 128,
+        help="Calibration windows for --imatrix and --gptq (the recipe default).", min=1)] = 128,
 ) -> None:
     """Write a Qwen3-MoE, Qwen2-MoE, Mixtral or OLMoE (base or REAP-pruned), Llama, Qwen3 or
     Qwen2 checkpoint to one GGUF file for llama.cpp and Ollama, tokenizer included."""
@@ -489,10 +493,11 @@ def export_gguf_cmd(
     from thresher.recipe import CalibrationConfig
 
     model_dir = resolve_model(model)
-    importance = (compute_importance(model_dir, CalibrationConfig(samples=calibration_samples))
-                  if imatrix else None)
-    result = export_gguf(model_dir, out, type_, importance=importance)
-    how = " with an importance matrix" if result.imatrix else (
+    importance = (compute_importance(model_dir, CalibrationConfig(samples=calibration_samples),
+                                     hessians=gptq)
+                  if imatrix or gptq else None)
+    result = export_gguf(model_dir, out, type_, importance=importance, gptq=gptq)
+    how = " rounded by GPTQ" if result.gptq else " with an importance matrix" if result.imatrix else (
         " (GPTQ/AWQ codes as they are)" if result.lossless else "")
     console.print(f"{result.architecture} {result.type}{how}: {result.tensors} tensors, "
                   f"{result.num_experts} experts per layer, {result.file_bytes / 1e6:.1f} MB in "

@@ -459,6 +459,9 @@ class PublishConfig(StrictModel):
         "variant; a GPTQ/AWQ variant with group size 32 is handed to q4_1 as it is")
     gguf_imatrix: bool = Field(False, description="weight the GGUF rounding by an importance "
                                "matrix from the recipe's calibration windows")
+    gguf_gptq: bool = Field(False, description="round the GGUF blocks by GPTQ against each "
+                            "matrix's Hessian on the recipe's calibration windows (scales from "
+                            "the importance-weighted fit)")
 
     @model_validator(mode="after")
     def _hf_always(self) -> PublishConfig:

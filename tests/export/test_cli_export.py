@@ -1,6 +1,7 @@
 """`thresher export gguf` on the tiny demo model."""
 
 import gguf
+import pytest
 from typer.testing import CliRunner
 
 from thresher.cli import app
@@ -32,3 +33,14 @@ def test_export_gguf_help_names_every_type():
     result = runner.invoke(app, ["export", "gguf", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0
     assert all(t in result.output for t in GGUF_TYPES) and "--out" in result.output
+
+
+@pytest.mark.slow
+def test_export_gguf_command_rounds_by_gptq(tiny_demo, tmp_path):
+    out = tmp_path / "tiny.gguf"
+    result = runner.invoke(app, ["export", "gguf", str(tiny_demo), "--type", "q4_0", "--gptq",
+                                 "--calibration-samples", "2", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "qwen3moe q4_0 rounded by GPTQ: 50 tensors" in result.output
+    reader = gguf.GGUFReader(out)
+    assert reader.fields[gguf.Keys.IMatrix.CHUNK_COUNT].contents() == 2

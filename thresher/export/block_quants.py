@@ -218,6 +218,75 @@ def _nibbles(codes: np.ndarray) -> np.ndarray:
     return (codes[..., 0, :] | (codes[..., 1, :] << 4)).astype(np.uint8)
 
 
+def _pack_q5_0(codes: np.ndarray) -> np.ndarray:
+    """Codes [N, 32] (0..31) as Q5_0's 4 high-bit bytes and 16 nibble bytes."""
+    high = np.packbits((codes >> 4).astype(np.uint8), axis=1, bitorder="little")
+    return np.concatenate([high, _nibbles((codes & 0xF).reshape(-1, 2, 16))], axis=1)
+
+
+def _pack_q3_k(codes: np.ndarray) -> np.ndarray:
+    """Codes [n, 256] (0..7) as Q3_K's 32-byte high-bit mask and 64 bytes of low 2 bits."""
+    n = codes.shape[0]
+    codes = codes.reshape(n, 8, 32)
+    hmask = sum((codes[:, b] >> 2 & 1) << b for b in range(8)).astype(np.uint8)
+    low = (codes & 3).reshape(n, 2, 4, 32)
+    qs = sum(low[:, :, k] << (2 * k) for k in range(4)).astype(np.uint8).reshape(n, 64)
+    return np.concatenate([hmask, qs], axis=1)
+
+
+def _pack_q4_k(codes: np.ndarray) -> np.ndarray:
+    """Codes [n, 256] (0..15) as Q4_K's 128 nibble bytes."""
+    n = codes.shape[0]
+    return _nibbles(codes.reshape(n, 4, 2, 32)).reshape(n, 128)
+
+
+def _pack_q6_k(codes: np.ndarray) -> np.ndarray:
+    """Codes [n, 256] (0..63) as Q6_K's 128 bytes of low 4 bits and 64 of high 2 bits."""
+    n = codes.shape[0]
+    codes = codes.reshape(n, 2, 4, 32).astype(np.uint8)
+    low = codes & 0xF
+    ql = np.concatenate([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)],
+                        axis=2).reshape(n, 128)
+    high = codes >> 4
+    qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6))
+    return np.concatenate([ql, qh.reshape(n, 64)], axis=1)
+
+
+def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    return _nibbles(codes.reshape(-1, 2, 16))
+
+
+# Where each type keeps its codes in a block's bytes, how to pack them, and their range
+# (code q stands for the integer q - offset on the block's grid).
+_CODES: dict[QType, tuple[slice, object, int, int]] = {
+    QType.Q4_0: (slice(2, 18), _pack_nibbles, 16, 8),
+    QType.Q4_1: (slice(4, 20), _pack_nibbles, 16, 0),
+    QType.Q5_0: (slice(2, 22), _pack_q5_0, 32, 16),
+    QType.Q3_K: (slice(0, 96), _pack_q3_k, 8, 4),
+    QType.Q4_K: (slice(16, 144), _pack_q4_k, 16, 0),
+    QType.Q6_K: (slice(0, 192), _pack_q6_k, 64, 32),
+}
+REPLACEABLE_CODES = frozenset(_CODES)
+
+
+def code_range(qtype: QType) -> tuple[int, int]:
+    """Number of codes and the offset: code q stands for q - offset times the element's step."""
+    _, _, levels, offset = _CODES[qtype]
+    return levels, offset
+
+
+def replace_codes(blocks: np.ndarray, qtype: QType, codes: np.ndarray) -> np.ndarray:
+    """``blocks`` [N, type bytes] of ``qtype`` with their codes replaced by ``codes`` [N, block]
+    (0..levels-1) and their scales (and minimums) kept: how a rounding other than the fit's own,
+    GPTQ's, is written into the fitted blocks."""
+    where, pack, levels, _ = _CODES[qtype]
+    if codes.min() < 0 or codes.max() >= levels:
+        raise ValueError(f"{qtype.name} codes must lie in 0..{levels - 1}")
+    out = blocks.copy()
+    out[:, where] = pack(codes.astype(np.int32))
+    return out
+
+
 def _row_weights(rows: np.ndarray, importance: np.ndarray) -> np.ndarray:
     """llama.cpp's per-value weight for the 32-blocks: imp_j * sqrt(sigma^2 + x_j^2), sigma^2
     the row's mean square."""
@@ -228,22 +297,19 @@ def _row_weights(rows: np.ndarray, importance: np.ndarray) -> np.ndarray:
 def _q4_0(rows: np.ndarray, importance: np.ndarray) -> np.ndarray:
     w = _row_weights(rows, importance).reshape(-1, 32)
     d, codes = _symmetric(rows.reshape(-1, 32), 8, w)
-    return np.concatenate([_half_bytes(d), _nibbles(codes.reshape(-1, 2, 16))], axis=1)
+    return np.concatenate([_half_bytes(d), _pack_nibbles(codes)], axis=1)
 
 
 def _q4_1(rows: np.ndarray, importance: np.ndarray) -> np.ndarray:
     w = _row_weights(rows, importance).reshape(-1, 32)
     d, lo, codes = _asymmetric(rows.reshape(-1, 32), 15, w, -0.9, 0.05, 36, clamp_to_range=True)
-    return np.concatenate([_half_bytes(d), _half_bytes(lo), _nibbles(codes.reshape(-1, 2, 16))],
-                          axis=1)
+    return np.concatenate([_half_bytes(d), _half_bytes(lo), _pack_nibbles(codes)], axis=1)
 
 
 def _q5_0(rows: np.ndarray, importance: np.ndarray) -> np.ndarray:
     w = _row_weights(rows, importance).reshape(-1, 32)
     d, codes = _symmetric(rows.reshape(-1, 32), 16, w)
-    high = np.packbits((codes >> 4).astype(np.uint8), axis=1, bitorder="little")
-    return np.concatenate([_half_bytes(d), high, _nibbles((codes & 0xF).reshape(-1, 2, 16))],
-                          axis=1)
+    return np.concatenate([_half_bytes(d), _pack_q5_0(codes)], axis=1)
 
 
 def _q3_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
@@ -273,15 +339,12 @@ def _q3_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
     ok = sub_d != 0
     with np.errstate(divide="ignore", invalid="ignore"):
         requant = np.clip(_nearest(x / _safe(sub_d, ok)[..., None]), -4, 3) + 4
-    codes = np.where(ok[..., None], requant, codes.reshape(n, 16, 16)).reshape(n, 8, 32)
-    hmask = sum((codes[:, b] >> 2 & 1) << b for b in range(8)).astype(np.uint8)
-    low = (codes & 3).reshape(n, 2, 4, 32)
-    qs = sum(low[:, :, k] << (2 * k) for k in range(4)).astype(np.uint8).reshape(n, 64)
+    codes = np.where(ok[..., None], requant, codes.reshape(n, 16, 16)).reshape(n, 256)
     packed = np.empty((n, 12), dtype=np.uint8)
     packed[:, :8] = (ls[:, :8] & 0xF) | ((ls[:, 8:] & 0xF) << 4)
     high = (ls >> 4).reshape(n, 4, 4)  # [quarter, r]: scale 4*quarter + r
     packed[:, 8:] = sum(high[:, q] << (2 * q) for q in range(4))
-    return np.concatenate([hmask, qs, packed, _half_bytes(d16)], axis=1)
+    return np.concatenate([_pack_q3_k(codes), packed, _half_bytes(d16)], axis=1)
 
 
 def _q4_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
@@ -323,7 +386,7 @@ def _q4_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
     packed[:, 4:8] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
     packed[:, 8:12] = (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)
     return np.concatenate([_half_bytes(d16), _half_bytes(dmin16), packed,
-                           _nibbles(codes.reshape(n, 4, 2, 32)).reshape(n, 128)], axis=1)
+                           _pack_q4_k(codes.reshape(n, 256))], axis=1)
 
 
 def _q6_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
@@ -348,13 +411,8 @@ def _q6_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         requant = np.clip(_nearest(x / _safe(sub_d, ok)[..., None]), -32, 31) + 32
     codes = np.where(ok[..., None], requant, codes.reshape(n, 16, 16))
-    codes = np.where(live[:, None, None], codes, 0).reshape(n, 2, 4, 32).astype(np.uint8)
-    low = codes & 0xF
-    ql = np.concatenate([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)],
-                        axis=2).reshape(n, 128)
-    high = codes >> 4
-    qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6))
-    return np.concatenate([ql, qh.reshape(n, 64), sc.astype(np.int8).view(np.uint8),
+    codes = np.where(live[:, None, None], codes, 0).reshape(n, 256)
+    return np.concatenate([_pack_q6_k(codes), sc.astype(np.int8).view(np.uint8),
                            _half_bytes(d16)], axis=1)
 
 

@@ -34,6 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from thresher.errors import ExportError, UnsupportedArchitectureError
+from thresher.export.block_gptq import GPTQ_TYPES, gptq_quantize
 from thresher.export.block_quants import IMPORTANCE_WEIGHTED, QK_K, quantize
 from thresher.export.imatrix import ImportanceMatrix
 from thresher.formats.awq import unpack_awq
@@ -139,6 +140,7 @@ class GGUFExport:
     wall_seconds: float = 0.0
     peak_rss_mb: float = 0.0
     imatrix: bool = False
+    gptq: bool = False  # block codes rounded by GPTQ against each matrix's Hessian
     lossless: bool = False  # GPTQ/AWQ codes handed to Q4_1 without requantizing
     types: dict[str, str] = field(default_factory=dict)  # GGUF tensor name -> its block type
 
@@ -175,8 +177,11 @@ class _Tensor:
             out[e] = reader.get(key).float().numpy()
         return out
 
-    def encode(self, reader: CheckpointReader, importance: ImportanceMatrix | None) -> np.ndarray:
-        """The tensor's data as the file stores it (blocks as uint8, plain types as numbers)."""
+    def encode(self, reader: CheckpointReader, importance: ImportanceMatrix | None,
+               gptq: bool = False, gptq_scales: str = "imatrix") -> np.ndarray:
+        """The tensor's data as the file stores it (blocks as uint8, plain types as numbers).
+        ``gptq`` rounds each matrix that has a Hessian by GPTQ into its fitted blocks; a matrix
+        without one (an expert no calibration token reached) keeps the weighted fit."""
         if self.packed is not None:
             blocks = np.stack([_handoff_q4_1(reader, key, self.packed) for key in self.keys])
             if self.rotary_heads:  # rows move whole: a block lies within one row
@@ -186,10 +191,21 @@ class _Tensor:
         if importance is None or self.qtype not in IMPORTANCE_WEIGHTED:
             return quantize(weights, self.qtype)
         rows = self.importance(importance)
+        hessians: list[np.ndarray | None] = [None] * len(self.keys)
+        if gptq and self.qtype in GPTQ_TYPES:
+            hessians = [importance.hessian(key) for key in self.keys]
+
+        def one(w: np.ndarray, imp: np.ndarray | None, h: np.ndarray | None) -> np.ndarray:
+            if h is None:
+                return quantize(w, self.qtype, imp)
+            return gptq_quantize(w.reshape(-1, w.shape[-1]), self.qtype, h,
+                                 scales=gptq_scales)[0].reshape(
+                *w.shape[:-1], -1)
+
         if not self.stacked:
-            return quantize(weights, self.qtype, rows[0])
-        return np.stack([quantize(w, self.qtype, imp)
-                         for w, imp in zip(weights, rows, strict=True)])
+            return one(weights, rows[0], hessians[0])
+        return np.stack([one(w, imp, h)
+                         for w, imp, h in zip(weights, rows, hessians, strict=True)])
 
     def importance(self, importance: ImportanceMatrix) -> list[np.ndarray | None]:
         """The importance of this tensor's input columns, one vector per matrix (per expert of a
@@ -199,8 +215,8 @@ class _Tensor:
 
 
 def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", *,
-                importance: ImportanceMatrix | None = None,
-                show_progress: bool = True) -> GGUFExport:
+                importance: ImportanceMatrix | None = None, gptq: bool = False,
+                gptq_scales: str = "imatrix", show_progress: bool = True) -> GGUFExport:
     """Write the checkpoint in ``model_dir`` to the GGUF file ``out`` (which must not exist)
     with its weight matrices in ``gguf_type``; norms and routers stay F32.
 
@@ -208,7 +224,12 @@ def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", 
     K-quants and Q4_0/Q4_1/Q5_0 as llama.cpp's ``--imatrix`` does. A GPTQ or AWQ artifact with
     4-bit codes in groups of 32 exports to ``q4_1`` without requantizing: its codes and scales
     become the Q4_1 blocks, and its 16-bit embeddings and head are quantized to Q6_K (Q8_0 for
-    rows that are not whole super-blocks), the types llama.cpp's own Q4_1 gives them."""
+    rows that are not whole super-blocks), the types llama.cpp's own Q4_1 gives them.
+
+    ``gptq`` (with an ``importance`` collected with ``hessians=True``) keeps the weighted fit's
+    block scales and rounds the values by GPTQ against each matrix's full Hessian
+    (``block_gptq``) for Q4_0, Q4_1, Q5_0, Q3_K, Q4_K and Q6_K tensors; ``gptq_scales="plain"``
+    takes the block scales from the plain fit instead."""
     model_dir, out, gguf_type = Path(model_dir), Path(out), gguf_type.lower()
     gtype = _gguf_type(gguf_type)
     config = load_config(model_dir)
@@ -217,6 +238,9 @@ def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", 
                           "budget prune); GGUF holds one expert count per model")
     adapter = get_adapter(config)
     arch = _architecture(adapter, config, model_dir)
+    if gptq and (importance is None or importance.hessians is None):
+        raise ExportError("GPTQ rounding needs an importance matrix collected with its Hessians "
+                          "(compute_importance(..., hessians=True))")
     fmt = _handoff_format(packed_format(config, model_dir), model_dir, gguf_type, importance)
     if fmt is not None:
         gtype = HANDOFF_TYPE
@@ -241,7 +265,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", 
                 writer.write_kv_data_to_file()
                 writer.write_ti_data_to_file()
                 for tensor in tqdm(plan, desc=f"GGUF {gguf_type}", disable=not show_progress):
-                    writer.write_tensor_data(tensor.encode(reader, importance))
+                    writer.write_tensor_data(tensor.encode(reader, importance, gptq, gptq_scales))
                     reader.close()
             finally:
                 writer.close()
@@ -252,7 +276,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", 
     result = GGUFExport(path=str(out), type=gguf_type, architecture=gguf.MODEL_ARCH_NAMES[arch.arch],
                         num_experts=adapter.num_experts(config), tensors=len(plan),
                         file_bytes=out.stat().st_size, wall_seconds=usage.wall_seconds,
-                        peak_rss_mb=usage.peak_rss_mb, imatrix=importance is not None,
+                        peak_rss_mb=usage.peak_rss_mb, imatrix=importance is not None, gptq=gptq,
                         lossless=fmt is not None,
                         types={t.name: t.qtype.name for t in plan})
     log.info("exported %s -> %s (%s, %d tensors, %.1f MB, %.1f s)", model_dir, out, gguf_type,

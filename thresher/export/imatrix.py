@@ -6,6 +6,10 @@ Routed experts see only the tokens routed to them (their gate and up projections
 block's input, their down projection act(gate x) * up x), so each expert has its own row, as in
 llama.cpp's imatrix for ``ffn_*_exps``. The full-precision model runs layer by layer, as the
 quantizers' calibration does, so memory stays near one decoder layer.
+
+With ``hessians`` the pass also keeps each matrix's full second moment E[x x^T] (its diagonal is
+the importance), which GGUF's GPTQ rounding (``block_gptq``) compensates errors against: one
+[C, C] matrix per weight matrix, expert matrices included.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ class ImportanceMatrix:
     tokens: dict[str, int] = field(default_factory=dict)
     windows: int = 0
     dataset: str = ""
+    hessians: dict[str, torch.Tensor] | None = None  # key -> sum x x^T, when collected
+
 
     def add(self, key: str, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
@@ -44,6 +50,11 @@ class ImportanceMatrix:
             self.tokens[key] = 0
         self.sums[key] += (x * x).sum(dim=0).double()
         self.tokens[key] += x.shape[0]
+        if self.hessians is not None:
+            xd = x.double()
+            if key not in self.hessians:
+                self.hessians[key] = torch.zeros(x.shape[-1], x.shape[-1], dtype=torch.float64)
+            self.hessians[key] += xd.T @ xd
 
     def get(self, key: str) -> np.ndarray | None:
         """The importance of ``key``'s input columns; None if no calibration token reached it
@@ -53,21 +64,31 @@ class ImportanceMatrix:
             return None
         return (self.sums[key] / count).float().numpy()
 
+    def hessian(self, key: str) -> np.ndarray | None:
+        """E[x x^T] of ``key``'s inputs [C, C] (float32); None if not collected or no token
+        reached it."""
+        count = self.tokens.get(key, 0)
+        if self.hessians is None or count == 0:
+            return None
+        return (self.hessians[key] / count).float().numpy()
+
     def __len__(self) -> int:
         return sum(1 for n in self.tokens.values() if n)
 
 
 def compute_importance(model_dir: str | Path, calibration: CalibrationConfig | None = None, *,
                        windows: torch.Tensor | None = None, batch_size: int = 8,
-                       show_progress: bool = True) -> ImportanceMatrix:
+                       show_progress: bool = True, hessians: bool = False) -> ImportanceMatrix:
     """Run the calibration windows through the plain checkpoint in ``model_dir`` and collect the
-    importance of every weight matrix's inputs (the output head's too; not the embeddings').
+    importance of every weight matrix's inputs (the output head's too; not the embeddings');
+    ``hessians`` keeps their full second moments too, for GPTQ rounding.
     ``windows`` (token ids [N, S]) runs those instead, for a caller that has them tokenized."""
     calibration = calibration or CalibrationConfig()
     lw = LayerwiseModel(model_dir)
     if windows is None:
         windows = calibration_windows(load_tokenizer(model_dir), calibration)
-    imatrix = ImportanceMatrix(windows=int(windows.shape[0]), dataset=str(calibration.source))
+    imatrix = ImportanceMatrix(windows=int(windows.shape[0]), dataset=str(calibration.source),
+                               hessians={} if hessians else None)
     lw.load_outer()
     with torch.no_grad():
         hidden = [lw.embed(b) for b in windows.split(batch_size)]

@@ -197,9 +197,11 @@ def _run_variant(recipe: Recipe, variant: Variant, base_path: str, base_hash: st
             if note is not None:  # also the lead of the artifact's README.md
                 get_run_logger().warning("variant %s: %s", variant.name, note)
             if "gguf" in recipe.publish.formats:
-                calibration = recipe.calibration if recipe.publish.gguf_imatrix else None
+                gguf_cal = recipe.publish.gguf_imatrix or recipe.publish.gguf_gptq
+                calibration = recipe.calibration if gguf_cal else None
                 for gguf_file in publish_gguf(artifact, content_hash, str(publish_root),
-                                              variant.name, recipe.publish.gguf_types, calibration):
+                                              variant.name, recipe.publish.gguf_types, calibration,
+                                              gptq=recipe.publish.gguf_gptq):
                     tracker.log_artifact(run_id, gguf_file, artifact_path="gguf")
             if recipe.publish.registry_name:
                 name = f"{recipe.publish.registry_name}-{variant.name}"

@@ -158,9 +158,11 @@ def publish_artifact(path: str, content_hash: str, dest_root: str, variant: str,
 @task(name="publish-gguf", retries=1, retry_delay_seconds=5,
       retry_condition_fn=_retry_unless_user_error, task_run_name="publish-gguf-{variant}")
 def publish_gguf(artifact: str, content_hash: str, dest_root: str, variant: str,
-                 types: list[str], calibration: CalibrationConfig | None) -> list[str]:
+                 types: list[str], calibration: CalibrationConfig | None,
+                 gptq: bool = False) -> list[str]:
     """GGUF files of a published variant in ``dest_root/variant.gguf/`` (one per type, with an
-    importance matrix from ``calibration`` when given); rebuilt only when the artifact changed.
+    importance matrix from ``calibration`` when given, and blocks rounded by GPTQ against its
+    Hessians with ``gptq``); rebuilt only when the artifact or ``gptq`` changed.
     A GPTQ/AWQ artifact is handed to q4_1 as it is, or skipped with a warning if its groups are
     not Q4_1's 32."""
     from thresher.errors import ExportError
@@ -169,23 +171,25 @@ def publish_gguf(artifact: str, content_hash: str, dest_root: str, variant: str,
 
     dest = Path(dest_root) / f"{variant}.gguf"
     stamp = dest / "source.json"
-    if stamp.is_file() and json.loads(stamp.read_text()).get("content_hash") == content_hash:
+    source = {"content_hash": content_hash, **({"gptq": True} if gptq else {})}
+    if stamp.is_file() and json.loads(stamp.read_text()) == source:
         return sorted(str(p) for p in dest.glob("*.gguf"))
     packed = packed_format(load_config(artifact), artifact) is not None
     types = ["q4_1"] if packed else types
-    importance = (compute_importance(artifact, calibration, show_progress=False)
+    importance = (compute_importance(artifact, calibration, show_progress=False, hessians=gptq)
                   if calibration is not None and not packed else None)
     dest.parent.mkdir(parents=True, exist_ok=True)
     with build_dir_atomically(dest) as building:
         for gguf_type in types:
             try:
                 export_gguf(artifact, building / f"{variant}-{gguf_type}.gguf", gguf_type,
-                            importance=importance, show_progress=False)
+                            importance=importance, gptq=gptq and importance is not None,
+                            show_progress=False)
             except ExportError as err:
                 if not packed:
                     raise
                 log.warning("%s: no GGUF file: %s", variant, err)
-        (building / "source.json").write_text(json.dumps({"content_hash": content_hash}))
+        (building / "source.json").write_text(json.dumps(source))
     return sorted(str(p) for p in dest.glob("*.gguf"))
 
 

@@ -1,0 +1,163 @@
+"""GPTQ's rounding into ggml's block grids: Q4_0, Q4_1, Q5_0, Q3_K, Q4_K and Q6_K with the error
+of each rounded column compensated in the columns not yet rounded (Frantar et al., arXiv
+2210.17323), against the full Hessian H = E[x x^T] of the matrix's inputs.
+
+The importance matrix is H's diagonal: it weights each value's rounding error as if the inputs'
+columns were uncorrelated, and on thresher's models it does not beat plain rounding at 3-4 bits.
+GPTQ uses the correlations. The grids are fixed first ("static groups"): every block's scale
+(and minimum, and a K-quant's sub-block scales) come from the importance-weighted fit of the
+float weights that ``block_quants`` makes, then GPTQ's column loop rounds column j of each row to
+the nearest value of that row's block grid and spreads the error over the later columns with the
+upper Cholesky factor of H^-1 (dampened as thresher's GPTQ dampens it, lazy batches of 128
+columns). The chosen codes replace the fit's codes in the blocks, so the file dequantizes to
+exactly the weights the loop produced.
+
+``thresher.compress`` has the same loop for its own grids; the import layers keep ``export``
+beside ``compress``, not above it, so this module has its own copy of the few lines it needs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Literal
+
+import gguf
+import numpy as np
+import torch
+
+from thresher.export.block_quants import QType, code_range, quantize, replace_codes
+
+log = logging.getLogger(__name__)
+
+GPTQ_TYPES = frozenset({QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q3_K, QType.Q4_K, QType.Q6_K})
+DAMP_PERCENT = 0.01  # thresher's GPTQ default (recipe ``damp_percent``)
+DAMP_RETRIES = 3
+LAZY_BLOCK = 128
+ONE_THREAD_BELOW = 1 << 22  # matrices smaller than this (values) loop on one thread
+
+
+def gptq_quantize(weights: np.ndarray, qtype: QType, hessian: np.ndarray, *,
+                  scales: Literal["imatrix", "plain"] = "imatrix",
+                  damp_percent: float = DAMP_PERCENT,
+                  block_size: int = LAZY_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """``weights`` [rows, C] as ``qtype`` blocks rounded by GPTQ against ``hessian`` [C, C] (the
+    inputs' second moment); returns the blocks [rows, bytes per row] and the weights they hold
+    (fp32, what ``gguf.quants.dequantize`` gives back). ``scales``: the blocks' scales from the
+    fit weighted by H's diagonal (the importance matrix) or from the plain fit."""
+    if qtype not in GPTQ_TYPES:
+        raise ValueError(f"{qtype.name} has no GPTQ rounding")
+    rows, cols = weights.shape
+    if hessian.shape != (cols, cols):
+        raise ValueError(f"hessian has shape {hessian.shape}, expected ({cols}, {cols})")
+    block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    weights = np.ascontiguousarray(weights, dtype=np.float32)
+    diag = np.diag(hessian).astype(np.float32)
+    blocks = quantize(weights, qtype, diag if scales == "imatrix" else None)
+    blocks = blocks.reshape(-1, type_bytes)
+    step, base = block_grid(blocks, qtype)
+    levels, offset = code_range(qtype)
+    with _threads_for(rows * cols):
+        codes, values = _column_loop(torch.from_numpy(weights), torch.from_numpy(hessian).float(),
+                                     torch.from_numpy(step.reshape(rows, cols)),
+                                     torch.from_numpy(base.reshape(rows, cols)), -offset,
+                                     levels - 1 - offset, damp_percent, block_size)
+    blocks = replace_codes(blocks, qtype, (codes + offset).reshape(-1, block))
+    return blocks.reshape(rows, -1), values
+
+
+def block_grid(blocks: np.ndarray, qtype: QType) -> tuple[np.ndarray, np.ndarray]:
+    """Each value's grid in fitted blocks [N, type bytes]: value = step * (q - offset) + base in
+    fp32, the operations ggml's dequantizer makes, so a value from it is the file's value."""
+    levels, offset = code_range(qtype)
+    n = blocks.shape[0]
+    if qtype == QType.Q4_1:
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        return np.repeat(d, 32, axis=1), np.repeat(m, 32, axis=1)
+    if qtype == QType.Q4_K:
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, mn = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())
+        step = d * sc.astype(np.float32)
+        base = -(dmin * mn.astype(np.float32))
+        return np.repeat(step, 32, axis=1), np.repeat(base, 32, axis=1)
+    # symmetric grids: value = step * (q - offset), and the code one above the offset gives step
+    ones = np.full((n, gguf.GGML_QUANT_SIZES[qtype][0]), offset + 1, dtype=np.int32)
+    step = gguf.quants.dequantize(replace_codes(blocks, qtype, ones), qtype).reshape(n, -1)
+    return step.astype(np.float32), np.zeros_like(step, dtype=np.float32)
+
+
+def output_error(weights: np.ndarray, quantized: np.ndarray, hessian: np.ndarray) -> float:
+    """tr((W - Q) H (W - Q)^T): the summed squared error of the matrix's outputs over inputs with
+    second moment ``hessian``."""
+    diff = torch.from_numpy(np.asarray(weights, np.float32) - np.asarray(quantized, np.float32))
+    diff = diff.double()
+    return float(((diff @ torch.from_numpy(hessian).double()) * diff).sum())
+
+
+def _column_loop(W: torch.Tensor, H: torch.Tensor, step: torch.Tensor, base: torch.Tensor,
+                 lo: int, hi: int, damp_percent: float,
+                 block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """GPTQ's loop over columns with every value's grid fixed: returns the integers (lo..hi) and
+    the values step * int + base (fp32, rounded as ggml rounds them)."""
+    W = W.clone()
+    rows, cols = W.shape
+    H = H.clone()
+    dead = torch.diag(H) == 0  # a column no calibration input touched: its error costs nothing
+    H[dead, dead] = 1
+    Hinv = _inverse_cholesky(H, damp_percent)
+    ints = torch.zeros(rows, cols, dtype=torch.int32)
+    values = torch.zeros(rows, cols, dtype=torch.float32)
+    live = step != 0
+    safe = torch.where(live, step, torch.ones_like(step))
+    for i1 in range(0, cols, block_size):
+        i2 = min(i1 + block_size, cols)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            w = W1[:, i]
+            k = torch.round((w - base[:, col]) / safe[:, col]).clamp_(lo, hi)
+            k = torch.where(live[:, col], k, torch.zeros_like(k))
+            q = step[:, col] * k + base[:, col]
+            ints[:, col] = k.to(torch.int32)
+            values[:, col] = q
+            err = (w - q) / Hinv1[i, i]
+            W1[:, i:] -= err.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    return ints.numpy(), values.numpy()
+
+
+@contextmanager
+def _threads_for(size: int) -> Iterator[None]:
+    """One torch thread for a small matrix: the loop's per-column operations on a few hundred
+    values cost more in thread hand-offs than they gain (60x slower on a loaded 2-core CPU)."""
+    before = torch.get_num_threads()
+    if size < ONE_THREAD_BELOW and before > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _inverse_cholesky(H: torch.Tensor, damp_percent: float) -> torch.Tensor:
+    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1, with 10x more dampening on
+    each retry, as thresher's GPTQ factors it."""
+    mean_diag = torch.mean(torch.diag(H))
+    eye = torch.eye(H.shape[0])
+    for attempt in range(DAMP_RETRIES + 1):
+        percent = damp_percent * 10**attempt
+        L, info = torch.linalg.cholesky_ex(H + percent * mean_diag * eye)
+        if info == 0 and torch.isfinite(L).all():
+            U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            if info == 0 and torch.isfinite(U).all():
+                if attempt:
+                    log.warning("GGUF GPTQ: the Hessian needed dampening %.3g to factor", percent)
+                return U
+    raise ValueError(f"the Hessian is not positive definite even with dampening "
+                     f"{damp_percent * 10**DAMP_RETRIES:.3g}")
