@@ -17,10 +17,10 @@ import torch
 from thresher.compress.quantizer import GridSpec, dequantize, fit_grid, quantize
 from thresher.errors import CompressionError
 from thresher.formats.quantized import QuantizedWeight
+from thresher.models.hessian import DAMP_RETRIES, damped_inverse_cholesky
 
 log = logging.getLogger(__name__)
 
-DAMP_RETRIES = 3  # each retry multiplies the dampening by 10
 
 
 class GPTQ:
@@ -60,23 +60,17 @@ class GPTQ:
 
     def _inverse_cholesky(self, H: torch.Tensor, damp_percent: float) -> torch.Tensor:
         """Upper Cholesky factor of (H + damp * I)^-1, retrying with more dampening if needed."""
-        mean_diag = torch.mean(torch.diag(H))
-        eye = torch.eye(self.columns, device=H.device)
-        for attempt in range(DAMP_RETRIES + 1):
-            percent = damp_percent * 10**attempt
-            L, info = torch.linalg.cholesky_ex(H + percent * mean_diag * eye)
-            if info == 0 and torch.isfinite(L).all():
-                Hinv = torch.cholesky_inverse(L)
-                U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
-                if info == 0 and torch.isfinite(U).all():
-                    if attempt:
-                        log.warning("%s: Hessian needed dampening %.3g to factor", self.name, percent)
-                    return U
-        raise CompressionError(
-            f"{self.name}: the GPTQ Hessian is not positive definite even with dampening "
-            f"{damp_percent * 10**DAMP_RETRIES:.3g} (calibration activations may contain inf/nan); "
-            "check the calibration data or raise damp_percent"
-        )
+        factored = damped_inverse_cholesky(H, damp_percent)
+        if factored is None:
+            raise CompressionError(
+                f"{self.name}: the GPTQ Hessian is not positive definite even with dampening "
+                f"{damp_percent * 10**DAMP_RETRIES:.3g} (calibration activations may contain "
+                "inf/nan); check the calibration data or raise damp_percent"
+            )
+        U, percent = factored
+        if percent != damp_percent:
+            log.warning("%s: Hessian needed dampening %.3g to factor", self.name, percent)
+        return U
 
     @torch.no_grad()
     def quantize(self, weight: torch.Tensor, spec: GridSpec, group_size: int = -1,

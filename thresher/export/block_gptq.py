@@ -28,12 +28,12 @@ import numpy as np
 import torch
 
 from thresher.export.block_quants import QType, code_range, quantize, replace_codes
+from thresher.models.hessian import DAMP_RETRIES, damped_inverse_cholesky
 
 log = logging.getLogger(__name__)
 
 GPTQ_TYPES = frozenset({QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q3_K, QType.Q4_K, QType.Q6_K})
 DAMP_PERCENT = 0.01  # thresher's GPTQ default (recipe ``damp_percent``)
-DAMP_RETRIES = 3
 LAZY_BLOCK = 128
 ONE_THREAD_BELOW = 1 << 22  # matrices smaller than this (values) loop on one thread
 
@@ -146,18 +146,12 @@ def _threads_for(size: int) -> Iterator[None]:
 
 
 def _inverse_cholesky(H: torch.Tensor, damp_percent: float) -> torch.Tensor:
-    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1, with 10x more dampening on
-    each retry, as thresher's GPTQ factors it."""
-    mean_diag = torch.mean(torch.diag(H))
-    eye = torch.eye(H.shape[0])
-    for attempt in range(DAMP_RETRIES + 1):
-        percent = damp_percent * 10**attempt
-        L, info = torch.linalg.cholesky_ex(H + percent * mean_diag * eye)
-        if info == 0 and torch.isfinite(L).all():
-            U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
-            if info == 0 and torch.isfinite(U).all():
-                if attempt:
-                    log.warning("GGUF GPTQ: the Hessian needed dampening %.3g to factor", percent)
-                return U
-    raise ValueError(f"the Hessian is not positive definite even with dampening "
-                     f"{damp_percent * 10**DAMP_RETRIES:.3g}")
+    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1, as thresher's GPTQ factors it."""
+    factored = damped_inverse_cholesky(H, damp_percent)
+    if factored is None:
+        raise ValueError(f"the Hessian is not positive definite even with dampening "
+                         f"{damp_percent * 10**DAMP_RETRIES:.3g}")
+    U, percent = factored
+    if percent != damp_percent:
+        log.warning("GGUF GPTQ: the Hessian needed dampening %.3g to factor", percent)
+    return U
