@@ -29,13 +29,12 @@ from pathlib import Path
 
 import gguf
 import torch
+from gguf_quality import llama_cpp_losses
 
 from thresher.data.windows import eval_windows
-from thresher.evaluate.perplexity import window_nll
 from thresher.export import ImportanceMatrix, compute_importance, export_gguf
 from thresher.export.block_gptq import gptq_quantize, output_error
 from thresher.export.block_quants import quantize
-from thresher.export.llama_runtime import LlamaCppModel
 from thresher.models import resolve_model
 from thresher.models.checkpoint import CheckpointReader
 from thresher.models.loading import load_tokenizer
@@ -81,9 +80,7 @@ def main() -> None:
                                      importance=None if rounding == "plain" else importance,
                                      gptq=rounding.startswith("gptq"),
                                      gptq_scales="plain" if "plain" in rounding else "imatrix")
-                llm = LlamaCppModel(out, n_ctx=windows.shape[1], n_threads=args.threads)
-                losses = torch.cat([window_nll(llm.logits(b), b) for b in windows.split(8)])
-                llm.close()
+                losses = llama_cpp_losses(out, windows, args.threads)
                 out.unlink()
                 ppl = math.exp(float(losses.sum()) / tokens)
                 if plain is None:

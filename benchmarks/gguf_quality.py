@@ -48,6 +48,15 @@ LLAMA_QUANTIZE = {"q4_1": 3, "q4_k_m": 15, "q3_k_m": 12}
 PROMPT = [5, 17, 300, 42, 9, 77, 1023, 400, 12, 3, 250, 61, 8, 99, 150, 31]
 
 
+def llama_cpp_losses(path: Path, windows: torch.Tensor, threads: int | None) -> torch.Tensor:
+    """Each held-out window's next-token losses as llama.cpp computes them from the GGUF file
+    (the other GGUF benchmarks import this)."""
+    llm = LlamaCppModel(path, n_ctx=windows.shape[1], n_threads=threads)
+    losses = torch.cat([window_nll(llm.logits(batch), batch) for batch in windows.split(8)])
+    llm.close()
+    return losses
+
+
 def bits_per_weight(path: Path) -> float:
     tensors = gguf.GGUFReader(path).tensors
     return 8 * sum(int(t.n_bytes) for t in tensors) / sum(int(t.n_elements) for t in tensors)
@@ -160,10 +169,7 @@ def main() -> None:
         base = perplexity(load_model(model), windows, show_progress=False).perplexity
         rows, window_losses = [], {}
         for gguf_type, how, path, seconds in files:
-            llm = LlamaCppModel(path, n_ctx=windows.shape[1], n_threads=args.threads)
-            losses = torch.cat([window_nll(llm.logits(batch), batch)
-                                for batch in windows.split(8)])
-            llm.close()
+            losses = llama_cpp_losses(path, windows, args.threads)
             window_losses[(gguf_type, how)] = losses
             ppl = math.exp(float(losses.sum()) / (windows.numel() - windows.shape[0]))
             rows.append((gguf_type, how, path.stat().st_size / 1e6, bits_per_weight(path), ppl,

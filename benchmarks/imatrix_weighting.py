@@ -29,11 +29,10 @@ import tempfile
 from pathlib import Path
 
 import torch
+from gguf_quality import llama_cpp_losses
 
 from thresher.data.windows import eval_windows
-from thresher.evaluate.perplexity import window_nll
 from thresher.export import ImportanceMatrix, compute_importance, export_gguf
-from thresher.export.llama_runtime import LlamaCppModel
 from thresher.models import resolve_model
 from thresher.models.loading import load_tokenizer
 from thresher.recipe import CalibrationConfig, PerplexityConfig
@@ -130,9 +129,7 @@ def main() -> None:
                 out = root / f"{gguf_type}-{len(list(root.iterdir()))}.gguf"
                 export_gguf(model, out, gguf_type, show_progress=False,
                             importance=None if variant == "plain" else importance(variant))
-                llm = LlamaCppModel(out, n_ctx=windows.shape[1], n_threads=args.threads)
-                losses = torch.cat([window_nll(llm.logits(b), b) for b in windows.split(8)])
-                llm.close()
+                losses = llama_cpp_losses(out, windows, args.threads)
                 out.unlink()
                 ppl = math.exp(float(losses.sum()) / tokens)
                 if plain is None:
