@@ -42,3 +42,17 @@ def prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
         return engine.runner.model.logits(hidden)
     finally:
         engine.block_manager.free(seq)
+
+
+def assert_tracks_reference(llm: LLM, prompts: list[list[int]], fast: list[list[int]],
+                            fast_logits: list[torch.Tensor]) -> None:
+    """A fast kernel's greedy tokens, teacher-forced through the path now in force (the
+    reference): logits within 2% of their scale, each chosen token the best or within 1% of it
+    (a near-tie may flip between bf16 kernels and the fp32 reference)."""
+    for prompt, tokens, got in zip(prompts, fast, fast_logits, strict=True):
+        ref = prompt_logits(llm, prompt + tokens)
+        scale = ref.abs().max()
+        assert (got - ref).abs().max() < 0.02 * scale
+        steps = ref[len(prompt) - 1: -1]  # the logits that chose each generated token
+        chosen = steps.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+        assert (steps.max(1).values - chosen).max() < 0.01 * scale  # best, or a near-tie

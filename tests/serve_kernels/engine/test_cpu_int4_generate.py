@@ -14,9 +14,8 @@ from __future__ import annotations
 import json.decoder
 
 import pytest
-import torch
 
-from tests.serve_kernels.conftest import prompt_logits
+from tests.serve_kernels.conftest import assert_tracks_reference, prompt_logits
 from thresher.compress.api import quantize_model
 from thresher.recipe import CalibrationConfig, FilesSource, QuantizeStage
 from thresher.serve_kernels import LLM, SamplingParams
@@ -40,10 +39,4 @@ def test_int4_fast_path_greedy_tokens_match_reference(stage, tiny_demo, tmp_path
     fast = [o.token_ids for o in llm.generate(PROMPTS, params)]
     fast_logits = [prompt_logits(llm, p + f) for p, f in zip(PROMPTS, fast, strict=True)]
     monkeypatch.setenv("THRESHER_KERNELS", "torch")
-    for prompt, tokens, got in zip(PROMPTS, fast, fast_logits, strict=True):
-        ref = prompt_logits(llm, prompt + tokens)
-        scale = ref.abs().max()
-        assert (got - ref).abs().max() < 0.02 * scale
-        steps = ref[len(prompt) - 1: -1]  # the logits that chose each generated token
-        chosen = steps.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
-        assert (steps.max(1).values - chosen).max() < 0.01 * scale  # best, or a near-tie
+    assert_tracks_reference(llm, PROMPTS, fast, fast_logits)
