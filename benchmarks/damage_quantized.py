@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from prune_quality import print_columns
 
 from thresher.compress.api import quantize_model
 from thresher.data.demo_model import build_demo_model
@@ -90,10 +91,7 @@ def main() -> None:
     print(f"\nHeld-out perplexity, auto {int(args.ratio * 100)}% then 4-bit g{args.group_size} "
           f"({ppl_cfg.max_windows} windows of {args.seq_len} tokens; calibration {args.samples} x "
           f"{args.seq_len} stdlib train; {platform.machine()})\n")
-    print("| | " + " | ".join(size if "/" in size else f"demo:{size}" for size in columns) + " |")
-    print("|---|" + "---:|" * len(columns))
-    for label in next(iter(columns.values())):
-        print(f"| {label} | " + " | ".join(col[label] for col in columns.values()) + " |")
+    print_columns(columns)
 
 
 if __name__ == "__main__":

@@ -94,6 +94,14 @@ def measure(size: str, cal: CalibrationConfig, ppl_cfg: PerplexityConfig, seeds:
     return row
 
 
+def print_columns(columns: dict[str, dict[str, str]]) -> None:
+    """One markdown table: a row per label, a column per model (damage_quantized.py too)."""
+    print("| | " + " | ".join(size if "/" in size else f"demo:{size}" for size in columns) + " |")
+    print("|---|" + "---:|" * len(columns))
+    for label in next(iter(columns.values())):
+        print(f"| {label} | " + " | ".join(col[label] for col in columns.values()) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sizes", nargs="*", default=["tiny", "small"],
@@ -114,10 +122,7 @@ def main() -> None:
     print(f"Held-out perplexity after pruning ({ppl_cfg.max_windows} windows of {args.seq_len} "
           f"tokens; calibration {args.samples} x {args.seq_len} stdlib train; random = mean "
           f"(range) of {args.seeds} seeds; {platform.machine()})\n")
-    print("| | " + " | ".join(size if "/" in size else f"demo:{size}" for size in columns) + " |")
-    print("|---|" + "---:|" * len(columns))
-    for label in next(iter(columns.values())):
-        print(f"| {label} | " + " | ".join(col[label] for col in columns.values()) + " |")
+    print_columns(columns)
 
 
 if __name__ == "__main__":
