@@ -117,18 +117,14 @@ def gguf_bytes_per_token(path: Path, experts: int, top_k: int) -> int:
     return total
 
 
-def llama_decode_rate(path: Path, tokens: int, threads: int) -> float:
-    """llama.cpp's greedy decode tokens per second at batch 1, prompt excluded (best of two)."""
-    llm = LlamaCppModel(path, n_ctx=len(PROMPT) + tokens + 8, n_threads=threads)
-    try:
-        llm.greedy(PROMPT, 4)  # warm up
-        return max(llm.greedy(PROMPT, tokens)[1].tokens_per_second for _ in range(2))
-    finally:
-        llm.close()
+def llama_rate_sample(llm: LlamaCppModel, tokens: int) -> float:
+    """One llama.cpp greedy decode at batch 1: tokens per second, prompt excluded."""
+    return llm.greedy(PROMPT, tokens)[1].tokens_per_second
 
 
-def decode_rate(llm: LLM, concurrency: int, new_tokens: int) -> float:
-    """Decode tokens per second over ``concurrency`` sequences, prefill subtracted."""
+def engine_times(llm: LLM, concurrency: int, new_tokens: int) -> tuple[float, float]:
+    """Seconds to generate 1 and ``new_tokens + 1`` tokens for ``concurrency`` sequences (their
+    difference is the decode time with prefill left out)."""
     prompts = [[(t + i) % 4000 for t in PROMPT] for i in range(concurrency)]
 
     def run(n: int) -> float:
@@ -137,8 +133,38 @@ def decode_rate(llm: LLM, concurrency: int, new_tokens: int) -> float:
         llm.generate(prompts, params)
         return time.perf_counter() - start
 
-    run(2)  # warm up
-    return concurrency * new_tokens / (run(new_tokens + 1) - run(1))
+    return run(1), run(new_tokens + 1)
+
+
+def measure(engines: dict[str, LLM], llamas: dict[str, LlamaCppModel],
+            concurrency: list[int], tokens: int, repeats: int) -> dict[str, list[float | None]]:
+    """Decode tokens per second of every variant at every concurrency (llama.cpp: batch 1).
+
+    The variants take turns, one timed run each per round, for ``repeats`` rounds, so a busy
+    spell of a shared machine falls on all of them; each reports its best round (for the
+    engine, the fastest 1-token and N+1-token runs)."""
+    times: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    llama_rates: dict[str, list[float]] = {name: [] for name in llamas}
+    for llm in engines.values():  # warm up
+        for c in concurrency:
+            engine_times(llm, c, 2)
+    for llm in llamas.values():
+        llm.greedy(PROMPT, 4)
+    for _ in range(repeats):
+        for name, llm in engines.items():
+            for c in concurrency:
+                times.setdefault((name, c), []).append(engine_times(llm, c, tokens))
+        for name, llm in llamas.items():
+            llama_rates[name].append(llama_rate_sample(llm, tokens))
+    rates: dict[str, list[float | None]] = {}
+    for name in engines:
+        rates[name] = []
+        for c in concurrency:
+            first, full = zip(*times[(name, c)], strict=True)
+            rates[name].append(c * tokens / (min(full) - min(first)))
+    for name, samples in llama_rates.items():
+        rates[name] = [max(samples) if c == 1 else None for c in concurrency]
+    return rates
 
 
 def main() -> None:
@@ -149,13 +175,17 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=2048)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens timed per run")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="rounds; every variant is timed once per round, in turn, and its best "
+                         "round is reported (both runtimes)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                     help="engine dtypes of the 16-bit model")
     ap.add_argument("--formats", nargs="+", default=["gptq4", "awq4", "nf4"],
                     choices=list(QUANTIZE))
-    ap.add_argument("--quant-dtype", default="float32",
-                    help="engine dtype of the 4-bit rows (their kernels compute in bf16 either way)")
+    ap.add_argument("--quant-dtypes", nargs="+", default=["float32", "bfloat16"],
+                    help="engine dtypes of the 4-bit rows (their kernels compute in bf16 either "
+                         "way; the activations between them are in this dtype)")
     ap.add_argument("--gguf-types", nargs="*", default=["f16", "q8_0", "q4_0"],
                     help="llama.cpp rows (thresher's GGUF export of the same weights); none: skip")
     ap.add_argument("--dir", type=Path, default=None, help="where to build (default: a temp dir)")
@@ -180,7 +210,7 @@ def main() -> None:
         variants = [(f"engine 16-bit ({d})", src, d) for d in args.dtypes]
         for fmt in args.formats:
             out = root / fmt
-            variants.append((f"engine {NAMES[fmt]}", out, args.quant_dtype))
+            variants += [(f"engine {NAMES[fmt]} {d}", out, d) for d in args.quant_dtypes]
             if (out / "config.json").is_file():
                 continue
             cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(src),
@@ -200,21 +230,25 @@ def main() -> None:
                 ggufs.append((f"llama.cpp {gguf_type.upper()}", out))
         bandwidth = copy_bandwidth()
         rows: dict[str, tuple[int | None, list[float | None], str]] = {}
+        engines: dict[str, LLM] = {}
         for name, path, dtype in variants:
             try:
-                llm = LLM(path, dtype=dtype, max_num_seqs=max(args.concurrency))
-                rates: list[float | None] = [decode_rate(llm, c, args.tokens)
-                                             for c in args.concurrency]
+                engines[name] = LLM(path, dtype=dtype, max_num_seqs=max(args.concurrency))
             except Exception as exc:  # a dtype the engine cannot serve yet is reported, not fatal
                 rows[name] = (None, [], f"{type(exc).__name__}: {str(exc)[:60]}")
-                continue
+        max_tokens = len(PROMPT) + args.tokens + 8
+        llamas = {name: LlamaCppModel(path, n_ctx=max_tokens, n_threads=threads)
+                  for name, path in ggufs}
+        try:
+            rates = measure(engines, llamas, args.concurrency, args.tokens, args.repeats)
+        finally:
+            for llm in llamas.values():
+                llm.close()
+        for name, llm in engines.items():
             per_token = bytes_per_token(llm)
-            rows[name] = (per_token, rates, "" if per_token else "dequantizing reference")
-            del llm
+            rows[name] = (per_token, rates[name], "" if per_token else "dequantizing reference")
         for name, path in ggufs:
-            rate = llama_decode_rate(path, args.tokens, threads)
-            rates = [rate if c == 1 else None for c in args.concurrency]
-            rows[name] = (gguf_bytes_per_token(path, args.experts, args.top_k), rates,
+            rows[name] = (gguf_bytes_per_token(path, args.experts, args.top_k), rates[name],
                           "batch 1 only")
         print_table(args, size, bandwidth, threads, rows)
     finally:
@@ -224,15 +258,17 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
 
 
-RATIOS = [  # (numerator row, denominator row): the comparisons issue 14 asks for
-    ("engine 16-bit (bfloat16)", "llama.cpp F16"),
-    ("engine GPTQ-4 (RTN g128)", "llama.cpp Q4_0"),
-    ("engine AWQ-4 g128", "llama.cpp Q4_0"),
-    ("engine NF4", "engine 16-bit (bfloat16)"),
-    ("engine GPTQ-4 (RTN g128)", "engine 16-bit (bfloat16)"),
-    ("engine AWQ-4 g128", "engine 16-bit (bfloat16)"),
-    ("engine 16-bit (float32)", "engine 16-bit (bfloat16)"),
-]
+def ratios(rows: list[str]) -> list[tuple[str, str]]:
+    """(numerator row, denominator row): the comparisons issue 14 asks for, among ``rows``."""
+    pairs = [("engine 16-bit (bfloat16)", "llama.cpp F16"),
+             ("engine 16-bit (float32)", "engine 16-bit (bfloat16)")]
+    for row in rows:
+        if row.startswith("engine GPTQ-4") or row.startswith("engine AWQ-4"):
+            pairs.append((row, "llama.cpp Q4_0"))
+    for row in rows:
+        if row.startswith("engine") and "16-bit" not in row:
+            pairs.append((row, "engine 16-bit (bfloat16)"))
+    return pairs
 
 
 def print_table(args: argparse.Namespace, size: int, bandwidth: float, threads: int,
@@ -254,7 +290,7 @@ def print_table(args: argparse.Namespace, size: int, bandwidth: float, threads: 
         print(f"| {name} | {mb} | {cells} | {use} | {note} |")
     print(f"\n| ratio | {' | '.join(f'c={c}' for c in args.concurrency)} |")
     print("|---|" + "---|" * len(args.concurrency))
-    for num, den in RATIOS:
+    for num, den in ratios(list(rows)):
         if not (rows.get(num, (0, []))[1] and rows.get(den, (0, []))[1]):
             continue
         cells = [f"{a / b:.2f}x" if a and b else "-"

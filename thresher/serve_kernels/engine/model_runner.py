@@ -125,7 +125,7 @@ class ModelRunner:
             slot_mapping=g.slot_mapping[:bs], block_tables=g.block_tables[:bs],
             context_lens=g.context_lens[:bs], cu_seqlens_q=g.cu_seqlens_q[: bs + 1],
             num_decodes=bs, query_lens=[1] * bs, context_lens_list=[max_model_len] * bs,
-            max_query_len=1, max_context_len=max_model_len)
+            max_query_len=1, max_context_len=max_model_len, host_exact=False)
         return g.input_ids[:bs], g.positions[:bs], self.kv_caches, meta
 
     @staticmethod

@@ -27,19 +27,27 @@ ENV_VAR = "THRESHER_KERNELS"
 _interpreted: dict[Any, Any] = {}
 
 
-def use_triton(x: torch.Tensor) -> bool:
-    """True when calls on ``x`` should run the Triton kernel rather than the reference."""
-    choice = os.environ.get(ENV_VAR, "").strip().lower()
+def _choice() -> str:
+    """The override in ``THRESHER_KERNELS``: "", "triton" or "torch" (read on every call, since
+    tests switch it at run time; a decode step asks a few hundred times, so it stays cheap)."""
+    raw = os.environ.get(ENV_VAR)
+    if not raw:
+        return ""
+    choice = raw.strip().lower()
     if choice not in ("", "triton", "torch"):
         raise ValueError(f"{ENV_VAR}={choice!r}: expected 'triton' or 'torch' (or unset)")
-    if choice:
-        return choice == "triton"
-    return x.is_cuda
+    return choice
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """True when calls on ``x`` should run the Triton kernel rather than the reference."""
+    choice = _choice()
+    return choice == "triton" if choice else x.is_cuda
 
 
 def use_cpu_kernels(x: torch.Tensor) -> bool:
     """True when calls on ``x`` may run a CPU kernel over weights converted at load time."""
-    return not x.is_cuda and not use_triton(x) and os.environ.get(ENV_VAR, "").strip() == ""
+    return not x.is_cuda and _choice() == ""
 
 
 def interpreting() -> bool:

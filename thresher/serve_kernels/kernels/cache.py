@@ -16,14 +16,18 @@ from thresher.serve_kernels.kernels.backend import launcher, use_triton
 
 def store_kv_cache_ref(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slot_mapping: torch.Tensor, all_stored: bool = False,
 ) -> None:
-    slots = slot_mapping.long()
-    keep = slots >= 0
-    if not bool(keep.all()):  # boolean indexing only when some rows store nothing
-        slots, k, v = slots[keep], k[keep], v[keep]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+    """``all_stored``: the caller knows no slot is -1 (the check is a host sync per layer)."""
+    slots = slot_mapping if slot_mapping.dtype == torch.long else slot_mapping.long()
+    if not all_stored:
+        keep = slots >= 0
+        if not bool(keep.all()):  # boolean indexing only when some rows store nothing
+            slots, k, v = slots[keep], k[keep], v[keep]
+    if k.dtype != k_cache.dtype:
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
 
 
 @triton.jit
@@ -59,8 +63,11 @@ def store_kv_cache_triton(
 
 def store_kv_cache(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slot_mapping: torch.Tensor, all_stored: bool = False,
 ) -> None:
-    """k, v [tokens, kv_heads, D] -> the caches at ``slot_mapping`` [tokens] (in place)."""
-    store = store_kv_cache_triton if use_triton(k) else store_kv_cache_ref
-    store(k, v, k_cache, v_cache, slot_mapping)
+    """k, v [tokens, kv_heads, D] -> the caches at ``slot_mapping`` [tokens] (in place);
+    ``all_stored`` says no slot is -1 (the reference then skips its check)."""
+    if use_triton(k):
+        store_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping, all_stored)

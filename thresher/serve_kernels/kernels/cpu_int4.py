@@ -92,6 +92,10 @@ def pack_awq_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Ten
 
 def int4_matmul(x: torch.Tensor, pack: Int4Pack) -> torch.Tensor:
     """x @ W for x [..., K] on the CPU kernel, returned in x's dtype."""
+    if x.dim() == 2 and x.dtype == torch.bfloat16 and pack.perm is None and x.is_contiguous():
+        # a bf16 decode's every call: the reshapes and casts below would be dispatched no-ops
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, pack.weight, pack.group_size,
+                                                          pack.scales_zeros)
     x2 = x.reshape(-1, x.shape[-1])
     if pack.perm is not None:
         x2 = x2[:, pack.perm]

@@ -32,7 +32,8 @@ def rms_norm_ref(
     elif weight.shape == shape:
         out = F.rms_norm(x.float(), shape, weight.float(), eps).to(x.dtype)
     else:  # one weight row per head (the joint q|k norm): scale after, still in fp32
-        out = (F.rms_norm(x.float(), shape, None, eps) * weight.float()).to(x.dtype)
+        w = weight if weight.dtype == torch.float32 else weight.float()
+        out = (F.rms_norm(x.float(), shape, None, eps) * w).to(x.dtype)
     return out if residual is None else (out, residual)
 
 

@@ -58,7 +58,7 @@ class Attention(nn.Module):
         joint = None
         if self.per_head_norm:  # one weight row per head of the joint q|k tensor
             joint = torch.cat([q_norm.expand(self.num_heads, -1),
-                               k_norm.expand(self.num_kv_heads, -1)])
+                               k_norm.expand(self.num_kv_heads, -1)]).float()  # norm's fp32
         self.register_buffer("qk_norm", joint)
         self.clip_qkv = clip_qkv
         self.eps = spec.rms_norm_eps
@@ -88,7 +88,7 @@ class Attention(nn.Module):
                 qk = rms_norm(qk, self.qk_norm, self.eps)
             q, k = rope.rotate(qk).split([hq, hkv], dim=1)
         k_cache, v_cache = kv_cache
-        store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, all_stored=meta.host_exact)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(tokens, hq * d))
 
@@ -103,13 +103,17 @@ class Rope:
     def __init__(self, cos_sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
         self.cos_sin = cos_sin
         if not use_triton(positions):
-            self.cos, self.sin = cos_sin[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
+            cos, sin = cos_sin[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
+            # full width, the sign of rotate_half folded into sin: [cos, cos] and [-sin, sin]
+            self.cos, self.sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """``apply_rotary``'s math on x [T, heads, D] (the CPU path)."""
-        x1, x2 = x.chunk(2, dim=-1)
-        cos, sin = self.cos, self.sin
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        """``apply_rotary``'s math on x [T, heads, D] (the CPU path): x * cos + rotate_half(x)
+        * sin, with rotate_half(x) = [-x2, x1] as [x2, x1] * [-1, 1] (a flip of the halves; the
+        sign rides on sin, which is exact), rounded op by op as transformers rounds it."""
+        t, h, d = x.shape
+        swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)
+        return x * self.cos + swapped * self.sin
 
 
 class DenseMLP(nn.Module):

@@ -38,20 +38,36 @@ from thresher.serve_kernels.kernels.cpu_nf4 import NF4Pack, nf4_cpu_matmul, pack
 from thresher.serve_kernels.kernels.nf4 import nf4_dequantize
 from thresher.serve_kernels.kernels.w4a16 import awq_dequantize, gptq_dequantize
 
+NARROW_ROWS = 64  # a 16-bit matrix with at most this many rows (a router) runs in fp32 on a CPU
+
 
 class DenseLinear(nn.Module):
-    """A 16-bit (or fp32) weight [N, K]."""
+    """A 16-bit (or fp32) weight [N, K].
+
+    On a CPU torch's 16-bit GEMM is slow for narrow outputs: a router's [1, 1024] x [1024, 8]
+    takes 23 us in bf16 and 7.5 us in fp32 with both casts (``benchmarks/cpu_small_matrices.py
+    --narrow``), and a 10-layer MoE has one per layer. ``pack_for_cpu`` therefore keeps an fp32
+    copy of a 16-bit matrix of at most ``NARROW_ROWS`` rows; the product is rounded to the
+    activation dtype once, as the 16-bit GEMM (which accumulates in fp32) rounds it."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("weight", weight)
         self.register_buffer("bias", bias)
         self.out_features, self.in_features = weight.shape
+        self.cpu_fp32: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def dequantized(self) -> torch.Tensor:
         return self.weight.float()
 
+    def pack_for_cpu(self, dtype: torch.dtype = torch.float32) -> None:
+        if self.weight.dtype != torch.float32 and self.out_features <= NARROW_ROWS:
+            bias = None if self.bias is None else self.bias.float()
+            self.cpu_fp32 = (self.weight.float(), bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_fp32 is not None and x.dtype != torch.float32 and use_cpu_kernels(x):
+            return nn.functional.linear(x.float(), *self.cpu_fp32).to(x.dtype)
         return nn.functional.linear(x, self.weight, self.bias)
 
 
@@ -303,9 +319,10 @@ def packed_bytes(module: nn.Module) -> int:
     total = sum(b.numel() * b.element_size() for b in module.buffers())
     for m in module.modules():
         total += sum(p.nbytes for p in getattr(m, "cpu_packs", ()))
-        dense = getattr(m, "cpu_dense", None)
-        total += 0 if dense is None else sum(t.numel() * t.element_size() for t in (
-            dense if isinstance(dense, tuple | list) else [dense]))
+        for name in ("cpu_dense", "cpu_fp32"):
+            copy = getattr(m, name, None)
+            total += 0 if copy is None else sum(t.numel() * t.element_size() for t in (
+                copy if isinstance(copy, tuple | list) else [copy]) if t is not None)
         if isinstance(m, NF4Linear):
             total += sum(v.numel() * v.element_size() for v in vars(m.nf4).values()
                          if isinstance(v, torch.Tensor))

@@ -158,6 +158,10 @@ def _combine(out: torch.Tensor, order: torch.Tensor | None, topk_weights: torch.
              dtype: torch.dtype) -> torch.Tensor:
     """Each token's expert outputs (``out`` in expert order) weighted and summed, in fp32."""
     tokens, top_k = topk_weights.shape
+    if tokens == 1 and order is None:  # one token: [1, k] @ [k, H], the same sum in one call
+        w = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
+        y = w @ (out if out.dtype == torch.float32 else out.float())
+        return y if dtype == torch.float32 else y.to(dtype)
     pairs = out
     if order is not None:
         pairs = torch.empty_like(out)
@@ -189,6 +193,12 @@ def grouped_moe_packed(x: torch.Tensor, gate_up: list, down: list, matmul: Calla
     activations are rounded to bf16 once here rather than on every call, and the expert outputs
     stay bf16 until the fp32 weighting (the same values as casting around each call)."""
     order, spans = _sort_by_expert(topk_ids, len(gate_up))
+    if order is None:  # one token: no scratch buffers, slices or copies between the calls
+        xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+        act = silu_and_mul(torch.cat([matmul(xb, gate_up[e]) for e, _, _ in spans]))
+        out = torch.cat([matmul(a, down[e])
+                         for a, (e, _, _) in zip(act.split(1), spans, strict=True)])
+        return _combine(out, None, topk_weights, x.dtype)
     xs = _routed_rows(x, order, topk_ids.shape[1]).to(torch.bfloat16)
     h = torch.empty(xs.shape[0], gate_up[0].out_features, dtype=torch.bfloat16)
     for e, a, b in spans:

@@ -1,0 +1,119 @@
+"""Shortcuts of the CPU decode step (fewer operator calls per layer) give the values of the
+longer form they replace: rotary by a flip of the halves, routers in fp32, the unmasked
+attention of equal-length decode rows, the KV store without its slot check, one token through
+the packed expert loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from tests.serve_kernels.kernels.helpers import random_gptq
+from thresher.serve_kernels.kernels import cache, rotary
+from thresher.serve_kernels.kernels.cpu_int4 import int4_matmul, pack_gptq_int4
+from thresher.serve_kernels.modeling.attention import AttentionMetadata, paged_attention
+from thresher.serve_kernels.modeling.decoder import Rope
+from thresher.serve_kernels.modeling.linear import NARROW_ROWS, DenseLinear, packed_bytes
+from thresher.serve_kernels.modeling.moe import grouped_moe_packed
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_rotate_is_bit_equal_to_transformers(dtype):
+    """The engine rounds cos/sin to the activation dtype and rotates op by op, as transformers
+    does; the flip with the sign on sin must not change a bit."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    cos_sin = rotary.rotary_cos_sin(inv_freq, 128)
+    positions = torch.tensor([0, 3, 77, 127])
+    x = torch.randn(4, 6, 64).to(dtype)
+    ours = Rope(cos_sin, positions, dtype).rotate(x)
+    emb = torch.cat([torch.outer(positions.float(), inv_freq)] * 2, dim=-1)
+    cos, sin = emb.cos().to(dtype)[None], emb.sin().to(dtype)[None]
+    theirs, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos, sin)
+    assert ours.dtype == dtype and torch.equal(ours, theirs[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_narrow_16bit_matrix_runs_in_fp32_and_rounds_once(dtype):
+    router = DenseLinear(torch.randn(8, 256).to(dtype))
+    wide = DenseLinear(torch.randn(NARROW_ROWS + 1, 256).to(dtype))
+    fp32 = DenseLinear(torch.randn(8, 256))
+    before = packed_bytes(router)
+    for layer in (router, wide, fp32):
+        layer.pack_for_cpu(dtype)
+    assert router.cpu_fp32 is not None and wide.cpu_fp32 is None and fp32.cpu_fp32 is None
+    assert packed_bytes(router) == before + 8 * 256 * 4  # the copy is counted
+    x = torch.randn(3, 256).to(dtype)
+    out = router(x)
+    assert out.dtype == dtype
+    assert torch.equal(out, F.linear(x.float(), router.weight.float()).to(dtype))
+    # the 16-bit GEMM accumulates in fp32 too: at most one rounding apart
+    assert torch.allclose(out.float(), F.linear(x, router.weight).float(), rtol=1e-2, atol=1e-2)
+
+
+def _cache_and_meta(lens: list[int], host_exact: bool, block: int = 4):
+    gen = torch.Generator().manual_seed(0)
+    blocks = [-(-n // block) for n in lens]
+    tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    shape = (sum(blocks) + 2, block, 2, 16)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    first = 1
+    for b, n in enumerate(blocks):
+        tables[b, :n] = torch.arange(first, first + n)
+        first += n
+    host = lens if host_exact else [max(lens) + 5] * len(lens)  # a graph's host lists: bounds
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(len(lens), dtype=torch.long), block_tables=tables,
+        context_lens=torch.tensor(lens, dtype=torch.int32),
+        cu_seqlens_q=torch.arange(len(lens) + 1, dtype=torch.int32), num_decodes=len(lens),
+        query_lens=[1] * len(lens), context_lens_list=host, max_context_len=max(host),
+        host_exact=host_exact)
+    return k_cache, v_cache, tables, meta
+
+
+@pytest.mark.parametrize("lens,host_exact", [([9], True), ([9, 9, 9], True),
+                                             ([9, 3, 6], True), ([9, 3, 6], False)])
+def test_decode_attention_with_or_without_mask_matches_each_row(lens, host_exact):
+    """Equal exact lengths skip the mask; unequal ones, or a graph's bounds, keep it."""
+    k_cache, v_cache, tables, meta = _cache_and_meta(lens, host_exact)
+    if not host_exact:  # the bound reaches past the tables: widen them with unused block 0
+        tables = F.pad(tables, (0, 2))
+        meta.block_tables = tables
+    q = torch.randn(len(lens), 4, 16)
+    out = paged_attention(q, k_cache, v_cache, meta, 0.25)
+    for b, n in enumerate(lens):
+        rows = tables[b, : -(-n // k_cache.shape[1])].long()
+        k = k_cache[rows].reshape(-1, 2, 16)[:n].transpose(0, 1)
+        v = v_cache[rows].reshape(-1, 2, 16)[:n].transpose(0, 1)
+        ref = F.scaled_dot_product_attention(q[b][:, None], k, v, scale=0.25, enable_gqa=True)
+        assert torch.allclose(out[b], ref[:, 0], atol=1e-5)
+
+
+def test_store_without_the_slot_check_writes_the_same():
+    k, v = torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+    slots = torch.tensor([7, 0, 12, 3, 9])
+    caches = [torch.zeros(4, 4, 2, 16) for _ in range(4)]
+    cache.store_kv_cache_ref(k, v, caches[0], caches[1], slots)
+    cache.store_kv_cache_ref(k, v, caches[2], caches[3], slots, all_stored=True)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_expert_loop_one_token_matches_its_row_of_a_batch(dtype):
+    experts, hidden, inter, top_k = 4, 128, 64, 2
+    gate_up = [pack_gptq_int4(*random_gptq(hidden, 2 * inter, 32, False, seed=e)[0])
+               for e in range(experts)]
+    down = [pack_gptq_int4(*random_gptq(inter, hidden, 32, False, seed=10 + e)[0])
+            for e in range(experts)]
+    x = torch.randn(5, hidden).to(dtype)
+    weights, ids = torch.randn(5, experts).softmax(-1).topk(top_k, dim=-1)
+    weights = weights.to(dtype)
+    batch = grouped_moe_packed(x, gate_up, down, int4_matmul, weights, ids)
+    for t in range(5):
+        one = grouped_moe_packed(x[t : t + 1], gate_up, down, int4_matmul, weights[t : t + 1],
+                                 ids[t : t + 1])
+        assert one.dtype == dtype
+        assert torch.allclose(one.float(), batch[t : t + 1].float(), rtol=1e-2, atol=1e-2)
