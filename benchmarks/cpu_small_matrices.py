@@ -1,6 +1,7 @@
 """Where a packed 4-bit CPU kernel stops paying: per-shape kernel call against a dense matmul.
 
     PYTHONPATH=. python benchmarks/cpu_small_matrices.py --threads 1
+    PYTHONPATH=. python benchmarks/cpu_small_matrices.py --narrow --threads 1   # 16-bit routers
 
 A 4-bit kernel saves weight bytes; below some matrix size there are no bytes worth saving (the
 matrix sits in cache) and the kernel's fixed cost per call (casting the activations to bf16 and
@@ -11,6 +12,11 @@ fp32 engine calls them (fp32 activations in, fp32 out): the dense fp32 matmul, t
 changes hit every column alike; ratios are kernel / dense (above 1: dense is faster). The engine
 dequantizes matrices of at most ``cpu_dense.DENSE_MAX_ELEMENTS`` weights at load
 (``kernels/cpu_dense.py``); that threshold comes from this table.
+
+``--narrow`` times the other small-matrix question, for a 16-bit engine: a matrix with few output
+rows (a router, [experts, hidden]) in the serving dtype against its fp32 copy with the casts in
+and out. ``modeling.linear.NARROW_ROWS`` (matrices of at most that many rows keep an fp32 copy on
+a CPU) comes from that table.
 """
 
 from __future__ import annotations
@@ -27,7 +33,10 @@ from thresher.compress.nf4 import nf4_quantize
 from thresher.serve_kernels.kernels import cpu_nf4
 from thresher.serve_kernels.kernels.cpu_dense import DENSE_MAX_ELEMENTS
 from thresher.serve_kernels.kernels.cpu_int4 import int4_matmul, pack_int4
+from thresher.serve_kernels.modeling.linear import NARROW_ROWS
 
+NARROW = ["8x1024", "8x2048", "16x2048", "60x2048", "64x4096", "128x1024", "128x2048",
+          "256x1024"]
 SHAPES = ["128x128", "256x128", "256x256", "512x256", "512x512", "1024x512", "1024x1024",
           "2048x1024", "4096x1024"]
 
@@ -51,9 +60,16 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--narrow", action="store_true",
+                    help="16-bit narrow matrices against their fp32 copy (default shapes: routers)")
+    ap.add_argument("--dtype", default="bfloat16", help="the 16-bit dtype of --narrow")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.narrow:
+        narrow(args.shapes if args.shapes != SHAPES else NARROW, args.rows, args.repeats,
+               getattr(torch, args.dtype))
+        return
     nf4 = cpu_nf4.cpu_nf4_available()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
           f"{os.getloadavg()[0]:.1f}, NF4 kernel {'yes' if nf4 else 'no'}, "
@@ -80,6 +96,25 @@ def main() -> None:
             nf4_cols = (f"{t[2]:.4f} | {t[2] / t[0]:.2f}x" if len(t) > 2 else "- | -")
             print(f"| {n} x {k} | {n * k:,} | {m} | {t[0]:.4f} | {t[1]:.4f} | {t[1] / t[0]:.2f}x | "
                   f"{nf4_cols} |")
+
+
+def narrow(shapes: list[str], rows: list[int], repeats: int, dtype: torch.dtype) -> None:
+    """16-bit F.linear against fp32 F.linear with the casts in and out, per shape."""
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
+          f"{os.getloadavg()[0]:.1f}, NARROW_ROWS {NARROW_ROWS}\n")
+    print(f"| N x K | M | {dtype} ms | fp32 copy ms | 16-bit / fp32 copy |")
+    print("|---|---|---|---|---|")
+    gen = torch.Generator().manual_seed(0)
+    for shape in shapes:
+        n, k = (int(v) for v in shape.split("x"))
+        w = (torch.randn(n, k, generator=gen) * 0.02).to(dtype)
+        w32 = w.float()
+        for m in rows:
+            x = torch.randn(m, k, generator=gen).to(dtype)
+            t = medians([functools.partial(torch.nn.functional.linear, x, w),
+                         lambda x=x, w32=w32: torch.nn.functional.linear(x.float(), w32).to(dtype)],
+                        repeats)
+            print(f"| {n} x {k} | {m} | {t[0]:.4f} | {t[1]:.4f} | {t[0] / t[1]:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -38,17 +38,19 @@ from thresher.serve_kernels.kernels.cpu_nf4 import NF4Pack, nf4_cpu_matmul, pack
 from thresher.serve_kernels.kernels.nf4 import nf4_dequantize
 from thresher.serve_kernels.kernels.w4a16 import awq_dequantize, gptq_dequantize
 
-NARROW_ROWS = 64  # a 16-bit matrix with at most this many rows (a router) runs in fp32 on a CPU
+NARROW_ROWS = 16  # a 16-bit matrix with at most this many rows (a router) runs in fp32 on a CPU
 
 
 class DenseLinear(nn.Module):
     """A 16-bit (or fp32) weight [N, K].
 
     On a CPU torch's 16-bit GEMM is slow for narrow outputs: a router's [1, 1024] x [1024, 8]
-    takes 23 us in bf16 and 7.5 us in fp32 with both casts (``benchmarks/cpu_small_matrices.py
-    --narrow``), and a 10-layer MoE has one per layer. ``pack_for_cpu`` therefore keeps an fp32
-    copy of a 16-bit matrix of at most ``NARROW_ROWS`` rows; the product is rounded to the
-    activation dtype once, as the 16-bit GEMM (which accumulates in fp32) rounds it."""
+    takes 23 us in bf16 and 9 us in fp32 with both casts, and an MoE has one per layer
+    (``benchmarks/cpu_small_matrices.py --narrow``: up to 16 rows the fp32 copy wins at 1 and 16
+    tokens, with 1 and 2 threads; wider, it loses at 16 tokens on one thread). ``pack_for_cpu``
+    therefore keeps an fp32 copy of a 16-bit matrix of at most ``NARROW_ROWS`` rows; the product
+    is rounded to the activation dtype once, as the 16-bit GEMM (which accumulates in fp32)
+    rounds it."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
