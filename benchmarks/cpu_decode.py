@@ -87,14 +87,17 @@ def module_bytes(module: torch.nn.Module, top_k: int) -> int | None:
             return None
         full = (sum(p.nbytes for p in module.cpu_packs) if module.cpu_packs else
                 sum(b.numel() * b.element_size() for b in module.buffers()))
-        return full * top_k // module.gate_up_weight.shape[0]
+        experts = len(module.cpu_gate_up) if module.cpu_gate_up else \
+            module.gate_up_weight.shape[0]
+        return full * top_k // experts
     if isinstance(module, ExpertLoop) and module.cpu_packs:
         return sum(p.nbytes for p in module.cpu_packs) * top_k // len(module.gate)
     if isinstance(module, ExpertLoop):
         full = [module_bytes(m, top_k) for m in (*module.gate, *module.up, *module.down)]
         return None if None in full else sum(full) * top_k // len(module.gate)
     if isinstance(module, DenseLinear):
-        return module.weight.numel() * module.weight.element_size()
+        w = module.cpu_blocked.weight if module.cpu_blocked is not None else module.weight
+        return w.numel() * w.element_size()
     if getattr(module, "cpu_packs", None):
         return sum(p.nbytes for p in module.cpu_packs)
     if hasattr(module, "qweight") or hasattr(module, "nf4"):

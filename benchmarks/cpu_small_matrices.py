@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/cpu_small_matrices.py --threads 1
     PYTHONPATH=. python benchmarks/cpu_small_matrices.py --narrow --threads 1   # 16-bit routers
+    PYTHONPATH=. python benchmarks/cpu_small_matrices.py --blocked --threads 1  # 16-bit layouts
 
 A 4-bit kernel saves weight bytes; below some matrix size there are no bytes worth saving (the
 matrix sits in cache) and the kernel's fixed cost per call (casting the activations to bf16 and
@@ -17,6 +18,11 @@ dequantizes matrices of at most ``cpu_dense.DENSE_MAX_ELEMENTS`` weights at load
 rows (a router, [experts, hidden]) in the serving dtype against its fp32 copy with the casts in
 and out. ``modeling.linear.NARROW_ROWS`` (matrices of at most that many rows keep an fp32 copy on
 a CPU) comes from that table.
+
+``--blocked`` times 16-bit matrices in their row-major layout (``F.linear``) against oneDNN's
+blocked layout (``kernels.cpu_blocked``), cycling through enough copies of each shape (320 MB)
+that the weights come from memory, as in a decode step of a large model; it prints the weight
+bandwidth of both. ``cpu_blocked.BLOCKED_MIN_ELEMENTS`` comes from that table.
 """
 
 from __future__ import annotations
@@ -30,13 +36,15 @@ import time
 import torch
 
 from thresher.compress.nf4 import nf4_quantize
-from thresher.serve_kernels.kernels import cpu_nf4
+from thresher.serve_kernels.kernels import cpu_blocked, cpu_nf4
 from thresher.serve_kernels.kernels.cpu_dense import DENSE_MAX_ELEMENTS
 from thresher.serve_kernels.kernels.cpu_int4 import int4_matmul, pack_int4
 from thresher.serve_kernels.modeling.linear import NARROW_ROWS
 
 NARROW = ["8x1024", "8x2048", "16x2048", "60x2048", "64x4096", "128x1024", "128x2048",
           "256x1024"]
+BLOCKED = ["512x256", "256x1024", "512x512", "1024x1024", "1536x1024", "1024x2048", "4096x1024",
+           "4096x4096"]
 SHAPES = ["128x128", "256x128", "256x256", "512x256", "512x512", "1024x512", "1024x1024",
           "2048x1024", "4096x1024"]
 
@@ -62,10 +70,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--narrow", action="store_true",
                     help="16-bit narrow matrices against their fp32 copy (default shapes: routers)")
-    ap.add_argument("--dtype", default="bfloat16", help="the 16-bit dtype of --narrow")
+    ap.add_argument("--blocked", action="store_true",
+                    help="16-bit row-major against oneDNN's blocked layout, weights from memory")
+    ap.add_argument("--dtype", default="bfloat16", help="the 16-bit dtype of --narrow/--blocked")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.blocked:
+        blocked(args.shapes if args.shapes != SHAPES else BLOCKED, args.rows + [256],
+                getattr(torch, args.dtype))
+        return
     if args.narrow:
         narrow(args.shapes if args.shapes != SHAPES else NARROW, args.rows, args.repeats,
                getattr(torch, args.dtype))
@@ -115,6 +129,43 @@ def narrow(shapes: list[str], rows: list[int], repeats: int, dtype: torch.dtype)
                          lambda x=x, w32=w32: torch.nn.functional.linear(x.float(), w32).to(dtype)],
                         repeats)
             print(f"| {n} x {k} | {m} | {t[0]:.4f} | {t[1]:.4f} | {t[0] / t[1]:.2f}x |")
+
+
+def blocked(shapes: list[str], rows: list[int], dtype: torch.dtype) -> None:
+    """Per shape and row count: best-of-3 time per matrix over copies that overflow the cache,
+    row-major against blocked, and the weight bandwidth of each."""
+    if not cpu_blocked.blocked_supported(dtype):
+        raise SystemExit(f"this CPU's oneDNN has no {dtype} matmul")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
+          f"{os.getloadavg()[0]:.1f}, BLOCKED_MIN_ELEMENTS {cpu_blocked.BLOCKED_MIN_ELEMENTS:,}\n")
+    print("| N x K | M | row-major us | GB/s | blocked us | GB/s | speedup |")
+    print("|---|---|---|---|---|---|---|")
+    gen = torch.Generator().manual_seed(0)
+    for shape in shapes:
+        n, k = (int(v) for v in shape.split("x"))
+        copies = max(4, min(60, 320 * 2**20 // (n * k * dtype.itemsize)))
+        plain = [(torch.randn(n, k, generator=gen) * 0.02).to(dtype) for _ in range(copies)]
+        packed = [cpu_blocked.block(w) for w in plain]
+        for m in rows:
+            x = torch.randn(m, k, generator=gen).to(dtype)
+            a = _per_matrix(lambda w, x=x: torch.nn.functional.linear(x, w), plain)
+            b = _per_matrix(lambda w, x=x: cpu_blocked.blocked_matmul(x, w), packed)
+            gbs = [n * k * dtype.itemsize / t / 1e3 for t in (a, b)]
+            print(f"| {n} x {k} | {m} | {a:.1f} | {gbs[0]:.1f} | {b:.1f} | {gbs[1]:.1f} | "
+                  f"{a / b:.2f}x |")
+
+
+def _per_matrix(fn, weights: list) -> float:
+    """Best of three passes over ``weights``: microseconds per call."""
+    for w in weights[:3]:
+        fn(w)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for w in weights:
+            fn(w)
+        best = min(best, time.perf_counter() - start)
+    return best / len(weights) * 1e6
 
 
 if __name__ == "__main__":

@@ -153,7 +153,7 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
     if b.has_linear(adapter.disk_lm_head_key()):
         lm_head = b.linear(adapter.disk_lm_head_key())
     elif getattr(config, "tie_word_embeddings", False):
-        lm_head = DenseLinear(embed)
+        lm_head = DenseLinear(embed, tied=True)
     else:
         raise ArtifactError(f"{path}: no lm_head.weight and tie_word_embeddings is off")
     inv_freq, scaling = _rotary(config, adapter)

@@ -15,6 +15,7 @@ from thresher.evaluate.perplexity import perplexity
 from thresher.models import load_model
 from thresher.serve_kernels import LLM, SamplingParams
 from thresher.serve_kernels.engine.llm_engine import resolve_dtype
+from thresher.serve_kernels.kernels import cpu_blocked
 from thresher.serve_kernels.validate import token_agreement
 
 PROMPTS = ["def main():\n    ", "import os\nimport sys\n", "class Foo(object):",
@@ -23,11 +24,19 @@ MAX_TOKENS = 48
 EXACT_PREFIX = 16  # tokens every prompt must reproduce exactly
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "float16"])
+@pytest.fixture(scope="module", params=["bfloat16", "float16", "bfloat16 blocked"])
 def pair(request, tiny_demo):
-    """(dtype, transformers model, engine) in one 16-bit dtype."""
-    dtype = request.param
-    return dtype, load_model(tiny_demo, dtype), LLM(tiny_demo, dtype=dtype, max_model_len=128)
+    """(dtype, transformers model, engine) in one 16-bit dtype; "blocked": every matrix the CPU
+    serves in oneDNN's blocked layout (the default keeps `tiny`'s small matrices row-major)."""
+    dtype, _, blocked = request.param.partition(" ")
+    with pytest.MonkeyPatch.context() as mp:
+        if blocked:
+            mp.setenv(cpu_blocked.ENV_VAR, "0")
+        llm = LLM(tiny_demo, dtype=dtype, max_model_len=128)
+    model = llm.engine.runner.model
+    assert (model.layers[0].attn.qkv.cpu_blocked is not None) == bool(blocked)
+    assert (model.layers[0].mlp.experts.cpu_matmul is cpu_blocked.blocked_matmul) == bool(blocked)
+    return dtype, load_model(tiny_demo, dtype), llm
 
 
 def test_weights_are_stored_in_the_serving_dtype(pair):

@@ -1,7 +1,7 @@
 """Shortcuts of the CPU decode step (fewer operator calls per layer) give the values of the
-longer form they replace: rotary by a flip of the halves, routers in fp32, the unmasked
-attention of equal-length decode rows, the KV store without its slot check, one token through
-the packed expert loop."""
+longer form they replace: rotary by a flip of the halves, routers in fp32, wide 16-bit matrices
+in oneDNN's blocked layout, the unmasked attention of equal-length decode rows, the KV store
+without its slot check, one token through the packed expert loop."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from tests.serve_kernels.kernels.helpers import random_gptq
-from thresher.serve_kernels.kernels import cache, rotary
+from thresher.serve_kernels.kernels import ExpertWeights, cache, cpu_blocked, rotary
 from thresher.serve_kernels.kernels.cpu_int4 import int4_matmul, pack_gptq_int4
 from thresher.serve_kernels.modeling.attention import AttentionMetadata, paged_attention
 from thresher.serve_kernels.modeling.decoder import Rope
 from thresher.serve_kernels.modeling.linear import NARROW_ROWS, DenseLinear, packed_bytes
-from thresher.serve_kernels.modeling.moe import grouped_moe_packed
+from thresher.serve_kernels.modeling.moe import FusedExperts, grouped_moe_packed, grouped_moe_torch
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -117,3 +117,54 @@ def test_packed_expert_loop_one_token_matches_its_row_of_a_batch(dtype):
                                  ids[t : t + 1])
         assert one.dtype == dtype
         assert torch.allclose(one.float(), batch[t : t + 1].float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_wide_16bit_matrix_blocked_gives_the_plain_products(dtype, monkeypatch):
+    if not cpu_blocked.blocked_supported(dtype):
+        pytest.skip(f"this CPU's oneDNN has no {dtype} matmul")
+    monkeypatch.setenv(cpu_blocked.ENV_VAR, str(64 * 128))
+    weight, bias = torch.randn(64, 128).to(dtype), torch.randn(64).to(dtype)
+    layer, tied = DenseLinear(weight.clone(), bias), DenseLinear(weight, tied=True)
+    small = DenseLinear(torch.randn(32, 128).to(dtype))  # under the threshold
+    for m in (layer, tied, small):
+        m.pack_for_cpu(dtype)
+    assert layer.cpu_blocked is not None and layer.weight.numel() == 0  # row-major released
+    assert tied.cpu_blocked is None and small.cpu_blocked is None
+    assert torch.equal(layer.row_major(), weight)
+    x = torch.randn(5, 128).to(dtype)
+    assert torch.equal(layer(x), F.linear(x, weight, bias))
+    monkeypatch.setenv("THRESHER_KERNELS", "torch")  # the reference reads the weight back
+    assert torch.equal(layer(x), F.linear(x, weight, bias))
+
+
+def test_blocked_threshold_is_read_at_load(monkeypatch):
+    monkeypatch.setenv(cpu_blocked.ENV_VAR, "never")
+    assert not cpu_blocked.serve_blocked(torch.randn(1024, 1024).to(torch.bfloat16))
+    monkeypatch.setenv(cpu_blocked.ENV_VAR, "lots")
+    with pytest.raises(ValueError, match=cpu_blocked.ENV_VAR):
+        cpu_blocked.blocked_min_elements()
+    monkeypatch.delenv(cpu_blocked.ENV_VAR)
+    assert not cpu_blocked.serve_blocked(torch.randn(1024, 1024))  # fp32 stays row-major
+
+
+def test_blocked_experts_match_the_row_major_loop(monkeypatch):
+    if not cpu_blocked.blocked_supported(torch.bfloat16):
+        pytest.skip("this CPU's oneDNN has no bf16 matmul")
+    monkeypatch.setenv(cpu_blocked.ENV_VAR, "0")
+    experts, hidden, inter = 4, 64, 48
+    gate_up = torch.randn(experts, 2 * inter, hidden).to(torch.bfloat16) / 8
+    down = torch.randn(experts, hidden, inter).to(torch.bfloat16) / 8
+    fused = FusedExperts("dense", {"weight": gate_up.clone()}, {"weight": down.clone()})
+    fused.pack_for_cpu(torch.bfloat16)
+    assert fused.cpu_matmul is cpu_blocked.blocked_matmul and fused.gate_up_weight.numel() == 0
+    x = torch.randn(6, hidden).to(torch.bfloat16)
+    weights, ids = torch.randn(6, experts).softmax(-1).topk(2, dim=-1)
+    weights = weights.to(torch.bfloat16)
+    want = grouped_moe_torch(x, ExpertWeights("dense", gate_up), ExpertWeights("dense", down),
+                             weights, ids)
+    for rows in (slice(0, 6), slice(2, 3)):  # a batch, and one token
+        got = fused(x[rows], weights[rows], ids[rows])
+        assert torch.allclose(got.float(), want[rows].float(), rtol=1e-2, atol=1e-2)
+    monkeypatch.setenv("THRESHER_KERNELS", "torch")  # the reference reads the experts back
+    assert torch.equal(fused(x, weights, ids), want)

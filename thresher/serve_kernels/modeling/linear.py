@@ -26,6 +26,13 @@ from thresher.formats.nf4 import STATE_KEY, TENSOR_NAMES, NF4Weight, concat_rows
 from thresher.models.checkpoint import CheckpointReader
 from thresher.serve_kernels.kernels import awq_matmul, gptq_matmul, nf4_matmul
 from thresher.serve_kernels.kernels.backend import use_cpu_kernels
+from thresher.serve_kernels.kernels.cpu_blocked import (
+    BlockedWeight,
+    block,
+    blocked_matmul,
+    serve_blocked,
+    unblock,
+)
 from thresher.serve_kernels.kernels.cpu_dense import serve_dense
 from thresher.serve_kernels.kernels.cpu_int4 import (
     Int4Pack,
@@ -52,24 +59,44 @@ class DenseLinear(nn.Module):
     is rounded to the activation dtype once, as the 16-bit GEMM (which accumulates in fp32)
     rounds it."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 tied: bool = False):
         super().__init__()
         self.register_buffer("weight", weight)
         self.register_buffer("bias", bias)
         self.out_features, self.in_features = weight.shape
+        self.tied = tied  # the weight is another tensor's storage (an LM head tied to embeddings)
         self.cpu_fp32: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.cpu_blocked: BlockedWeight | None = None
+
+    @property
+    def cpu_packs(self) -> list[BlockedWeight]:
+        return [] if self.cpu_blocked is None else [self.cpu_blocked]
+
+    def row_major(self) -> torch.Tensor:
+        """W [N, K] in the serving dtype (read back from the blocked layout if it is there)."""
+        return self.weight if self.cpu_blocked is None else unblock(self.cpu_blocked)
 
     def dequantized(self) -> torch.Tensor:
-        return self.weight.float()
+        return self.row_major().float()
 
     def pack_for_cpu(self, dtype: torch.dtype = torch.float32) -> None:
+        """An fp32 copy of a narrow 16-bit matrix; a wide one into oneDNN's blocked layout
+        (``kernels.cpu_blocked``), its row-major buffer released unless it is shared."""
         if self.weight.dtype != torch.float32 and self.out_features <= NARROW_ROWS:
             bias = None if self.bias is None else self.bias.float()
             self.cpu_fp32 = (self.weight.float(), bias)
+        elif not self.tied and serve_blocked(self.weight):
+            self.cpu_blocked = block(self.weight)
+            self.weight = self.weight.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_fp32 is not None and x.dtype != torch.float32 and use_cpu_kernels(x):
             return nn.functional.linear(x.float(), *self.cpu_fp32).to(x.dtype)
+        if self.cpu_blocked is not None:
+            if x.dtype == self.cpu_blocked.weight.dtype and use_cpu_kernels(x):
+                return blocked_matmul(x, self.cpu_blocked, self.bias)
+            return nn.functional.linear(x, self.row_major(), self.bias)
         return nn.functional.linear(x, self.weight, self.bias)
 
 
@@ -254,7 +281,7 @@ class ConcatLinear(nn.Module):
         (act-order GPTQ q/k/v, whose g_idx differ, are kept apart otherwise)."""
         for p in self.parts:
             pack_for_cpu(p, dtype)
-        dense = [p.weight if isinstance(p, DenseLinear) else getattr(p, "cpu_dense", None)
+        dense = [p.row_major() if isinstance(p, DenseLinear) else getattr(p, "cpu_dense", None)
                  for p in self.parts]
         if all(w is not None for w in dense):
             self.cpu_dense = torch.cat([w.to(dtype) for w in dense]).contiguous()

@@ -27,6 +27,13 @@ from torch import nn
 from thresher.formats.nf4 import concat_rows
 from thresher.serve_kernels.kernels import ExpertWeights, fused_moe, silu_and_mul
 from thresher.serve_kernels.kernels.backend import use_cpu_kernels, use_triton
+from thresher.serve_kernels.kernels.cpu_blocked import (
+    BlockedWeight,
+    block,
+    blocked_matmul,
+    serve_blocked,
+    unblock,
+)
 from thresher.serve_kernels.kernels.cpu_dense import serve_dense
 from thresher.serve_kernels.kernels.cpu_int4 import (
     Int4Pack,
@@ -56,18 +63,29 @@ class FusedExperts(nn.Module):
         for name in self._names:
             self.register_buffer(f"gate_up_{name}", gate_up[name])
             self.register_buffer(f"down_{name}", down[name])
-        self.cpu_gate_up: list[Int4Pack] | None = None
-        self.cpu_down: list[Int4Pack] | None = None
+        # per expert, the weights a CPU kernel reads: int4 packs, or 16-bit blocked weights
+        self.cpu_gate_up: list[Int4Pack] | list[BlockedWeight] | None = None
+        self.cpu_down: list[Int4Pack] | list[BlockedWeight] | None = None
+        self.cpu_matmul: Callable = int4_matmul
+        self.cpu_compute_dtype = torch.bfloat16  # what the kernel multiplies in
         self.cpu_dense: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
-    def cpu_packs(self) -> list[Int4Pack]:
+    def cpu_packs(self) -> list[Int4Pack] | list[BlockedWeight]:
         return [*(self.cpu_gate_up or ()), *(self.cpu_down or ())]
 
     def pack_for_cpu(self, dtype: torch.dtype = torch.float32) -> None:
-        """Dequantize small experts into ``dtype`` (``cpu_dense``), else convert every expert
-        for the CPU int4 kernel, or none if any expert cannot be held."""
+        """16-bit experts: large ones into oneDNN's blocked layout (``kernels.cpu_blocked``; the
+        stacked buffers are released). Quantized: small experts dequantized into ``dtype``
+        (``cpu_dense``), else every expert converted for the CPU int4 kernel, or none if any
+        expert cannot be held."""
         if self.format == "dense":
+            gate_up, down = self.gate_up_weight, self.down_weight
+            if serve_blocked(gate_up[0]) and serve_blocked(down[0]):
+                self.cpu_gate_up = [block(w) for w in gate_up]
+                self.cpu_down = [block(w) for w in down]
+                self.cpu_matmul, self.cpu_compute_dtype = blocked_matmul, gate_up.dtype
+                self.gate_up_weight, self.down_weight = gate_up.new_empty(0), down.new_empty(0)
             return
         self.cpu_dense = _dense_experts(self._weights("gate_up"), self._weights("down"), dtype)
         if self.cpu_dense is not None:
@@ -79,20 +97,24 @@ class FusedExperts(nn.Module):
 
     def _weights(self, proj: str) -> ExpertWeights:
         t = {name: getattr(self, f"{proj}_{name}") for name in self._names}
+        if self.format == "dense" and self.cpu_matmul is blocked_matmul:  # read back, stacked
+            t["weight"] = torch.stack([unblock(w) for w in getattr(self, f"cpu_{proj}")])
         return ExpertWeights(self.format, t["weight"], t.get("scales"), t.get("qzeros"),
                              t.get("g_idx"), self.group_size)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
-        gate_up, down = self._weights("gate_up"), self._weights("down")
         if use_triton(x):
-            return fused_moe(x, gate_up, down, topk_weights, topk_ids)
+            return fused_moe(x, self._weights("gate_up"), self._weights("down"), topk_weights,
+                             topk_ids)
         if self.cpu_dense is not None and use_cpu_kernels(x):
             return _dense_moe(x, self.cpu_dense, topk_weights, topk_ids)
-        if self.cpu_gate_up is not None and use_cpu_kernels(x):
-            return grouped_moe_packed(x, self.cpu_gate_up, self.cpu_down, int4_matmul,
-                                      topk_weights, topk_ids)
-        return grouped_moe_torch(x, gate_up, down, topk_weights, topk_ids)
+        if self.cpu_gate_up is not None and use_cpu_kernels(x) and (
+                self.cpu_matmul is int4_matmul or x.dtype == self.cpu_compute_dtype):
+            return grouped_moe_packed(x, self.cpu_gate_up, self.cpu_down, self.cpu_matmul,
+                                      topk_weights, topk_ids, self.cpu_compute_dtype)
+        return grouped_moe_torch(x, self._weights("gate_up"), self._weights("down"),
+                                 topk_weights, topk_ids)
 
 
 def _dense_experts(gate_up: ExpertWeights, down: ExpertWeights, dtype: torch.dtype
@@ -187,24 +209,26 @@ def grouped_moe_torch(x: torch.Tensor, w_gate_up: ExpertWeights, w_down: ExpertW
 
 
 def grouped_moe_packed(x: torch.Tensor, gate_up: list, down: list, matmul: Callable,
-                       topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``grouped_moe_torch`` over experts converted for a CPU kernel (``gate_up[e]`` and
-    ``down[e]`` its packs, ``matmul(x, pack)``). The kernels compute in bf16, so the routed
-    activations are rounded to bf16 once here rather than on every call, and the expert outputs
-    stay bf16 until the fp32 weighting (the same values as casting around each call)."""
+    ``down[e]`` its packs, ``matmul(x, pack)``) that computes in ``dtype`` (the 4-bit kernels in
+    bf16), so the routed activations are rounded to it once here rather than on every call, and
+    the expert outputs stay in it until the fp32 weighting (the same values as casting around
+    each call)."""
     order, spans = _sort_by_expert(topk_ids, len(gate_up))
     if order is None:  # one token: no scratch buffers, slices or copies between the calls
-        xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+        xb = x if x.dtype == dtype else x.to(dtype)
         act = silu_and_mul(torch.cat([matmul(xb, gate_up[e]) for e, _, _ in spans]))
         out = torch.cat([matmul(a, down[e])
                          for a, (e, _, _) in zip(act.split(1), spans, strict=True)])
         return _combine(out, None, topk_weights, x.dtype)
-    xs = _routed_rows(x, order, topk_ids.shape[1]).to(torch.bfloat16)
-    h = torch.empty(xs.shape[0], gate_up[0].out_features, dtype=torch.bfloat16)
+    xs = _routed_rows(x, order, topk_ids.shape[1]).to(dtype)
+    h = torch.empty(xs.shape[0], gate_up[0].out_features, dtype=dtype)
     for e, a, b in spans:
         h[a:b] = matmul(xs[a:b], gate_up[e])
     act = silu_and_mul(h)
-    out = torch.empty(xs.shape[0], down[0].out_features, dtype=torch.bfloat16)
+    out = torch.empty(xs.shape[0], down[0].out_features, dtype=dtype)
     for e, a, b in spans:
         out[a:b] = matmul(act[a:b], down[e])
     return _combine(out, order, topk_weights, x.dtype)

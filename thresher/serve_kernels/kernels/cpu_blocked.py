@@ -1,0 +1,89 @@
+"""16-bit matrices in oneDNN's blocked layout on the CPU: the bf16/fp16 decode's matmul.
+
+A 16-bit model decoding on a CPU reads every weight once per step, so the matvec's bandwidth sets
+the pace. torch's ``F.linear`` on a plain row-major bf16 weight streams it at 6.6-7.6 GB/s on one
+core of this machine (weights not in cache), while llama.cpp's F16 matvec reaches 8.8; the same
+weight reordered once into oneDNN's blocked layout (``mkldnn._reorder_linear_weight``, what
+torch's inductor does to CPU linears when it freezes a model) and multiplied with
+``mkldnn._linear_pointwise`` streams at 10.7 GB/s (1.2-1.5x faster at 1 and 16 rows, level at
+256; ``benchmarks/cpu_small_matrices.py --blocked``). The products are the same oneDNN bf16
+GEMM's, bit for bit in the tests.
+
+So on a CPU whose oneDNN runs the dtype, a 16-bit matrix of at least ``BLOCKED_MIN_ELEMENTS``
+weights is reordered at load and the row-major copy released (memory stays that of the model);
+``THRESHER_KERNELS=torch`` and ``dequantized()`` read it back with ``to_dense()``.
+``THRESHER_CPU_BLOCKED_MIN`` (weights per matrix) overrides the threshold at load time, ``never``
+turns the layout off. fp32 engines keep plain weights: there the blocked matvec was no faster.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+ENV_VAR = "THRESHER_CPU_BLOCKED_MIN"
+# weights per matrix: 512 x 512 and larger ran 1.2-1.5x faster blocked at 1 and 16 rows, 8 x 1024
+# and 512 x 256 level or slower (benchmarks/cpu_small_matrices.py --blocked)
+BLOCKED_MIN_ELEMENTS = 512 * 512
+
+
+def blocked_min_elements() -> int | None:
+    """The threshold in force (None: never): ``THRESHER_CPU_BLOCKED_MIN`` if set."""
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    if not value:
+        return BLOCKED_MIN_ELEMENTS
+    if value == "never":
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{ENV_VAR}={value!r}: expected a number of weights or 'never'")
+    return int(value)
+
+
+def blocked_supported(dtype: torch.dtype) -> bool:
+    """True when this torch build's oneDNN runs ``dtype`` matmuls on this CPU."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False
+
+
+def serve_blocked(weight: torch.Tensor) -> bool:
+    """True when a [out, in] 16-bit CPU weight should be held in the blocked layout."""
+    threshold = blocked_min_elements()
+    return (threshold is not None and weight.device.type == "cpu" and weight.dim() == 2
+            and not weight.is_mkldnn and weight.numel() >= threshold
+            and blocked_supported(weight.dtype))
+
+
+@dataclass
+class BlockedWeight:
+    """One [N, K] 16-bit weight in oneDNN's blocked layout."""
+
+    weight: torch.Tensor  # an mkldnn tensor
+    out_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+def block(weight: torch.Tensor) -> BlockedWeight:
+    """``weight`` [N, K] reordered for the decode's matvec (one-row batches)."""
+    return BlockedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1),
+                         weight.shape[0])
+
+
+def blocked_matmul(x: torch.Tensor, w: BlockedWeight,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W.T (+ bias) in x's dtype, which must be the weight's."""
+    return torch.ops.mkldnn._linear_pointwise(x, w.weight, bias, "none", [], "")
+
+
+def unblock(w: BlockedWeight) -> torch.Tensor:
+    """The row-major weight back (the references' view of it)."""
+    return w.weight.to_dense()
