@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from thresher.formats.dtypes import DTYPES
 from thresher.models.loading import load_tokenizer
+from thresher.models.source import resolve_model
 from thresher.serve_kernels.engine.block_manager import BlockManager
 from thresher.serve_kernels.engine.detokenizer import append_text, find_stop, visible_text
 from thresher.serve_kernels.engine.kv_budget import KVCacheConfig, free_gpu_bytes, size_kv_cache
@@ -29,16 +30,26 @@ from thresher.serve_kernels.engine.sampling_params import (
 )
 from thresher.serve_kernels.engine.scheduler import ScheduledBatch, Scheduler
 from thresher.serve_kernels.engine.sequence import Sequence
+from thresher.serve_kernels.kernels.cpu_blocked import blocked_supported
 from thresher.serve_kernels.loader import load_engine_model
 
 log = logging.getLogger(__name__)
 
-def resolve_dtype(dtype: str, device: torch.device) -> str:
+CPU_BF16_MIN_BYTES = 128 * 2**20  # checkpoints at least this large serve in bf16 on a CPU
+
+
+def resolve_dtype(dtype: str, device: torch.device, checkpoint_bytes: int = 0) -> str:
     """The serving dtype ``dtype`` names; ``"auto"`` picks the faster one for ``device``.
 
-    On a GPU that is 16-bit (bfloat16 where supported, else float16). On a CPU it is float32:
-    this build's bf16 CPU kernels ran the demo models' decode at about 0.7x of float32
-    (docs/benchmarks.md, "Serving dtype on the CPU").
+    On a GPU that is 16-bit (bfloat16 where supported, else float16). On a CPU it depends on
+    the model's size. A small model sits in the cache and a decode step is dispatch, not weight
+    reading: float32 ran the demo models (at most 20 MB) 1.3-1.5x faster than bf16. A large one
+    is bound by weight reading, which bf16 halves, and its wide matrices run oneDNN's blocked
+    layout (``kernels.cpu_blocked``): bf16 decoded the 0.23 GB and 1.08 GB random MoEs of
+    ``benchmarks/cpu_decode.py`` 1.2-1.25x faster at one sequence and 1.7-1.8x at 16
+    (docs/benchmarks.md). So a CPU whose oneDNN runs bf16 serves checkpoints of at least
+    ``CPU_BF16_MIN_BYTES`` on disk in bf16 (a threshold between the sizes measured), others in
+    float32.
     """
     if dtype != "auto":
         if dtype not in DTYPES:
@@ -46,7 +57,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
         return dtype
     if device.type == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    if checkpoint_bytes >= CPU_BF16_MIN_BYTES and blocked_supported(torch.bfloat16):
+        return "bfloat16"
     return "float32"
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """Bytes of the weight files of an artifact directory."""
+    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
 
 
 def _eos_ids(config, tokenizer, path: Path) -> set[int]:
@@ -78,8 +96,9 @@ class LLMEngine:
                 raise ValueError(f"{name}={value}: must be >= 1")
         kv_config = KVCacheConfig(num_kv_blocks, kv_cache_gb, gpu_memory_utilization)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = resolve_dtype(dtype, self.device)
-        loaded = load_engine_model(model, dtype, self.device)
+        path = resolve_model(str(model))
+        dtype = resolve_dtype(dtype, self.device, checkpoint_bytes(path))
+        loaded = load_engine_model(path, dtype, self.device)
         self.path = loaded.path
         self.tokenizer = load_tokenizer(loaded.path)
         spec = loaded.model.spec
