@@ -9,7 +9,9 @@ CPU int4 kernel (and of each per-channel 8-bit GPTQ weight for its int8 kernel, 
 weight for bitsandbytes' CPU NF4 kernel where the CPU has AVX512-BF16), which CPU forwards then use
 instead of dequantizing the whole matrix per call. A quantized matrix small enough that a dense
 matmul beats its packed kernel (``kernels.cpu_dense``) is instead dequantized once, into
-``cpu_dense`` in the serving dtype, and runs as a 16-bit layer would.
+``cpu_dense`` in the serving dtype, and runs as a 16-bit layer would. A large 16-bit matrix is
+reordered into oneDNN's blocked layout (``kernels.cpu_blocked``), a narrow one (a router) gets an
+fp32 copy.
 """
 
 from __future__ import annotations

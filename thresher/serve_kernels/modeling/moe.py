@@ -13,7 +13,9 @@ kernel (``kernels.cpu_nf4``, AVX512-BF16 CPUs); ``grouped_moe_packed`` then runs
 the experts that got tokens instead of dequantizing their matrices on every step. Experts small
 enough that a dense matmul beats those kernels (``kernels.cpu_dense``; every expert of the demo
 models) are instead dequantized once into the serving dtype and run the 16-bit experts' path
-(``grouped_moe_torch``), whatever their layout.
+(``grouped_moe_torch``), whatever their layout. Large 16-bit experts are reordered into oneDNN's
+blocked layout (``kernels.cpu_blocked``) and run through ``grouped_moe_packed`` like the packed
+ones.
 """
 
 from __future__ import annotations
