@@ -74,3 +74,38 @@ def sign_test(wins: int, losses: int) -> float:
     k = min(wins, losses)
     tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0 ** n
     return min(1.0, 2.0 * tail)
+
+
+@dataclass(frozen=True)
+class PairedPerplexity:
+    """Two models on the same held-out windows: the per-window mean-NLL difference (variant -
+    base, nats per token), its paired interval, and how many windows the variant scores better.
+
+    Every window scores the same number of tokens, so the mean of the per-window differences is
+    the difference of the two overall NLLs and ``exp`` of it the perplexity ratio."""
+
+    nll: PairedDifference
+    better: int  # windows where the variant's NLL is lower
+
+    @property
+    def ratio(self) -> tuple[float, float, float]:
+        """Perplexity ratio variant / base - 1, with its interval (fractions, not percent)."""
+        return (math.expm1(self.nll.delta), math.expm1(self.nll.low), math.expm1(self.nll.high))
+
+    def describe(self) -> str:
+        """``-0.12% [-0.20%, -0.04%] *, 51/64 better``: perplexity change with its interval."""
+        d, lo, hi = (100 * r for r in self.ratio)
+        star = " *" if self.nll.beyond_noise else ""
+        return f"{d:+.3f}% [{lo:+.3f}%, {hi:+.3f}%]{star}, {self.better}/{self.nll.n} better"
+
+
+def paired_perplexity(base_nll: Sequence[float], variant_nll: Sequence[float],
+                      iters: int = BOOTSTRAP_ITERS, confidence: float = CONFIDENCE,
+                      seed: int = 0) -> PairedPerplexity:
+    """Paired bootstrap over windows of ``variant - base`` per-window mean NLL (from
+    ``evaluate.perplexity.window_nlls`` on the same windows)."""
+    base = np.asarray(base_nll, dtype=np.float64)
+    variant = np.asarray(variant_nll, dtype=np.float64)
+    diff = paired_difference(base.tolist(), variant.tolist(), iters, confidence, seed)
+    better = int((variant < base).sum()) if len(base) == len(variant) else 0
+    return PairedPerplexity(diff, better)
