@@ -7,8 +7,11 @@
 A few tenths of a percent of perplexity on a 1-5 M parameter model can be noise, so every pair
 is compared window by window: the per-window mean-NLL difference, a 95% paired bootstrap interval
 over windows (fixed seed) and the windows the first of the pair scores better; a star marks an
-interval that excludes zero. Each row's per-window NLLs are kept in ``--cache`` (JSON), so rows
-can be run by separate processes (``--rows``) and the comparisons printed from the cache.
+interval that excludes zero. Consecutive windows come from the same source files, so a second
+interval resamples blocks of ``--block`` consecutive windows. Both intervals are over held-out
+windows for the artifacts at hand; ``--cal-seed`` draws other calibration windows, the other
+source of spread. Each row's per-window NLLs are kept in ``--cache`` (JSON), so rows can be run
+by separate processes (``--rows``) and the comparisons printed from the cache.
 """
 
 from __future__ import annotations
@@ -54,17 +57,22 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--windows", type=int, default=128)
+    ap.add_argument("--cal-seed", type=int, default=0,
+                    help="calibration sample seed: another draw of the calibration windows")
     ap.add_argument("--bits", type=int, default=3)
     ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     ap.add_argument("--cache", type=Path, help="JSON of per-window NLLs, read and extended")
+    ap.add_argument("--block", type=int, default=8,
+                    help="second interval: resample runs of this many consecutive windows")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     tok = load_tokenizer(path)
     windows = eval_windows(tok, PerplexityConfig(max_windows=args.windows))
-    cal = CalibrationConfig(samples=args.samples)
-    key = f"{args.model} {args.bits}-bit g{args.group_size} cal {args.samples} x 256"
+    cal = CalibrationConfig(samples=args.samples, seed=args.cal_seed)
+    key = (f"{args.model} {args.bits}-bit g{args.group_size} cal {args.samples} x 256"
+           f" seed {args.cal_seed}")
     cache = json.loads(args.cache.read_text()) if args.cache and args.cache.exists() else {}
     rows = cache.setdefault(key, {})
 
@@ -100,12 +108,15 @@ def main() -> None:
             p = math.exp(sum(rows[label]["nll"]) / len(windows))
             print(f"| {label} | {p:.3f} | {100 * (p / fp - 1):+.3f}% | "
                   f"{rows[label]['seconds']:.0f} |")
-    print("\n| variant vs base | perplexity change [95% paired CI], windows better |")
-    print("|---|---|")
+    print(f"\n| variant vs base | perplexity change [95% paired CI], windows better | "
+          f"CI over blocks of {args.block} windows |")
+    print("|---|---|---|")
     for variant, base in PAIRS:
         if variant in rows and base in rows:
             d = paired_perplexity(rows[base]["nll"], rows[variant]["nll"])
-            print(f"| {variant} vs {base} | {d.describe()} |")
+            b = paired_perplexity(rows[base]["nll"], rows[variant]["nll"], block=args.block)
+            print(f"| {variant} vs {base} | {d.describe()} | "
+                  f"{b.describe().rsplit(',', 1)[0].split(' ', 1)[1]} |")
 
 
 if __name__ == "__main__":

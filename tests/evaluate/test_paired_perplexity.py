@@ -50,3 +50,20 @@ def test_a_damaged_model_is_worse_beyond_noise_and_a_model_against_itself_is_not
                             f"{d.better}/16 better")
     back = paired_perplexity(worse.tolist(), base.tolist())  # the other way round
     assert back.nll.high < 0 and back.better == int((base < worse).sum()) >= 11
+
+
+def test_blocks_widen_the_interval_where_the_difference_drifts_along_the_text():
+    """A difference that is +d over the first half of the windows and -d/2 over the second is
+    beyond noise window by window; resampled in blocks of 16 consecutive windows it is not."""
+    base = [3.0 + 0.01 * (i % 7) for i in range(64)]
+    variant = [b + (0.004 if i < 32 else -0.002) + 0.0005 * (i % 3) for i, b in enumerate(base)]
+    single = paired_perplexity(base, variant)
+    blocked = paired_perplexity(base, variant, block=16)
+    assert single.nll.beyond_noise and not blocked.nll.beyond_noise
+    assert blocked.nll.delta == pytest.approx(single.nll.delta) and blocked.nll.n == 4
+    assert single.better == blocked.better == 32
+    assert paired_perplexity(base[:60], variant[:60], block=16).nll.n == 3  # remainder dropped
+    with pytest.raises(ValueError, match="fewer than one block"):
+        paired_perplexity(base[:8], variant[:8], block=16)
+    with pytest.raises(ValueError, match="64 and 63 windows"):
+        paired_perplexity(base, variant[:63])

@@ -101,11 +101,23 @@ class PairedPerplexity:
 
 def paired_perplexity(base_nll: Sequence[float], variant_nll: Sequence[float],
                       iters: int = BOOTSTRAP_ITERS, confidence: float = CONFIDENCE,
-                      seed: int = 0) -> PairedPerplexity:
+                      seed: int = 0, block: int = 1) -> PairedPerplexity:
     """Paired bootstrap over windows of ``variant - base`` per-window mean NLL (from
-    ``evaluate.perplexity.window_nlls`` on the same windows)."""
+    ``evaluate.perplexity.window_nlls`` on the same windows).
+
+    Held-out windows are consecutive cuts of one text, so neighbours (the same source file) are
+    alike; ``block`` > 1 resamples runs of that many consecutive windows instead (a
+    non-overlapping block bootstrap; a remainder is dropped), which widens the interval where
+    the difference drifts along the text. ``better`` always counts single windows."""
     base = np.asarray(base_nll, dtype=np.float64)
     variant = np.asarray(variant_nll, dtype=np.float64)
-    diff = paired_difference(base.tolist(), variant.tolist(), iters, confidence, seed)
-    better = int((variant < base).sum()) if len(base) == len(variant) else 0
-    return PairedPerplexity(diff, better)
+    if len(base) != len(variant) or block < 1:
+        raise ValueError(f"paired windows: {len(base)} and {len(variant)} windows, block "
+                         f"{block}; both must be scored on the same windows, block >= 1")
+    n = len(base) // block * block
+    if n == 0:
+        raise ValueError(f"paired windows: {len(base)} windows, fewer than one block of {block}")
+    diff = paired_difference(base[:n].reshape(-1, block).mean(axis=1).tolist(),
+                             variant[:n].reshape(-1, block).mean(axis=1).tolist(),
+                             iters, confidence, seed)
+    return PairedPerplexity(diff, int((variant < base).sum()))
