@@ -20,7 +20,7 @@ def test_window_nlls_average_to_the_perplexity(tiny_demo, tiny_tokenizer):
     windows = eval_windows(tiny_tokenizer, PerplexityConfig(max_windows=6))
     nll = window_nlls(model, windows, batch_size=4, show_progress=False)
     assert nll.shape == (6,) and nll.dtype == torch.float64
-    assert torch.allclose(nll, window_nlls(model, windows[:, :], batch_size=1,
+    assert torch.allclose(nll, window_nlls(model, windows, batch_size=1,
                                            show_progress=False), atol=1e-5)
     ppl = perplexity(model, windows, show_progress=False).perplexity
     assert math.exp(float(nll.mean())) == pytest.approx(ppl, rel=1e-9)
