@@ -135,6 +135,12 @@ def test_each_method_holds_only_its_own_knobs():
     # defaults are the method's own: GPTQ symmetric, RTN and AWQ asymmetric
     assert gptq.sym and not QuantizeStage(method="rtn").sym and not QuantizeStage(method="awq").sym
     assert isinstance(QUANTIZE_STAGE.validate_python({"method": "nf4"}), NF4Stage)
+    assert QuantizeStage(method="awq").select_on == "fit"
+    assert QuantizeStage(method="awq", select_on="heldout").select_on == "heldout"
+    with pytest.raises(ValidationError, match="'fit' or 'heldout'"):
+        QuantizeStage(method="awq", select_on="train")
+    with pytest.raises(ValidationError, match="select_on"):
+        QuantizeStage(method="gptq", select_on="heldout")
 
 
 def test_model_copy_to_another_method_takes_that_methods_defaults():

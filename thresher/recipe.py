@@ -348,6 +348,10 @@ class AWQStage(QuantizeStage):
         "routed", description="calibrate each expert on its routed tokens (gate-weighted) or on "
         "every token, unweighted (llm-compressor's moe_calibrate_all_experts)"
     )
+    select_on: Literal["fit", "heldout"] = Field(
+        "fit", description="judge the scale (alpha) and clip candidates on the tokens they are "
+        "computed from, or split the calibration batches: fit on the even ones, choose on the odd"
+    )
 
 
 class NF4Stage(QuantizeStage):

@@ -114,3 +114,51 @@ def test_gptq_counts_routed_tokens_once_unless_gate_weighted(tiny_demo):
     w_once = {k: v for k, v in model_once.state_dict().items() if k.startswith(expert)}
     w_gate = {k: v for k, v in model_gate.state_dict().items() if k.startswith(expert)}
     assert w_once and any(not torch.equal(w_once[k], w_gate[k]) for k in w_once)
+
+
+@pytest.mark.slow
+def test_heldout_selection_runs_and_changes_the_artifact(tiny_demo):
+    """``select_on: heldout`` fits on the even calibration batches and chooses on the odd: the
+    alphas and weights differ from ``fit``; with one batch there is nothing to hold out and the
+    layer is fitted and judged on all of it."""
+    from thresher.compress.api import quantize_in_memory
+    from thresher.compress.methods.awq import _split
+
+    stage = QuantizeStage(method="awq", bits=3, group_size=64)
+    heldout = stage.model_copy(update={"select_on": "heldout"})
+    two = CalibrationConfig(samples=16, seq_len=32)  # two batches of 8
+    fit_model, fit = quantize_in_memory(tiny_demo, stage, two)
+    held_model, held = quantize_in_memory(tiny_demo, heldout, two)
+    assert [r.awq_alpha.keys() for r in fit] == [r.awq_alpha.keys() for r in held]
+    assert any(a.awq_alpha != b.awq_alpha for a, b in zip(fit, held, strict=True))
+    fit_sd, held_sd = fit_model.state_dict(), held_model.state_dict()
+    changed = [k for k in fit_sd if not torch.equal(fit_sd[k], held_sd[k])]
+    assert any("experts" in k for k in changed) and any("self_attn" in k for k in changed)
+    xs = [torch.randn(8, 32, 16)]  # one batch: fitted and judged on all of it
+    (fit_xs, _), (held_xs, _) = _split(xs, [None], heldout=True)
+    assert fit_xs is xs and held_xs is xs
+    (fit_xs, _), (held_xs, _) = _split(xs * 3, [None] * 3, heldout=True)
+    assert (len(fit_xs), len(held_xs)) == (2, 1)
+
+
+def test_heldout_check_undoes_clipping_that_only_fits_the_search_tokens():
+    """With the search tokens as their own check nothing changes; on other tokens every kept
+    shrink is no worse than the unclipped range there."""
+    torch.manual_seed(0)
+    w = torch.randn(16, 64)
+    w[:, 0] = 8
+    x, other = torch.randn(64, 64), torch.randn(64, 64) * torch.linspace(0.1, 3, 64)
+    spec, gs = GridSpec(3, sym=False), 32
+    plain = search_clip(w, x, spec, gs)
+    assert torch.equal(search_clip(w, x, spec, gs, check=x), plain)
+    checked = search_clip(w, x, spec, gs, check=other)
+    org = w.abs().reshape(16, 2, gs).amax(-1)
+    undone = (checked == org) & (plain != org)
+    assert undone.any() and ((checked == plain) | undone).all()
+
+    def errors(m: torch.Tensor) -> torch.Tensor:  # [rows, groups] on the check tokens
+        c = torch.clamp(w.reshape(16, 2, gs), -m.unsqueeze(2), m.unsqueeze(2)).reshape(16, 64)
+        d = (quantize_grouped(c, spec, gs).dequantize() - w).reshape(16, 1, 2, gs)
+        return (d * other.reshape(1, -1, 2, gs)).sum(-1).pow(2).mean(1)
+
+    assert (errors(checked) <= errors(org) * (1 + 1e-5)).all()

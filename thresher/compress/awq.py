@@ -70,34 +70,56 @@ def search_scale(x_mean: torch.Tensor, w_mean: torch.Tensor,
 
 @torch.no_grad()
 def search_clip(w: torch.Tensor, x: torch.Tensor, spec: GridSpec, group_size: int,
-                n_grid: int = N_GRID, max_shrink: float = MAX_SHRINK) -> torch.Tensor:
+                n_grid: int = N_GRID, max_shrink: float = MAX_SHRINK,
+                check: torch.Tensor | None = None) -> torch.Tensor:
     """Per (row, group) max |w| (shrunk by 0..45 % in 5 % steps) minimizing the error of the
-    group's partial dot products on the sample tokens ``x`` [T, C]. Returns [rows, groups]."""
+    group's partial dot products on the sample tokens ``x`` [T, C]. Returns [rows, groups].
+
+    With ``check`` (held-out tokens [T', C]) a group keeps its shrink only where it is no worse
+    than the unclipped range on those tokens too: a choice that fits ``x`` alone is undone."""
     rows, cols = w.shape
     gs = cols if group_size == -1 else group_size
-    if x.shape[0] > CLIP_TOKENS:
-        x = x[:: x.shape[0] // CLIP_TOKENS][:CLIP_TOKENS]
-    xg = x.float().reshape(1, x.shape[0], cols // gs, gs)  # [1, T, G, gs]
+
+    def groups(t: torch.Tensor) -> torch.Tensor:
+        if t.shape[0] > CLIP_TOKENS:
+            t = t[:: t.shape[0] // CLIP_TOKENS][:CLIP_TOKENS]
+        return t.float().reshape(1, t.shape[0], cols // gs, gs)  # [1, T, G, gs]
+
+    xg = groups(x)
+    cg = None if check is None else groups(check)
     return torch.cat([_clip_rows(w[r:r + CLIP_ROWS].float(), xg, spec, group_size, n_grid,
-                                 max_shrink) for r in range(0, rows, CLIP_ROWS)])
+                                 max_shrink, cg) for r in range(0, rows, CLIP_ROWS)])
+
+
+def _group_error(q: torch.Tensor, xg: torch.Tensor, org_out: torch.Tensor) -> torch.Tensor:
+    """Mean squared error of the partial dot products per (row, group): [rows, 1, G, 1]."""
+    return ((xg * q).sum(dim=-1) - org_out).pow(2).mean(dim=1, keepdim=True).unsqueeze(-1)
 
 
 def _clip_rows(w: torch.Tensor, xg: torch.Tensor, spec: GridSpec, group_size: int, n_grid: int,
-               max_shrink: float) -> torch.Tensor:
+               max_shrink: float, check: torch.Tensor | None = None) -> torch.Tensor:
     rows, cols = w.shape
     wg = w.reshape(rows, 1, xg.shape[2], xg.shape[3])  # [rows, 1, G, gs]
     org_max = wg.abs().amax(dim=-1, keepdim=True)  # [rows, 1, G, 1]
     best_max = org_max.clone()
     best_err = torch.full_like(org_max, float("inf"))
     org_out = (xg * wg).sum(dim=-1)  # [rows, T, G]
+
+    def quantized(max_val: torch.Tensor) -> torch.Tensor:
+        clipped = torch.clamp(wg, -max_val, max_val)
+        return pseudo_quantize(clipped.reshape(rows, cols), spec, group_size).reshape(wg.shape)
+
     for i in range(int(max_shrink * n_grid)):
         max_val = org_max * (1 - i / n_grid)
-        clipped = torch.clamp(wg, -max_val, max_val)
-        q = pseudo_quantize(clipped.reshape(rows, cols), spec, group_size).reshape(wg.shape)
-        err = ((xg * q).sum(dim=-1) - org_out).pow(2).mean(dim=1, keepdim=True).unsqueeze(-1)
+        err = _group_error(quantized(max_val), xg, org_out)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_max = torch.where(better, max_val, best_max)
+    if check is not None:
+        check_out = (check * wg).sum(dim=-1)
+        keep = _group_error(quantized(best_max), check, check_out) <= _group_error(
+            quantized(org_max), check, check_out)
+        best_max = torch.where(keep, best_max, org_max)
     return best_max.reshape(rows, xg.shape[2])
 
 

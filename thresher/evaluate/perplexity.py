@@ -48,9 +48,10 @@ def window_nll(logits: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def perplexity(model: nn.Module | LogitsFn, windows: torch.Tensor, batch_size: int = 8,
-               show_progress: bool = True) -> PerplexityResult:
-    """Perplexity of ``model`` (a causal LM, or a function ids -> logits) on ``windows`` [N, S]."""
+def window_nlls(model: nn.Module | LogitsFn, windows: torch.Tensor, batch_size: int = 8,
+                show_progress: bool = True) -> torch.Tensor:
+    """Mean NLL per scored token of each window [N] (float64): the unit a paired comparison of
+    two models on the same windows resamples."""
     if isinstance(model, nn.Module):
         model.eval()
 
@@ -58,16 +59,22 @@ def perplexity(model: nn.Module | LogitsFn, windows: torch.Tensor, batch_size: i
             return model(input_ids=ids).logits
     else:
         logits_fn = model
-    total = 0.0
     n, seq_len = windows.shape
-    for start in tqdm(range(0, n, batch_size), desc="perplexity", unit="batch",
-                      disable=not show_progress, leave=False):
-        batch = windows[start : start + batch_size]
-        total += float(window_nll(logits_fn(batch), batch).sum())
-    tokens = n * (seq_len - 1)
-    nll = total / tokens
-    return PerplexityResult(perplexity=math.exp(nll), nll=nll, tokens=tokens, windows=n,
-                            seq_len=seq_len)
+    sums = [window_nll(logits_fn(windows[start : start + batch_size]),
+                       windows[start : start + batch_size]).double()
+            for start in tqdm(range(0, n, batch_size), desc="perplexity", unit="batch",
+                              disable=not show_progress, leave=False)]
+    return torch.cat(sums) / (seq_len - 1)
+
+
+@torch.no_grad()
+def perplexity(model: nn.Module | LogitsFn, windows: torch.Tensor, batch_size: int = 8,
+               show_progress: bool = True) -> PerplexityResult:
+    """Perplexity of ``model`` (a causal LM, or a function ids -> logits) on ``windows`` [N, S]."""
+    n, seq_len = windows.shape
+    nll = float(window_nlls(model, windows, batch_size, show_progress).mean())
+    return PerplexityResult(perplexity=math.exp(nll), nll=nll, tokens=n * (seq_len - 1),
+                            windows=n, seq_len=seq_len)
 
 
 def heldout_perplexity(model: str | Path | nn.Module, cfg: PerplexityConfig, tokenizer=None,

@@ -8,6 +8,12 @@ gate-weighted for a routed expert (with ``expert_tokens: all``, every token, ung
 with fewer than ``min_expert_tokens`` effective (gate-weighted) tokens is left unscaled and
 unclipped.
 
+With ``select_on: heldout`` the captured calibration batches are split: the scale's activation
+means come from the even batches and alpha is chosen by the block's output error on the odd ones;
+the clip ranges are searched on the even batches and a group keeps its shrink only if it is no
+worse than no clipping on the odd ones. A site whose routed tokens all fall in one part is fitted
+and judged on all of them, as with ``fit``.
+
 4-bit AWQ writes the AWQ gemm format; other widths write the GPTQ format (the scales are already
 folded into the weights, so the codes are plain grouped integers either way).
 """
@@ -52,6 +58,7 @@ class AWQMethod:
         self.format = "awq" if stage.bits == awq_format.BITS else "gptq"
         self.grid = grid_spec(stage.bits, stage.sym, self.format)
         self.all_tokens = stage.expert_tokens == "all"
+        self.heldout = stage.select_on == "heldout"
 
     def quantization_config(self, skip: list[str]) -> dict:
         st = self.stage
@@ -79,10 +86,11 @@ class AWQMethod:
                                      self.stage.min_expert_tokens):
             return
         gs = self.stage.group_size
-        x_mean = torch.cat([x.reshape(-1, group.site.columns) for x in xs]).abs().mean(dim=0)
+        (fit_xs, _), (held_xs, held_gates) = _split(xs, gates, self.heldout)
+        x_mean = torch.cat([x.reshape(-1, group.site.columns) for x in fit_xs]).abs().mean(dim=0)
         targets = group.targets
         w_mean = weight_mean([t.weight for t in targets], gs)
-        inspect = _inspector(job, group, xs, gates)
+        inspect = _inspector(job, group, held_xs, held_gates)
         reference = inspect()
         originals = [t.weight.clone() for t in targets]
 
@@ -111,12 +119,27 @@ class AWQMethod:
         for site in job.progress(sites, f"layer {job.parts.idx} awq clip"):
             if site.expert is not None and site.expert in job.record.fallback_experts:
                 continue
-            x = torch.cat(inputs.pop(site.name))
+            xs = inputs.pop(site.name)
+            (fit, _), (held, _) = _split(xs, [None] * len(xs), self.heldout)
+            x = torch.cat(fit)
+            check = torch.cat(held) if held is not fit else None
             for t in site.targets:
                 if t.role in ("q_proj", "k_proj"):
                     continue
-                max_val = search_clip(t.weight, x, self.grid, self.stage.group_size)
+                max_val = search_clip(t.weight, x, self.grid, self.stage.group_size,
+                                      check=check)
                 t.weight.copy_(clip_weight(t.weight, max_val, self.stage.group_size))
+
+
+def _split(xs: list[torch.Tensor], gates: list[torch.Tensor | None],
+           heldout: bool) -> tuple[Inputs, Inputs]:
+    """(fit, held-out) parts of a site's batches: even and odd batches with ``heldout`` when both
+    parts have tokens, else the same lists twice."""
+    if heldout:
+        fit, held = (xs[0::2], gates[0::2]), (xs[1::2], gates[1::2])
+        if all(sum(x.reshape(-1, x.shape[-1]).shape[0] for x in part[0]) for part in (fit, held)):
+            return fit, held
+    return (xs, gates), (xs, gates)
 
 
 def _effective_tokens(xs: list[torch.Tensor], gates: list[torch.Tensor | None]) -> float:
