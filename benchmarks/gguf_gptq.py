@@ -20,7 +20,6 @@ windows (whether the gain carries to other text).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
 import tempfile
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import gguf
 import torch
-from gguf_quality import llama_cpp_losses
+from gguf_quality import score_and_remove
 
 from thresher.data.windows import eval_windows
 from thresher.export import ImportanceMatrix, compute_importance, export_gguf
@@ -65,7 +64,6 @@ def main() -> None:
         proxy(model, args.types, importance, held_out)
         return
     root = Path(tempfile.mkdtemp(prefix="thresher-gguf-gptq-"))
-    tokens = windows.numel() - windows.shape[0]
     print(f"\n{args.model}: {windows.shape[0]} held-out windows of {windows.shape[1]} tokens; "
           f"importance and Hessians from {args.samples} calibration windows ({collect_s:.0f} s)\n")
     print("| type | rounding | file MB | llama.cpp perplexity | better than plain by | "
@@ -80,9 +78,7 @@ def main() -> None:
                                      importance=None if rounding == "plain" else importance,
                                      gptq=rounding.startswith("gptq"),
                                      gptq_scales="plain" if "plain" in rounding else "imatrix")
-                losses = llama_cpp_losses(out, windows, args.threads)
-                out.unlink()
-                ppl = math.exp(float(losses.sum()) / tokens)
+                losses, ppl = score_and_remove(out, windows, args.threads)
                 if plain is None:
                     plain = (losses, ppl)
                 print(f"| {gguf_type} | {rounding} | {result.file_bytes / 1e6:.2f} | {ppl:.3f} | "

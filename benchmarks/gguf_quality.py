@@ -57,6 +57,15 @@ def llama_cpp_losses(path: Path, windows: torch.Tensor, threads: int | None) -> 
     return losses
 
 
+def score_and_remove(path: Path, windows: torch.Tensor, threads: int | None
+                     ) -> tuple[torch.Tensor, float]:
+    """``llama_cpp_losses`` of a GGUF file and the perplexity they make; the file is deleted
+    (the sweeps write one file per row)."""
+    losses = llama_cpp_losses(path, windows, threads)
+    path.unlink()
+    return losses, math.exp(float(losses.sum()) / (windows.shape[0] * (windows.shape[1] - 1)))
+
+
 def bits_per_weight(path: Path) -> float:
     tensors = gguf.GGUFReader(path).tensors
     return 8 * sum(int(t.n_bytes) for t in tensors) / sum(int(t.n_elements) for t in tensors)

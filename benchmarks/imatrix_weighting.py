@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from gguf_quality import llama_cpp_losses
+from gguf_quality import score_and_remove
 
 from thresher.data.windows import eval_windows
 from thresher.export import ImportanceMatrix, compute_importance, export_gguf
@@ -117,7 +117,6 @@ def main() -> None:
         raise SystemExit(f"unknown variant {variant!r}")
 
     root = Path(tempfile.mkdtemp(prefix="thresher-imatrix-"))
-    tokens = windows.numel() - windows.shape[0]
     print(f"\n{args.model}: {windows.shape[0]} held-out windows of {windows.shape[1]} tokens; "
           f"importance from {args.samples} calibration windows unless the variant says\n")
     print("| type | importance | llama.cpp perplexity | better than plain by | windows better |")
@@ -129,9 +128,7 @@ def main() -> None:
                 out = root / f"{gguf_type}-{len(list(root.iterdir()))}.gguf"
                 export_gguf(model, out, gguf_type, show_progress=False,
                             importance=None if variant == "plain" else importance(variant))
-                losses = llama_cpp_losses(out, windows, args.threads)
-                out.unlink()
-                ppl = math.exp(float(losses.sum()) / tokens)
+                losses, ppl = score_and_remove(out, windows, args.threads)
                 if plain is None:
                     plain = (losses, ppl)
                 print(f"| {gguf_type} | {variant} | {ppl:.3f} | {plain[1] / ppl - 1:+.2%} | "

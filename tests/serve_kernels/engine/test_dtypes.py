@@ -13,13 +13,10 @@ import torch
 
 from thresher.evaluate.perplexity import perplexity
 from thresher.models import load_model
+from thresher.models.inspect import weight_bytes
 from thresher.serve_kernels import LLM, SamplingParams
 from thresher.serve_kernels.engine import llm_engine
-from thresher.serve_kernels.engine.llm_engine import (
-    CPU_BF16_MIN_BYTES,
-    checkpoint_bytes,
-    resolve_dtype,
-)
+from thresher.serve_kernels.engine.llm_engine import CPU_BF16_MIN_BYTES, resolve_dtype
 from thresher.serve_kernels.kernels import cpu_blocked
 from thresher.serve_kernels.validate import token_agreement
 
@@ -83,7 +80,7 @@ def test_perplexity_matches_transformers_in_16_bit(pair, tiny_tokenizer):
 def test_auto_dtype_is_16_bit_on_a_gpu_and_by_size_on_a_cpu(monkeypatch, tiny_demo):
     cpu = torch.device("cpu")
     assert resolve_dtype("auto", cpu) == "float32"
-    assert resolve_dtype("auto", cpu, checkpoint_bytes(tiny_demo)) == "float32"  # a small model
+    assert resolve_dtype("auto", cpu, weight_bytes(tiny_demo)) == "float32"  # a small model
     large = resolve_dtype("auto", cpu, CPU_BF16_MIN_BYTES)
     assert large == ("bfloat16" if cpu_blocked.blocked_supported(torch.bfloat16) else "float32")
     monkeypatch.setattr(llm_engine, "blocked_supported", lambda dtype: False)

@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from thresher.formats.dtypes import DTYPES
+from thresher.models.inspect import weight_bytes
 from thresher.models.loading import load_tokenizer
 from thresher.models.source import resolve_model
 from thresher.serve_kernels.engine.block_manager import BlockManager
@@ -62,11 +63,6 @@ def resolve_dtype(dtype: str, device: torch.device, checkpoint_bytes: int = 0) -
     return "float32"
 
 
-def checkpoint_bytes(path: Path) -> int:
-    """Bytes of the weight files of an artifact directory."""
-    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
-
-
 def _eos_ids(config, tokenizer, path: Path) -> set[int]:
     """Token ids that end generation: the config's, generation_config.json's, the tokenizer's."""
     values = [getattr(config, "eos_token_id", None), tokenizer.eos_token_id]
@@ -97,7 +93,7 @@ class LLMEngine:
         kv_config = KVCacheConfig(num_kv_blocks, kv_cache_gb, gpu_memory_utilization)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         path = resolve_model(str(model))
-        dtype = resolve_dtype(dtype, self.device, checkpoint_bytes(path))
+        dtype = resolve_dtype(dtype, self.device, weight_bytes(path))
         loaded = load_engine_model(path, dtype, self.device)
         self.path = loaded.path
         self.tokenizer = load_tokenizer(loaded.path)
