@@ -22,6 +22,7 @@ from thresher.compress.api import quantize_model
 from thresher.recipe import CalibrationConfig, FilesSource, NF4Stage, QuantizeStage
 from thresher.serve_kernels import LLM, SamplingParams
 from thresher.serve_kernels.kernels import cpu_dense
+from thresher.serve_kernels.kernels.cpu_int4 import default_kernel
 from thresher.serve_kernels.kernels.w4a16 import gptq_matmul_ref
 from thresher.serve_kernels.modeling.linear import (
     AWQLinear,
@@ -103,8 +104,11 @@ def test_a_4bit_decode_step_runs_the_16bit_parents_operators(artifacts, tiny_dem
     for name in STAGES:
         ops = _decode_ops(LLM(artifacts / name))
         assert ops == base, name
-    packed = _decode_ops(_with_threshold(0, artifacts / "gptq-act-order"))
-    assert packed.get("aten::_weight_int4pack_mm_for_cpu", 0) > 0  # the threshold switches it
+    packed = _with_threshold(0, artifacts / "gptq-act-order")  # the threshold switches it
+    packs = [p for m in packed.engine.runner.model.modules() for p in getattr(m, "cpu_packs", ())]
+    assert packs and all(p.kernel == default_kernel() for p in packs)
+    if default_kernel() == "torch":  # cpu_q4 is a ctypes call, not a torch operator
+        assert _decode_ops(packed).get("aten::_weight_int4pack_mm_for_cpu", 0) > 0
 
 
 def _with_threshold(value: int, path) -> LLM:

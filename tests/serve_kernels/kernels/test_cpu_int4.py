@@ -1,10 +1,13 @@
-"""The CPU int4 path (torch's ``_weight_int4pack_mm_for_cpu``) against the dequantizing references.
+"""The CPU int4 paths (torch's ``_weight_int4pack_mm_for_cpu`` and thresher's ``cpu_q4``) against
+the dequantizing references.
 
 The kernel computes in bf16 with bf16 scales and zeros, so it cannot match the fp32 reference
 bit for bit: rounding the activations, the scales and the (8 - z) * s zeros to bf16 (8 bits of
 mantissa, relative 2**-9 each) and the bf16 output leaves a relative error of a few 1e-3 in the
 result's norm (3.3e-3 at most measured over these cases). ``TOL`` allows three times that and
 stays far below a 4-bit weight's own quantization error (about 10% of the weight's norm).
+cpu_q4 rounds the activations to int8 per block of 32 (a step of max|x| / 127, about 0.5% of a
+Gaussian block's norm): 4-6e-3 measured, under the same ``TOL``.
 """
 
 from __future__ import annotations
@@ -13,12 +16,19 @@ import pytest
 import torch
 
 from tests.serve_kernels.kernels.helpers import random_awq, random_gptq, rel_err
-from thresher.serve_kernels.kernels import w4a16
-from thresher.serve_kernels.kernels.cpu_int4 import int4_matmul, pack_awq_int4, pack_gptq_int4
+from thresher.serve_kernels.kernels import cpu_q4, w4a16
+from thresher.serve_kernels.kernels.cpu_int4 import (
+    default_kernel,
+    int4_matmul,
+    pack_awq_int4,
+    pack_gptq_int4,
+)
 from thresher.serve_kernels.modeling.linear import AWQLinear, GPTQLinear
 
 K, N = 256, 80  # N a multiple of the kernel's 16 but not of 64
 TOL = 1e-2
+KERNELS = ["torch", pytest.param("q4", marks=pytest.mark.skipif(
+    cpu_q4.library() is None, reason="cpu_q4 does not build here (no cc, or no AVX2)"))]
 
 
 def _cpu(tensors):
@@ -29,11 +39,13 @@ def _cpu(tensors):
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("m", [1, 7])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gptq_int4_matches_reference(group_size, act_order, m, dtype):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_gptq_int4_matches_reference(group_size, act_order, m, dtype, kernel):
     tensors, _ = random_gptq(K, N, group_size, act_order)
     tensors = _cpu(tensors)
-    pack = pack_gptq_int4(*tensors)
-    assert pack is not None and (pack.perm is not None) == (act_order and group_size != -1)
+    pack = pack_gptq_int4(*tensors, kernel=kernel)
+    assert pack is not None and pack.kernel == kernel
+    assert (pack.perm is not None) == (act_order and group_size != -1)
     x = torch.randn(m, K).to(dtype)
     out = int4_matmul(x, pack)
     assert out.dtype == dtype and out.shape == (m, N)
@@ -43,7 +55,7 @@ def test_gptq_int4_matches_reference(group_size, act_order, m, dtype):
 def test_gptq_int4_large_group_repeats_its_scale():
     """Groups of 512 rows are held as kernel groups of 256 sharing one scale: still exact."""
     tensors = _cpu(random_gptq(1024, 32, 512, act_order=False)[0])
-    pack = pack_gptq_int4(*tensors)
+    pack = pack_gptq_int4(*tensors, kernel="torch")
     assert pack is not None and pack.group_size == 256
     x = torch.randn(3, 1024)
     assert rel_err(int4_matmul(x, pack), w4a16.gptq_matmul_ref(x, *tensors)) < TOL
@@ -52,18 +64,32 @@ def test_gptq_int4_large_group_repeats_its_scale():
 @pytest.mark.parametrize("group_size", [32, 64, 128, -1])
 @pytest.mark.parametrize("m", [1, 7])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_awq_int4_matches_reference(group_size, m, dtype):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_awq_int4_matches_reference(group_size, m, dtype, kernel):
     tensors = _cpu(random_awq(K, N, group_size)[0])
-    pack = pack_awq_int4(*tensors, group_size)
+    pack = pack_awq_int4(*tensors, group_size, kernel=kernel)
+    assert pack.kernel == kernel
     x = torch.randn(m, K).to(dtype)
     out = int4_matmul(x, pack)
     assert rel_err(out, w4a16.awq_matmul_ref(x.float(), *tensors, group_size)) < TOL
 
 
 def test_unsupported_layouts_keep_the_reference():
-    """N not a multiple of 16, or groups of 16 rows, have no int4pack form."""
-    assert pack_gptq_int4(*_cpu(random_gptq(K, 72, 32, act_order=False)[0])) is None
-    assert pack_gptq_int4(*_cpu(random_gptq(K, N, 16, act_order=False)[0])) is None
+    """N not a multiple of 16, or groups of 16 rows, have no int4pack form; cpu_q4 holds any N
+    but not groups of 16 rows either."""
+    n72 = _cpu(random_gptq(K, 72, 32, act_order=False)[0])
+    assert pack_gptq_int4(*n72, kernel="torch") is None
+    g16 = _cpu(random_gptq(K, N, 16, act_order=False)[0])
+    assert pack_gptq_int4(*g16, kernel="torch") is None
+    assert pack_gptq_int4(*g16, kernel="q4") is None
+    if cpu_q4.library() is not None:
+        pack = pack_gptq_int4(*n72, kernel="q4")
+        x = torch.randn(3, K)
+        assert rel_err(int4_matmul(x, pack), w4a16.gptq_matmul_ref(x, *n72)) < TOL
+
+
+def test_default_kernel_is_q4_where_it_builds():
+    assert default_kernel() == ("q4" if cpu_q4.library() is not None else "torch")
 
 
 @pytest.mark.parametrize("kind", ["gptq", "awq"])

@@ -15,6 +15,10 @@ each group is contiguous, and gathers the activations with the same permutation 
 The kernel runs in bf16: fp32 activations are rounded to bf16 for the matmul (its fp32 variant is
 exact but slower than the fp32 dense matmul). Against the 4-bit weight's own error this rounding is
 small; tests bound it against the fp32 reference.
+
+Where thresher's own kernel compiles (``cpu_q4``: int8 activations on the integer units, about
+1.5-1.8x torch's kernel per matvec on AVX512), a pack holds its layout instead (``kernel="q4"``);
+its groups are the weight's own, so any group of 32 or a multiple of 64 rows fits.
 """
 
 from __future__ import annotations
@@ -23,19 +27,22 @@ from dataclasses import dataclass
 
 import torch
 
+from thresher.serve_kernels.kernels import cpu_q4
 from thresher.serve_kernels.kernels.w4a16 import awq_codes, gptq_codes
 
 KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes the kernel accepts, largest first
+Q4_DTYPES = (torch.float32, torch.bfloat16)  # activations cpu_q4 reads as they are
 
 
 @dataclass
 class Int4Pack:
-    """One weight [N, K] in the CPU kernel's layout."""
+    """One weight [N, K] in a CPU kernel's layout."""
 
-    weight: torch.Tensor  # uint8 [N, K/2], from _convert_weight_to_int4pack_for_cpu
-    scales_zeros: torch.Tensor  # bf16 [K/group_size, N, 2]
+    weight: torch.Tensor  # uint8 [N, K/2]: _convert_weight_to_int4pack_for_cpu's, or cpu_q4's
+    scales_zeros: torch.Tensor  # torch: bf16 [K/group_size, N, 2]; q4: fp32 [N, 2, K/group_size]
     group_size: int
     perm: torch.Tensor | None  # input-row order the weight was packed in (act-order), or None
+    kernel: str = "torch"  # "torch" (_weight_int4pack_mm_for_cpu) or "q4" (cpu_q4)
 
     @property
     def out_features(self) -> int:
@@ -47,14 +54,18 @@ class Int4Pack:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def default_kernel() -> str:
+    """cpu_q4 where it compiled on this machine, else torch's kernel."""
+    return "q4" if cpu_q4.library() is not None else "torch"
+
+
 def pack_int4(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-              g_idx: torch.Tensor) -> Int4Pack | None:
+              g_idx: torch.Tensor, kernel: str | None = None) -> Int4Pack | None:
     """The CPU layout of W[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n] with g = g_idx[k];
-    None when the kernel cannot hold it exactly (N not a multiple of 16, groups of unequal size,
-    a group size no kernel group divides)."""
+    None when no kernel can hold it exactly (groups of unequal size; for torch's kernel also N
+    not a multiple of 16 or a group size no kernel group divides). ``kernel``: "q4", "torch", or
+    None for ``default_kernel()``; a weight q4 cannot hold goes to torch's kernel."""
     k, n = q.shape
-    if n % 16:
-        return None
     g_idx = g_idx.long()
     perm = None
     if bool((g_idx[1:] < g_idx[:-1]).any()):
@@ -64,8 +75,11 @@ def pack_int4(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
     if k % groups or not torch.equal(g_idx, torch.arange(k) // (k // groups)):
         return None
     rows = k // groups
+    if (kernel or default_kernel()) == "q4" and cpu_q4.supports(k, rows):
+        sz = cpu_q4.scales_zeros(scales[:groups], zeros[:groups])
+        return Int4Pack(cpu_q4.pack_codes(q), sz, rows, perm, kernel="q4")
     kernel_group = next((g for g in KERNEL_GROUPS if rows % g == 0), None)
-    if kernel_group is None:
+    if kernel_group is None or n % 16:
         return None
     repeat = rows // kernel_group
     s = scales.float()[:groups].repeat_interleave(repeat, 0)
@@ -76,22 +90,32 @@ def pack_int4(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
 
 
 def pack_gptq_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                   g_idx: torch.Tensor) -> Int4Pack | None:
+                   g_idx: torch.Tensor, kernel: str | None = None) -> Int4Pack | None:
     """A GPTQ v1 4-bit tensor set in the CPU layout (see ``pack_int4``)."""
     q, zeros = gptq_codes(qweight, qzeros)
-    return pack_int4(q, zeros, scales, g_idx)
+    return pack_int4(q, zeros, scales, g_idx, kernel)
 
 
 def pack_awq_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                  group_size: int) -> Int4Pack | None:
+                  group_size: int, kernel: str | None = None) -> Int4Pack | None:
     """An AWQ gemm tensor set in the CPU layout (see ``pack_int4``)."""
     q, zeros = awq_codes(qweight, qzeros)
     k = q.shape[0]
-    return pack_int4(q, zeros, scales, torch.arange(k) // (k if group_size == -1 else group_size))
+    g_idx = torch.arange(k) // (k if group_size == -1 else group_size)
+    return pack_int4(q, zeros, scales, g_idx, kernel)
 
 
 def int4_matmul(x: torch.Tensor, pack: Int4Pack) -> torch.Tensor:
     """x @ W for x [..., K] on the CPU kernel, returned in x's dtype."""
+    if pack.kernel == "q4":
+        if x.dim() == 2 and pack.perm is None and x.is_contiguous() and x.dtype in Q4_DTYPES:
+            return cpu_q4.matmul(x, pack.weight, pack.scales_zeros, pack.group_size)
+        x2 = x.reshape(-1, x.shape[-1])
+        if pack.perm is not None:
+            x2 = x2[:, pack.perm]
+        x2 = x2.contiguous() if x2.dtype in Q4_DTYPES else x2.float().contiguous()
+        y = cpu_q4.matmul(x2, pack.weight, pack.scales_zeros, pack.group_size)
+        return y.to(x.dtype).reshape(*x.shape[:-1], pack.out_features)
     if x.dim() == 2 and x.dtype == torch.bfloat16 and pack.perm is None and x.is_contiguous():
         # a bf16 decode's every call: the reshapes and casts below would be dispatched no-ops
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, pack.weight, pack.group_size,

@@ -1,0 +1,136 @@
+"""thresher's 4-bit CPU kernel (cpu_q4.c) against a float reference, in both of its builds.
+
+The reference is the same product with the activations rounded as the kernel rounds them (int8
+per block of 32, scale max|x| / 127): against it only the float summation order differs, so the
+tolerance is tight (1e-5 relative). A separate check bounds the rounding itself against the exact
+float product. The AVX2 build is compiled for Haswell and runs on any AVX512 machine too, so both
+code paths are tested here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from thresher.serve_kernels.kernels import cpu_q4
+
+pytestmark = pytest.mark.skipif(cpu_q4.library() is None,
+                                reason="cpu_q4 does not build here (no cc, or no AVX2)")
+
+
+@pytest.fixture(scope="module", params=["native", "haswell"])
+def lib(request, tmp_path_factory):
+    """The host build (AVX512-VNNI where the CPU has it) and the AVX2-only build."""
+    if request.param == "native":
+        return cpu_q4.library()
+    lib = cpu_q4.load(cpu_q4.build("haswell", tmp_path_factory.mktemp("q4")))
+    assert lib.thr_q4_isa() == b"avx2"
+    return lib
+
+
+def _weight(k: int, n: int, g: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (k, n), generator=gen)
+    s = torch.rand(k // g, n, generator=gen) * 0.02 + 1e-3
+    z = torch.randint(0, 16, (k // g, n), generator=gen).float()
+    return q, s, z
+
+
+def _run(lib, x, w, sz, g, out_dtype=None):
+    m, k = x.shape
+    y = torch.empty(m, w.shape[0], dtype=out_dtype or x.dtype)
+    rc = lib.thr_q4_matmul(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, w.data_ptr(),
+                           sz.data_ptr(), w.shape[0], g, y.data_ptr(),
+                           int(y.dtype == torch.bfloat16))
+    assert rc == 0
+    return y
+
+
+def _rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: int8 codes times a scale per block of 32."""
+    blocks = x.float().reshape(x.shape[0], -1, cpu_q4.BLOCK)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / torch.where(d > 0, d, 1), 0)  # as the kernel: x * (1 / d)
+    q = torch.round(blocks * inv)
+    return (q * d).reshape(x.shape)
+
+
+def _reference(x, q, s, z, g):
+    gi = torch.arange(q.shape[0]) // g
+    w = (q.double() - z.double()[gi]) * s.double()[gi]
+    return _rounded(x).double() @ w
+
+
+@pytest.mark.parametrize(("k", "n", "g"), [(64, 5, 64), (256, 80, 32), (256, 83, 128),
+                                           (512, 40, 512), (1024, 33, 256), (384, 16, 64)])
+@pytest.mark.parametrize("m", [1, 3, 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_the_rounded_reference(lib, k, n, g, m, dtype):
+    """Every group layout the kernel takes, row counts that leave a partial block of 4 rows,
+    one and several activation rows, fp32 and bf16 in and out."""
+    q, s, z = _weight(k, n, g)
+    x = torch.randn(m, k).to(dtype)
+    y = _run(lib, x, cpu_q4.pack_codes(q), cpu_q4.scales_zeros(s, z), g)
+    ref = _reference(x, q, s, z, g)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -8  # the bf16 output's own rounding
+    assert y.dtype == dtype
+    assert ((y.double() - ref).norm() / ref.norm()).item() < tol
+
+
+def test_bf16_output_is_the_fp32_output_rounded(lib):
+    """Same activations (bf16 values) in both dtypes give the same sums; the bf16 output is the
+    fp32 one rounded to nearest even."""
+    q, s, z = _weight(512, 64, 128)
+    x = torch.randn(4, 512).bfloat16()
+    w, sz = cpu_q4.pack_codes(q), cpu_q4.scales_zeros(s, z)
+    y32 = _run(lib, x.float(), w, sz, 128)
+    y16 = _run(lib, x, w, sz, 128)
+    assert torch.equal(y16, y32.bfloat16())
+
+
+def test_rounding_error_is_bounded_against_the_exact_product(lib):
+    """The int8 activations cost about 0.5% of the output's norm on Gaussian activations, the
+    size of bf16's rounding; a scale or zero misplaced by one group would cost 10% or more."""
+    q, s, z = _weight(2048, 256, 128)
+    x = torch.randn(8, 2048)
+    gi = torch.arange(2048) // 128
+    exact = x.double() @ ((q.double() - z.double()[gi]) * s.double()[gi])
+    y = _run(lib, x, cpu_q4.pack_codes(q), cpu_q4.scales_zeros(s, z), 128)
+    assert ((y.double() - exact).norm() / exact.norm()).item() < 1e-2
+
+
+def test_zero_activations_and_zero_blocks(lib):
+    """A block of zeros has scale 0 and must not divide by it."""
+    q, s, z = _weight(128, 8, 64)
+    x = torch.randn(2, 128)
+    x[0] = 0
+    x[1, :32] = 0
+    y = _run(lib, x, cpu_q4.pack_codes(q), cpu_q4.scales_zeros(s, z), 64)
+    assert torch.isfinite(y).all() and torch.equal(y[0], torch.zeros(8))
+    assert torch.allclose(y[1].double(), _reference(x, q, s, z, 64)[1], rtol=1e-5, atol=1e-6)
+
+
+def test_threads_follow_torch():
+    """The kernel's OpenMP runtime is torch's: set_num_threads reaches it."""
+    lib = cpu_q4.library()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert lib.thr_q4_threads() == 1
+        torch.set_num_threads(2)
+        assert lib.thr_q4_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_layout_limits():
+    assert cpu_q4.supports(1024, 128) and cpu_q4.supports(1024, 32) and cpu_q4.supports(64, 64)
+    assert not cpu_q4.supports(96, 32)  # K not a multiple of 64
+    assert not cpu_q4.supports(1024, 16) and not cpu_q4.supports(960, 96)
+
+
+def test_a_compiler_error_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    with pytest.raises(RuntimeError, match="compiling cpu_q4.c failed"):
+        cpu_q4.build("native", tmp_path)
+    assert not list(tmp_path.glob("*.so"))  # nothing half-written left to load

@@ -1,0 +1,256 @@
+/* 4-bit weight x 8-bit activation matmul for x86 CPUs (AVX2, AVX512-VNNI).
+ *
+ * y[m, n] = sum_k (q[n, k] - z[n, g]) * s[n, g] * x[m, k],  g = k / G
+ *
+ * The activations are rounded to int8 per block of 32 (d = max|x| / 127, as llama.cpp's Q8_0
+ * does for its Q4_0 matmuls), so the inner products run on integer multiply-adds: vpdpbusd
+ * (unsigned 4-bit codes times signed int8) with AVX512-VNNI, vpmaddubsw + vpmaddwd with AVX2.
+ * The zero point is folded out: sum_k (q - z) s x = s * sum_k q x - s z * sum_k x, so each
+ * row needs one float per group besides its scale.
+ *
+ * Weight layout, per row: K / 64 chunks of 32 bytes; byte j of chunk c holds code 64c + j in
+ * its low nibble and code 64c + 32 + j in its high nibble, so one load and two masks give the
+ * 64 codes in order. Scales: float [N, 2, K / G], per row the group scales s, then s * z.
+ * Requires K % 64 == 0 and G % 32 == 0 (G divides K). Built by cpu_q4.py with the host's
+ * -march; threads are torch's (its libgomp is the one loaded in the process).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QBLOCK 32
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                          /* nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+/* One activation row in int8 blocks: codes, block scales and, per weight group, sum of x. */
+static void quantize_row(const void *x, int x_bf16, int64_t k, int64_t g, int8_t *xq, float *d,
+                         float *gsum) {
+    float buf[QBLOCK];
+    for (int64_t gi = 0; gi < k / g; gi++) gsum[gi] = 0.0f;
+    for (int64_t b = 0; b < k / QBLOCK; b++) {
+        float amax = 0.0f;
+        for (int i = 0; i < QBLOCK; i++) {
+            int64_t j = b * QBLOCK + i;
+            buf[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[j]) : ((const float *)x)[j];
+            float a = fabsf(buf[i]);
+            amax = a > amax ? a : amax;
+        }
+        float db = amax / 127.0f;
+        float inv = db > 0.0f ? 1.0f / db : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < QBLOCK; i++) {
+            int v = (int)nearbyintf(buf[i] * inv);
+            xq[b * QBLOCK + i] = (int8_t)v;
+            sum += v;
+        }
+        d[b] = db;
+        gsum[b * QBLOCK / g] += db * (float)sum;
+    }
+}
+
+#define ROWS 4 /* weight rows per step: they share each activation load */
+#ifndef PREFETCH
+#define PREFETCH 4096
+#endif
+
+/* Codes of `nr` rows (each k/2 bytes, `stride` apart) as one byte each, in order; with groups of
+ * 32, also each row's block scales as 16 floats per chunk (8 of block 2c, 8 of block 2c + 1). */
+static inline void unpack_rows(const uint8_t *w, int64_t stride, int64_t k, int nr, uint8_t *out,
+                               const float *sz, int64_t sz_stride, int64_t g, float *ws) {
+    if (g == 32)
+        for (int r = 0; r < nr; r++)
+            for (int64_t c = 0; c < k / 64; c++)
+                for (int j = 0; j < 16; j++)
+                    ws[r * (k / 4) + 16 * c + j] = sz[r * sz_stride + 2 * c + j / 8];
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    for (int r = 0; r < nr; r++)
+        for (int64_t c = 0; c < k / 64; c++) {
+            /* the next rows' bytes, PREFETCH ahead: one core's misses in flight bound its DRAM read */
+            _mm_prefetch((const char *)(w + r * stride + 32 * c + PREFETCH), _MM_HINT_T0);
+            __m256i p = _mm256_loadu_si256((const __m256i *)(w + r * stride + 32 * c));
+            _mm256_storeu_si256((__m256i *)(out + r * k + 64 * c), _mm256_and_si256(p, mask));
+            _mm256_storeu_si256((__m256i *)(out + r * k + 64 * c + 32),
+                                _mm256_and_si256(_mm256_srli_epi16(p, 4), mask));
+        }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define Q4_ISA "avx512vnni"
+
+/* sum_i a[i] * b[i]: the zero points' share, sum over groups of s * z * sum(x) */
+static inline float zdot(const float *a, const float *b, int64_t n) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* Two activation blocks' scales as one vector: lanes 0-7 block 2c, lanes 8-15 block 2c + 1
+ * (vpdpbusd's lane i sums bytes 4i..4i+3). */
+static inline __m512 pair(float a, float b) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(a)), _mm256_set1_ps(b), 1);
+}
+
+/* out[r] = sum_g s[r, g] * sum_{k in g} q[r, k] * xhat[k] for nr <= ROWS unpacked rows */
+static inline __attribute__((always_inline)) void rows_dot(
+    const uint8_t *wb, const float *ws, const float *sz, int64_t sz_stride, int64_t k, int64_t g,
+    int nr, const int8_t *xq, const float *d, float *out) {
+    __m512 acc[ROWS];
+    for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
+    if (g == 32) { /* a scale per block: `ws` holds each row's as vpdpbusd's lanes need them */
+        for (int64_t c = 0; c < k / 64; c++) {
+            __m512i xv = _mm512_loadu_si512((const void *)(xq + 64 * c));
+            __m512 dv = pair(d[2 * c], d[2 * c + 1]);
+            for (int r = 0; r < nr; r++) {
+                __m512i wv = _mm512_loadu_si512((const void *)(wb + r * k + 64 * c));
+                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
+                __m512 sc = _mm512_mul_ps(dv, _mm512_loadu_ps(ws + r * (k / 4) + 16 * c));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc[r]);
+            }
+        }
+    } else {
+        int64_t per_group = g / 64;
+        for (int64_t gi = 0; gi < k / g; gi++) {
+            __m512 gacc[ROWS];
+            for (int r = 0; r < nr; r++) gacc[r] = _mm512_setzero_ps();
+            for (int64_t c = gi * per_group; c < (gi + 1) * per_group; c++) {
+                __m512i xv = _mm512_loadu_si512((const void *)(xq + 64 * c));
+                __m512 dv = pair(d[2 * c], d[2 * c + 1]);
+                for (int r = 0; r < nr; r++) {
+                    __m512i wv = _mm512_loadu_si512((const void *)(wb + r * k + 64 * c));
+                    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
+                    gacc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dv, gacc[r]);
+                }
+            }
+            for (int r = 0; r < nr; r++)
+                acc[r] = _mm512_fmadd_ps(gacc[r], _mm512_set1_ps(sz[r * sz_stride + gi]), acc[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define Q4_ISA "avx2"
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float zdot(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float v = hsum(acc);
+    for (; i < n; i++) v += a[i] * b[i];
+    return v;
+}
+
+/* 32 codes (unsigned) times 32 int8 activations as 8 int32 partial sums; no saturation since
+ * two products are at most 2 * 15 * 127 */
+static inline __m256 dot32(const uint8_t *w, const int8_t *x) {
+    __m256i p = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)w),
+                                     _mm256_loadu_si256((const __m256i *)x));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+static inline __attribute__((always_inline)) void rows_dot(
+    const uint8_t *wb, const float *ws, const float *sz, int64_t sz_stride, int64_t k, int64_t g,
+    int nr, const int8_t *xq, const float *d, float *out) {
+    __m256 acc[ROWS];
+    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < k / 32; b++) {
+        int64_t gi = (b * 32) / g;
+        for (int r = 0; r < nr; r++)
+            acc[r] = _mm256_fmadd_ps(dot32(wb + r * k + 32 * b, xq + 32 * b),
+                                     _mm256_set1_ps(d[b] * sz[r * sz_stride + gi]), acc[r]);
+    }
+    for (int r = 0; r < nr; r++) out[r] = hsum(acc[r]);
+}
+#else
+#error "cpu_q4.c needs AVX2 and FMA"
+#endif
+
+const char *thr_q4_isa(void) { return Q4_ISA; }
+
+/* the thread count a parallel region here gets: torch.set_num_threads reaches it */
+int thr_q4_threads(void) { return omp_get_max_threads(); }
+
+/* y [M, N] = x [M, K] @ W.T; x and y in fp32 or bf16 (flags). Returns 0, or -1 when out of memory. */
+int thr_q4_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *w,
+                  const float *sz, int64_t n, int64_t g, void *y, int y_bf16) {
+    int64_t blocks = k / QBLOCK, groups = k / g;
+    int8_t *xq = aligned_alloc(64, (size_t)(m * k + 64));
+    float *d = malloc(sizeof(float) * (size_t)(m * blocks));
+    float *gsum = malloc(sizeof(float) * (size_t)(m * groups));
+    if (!xq || !d || !gsum) {
+        free(xq), free(d), free(gsum);
+        return -1;
+    }
+#pragma omp parallel for schedule(static) if (m * k > 16384)
+    for (int64_t i = 0; i < m; i++)
+        quantize_row((const char *)x + (x_bf16 ? 2 : 4) * i * k, x_bf16, k, g, xq + i * k,
+                     d + i * blocks, gsum + i * groups);
+    int64_t quads = (n + ROWS - 1) / ROWS;
+    int failed = 0;
+#pragma omp parallel if (m * n * k > 262144)
+    {
+        uint8_t *wb = aligned_alloc(64, (size_t)(ROWS * k));
+        float *ws = g == 32 ? malloc(sizeof(float) * (size_t)(ROWS * k / 4)) : NULL;
+        if (!wb || (g == 32 && !ws)) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t qi = 0; qi < quads; qi++) {
+            if (!wb || (g == 32 && !ws)) continue;
+            int64_t r0 = qi * ROWS;
+            int nr = n - r0 < ROWS ? (int)(n - r0) : ROWS;
+            const float *szr = sz + r0 * 2 * groups;  /* [nr][2][groups] */
+            unpack_rows(w + r0 * (k / 2), k / 2, k, nr, wb, szr, 2 * groups, g, ws);
+            for (int64_t i = 0; i < m; i++) {
+                float acc[ROWS];
+                if (nr == ROWS)
+                    rows_dot(wb, ws, szr, 2 * groups, k, g, ROWS, xq + i * k, d + i * blocks, acc);
+                else
+                    rows_dot(wb, ws, szr, 2 * groups, k, g, nr, xq + i * k, d + i * blocks, acc);
+                const float *gs = gsum + i * groups;
+                for (int r = 0; r < nr; r++) {
+                    float v = acc[r];
+                    v -= zdot(szr + r * 2 * groups + groups, gs, groups);
+                    if (y_bf16)
+                        ((uint16_t *)y)[i * n + r0 + r] = f32_to_bf16(v);
+                    else
+                        ((float *)y)[i * n + r0 + r] = v;
+                }
+            }
+        }
+        free(wb);
+        free(ws);
+    }
+    if (failed) {
+        free(xq), free(d), free(gsum);
+        return -1;
+    }
+    free(xq), free(d), free(gsum);
+    return 0;
+}
