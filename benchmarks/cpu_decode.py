@@ -43,6 +43,7 @@ from quant_scale import build_checkpoint
 from thresher.export import export_gguf
 from thresher.export.llama_runtime import INSTALL_HINT, LLAMA_CPP_AVAILABLE, LlamaCppModel
 from thresher.serve_kernels import LLM, SamplingParams
+from thresher.serve_kernels.kernels import cpu_q4
 from thresher.serve_kernels.modeling.linear import DenseLinear
 from thresher.serve_kernels.modeling.moe import ExpertLoop, FusedExperts
 
@@ -189,6 +190,11 @@ def main() -> None:
     ap.add_argument("--quant-dtypes", nargs="+", default=["float32", "bfloat16"],
                     help="engine dtypes of the 4-bit rows (their kernels compute in bf16 either "
                          "way; the activations between them are in this dtype)")
+    ap.add_argument("--int4-kernels", nargs="+", default=["q4", "torch"],
+                    choices=["q4", "torch"],
+                    help="GPTQ-4/AWQ-4 rows per CPU kernel: thresher's cpu_q4 (int8 activations) "
+                         "and torch's _weight_int4pack_mm_for_cpu (q4 rows are skipped where it "
+                         "does not build)")
     ap.add_argument("--gguf-types", nargs="*", default=["f16", "q8_0", "q4_0"],
                     help="llama.cpp rows (thresher's GGUF export of the same weights); none: skip")
     ap.add_argument("--dir", type=Path, default=None, help="where to build (default: a temp dir)")
@@ -210,10 +216,14 @@ def main() -> None:
             build_checkpoint(src, args.layers, args.hidden, args.experts, args.intermediate,
                              args.top_k)
         size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-        variants = [(f"engine 16-bit ({d})", src, d) for d in args.dtypes]
+        variants = [(f"engine 16-bit ({d})", src, d, None) for d in args.dtypes]
         for fmt in args.formats:
             out = root / fmt
-            variants += [(f"engine {NAMES[fmt]} {d}", out, d) for d in args.quant_dtypes]
+            kernels = args.int4_kernels if fmt in ("gptq4", "awq4") else [None]
+            if cpu_q4.library() is None:  # no compiler or AVX2 here, or THRESHER_CPU_Q4=off
+                kernels = [k for k in kernels if k != "q4"] or ["torch"]
+            variants += [(f"engine {NAMES[fmt]} {d}" + (f" {k}" if k else ""), out, d, k)
+                         for d in args.quant_dtypes for k in kernels]
             if (out / "config.json").is_file():
                 continue
             cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(src),
@@ -234,11 +244,18 @@ def main() -> None:
         bandwidth = copy_bandwidth()
         rows: dict[str, tuple[int | None, list[float | None], str]] = {}
         engines: dict[str, LLM] = {}
-        for name, path, dtype in variants:
+        setting = os.environ.get(cpu_q4.ENV)
+        for name, path, dtype, kernel in variants:
+            if kernel == "torch":  # packs read the setting at load time
+                os.environ[cpu_q4.ENV] = "off"
             try:
                 engines[name] = LLM(path, dtype=dtype, max_num_seqs=max(args.concurrency))
             except Exception as exc:  # a dtype the engine cannot serve yet is reported, not fatal
                 rows[name] = (None, [], f"{type(exc).__name__}: {str(exc)[:60]}")
+            finally:
+                os.environ.pop(cpu_q4.ENV, None)
+                if setting is not None:
+                    os.environ[cpu_q4.ENV] = setting
         max_tokens = len(PROMPT) + args.tokens + 8
         llamas = {name: LlamaCppModel(path, n_ctx=max_tokens, n_threads=threads)
                   for name, path in ggufs}

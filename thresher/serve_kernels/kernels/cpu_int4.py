@@ -55,8 +55,9 @@ class Int4Pack:
 
 
 def default_kernel() -> str:
-    """cpu_q4 where it compiled on this machine, else torch's kernel."""
-    return "q4" if cpu_q4.library() is not None else "torch"
+    """cpu_q4 where it compiled on this machine and ``THRESHER_CPU_Q4`` is not "off" (read at
+    each load, so one process can hold both), else torch's kernel."""
+    return "torch" if cpu_q4.library() is None else "q4"
 
 
 def pack_int4(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,

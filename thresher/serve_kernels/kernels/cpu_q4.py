@@ -87,17 +87,20 @@ def load(path: Path) -> ctypes.CDLL:
     return lib
 
 
-@functools.cache
 def library() -> ctypes.CDLL | None:
-    """The kernel for this machine, or None (and the reason logged) where it cannot run."""
+    """The kernel for this machine, or None where it cannot run (the reason logged once) or
+    ``THRESHER_CPU_Q4=off``; read at each call, built once per process and -march."""
     setting = os.environ.get(ENV, "native")
-    if setting == "off":
-        return None
+    return None if setting == "off" else _library(setting)
+
+
+@functools.cache
+def _library(march: str) -> ctypes.CDLL | None:
     if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= _cpu_flags():
         log.info("cpu_q4: needs an x86-64 CPU with AVX2 and FMA; using torch's int4 kernel")
         return None
     try:
-        return load(build(setting))
+        return load(build(march))
     except (RuntimeError, OSError) as e:
         log.warning("cpu_q4 unavailable (%s); using torch's int4 kernel", e)
         return None
