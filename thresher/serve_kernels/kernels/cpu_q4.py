@@ -94,16 +94,21 @@ def library() -> ctypes.CDLL | None:
     return None if setting == "off" else _library(setting)
 
 
+_loaded: ctypes.CDLL | None = None  # the library the packs were made for (matmul's, per call)
+
+
 @functools.cache
 def _library(march: str) -> ctypes.CDLL | None:
+    global _loaded
     if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= _cpu_flags():
         log.info("cpu_q4: needs an x86-64 CPU with AVX2 and FMA; using torch's int4 kernel")
         return None
     try:
-        return load(build(march))
+        _loaded = load(build(march))
     except (RuntimeError, OSError) as e:
         log.warning("cpu_q4 unavailable (%s); using torch's int4 kernel", e)
         return None
+    return _loaded
 
 
 def supports(k: int, group_size: int) -> bool:
@@ -128,9 +133,10 @@ def scales_zeros(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor,
            group_size: int) -> torch.Tensor:
-    """x [M, K] (fp32 or bf16, contiguous) @ W.T -> [M, N] in x's dtype."""
-    lib = library()
-    assert lib is not None, "cpu_q4 is not available on this machine"
+    """x [M, K] (fp32 or bf16, contiguous) @ W.T -> [M, N] in x's dtype; the weight packed by
+    ``pack_codes`` once ``library()`` has loaded."""
+    lib = _loaded
+    assert lib is not None, "cpu_q4 is not loaded: pack weights after library() returned it"
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype)
