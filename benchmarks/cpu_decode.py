@@ -43,7 +43,7 @@ from quant_scale import build_checkpoint
 from thresher.export import export_gguf
 from thresher.export.llama_runtime import INSTALL_HINT, LLAMA_CPP_AVAILABLE, LlamaCppModel
 from thresher.serve_kernels import LLM, SamplingParams
-from thresher.serve_kernels.kernels import cpu_q4
+from thresher.serve_kernels.kernels import cpu_native, cpu_q4
 from thresher.serve_kernels.modeling.linear import DenseLinear
 from thresher.serve_kernels.modeling.moe import ExpertLoop, FusedExperts
 
@@ -220,7 +220,7 @@ def main() -> None:
         for fmt in args.formats:
             out = root / fmt
             kernels = args.int4_kernels if fmt in ("gptq4", "awq4") else [None]
-            if cpu_q4.library() is None:  # no compiler or AVX2 here, or THRESHER_CPU_Q4=off
+            if cpu_q4.library() is None:  # no compiler or AVX2 here, or THRESHER_CPU_NATIVE=off
                 kernels = [k for k in kernels if k != "q4"] or ["torch"]
             variants += [(f"engine {NAMES[fmt]} {d}" + (f" {k}" if k else ""), out, d, k)
                          for d in args.quant_dtypes for k in kernels]
@@ -244,18 +244,18 @@ def main() -> None:
         bandwidth = copy_bandwidth()
         rows: dict[str, tuple[int | None, list[float | None], str]] = {}
         engines: dict[str, LLM] = {}
-        setting = os.environ.get(cpu_q4.ENV)
+        setting = os.environ.get(cpu_native.ENV)
         for name, path, dtype, kernel in variants:
             if kernel == "torch":  # packs read the setting at load time
-                os.environ[cpu_q4.ENV] = "off"
+                os.environ[cpu_native.ENV] = "off"
             try:
                 engines[name] = LLM(path, dtype=dtype, max_num_seqs=max(args.concurrency))
             except Exception as exc:  # a dtype the engine cannot serve yet is reported, not fatal
                 rows[name] = (None, [], f"{type(exc).__name__}: {str(exc)[:60]}")
             finally:
-                os.environ.pop(cpu_q4.ENV, None)
+                os.environ.pop(cpu_native.ENV, None)
                 if setting is not None:
-                    os.environ[cpu_q4.ENV] = setting
+                    os.environ[cpu_native.ENV] = setting
         max_tokens = len(PROMPT) + args.tokens + 8
         llamas = {name: LlamaCppModel(path, n_ctx=max_tokens, n_threads=threads)
                   for name, path in ggufs}

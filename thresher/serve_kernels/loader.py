@@ -31,7 +31,7 @@ from thresher.models.adapters import (
 from thresher.models.checkpoint import CheckpointReader
 from thresher.models.manifest import verify_artifact
 from thresher.models.source import resolve_model
-from thresher.serve_kernels.kernels import rotary_cos_sin
+from thresher.serve_kernels.kernels import cpu_native, rotary_cos_sin
 from thresher.serve_kernels.modeling.decoder import (
     Attention,
     CausalLM,
@@ -163,6 +163,7 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
     weight_bytes = packed_bytes(model) - cos_sin.numel() * cos_sin.element_size()
     model = model.to(device).eval()
     if torch.device(device).type == "cpu":
+        cpu_native.library()  # thresher's C kernels, built on first use: packs and norms use them
         pack_for_cpu(model, dtype)
     info = {
         "format": "bf16" if quant is None else quant.kind,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from thresher.serve_kernels.kernels import cpu_q4
+from thresher.serve_kernels.kernels import cpu_native, cpu_q4
 
 pytestmark = pytest.mark.skipif(cpu_q4.library() is None,
                                 reason="cpu_q4 does not build here (no cc, or no AVX2)")
@@ -23,7 +23,7 @@ def lib(request, tmp_path_factory):
     """The host build (AVX512-VNNI where the CPU has it) and the AVX2-only build."""
     if request.param == "native":
         return cpu_q4.library()
-    lib = cpu_q4.load(cpu_q4.build("haswell", tmp_path_factory.mktemp("q4")))
+    lib = cpu_native.load(cpu_native.build("haswell", tmp_path_factory.mktemp("q4")))
     assert lib.thr_q4_isa() == b"avx2"
     return lib
 
@@ -131,6 +131,6 @@ def test_layout_limits():
 
 def test_a_compiler_error_is_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    with pytest.raises(RuntimeError, match="compiling cpu_q4.c failed"):
-        cpu_q4.build("native", tmp_path)
+    with pytest.raises(RuntimeError, match="compiling cpu_q4.c cpu_norm.c failed"):
+        cpu_native.build("native", tmp_path)
     assert not list(tmp_path.glob("*.so"))  # nothing half-written left to load

@@ -8,7 +8,7 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from tests.serve_kernels.kernels.helpers import DEVICE, AotSpec, aot_compile_all, rel_err
-from thresher.serve_kernels.kernels import activation, norm, rotary
+from thresher.serve_kernels.kernels import activation, cpu_native, norm, rotary
 
 DTYPES = [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1e-2)]
 
@@ -46,6 +46,44 @@ def test_rms_norm_ref_is_bit_equal_to_unfused_formula(dtype, w_shape, w_fp32):
     out, res = norm.rms_norm_ref(x, w, 1e-6, r)
     assert torch.equal(res, (x.float() + r.float()).to(dtype))
     assert torch.equal(out, _rms_norm_unfused(res, w, 1e-6))
+
+
+@pytest.mark.skipif(cpu_native.library() is None, reason="thresher's C kernels do not build here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("w_shape", [(256,), (6, 256)])  # one weight, or one row per head
+@pytest.mark.parametrize("w_fp32", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_rms_norm_c_matches_ref(dtype, w_shape, w_fp32, fused):
+    """cpu_norm.c against the reference: the same arithmetic but for the order of the square sum,
+    so bf16 outputs agree to the bit on all but a rare rounding tie (at most one in a thousand,
+    one ulp) and fp32 ones to a few ulp; the residual sum is exact."""
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(9, 6, 256, generator=gen) * 3).to(dtype)
+    r = torch.randn(9, 6, 256, generator=gen).to(dtype) if fused else None
+    w = (torch.rand(*w_shape, generator=gen) + 0.5).to(torch.float32 if w_fp32 else dtype)
+    out, ref = norm.rms_norm_c(x, w, 1e-6, r), norm.rms_norm_ref(x, w, 1e-6, r)
+    via = norm.rms_norm(x, w, 1e-6, r)  # the dispatcher takes this path on a CPU
+    if fused:
+        assert torch.equal(out[1], ref[1])
+        out, ref, via = out[0], ref[0], via[0]
+    assert torch.equal(via, out)
+    assert out.dtype == dtype and out.shape == x.shape
+    if dtype == torch.float32:
+        assert torch.allclose(out, ref, rtol=1e-6, atol=1e-6)
+    else:
+        assert (out != ref).float().mean() <= 1e-3
+        assert torch.allclose(out.float(), ref.float(), rtol=2**-7, atol=0)
+
+
+def test_rms_norm_c_declines_what_it_cannot_hold():
+    """fp16, a non-contiguous input or a weight in another 16-bit dtype go to the reference."""
+    if cpu_native.library() is None:
+        pytest.skip("thresher's C kernels do not build here")
+    w = torch.rand(64) + 0.5
+    assert norm.rms_norm_c(torch.randn(3, 64).half(), w, 1e-6) is None
+    assert norm.rms_norm_c(torch.randn(64, 3).T, w, 1e-6) is None
+    assert norm.rms_norm_c(torch.randn(3, 64).bfloat16(), w.half(), 1e-6) is None
+    assert norm.rms_norm_c(torch.randn(3, 64), w.bfloat16(), 1e-6) is None
 
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)

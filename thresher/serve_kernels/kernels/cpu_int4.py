@@ -55,7 +55,7 @@ class Int4Pack:
 
 
 def default_kernel() -> str:
-    """cpu_q4 where it compiled on this machine and ``THRESHER_CPU_Q4`` is not "off" (read at
+    """cpu_q4 where it compiled on this machine and ``THRESHER_CPU_NATIVE`` is not "off" (read at
     each load, so one process can hold both), else torch's kernel."""
     return "torch" if cpu_q4.library() is None else "q4"
 

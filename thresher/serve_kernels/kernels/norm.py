@@ -12,7 +12,10 @@ import triton
 import triton.language as tl
 from torch.nn import functional as F
 
-from thresher.serve_kernels.kernels.backend import launcher, use_triton
+from thresher.serve_kernels.kernels import cpu_native
+from thresher.serve_kernels.kernels.backend import launcher, use_cpu_kernels, use_triton
+
+C_DTYPES = (torch.float32, torch.bfloat16)  # what cpu_norm.c reads
 
 
 def rms_norm_ref(
@@ -74,10 +77,45 @@ def rms_norm_triton(
     return out.view(x.shape), res_out.view(x.shape)
 
 
+def rms_norm_c(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    """``rms_norm_ref`` in one C call (cpu_norm.c), or None where it does not apply: no library
+    loaded, fp16, non-contiguous tensors, a weight in neither x's dtype nor fp32."""
+    lib = cpu_native.loaded()
+    d = x.shape[-1]
+    if (lib is None or x.dtype not in C_DTYPES or weight.dtype not in (x.dtype, torch.float32)
+            or not (x.is_contiguous() and weight.is_contiguous()) or x.is_cuda):
+        return None
+    if weight.dim() == 1:
+        w_rows = 1
+    elif x.dim() >= 2 and weight.shape == x.shape[-2:]:
+        w_rows = weight.shape[0]  # one weight row per head
+    else:
+        return None
+    if weight.shape[-1] != d:
+        return None
+    res_out = None
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous():
+            return None
+        res_out = torch.empty_like(x)
+    out = torch.empty_like(x)
+    lib.thr_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(),
+                     None if res_out is None else res_out.data_ptr(), weight.data_ptr(),
+                     int(weight.dtype == torch.float32), w_rows, out.data_ptr(), x.numel() // d,
+                     d, eps, int(x.dtype == torch.bfloat16))
+    return out if res_out is None else (out, res_out)
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x, or with ``residual``: (rms_norm(x + residual), x + residual)."""
     if use_triton(x):
         return rms_norm_triton(x, weight, eps, residual)
+    if use_cpu_kernels(x):
+        out = rms_norm_c(x, weight, eps, residual)
+        if out is not None:
+            return out
     return rms_norm_ref(x, weight, eps, residual)

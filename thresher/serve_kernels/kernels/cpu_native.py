@@ -1,0 +1,116 @@
+"""thresher's C kernels for the CPU (``cpu_q4.c``, ``cpu_norm.c``): built once per machine.
+
+A decode step on a CPU is a few hundred small operations; where torch's take tens of
+microseconds for a [1, 1024] row (its bf16 RMSNorm is half a dozen dispatched operators) or are
+bound by arithmetic (its int4 matmul), a C function called through ctypes takes a few. The C
+files are compiled together with the host's ``-march`` into the state directory
+(``$THRESHER_HOME/kernels``, about a second with gcc) and loaded with ctypes; their OpenMP
+threads are torch's (the libgomp torch loaded is the one the library binds to).
+
+Where there is no C compiler, the CPU is not x86-64 with AVX2 and FMA, or ``THRESHER_CPU_NATIVE=off``,
+``library()`` is None and the engine keeps torch's operators (``cpu_int4``, ``norm``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from thresher.paths import state_dir
+
+log = logging.getLogger(__name__)
+
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_q4.c", "cpu_norm.c"))
+ENV = "THRESHER_CPU_NATIVE"  # "off" keeps torch's operators; a -march value overrides "native"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def build(march: str = "native", out_dir: Path | None = None) -> Path:
+    """Compile the C files for ``march`` and return the shared library; reused when the sources,
+    the flags, the compiler and the CPU are the same. Raises on a compiler error."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    flags = ["-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    text = [src.read_text() for src in SOURCES]
+    key = hashlib.sha256("\0".join([*text, *flags, version,
+                                    " ".join(sorted(_cpu_flags()))]).encode()).hexdigest()[:16]
+    out_dir = out_dir or state_dir() / "kernels"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lib = out_dir / f"thresher_cpu-{march}-{key}.so"
+    if lib.exists():
+        return lib
+    fd, tmp = tempfile.mkstemp(prefix=".thresher_cpu-", suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            names = " ".join(src.name for src in SOURCES)
+            raise RuntimeError(f"compiling {names} failed:\n{proc.stderr.strip()}")
+        os.replace(tmp, lib)  # atomic: a concurrent build of the same key writes the same bytes
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return lib
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """The compiled library with its functions' signatures set."""
+    lib = ctypes.CDLL(str(path))
+    lib.thr_q4_isa.restype = ctypes.c_char_p
+    lib.thr_q4_threads.restype = ctypes.c_int
+    i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.thr_q4_matmul.argtypes = [ptr, cint, i64, i64, ptr, ptr, i64, i64, ptr, cint]
+    lib.thr_q4_matmul.restype = cint
+    lib.thr_rms_norm.argtypes = [ptr, ptr, ptr, ptr, cint, i64, ptr, i64, i64, ctypes.c_float,
+                                 cint]
+    lib.thr_rms_norm.restype = None
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The kernels for this machine, or None where it cannot run (the reason logged once) or
+    ``THRESHER_CPU_NATIVE=off``; read at each call, built once per process and -march."""
+    setting = os.environ.get(ENV, "native")
+    return None if setting == "off" else _library(setting)
+
+
+_loaded: ctypes.CDLL | None = None  # the library the engine's layers were set up for
+
+
+@functools.cache
+def _library(march: str) -> ctypes.CDLL | None:
+    global _loaded
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= _cpu_flags():
+        log.info("thresher's C kernels need an x86-64 CPU with AVX2 and FMA; using torch's")
+        return None
+    try:
+        _loaded = load(build(march))
+    except (RuntimeError, OSError) as e:
+        log.warning("thresher's C kernels unavailable (%s); using torch's", e)
+        return None
+    return _loaded
+
+
+def loaded() -> ctypes.CDLL | None:
+    """The library ``library()`` last loaded, without reading the environment: what calls on
+    weights already converted for it use."""
+    return _loaded
