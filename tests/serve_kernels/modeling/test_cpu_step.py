@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from tests.serve_kernels.kernels.helpers import random_gptq
-from thresher.serve_kernels.kernels import ExpertWeights, cache, cpu_blocked, rotary
+from thresher.serve_kernels.kernels import ExpertWeights, cache, cpu_blocked, cpu_native, rotary
 from thresher.serve_kernels.kernels.cpu_int4 import int4_matmul, pack_gptq_int4
+from thresher.serve_kernels.kernels.cpu_q4 import ExpertTable
 from thresher.serve_kernels.modeling.attention import AttentionMetadata, paged_attention
 from thresher.serve_kernels.modeling.decoder import Rope
 from thresher.serve_kernels.modeling.linear import NARROW_ROWS, DenseLinear, packed_bytes
@@ -117,6 +118,46 @@ def test_packed_expert_loop_one_token_matches_its_row_of_a_batch(dtype):
                                  ids[t : t + 1])
         assert one.dtype == dtype
         assert torch.allclose(one.float(), batch[t : t + 1].float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(cpu_native.library() is None, reason="thresher's C kernels do not build here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_one_token_expert_call_matches_the_operator_path(dtype, group_size):
+    """thr_q4_moe_one rounds where the operator path rounds (bf16 gate|up, activation and down
+    outputs, fp32 weighted sum), so the two agree but for the activation's exp and the order of
+    the fp32 sum: a bf16 output differs by one step on a rare element, an fp32 one in its last
+    bits."""
+    experts, hidden, inter, top_k = 6, 256, 128, 2
+    gate_up = [pack_gptq_int4(*random_gptq(hidden, 2 * inter, group_size, False, seed=e)[0],
+                              kernel="q4") for e in range(experts)]
+    down = [pack_gptq_int4(*random_gptq(inter, hidden, group_size, False, seed=10 + e)[0],
+                           kernel="q4") for e in range(experts)]
+    table = ExpertTable.build(gate_up, down)
+    assert table is not None and (table.hidden, table.inter) == (hidden, inter)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        x = torch.randn(1, hidden, generator=gen).to(dtype)
+        weights, ids = torch.randn(1, experts, generator=gen).softmax(-1).topk(top_k, dim=-1)
+        weights = weights.to(dtype)
+        got = table(x, weights, ids)
+        want = grouped_moe_packed(x, gate_up, down, int4_matmul, weights, ids)
+        assert got.dtype == dtype and got.shape == (1, hidden)
+        if dtype == torch.bfloat16:
+            assert (got != want).float().mean() <= 0.02
+            assert torch.allclose(got.float(), want.float(), rtol=2**-7, atol=1e-6)
+        else:
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="outside"):
+        table(x, weights, torch.tensor([[0, experts]]))
+
+
+def test_expert_table_needs_q4_packs():
+    gate_up = [pack_gptq_int4(*random_gptq(128, 128, 32, False, seed=e)[0], kernel="torch")
+               for e in range(2)]
+    down = [pack_gptq_int4(*random_gptq(64, 128, 32, False, seed=e)[0], kernel="torch")
+            for e in range(2)]
+    assert ExpertTable.build(gate_up, down) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

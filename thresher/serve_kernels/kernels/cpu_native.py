@@ -47,7 +47,9 @@ def build(march: str = "native", out_dir: Path | None = None) -> Path:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    flags = ["-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+    # no contraction of a * b + c into fma: plain C sums round as torch's elementwise ops do
+    flags = ["-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
+             "-std=c11"]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     text = [src.read_text() for src in SOURCES]
     key = hashlib.sha256("\0".join([*text, *flags, version,
@@ -83,6 +85,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.thr_rms_norm.argtypes = [ptr, ptr, ptr, ptr, cint, i64, ptr, i64, i64, ctypes.c_float,
                                  cint]
     lib.thr_rms_norm.restype = None
+    lib.thr_q4_moe_one.argtypes = [ptr, cint, ptr, cint, ptr, i64, i64, i64, i64, ptr, ptr, i64,
+                                   ptr, ptr, i64, ptr]
+    lib.thr_q4_moe_one.restype = cint
     return lib
 
 

@@ -254,3 +254,49 @@ int thr_q4_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t
     free(xq), free(d), free(gsum);
     return 0;
 }
+
+/* One token through its top-k experts (a decode step at batch 1), in one call instead of a
+ * dozen operators: per expert e = ids[j], h_j = silu(gate) * up of x @ gate_up[e].T, then
+ * out = sum_j w_j * (h_j @ down[e].T). Rounded as the operator path rounds it: x, the gate|up
+ * and down outputs and the activation in bf16, the weighted sum in fp32, out in x's dtype.
+ * Returns 0, -1 when out of memory, -2 for an expert id outside [0, experts). */
+int thr_q4_moe_one(const void *x, int x_bf16, const void *tw, int tw_bf16, const int64_t *ids,
+                   int64_t k, int64_t experts, int64_t h, int64_t inter,
+                   const uint8_t *const *gu_w, const float *const *gu_sz, int64_t gu_g,
+                   const uint8_t *const *dn_w, const float *const *dn_sz, int64_t dn_g,
+                   void *out) {
+    for (int64_t j = 0; j < k; j++)
+        if (ids[j] < 0 || ids[j] >= experts) return -2;
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)h);
+    uint16_t *gu = malloc(sizeof(uint16_t) * (size_t)(k * 2 * inter));
+    uint16_t *act = malloc(sizeof(uint16_t) * (size_t)(k * inter));
+    uint16_t *dn = malloc(sizeof(uint16_t) * (size_t)(k * h));
+    int rc = (xb && gu && act && dn) ? 0 : -1;
+    for (int64_t i = 0; !rc && i < h; i++)
+        xb[i] = x_bf16 ? ((const uint16_t *)x)[i] : f32_to_bf16(((const float *)x)[i]);
+    for (int64_t j = 0; !rc && j < k; j++)
+        rc = thr_q4_matmul(xb, 1, 1, h, gu_w[ids[j]], gu_sz[ids[j]], 2 * inter, gu_g,
+                           gu + j * 2 * inter, 1);
+    for (int64_t j = 0; !rc && j < k; j++)
+        for (int64_t i = 0; i < inter; i++) {
+            float g = bf16_to_f32(gu[j * 2 * inter + i]);
+            float u = bf16_to_f32(gu[j * 2 * inter + inter + i]);
+            act[j * inter + i] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
+        }
+    for (int64_t j = 0; !rc && j < k; j++)
+        rc = thr_q4_matmul(act + j * inter, 1, 1, inter, dn_w[ids[j]], dn_sz[ids[j]], h, dn_g,
+                           dn + j * h, 1);
+    for (int64_t i = 0; !rc && i < h; i++) {
+        float y = 0.0f;
+        for (int64_t j = 0; j < k; j++) {
+            float w = tw_bf16 ? bf16_to_f32(((const uint16_t *)tw)[j]) : ((const float *)tw)[j];
+            y += w * bf16_to_f32(dn[j * h + i]);
+        }
+        if (x_bf16)
+            ((uint16_t *)out)[i] = f32_to_bf16(y);
+        else
+            ((float *)out)[i] = y;
+    }
+    free(xb), free(gu), free(act), free(dn);
+    return rc;
+}

@@ -12,13 +12,17 @@ rounding adds an error of the size of bf16's (see tests). Built and loaded by ``
 
 from __future__ import annotations
 
+import ctypes
+from dataclasses import dataclass
+
 import torch
 
 from thresher.serve_kernels.kernels.cpu_native import library, loaded
 
 BLOCK = 32  # activation block (one int8 scale each)
 
-__all__ = ["BLOCK", "library", "matmul", "pack_codes", "scales_zeros", "supports"]
+__all__ = ["BLOCK", "ExpertTable", "library", "matmul", "pack_codes", "scales_zeros",
+           "supports"]
 
 
 def supports(k: int, group_size: int) -> bool:
@@ -55,3 +59,60 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor,
                          group_size, y.data_ptr(), bf16):
         raise MemoryError("cpu_q4: out of memory for the activation buffers")
     return y
+
+
+def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
+    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+
+
+@dataclass
+class ExpertTable:
+    """Every expert's gate|up and down weights in cpu_q4's layout, as the C pointer arrays
+    ``thr_q4_moe_one`` takes, so one decode token runs its experts in one call. The packs stay
+    referenced here: the arrays point into them."""
+
+    packs: tuple[list, list]  # (gate_up, down) Int4Packs, kept alive
+    gate_up: tuple[ctypes.Array, ctypes.Array, int]  # weights, scales, group size
+    down: tuple[ctypes.Array, ctypes.Array, int]
+    hidden: int
+    inter: int
+
+    @classmethod
+    def build(cls, gate_up: list, down: list) -> ExpertTable | None:
+        """The table for packs made by ``cpu_int4.pack_int4`` (None unless every one is a q4
+        pack without an input permutation, with one group size per projection)."""
+        if loaded() is None:
+            return None
+        for packs in (gate_up, down):
+            if any(p.kernel != "q4" or p.perm is not None for p in packs):
+                return None
+            if len({p.group_size for p in packs}) != 1:
+                return None
+        hidden, inter = gate_up[0].weight.shape[1] * 2, down[0].weight.shape[1] * 2
+        if gate_up[0].out_features != 2 * inter or down[0].out_features != hidden:
+            return None
+
+        def side(packs: list) -> tuple[ctypes.Array, ctypes.Array, int]:
+            return (_pointers([p.weight for p in packs]),
+                    _pointers([p.scales_zeros for p in packs]), packs[0].group_size)
+
+        return cls((gate_up, down), side(gate_up), side(down), hidden, inter)
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts' weighted sum for one token x [1, hidden] (fp32 or bf16, contiguous)."""
+        ids = topk_ids if topk_ids.dtype == torch.int64 else topk_ids.long()
+        weights = topk_weights if topk_weights.dtype in (torch.float32, torch.bfloat16) \
+            else topk_weights.float()
+        ids, weights = ids.contiguous(), weights.contiguous()
+        out = torch.empty(1, self.hidden, dtype=x.dtype)
+        rc = loaded().thr_q4_moe_one(
+            x.data_ptr(), int(x.dtype == torch.bfloat16), weights.data_ptr(),
+            int(weights.dtype == torch.bfloat16), ids.data_ptr(), ids.numel(),
+            len(self.packs[0]), self.hidden, self.inter, *self.gate_up, *self.down,
+            out.data_ptr())
+        if rc == -2:
+            raise ValueError(f"expert ids {ids.tolist()} outside [0, {len(self.packs[0])})")
+        if rc:
+            raise MemoryError("cpu_q4: out of memory for the expert buffers")
+        return out

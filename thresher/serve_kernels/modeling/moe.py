@@ -38,12 +38,14 @@ from thresher.serve_kernels.kernels.cpu_blocked import (
 )
 from thresher.serve_kernels.kernels.cpu_dense import serve_dense
 from thresher.serve_kernels.kernels.cpu_int4 import (
+    Q4_DTYPES,
     Int4Pack,
     int4_matmul,
     pack_awq_int4,
     pack_gptq_int4,
 )
 from thresher.serve_kernels.kernels.cpu_nf4 import NF4Pack, nf4_cpu_matmul, pack_nf4_cpu
+from thresher.serve_kernels.kernels.cpu_q4 import ExpertTable
 from thresher.serve_kernels.kernels.w4a16 import awq_dequantize, gptq_dequantize
 from thresher.serve_kernels.modeling.linear import (
     AWQLinear,
@@ -71,6 +73,7 @@ class FusedExperts(nn.Module):
         self.cpu_matmul: Callable = int4_matmul
         self.cpu_compute_dtype = torch.bfloat16  # what the kernel multiplies in
         self.cpu_dense: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.cpu_q4: ExpertTable | None = None  # one C call per decode token (q4 packs)
 
     @property
     def cpu_packs(self) -> list[Int4Pack] | list[BlockedWeight]:
@@ -96,6 +99,7 @@ class FusedExperts(nn.Module):
         down = _pack_experts(self._weights("down"))
         if gate_up is not None and down is not None:
             self.cpu_gate_up, self.cpu_down = gate_up, down
+            self.cpu_q4 = ExpertTable.build(gate_up, down)
 
     def _weights(self, proj: str) -> ExpertWeights:
         t = {name: getattr(self, f"{proj}_{name}") for name in self._names}
@@ -111,6 +115,9 @@ class FusedExperts(nn.Module):
                              topk_ids)
         if self.cpu_dense is not None and use_cpu_kernels(x):
             return _dense_moe(x, self.cpu_dense, topk_weights, topk_ids)
+        if (self.cpu_q4 is not None and x.shape[0] == 1 and x.dtype in Q4_DTYPES
+                and x.is_contiguous() and use_cpu_kernels(x)):
+            return self.cpu_q4(x, topk_weights, topk_ids)
         if self.cpu_gate_up is not None and use_cpu_kernels(x) and (
                 self.cpu_matmul is int4_matmul or x.dtype == self.cpu_compute_dtype):
             return grouped_moe_packed(x, self.cpu_gate_up, self.cpu_down, self.cpu_matmul,
