@@ -24,6 +24,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch  # noqa: F401  # loaded before any library here, so they bind to its libgomp
+
 from thresher.paths import state_dir
 
 log = logging.getLogger(__name__)
