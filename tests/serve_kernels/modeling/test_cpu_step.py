@@ -11,9 +11,17 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from tests.serve_kernels.kernels.helpers import random_gptq
-from thresher.serve_kernels.kernels import ExpertWeights, cache, cpu_blocked, cpu_native, rotary
+from thresher.serve_kernels.kernels import (
+    ExpertWeights,
+    cache,
+    cpu_attention,
+    cpu_blocked,
+    cpu_native,
+    rotary,
+)
 from thresher.serve_kernels.kernels.cpu_int4 import int4_matmul, pack_gptq_int4
 from thresher.serve_kernels.kernels.cpu_q4 import ExpertTable
+from thresher.serve_kernels.modeling import attention
 from thresher.serve_kernels.modeling.attention import AttentionMetadata, paged_attention
 from thresher.serve_kernels.modeling.decoder import Rope
 from thresher.serve_kernels.modeling.linear import NARROW_ROWS, DenseLinear, packed_bytes
@@ -75,10 +83,22 @@ def _cache_and_meta(lens: list[int], host_exact: bool, block: int = 4):
     return k_cache, v_cache, tables, meta
 
 
+def _decode_path(path: str, monkeypatch) -> None:
+    """"c": cpu_attention.c walks the block tables; "operators": gather and SDPA."""
+    if path == "operators":
+        monkeypatch.setattr(attention, "paged_decode_c", lambda *args: None)
+    elif cpu_native.library() is None:
+        pytest.skip("thresher's C kernels do not build here")
+
+
 @pytest.mark.parametrize("lens,host_exact", [([9], True), ([9, 9, 9], True),
                                              ([9, 3, 6], True), ([9, 3, 6], False)])
-def test_decode_attention_with_or_without_mask_matches_each_row(lens, host_exact):
-    """Equal exact lengths skip the mask; unequal ones, or a graph's bounds, keep it."""
+@pytest.mark.parametrize("path", ["c", "operators"])
+def test_decode_attention_with_or_without_mask_matches_each_row(lens, host_exact, path,
+                                                               monkeypatch):
+    """Equal exact lengths skip the mask; unequal ones, or a graph's bounds, keep it. The C
+    path reads the device lengths, exact either way."""
+    _decode_path(path, monkeypatch)
     k_cache, v_cache, tables, meta = _cache_and_meta(lens, host_exact)
     if not host_exact:  # the bound reaches past the tables: widen them with unused block 0
         tables = F.pad(tables, (0, 2))
@@ -91,6 +111,41 @@ def test_decode_attention_with_or_without_mask_matches_each_row(lens, host_exact
         v = v_cache[rows].reshape(-1, 2, 16)[:n].transpose(0, 1)
         ref = F.scaled_dot_product_attention(q[b][:, None], k, v, scale=0.25, enable_gqa=True)
         assert torch.allclose(out[b], ref[:, 0], atol=1e-5)
+
+
+@pytest.mark.skipif(cpu_native.library() is None, reason="thresher's C kernels do not build here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_c_matches_the_operators(dtype):
+    """Scattered blocks, grouped heads, lengths across block boundaries, 16-bit caches: the C
+    walk and the gather + SDPA path agree to fp32 rounding (bf16: one rounding of the output)."""
+    gen = torch.Generator().manual_seed(3)
+    lens, block, hq, hkv, d = [1, 5, 16, 37], 8, 8, 2, 32
+    blocks = 40
+    k_cache = torch.randn(blocks, block, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(blocks, block, hkv, d, generator=gen).to(dtype)
+    perm = torch.randperm(blocks - 1, generator=gen) + 1
+    tables = torch.zeros(len(lens), 5, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(lens):
+        k = -(-n // block)
+        tables[b, :k] = perm[used : used + k]
+        used += k
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(len(lens), dtype=torch.long), block_tables=tables,
+        context_lens=torch.tensor(lens, dtype=torch.int32),
+        cu_seqlens_q=torch.arange(len(lens) + 1, dtype=torch.int32), num_decodes=len(lens),
+        query_lens=[1] * len(lens), context_lens_list=lens, max_context_len=max(lens))
+    q = torch.randn(len(lens), hq, d, generator=gen).to(dtype)
+    got = attention.paged_decode_c(q, k_cache, v_cache, tables, meta.context_lens, d**-0.5,
+                                   max(lens))
+    assert attention.paged_decode_c(q, k_cache, v_cache, tables, meta.context_lens, d**-0.5,
+                                    cpu_attention.MAX_CONTEXT + 1) is None  # SDPA's range
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention, "paged_decode_c", lambda *args: None)
+        want = paged_attention(q, k_cache, v_cache, meta, d**-0.5)
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
 
 
 def test_store_without_the_slot_check_writes_the_same():

@@ -1,4 +1,5 @@
-"""thresher's C kernels for the CPU (``cpu_q4.c``, ``cpu_norm.c``): built once per machine.
+"""thresher's C kernels for the CPU (``cpu_q4.c``, ``cpu_norm.c``, ``cpu_attention.c``): built
+once per machine.
 
 A decode step on a CPU is a few hundred small operations; where torch's take tens of
 microseconds for a [1, 1024] row (its bf16 RMSNorm is half a dozen dispatched operators) or are
@@ -30,7 +31,8 @@ from thresher.paths import state_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_q4.c", "cpu_norm.c"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("cpu_q4.c", "cpu_norm.c", "cpu_attention.c"))
 ENV = "THRESHER_CPU_NATIVE"  # "off" keeps torch's operators; a -march value overrides "native"
 
 
@@ -90,6 +92,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.thr_q4_moe_one.argtypes = [ptr, cint, ptr, cint, ptr, i64, i64, i64, i64, ptr, ptr, i64,
                                    ptr, ptr, i64, ptr]
     lib.thr_q4_moe_one.restype = cint
+    lib.thr_paged_decode.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64,
+                                     ctypes.c_float, ptr, cint]
+    lib.thr_paged_decode.restype = cint
     return lib
 
 

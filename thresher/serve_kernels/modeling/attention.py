@@ -20,7 +20,8 @@ import torch
 from torch.nn import functional as F
 
 from thresher.serve_kernels.kernels import paged_decode_attention, paged_prefill_attention
-from thresher.serve_kernels.kernels.backend import use_triton
+from thresher.serve_kernels.kernels.backend import use_cpu_kernels, use_triton
+from thresher.serve_kernels.kernels.cpu_attention import paged_decode_c
 
 
 @dataclass
@@ -87,6 +88,11 @@ def _paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     gqa = q.shape[1] != k_cache.shape[2]
     nd = meta.num_decodes
     decode_only = nd > 0 and meta.all_decode
+    if decode_only and use_cpu_kernels(q):  # one C call walks the block tables
+        o = paged_decode_c(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                           meta.max_context_len)
+        if o is not None:
+            return o
     out = None if decode_only else torch.empty_like(q)
     if nd:
         length = max(meta.context_lens_list[:nd])

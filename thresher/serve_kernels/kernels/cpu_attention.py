@@ -1,0 +1,48 @@
+"""Decode attention over the paged KV cache in one C call (cpu_attention.c), for CPU decode steps.
+
+Where every scheduled sequence has one new token, the operator path (block gather, views,
+``scaled_dot_product_attention``) costs a dozen dispatched operators, 45-70 us per layer at
+batch 1 for a short context; the C function walks the block tables directly, each kv head's
+query heads together. Same math in fp32 (scores, softmax, weighted values), rounded once to the
+activation dtype. Measured against the operator path (16 query heads, 4 kv heads, D 64, bf16,
+one thread): 0.6x its time at 32 cached tokens, even from 128 to 512, 1.2x at 2,048, where
+torch's flash kernel pulls ahead; so contexts longer than ``MAX_CONTEXT`` keep the operators.
+Returns None where it does not apply (no library loaded, fp16, a non-contiguous tensor, more
+than 16 query heads per kv head), and the caller keeps the operator path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from thresher.serve_kernels.kernels.cpu_native import loaded
+
+DTYPES = (torch.float32, torch.bfloat16)
+MAX_CONTEXT = 1024  # longest cached sequence the C walk takes (see above)
+MAX_GROUP = 16  # query heads per kv head the C function holds
+
+
+def paged_decode_c(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                   max_context: int) -> torch.Tensor | None:
+    """q [B, Hq, D] (one token per sequence) -> [B, Hq, D]; caches [blocks, block, Hkv, D],
+    block tables [B, max_blocks] and context lengths [B] as int32; ``max_context`` the longest
+    length (host-side)."""
+    lib = loaded()
+    if (lib is None or max_context > MAX_CONTEXT or q.dtype not in DTYPES or k_cache.dtype != q.dtype
+            or v_cache.dtype != q.dtype or block_tables.dtype != torch.int32
+            or context_lens.dtype != torch.int32 or block_tables.stride(1) != 1
+            or not all(t.is_contiguous() for t in (q, k_cache, v_cache, context_lens))):
+        return None
+    batch, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    if hq % hkv or hq // hkv > MAX_GROUP or k_cache.shape[3] != d:
+        return None
+    out = torch.empty_like(q)
+    rc = lib.thr_paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                              block_tables.data_ptr(), block_tables.stride(0),
+                              context_lens.data_ptr(), batch, hq, hkv, d, k_cache.shape[1],
+                              scale, out.data_ptr(), int(q.dtype == torch.bfloat16))
+    if rc:
+        raise MemoryError("cpu_attention: out of memory for the score buffers")
+    return out
