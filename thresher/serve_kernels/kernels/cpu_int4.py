@@ -16,9 +16,10 @@ The kernel runs in bf16: fp32 activations are rounded to bf16 for the matmul (it
 exact but slower than the fp32 dense matmul). Against the 4-bit weight's own error this rounding is
 small; tests bound it against the fp32 reference.
 
-Where thresher's own kernel compiles (``cpu_q4``: int8 activations on the integer units, about
-1.5-1.8x torch's kernel per matvec on AVX512), a pack holds its layout instead (``kernel="q4"``);
-its groups are the weight's own, so any group of 32 or a multiple of 64 rows fits.
+Where thresher's own kernel compiles (``cpu_q4``: int8 activations on the integer units; from
+memory 1.1-1.3x torch's kernel for one row, 1.1-1.8x for 16, benchmarks/cpu_q4_matmul.py), a pack
+holds its layout instead (``kernel="q4"``); its groups are the weight's own, so any group of 32
+or a multiple of 64 rows fits, and N needs no multiple of 16.
 """
 
 from __future__ import annotations

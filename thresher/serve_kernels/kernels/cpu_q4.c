@@ -199,7 +199,7 @@ int thr_q4_threads(void) { return omp_get_max_threads(); }
 int thr_q4_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *w,
                   const float *sz, int64_t n, int64_t g, void *y, int y_bf16) {
     int64_t blocks = k / QBLOCK, groups = k / g;
-    int8_t *xq = aligned_alloc(64, (size_t)(m * k + 64));
+    int8_t *xq = aligned_alloc(64, (size_t)((m * k + 127) / 64 * 64));  /* a multiple of 64 */
     float *d = malloc(sizeof(float) * (size_t)(m * blocks));
     float *gsum = malloc(sizeof(float) * (size_t)(m * groups));
     if (!xq || !d || !gsum) {

