@@ -69,34 +69,50 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-#define MAX_GROUP 16 /* query heads per kv head handled together */
+
+/* Lane j: the sum of a[j]'s 8 lanes (a transposing hadd tree instead of 8 horizontal sums). */
+static inline __m256 reduce8(const __m256 *a) {
+    __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                         _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+#define OREGS 8 /* output dims kept in registers per pass: 8 x 8 */
 
 /* One sequence, one kv head, its `group` query heads: scores, softmax, values. `s` holds
- * group * len scores, `o` group * d partial outputs, `qf` the queries in fp32. */
+ * group * len scores, `rows` the len cache rows, `qf` the queries in fp32. Scores go 8 cached
+ * tokens at a time (8 independent sums, reduced together); the weighted values keep 64 output
+ * dims in registers per pass. */
 static void head_group(const float *qf, const void *k_cache, const void *v_cache,
                        const int32_t *table, int64_t len, int64_t hkv, int64_t kh, int64_t d,
                        int64_t block_size, int64_t group, float scale, int bf16, float *s,
-                       float *o, void *out, int64_t out_row) {
+                       int64_t *rows, void *out, int64_t out_row) {
     size_t es = bf16 ? 2 : 4;
-    for (int64_t t = 0; t < len; t++) {
-        int64_t row = ((int64_t)table[t / block_size] * block_size + t % block_size) * hkv + kh;
-        const char *kr = (const char *)k_cache + row * d * es;
-        for (int64_t g = 0; g < group; g++) {
-            const float *qg = qf + g * d;
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-            int64_t i = 0;
-            for (; i + 16 <= d; i += 16) {
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), load8(kr, i, bf16), a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + 8), load8(kr, i + 8, bf16), a1);
+    for (int64_t t = 0; t < len; t++)
+        rows[t] = (((int64_t)table[t / block_size] * block_size + t % block_size) * hkv + kh) * d;
+    int64_t t0 = 0;
+    if (d % 8 == 0)
+        for (; t0 + 8 <= len; t0 += 8)
+            for (int64_t g = 0; g < group; g++) {
+                __m256 acc[8];
+                for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+                for (int64_t i = 0; i < d; i += 8) {
+                    __m256 qv = _mm256_loadu_ps(qf + g * d + i);
+                    for (int j = 0; j < 8; j++)
+                        acc[j] = _mm256_fmadd_ps(
+                            qv, load8((const char *)k_cache + rows[t0 + j] * es, i, bf16), acc[j]);
+                }
+                _mm256_storeu_ps(s + g * len + t0,
+                                 _mm256_mul_ps(reduce8(acc), _mm256_set1_ps(scale)));
             }
-            for (; i + 8 <= d; i += 8)
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), load8(kr, i, bf16), a0);
-            float dot = hsum8(_mm256_add_ps(a0, a1));
-            for (; i < d; i++) dot += qg[i] * ld(kr, i, bf16);
+    for (int64_t t = t0; t < len; t++) /* the last len % 8 tokens (all of them if d % 8) */
+        for (int64_t g = 0; g < group; g++) {
+            const char *kr = (const char *)k_cache + rows[t] * es;
+            float dot = 0.0f;
+            for (int64_t i = 0; i < d; i++) dot += qf[g * d + i] * ld(kr, i, bf16);
             s[g * len + t] = dot * scale;
         }
-    }
-    float sums[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) {
         float *sg = s + g * len, m = -INFINITY;
         for (int64_t t = 0; t < len; t++) m = sg[t] > m ? sg[t] : m;
@@ -112,59 +128,60 @@ static void head_group(const float *qf, const void *k_cache, const void *v_cache
             sg[t] = expf(sg[t] - m);
             sum += sg[t];
         }
-        sums[g] = sum;
-        for (int64_t i = 0; i < d; i++) o[g * d + i] = 0.0f;
-    }
-    for (int64_t t = 0; t < len; t++) {
-        int64_t row = ((int64_t)table[t / block_size] * block_size + t % block_size) * hkv + kh;
-        const char *vr = (const char *)v_cache + row * d * es;
-        int64_t i = 0;
-        for (; i + 8 <= d; i += 8) {
-            __m256 v = load8(vr, i, bf16);
-            for (int64_t g = 0; g < group; g++)
-                _mm256_storeu_ps(o + g * d + i, _mm256_fmadd_ps(_mm256_set1_ps(s[g * len + t]), v,
-                                                                _mm256_loadu_ps(o + g * d + i)));
+        float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        int64_t i0 = 0;
+        for (; d % 8 == 0 && i0 < d; i0 += 8 * OREGS) {
+            int nv = (int)((d - i0) / 8 < OREGS ? (d - i0) / 8 : OREGS);
+            __m256 o[OREGS];
+            for (int v = 0; v < nv; v++) o[v] = _mm256_setzero_ps();
+            for (int64_t t2 = 0; t2 < len; t2++) {
+                __m256 p = _mm256_set1_ps(sg[t2]);
+                const char *vr = (const char *)v_cache + rows[t2] * es;
+                for (int v = 0; v < nv; v++)
+                    o[v] = _mm256_fmadd_ps(p, load8(vr, i0 + 8 * v, bf16), o[v]);
+            }
+            float buf[8 * OREGS];
+            for (int v = 0; v < nv; v++) _mm256_storeu_ps(buf + 8 * v, o[v]);
+            for (int64_t i = 0; i < 8 * nv; i++)
+                st(out, (out_row + g) * d + i0 + i, buf[i] * inv, bf16);
         }
-        for (; i < d; i++) {
-            float v = ld(vr, i, bf16);
-            for (int64_t g = 0; g < group; g++) o[g * d + i] += s[g * len + t] * v;
+        for (int64_t i = i0; i < d; i++) { /* d not a multiple of 8 */
+            float acc1 = 0.0f;
+            for (int64_t t2 = 0; t2 < len; t2++)
+                acc1 += sg[t2] * ld((const char *)v_cache + rows[t2] * es, i, bf16);
+            st(out, (out_row + g) * d + i, acc1 * inv, bf16);
         }
-    }
-    for (int64_t g = 0; g < group; g++) {
-        float inv = sums[g] > 0.0f ? 1.0f / sums[g] : 0.0f;
-        for (int64_t i = 0; i < d; i++) st(out, (out_row + g) * d + i, o[g * d + i] * inv, bf16);
     }
 }
 
-/* Returns 0, -1 when out of memory, -2 for more than MAX_GROUP query heads per kv head. */
+/* Returns 0, or -1 when out of memory. */
 int thr_paged_decode(const void *q, const void *k_cache, const void *v_cache,
                      const int32_t *block_tables, int64_t table_stride,
                      const int32_t *context_lens, int64_t batch, int64_t hq, int64_t hkv,
                      int64_t d, int64_t block_size, float scale, void *out, int bf16) {
     int64_t group = hq / hkv, max_len = 1;
-    if (group > MAX_GROUP) return -2;
     for (int64_t b = 0; b < batch; b++)
         if (context_lens[b] > max_len) max_len = context_lens[b];
     int failed = 0;
 #pragma omp parallel if (batch * hq * max_len * d > 262144)
     {
         float *s = malloc(sizeof(float) * (size_t)(group * max_len));
-        float *o = malloc(sizeof(float) * (size_t)(group * d));
+        int64_t *rows = malloc(sizeof(int64_t) * (size_t)max_len);
         float *qf = malloc(sizeof(float) * (size_t)(group * d));
-        if (!s || !o || !qf) {
+        if (!s || !rows || !qf) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static) collapse(2)
         for (int64_t b = 0; b < batch; b++)
             for (int64_t kh = 0; kh < hkv; kh++) {
-                if (!s || !o || !qf) continue;
+                if (!s || !rows || !qf) continue;
                 int64_t row0 = b * hq + kh * group;
                 for (int64_t i = 0; i < group * d; i++) qf[i] = ld(q, row0 * d + i, bf16);
                 head_group(qf, k_cache, v_cache, block_tables + b * table_stride, context_lens[b],
-                           hkv, kh, d, block_size, group, scale, bf16, s, o, out, row0);
+                           hkv, kh, d, block_size, group, scale, bf16, s, rows, out, row0);
             }
-        free(s), free(o), free(qf);
+        free(s), free(rows), free(qf);
     }
     return failed ? -1 : 0;
 }
