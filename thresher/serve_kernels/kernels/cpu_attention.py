@@ -3,10 +3,11 @@
 Where every scheduled sequence has one new token, the operator path (block gather, views,
 ``scaled_dot_product_attention``) costs a dozen dispatched operators, 45-70 us per layer at
 batch 1 for a short context; the C function walks the block tables directly, each kv head's
-query heads together. Same math in fp32 (scores, softmax, weighted values), rounded once to the
-activation dtype. Measured against the operator path (16 query heads, 4 kv heads, D 64, bf16,
-one thread): 0.6x its time at 32 cached tokens, even from 128 to 512, 1.2x at 2,048, where
-torch's flash kernel pulls ahead; so contexts longer than ``MAX_CONTEXT`` keep the operators.
+query heads together, scores 8 cached tokens at a time. Same math in fp32 (scores, softmax,
+weighted values), rounded once to the activation dtype. Measured against the operator path (16
+query heads, 4 kv heads, D 64, bf16, batch 1): 0.25-0.35x its time at 32 cached tokens,
+0.4-0.75x from 128 to 1,024, level to 1.2x at 2,048, where torch's flash kernel catches up; so
+contexts longer than ``MAX_CONTEXT`` keep the operators.
 Returns None where it does not apply (no library loaded, fp16, a non-contiguous tensor), and the
 caller keeps the operator path.
 """
