@@ -13,40 +13,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_common.h"
+
 /* 8 values from fp32 or bf16 memory (bf16: the 16 bits become a float's top half) */
 static inline __m256 load8(const void *p, int64_t i, int bf16) {
     if (!bf16) return _mm256_loadu_ps((const float *)p + i);
     __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-static inline float ld(const void *p, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline void st(void *p, int64_t i, float f, int bf16) {
-    if (!bf16) {
-        ((float *)p)[i] = f;
-        return;
-    }
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        u |= 0x400000u;
-    else
-        u += 0x7fffu + ((u >> 16) & 1u);
-    ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
 }
 
 /* exp(x) for x <= 0 (scores minus their max), 8 lanes: 2^n * p(r) with x = n ln2 + r, a degree-6
@@ -110,7 +83,7 @@ static void head_group(const float *qf, const void *k_cache, const void *v_cache
         for (int64_t g = 0; g < group; g++) {
             const char *kr = (const char *)k_cache + rows[t] * es;
             float dot = 0.0f;
-            for (int64_t i = 0; i < d; i++) dot += qf[g * d + i] * ld(kr, i, bf16);
+            for (int64_t i = 0; i < d; i++) dot += qf[g * d + i] * load_f(kr, i, bf16);
             s[g * len + t] = dot * scale;
         }
     for (int64_t g = 0; g < group; g++) {
@@ -143,13 +116,13 @@ static void head_group(const float *qf, const void *k_cache, const void *v_cache
             float buf[8 * OREGS];
             for (int v = 0; v < nv; v++) _mm256_storeu_ps(buf + 8 * v, o[v]);
             for (int64_t i = 0; i < 8 * nv; i++)
-                st(out, (out_row + g) * d + i0 + i, buf[i] * inv, bf16);
+                store_f(out, (out_row + g) * d + i0 + i, buf[i] * inv, bf16);
         }
         for (int64_t i = i0; i < d; i++) { /* d not a multiple of 8 */
             float acc1 = 0.0f;
             for (int64_t t2 = 0; t2 < len; t2++)
-                acc1 += sg[t2] * ld((const char *)v_cache + rows[t2] * es, i, bf16);
-            st(out, (out_row + g) * d + i, acc1 * inv, bf16);
+                acc1 += sg[t2] * load_f((const char *)v_cache + rows[t2] * es, i, bf16);
+            store_f(out, (out_row + g) * d + i, acc1 * inv, bf16);
         }
     }
 }
@@ -177,7 +150,7 @@ int thr_paged_decode(const void *q, const void *k_cache, const void *v_cache,
             for (int64_t kh = 0; kh < hkv; kh++) {
                 if (!s || !rows || !qf) continue;
                 int64_t row0 = b * hq + kh * group;
-                for (int64_t i = 0; i < group * d; i++) qf[i] = ld(q, row0 * d + i, bf16);
+                for (int64_t i = 0; i < group * d; i++) qf[i] = load_f(q, row0 * d + i, bf16);
                 head_group(qf, k_cache, v_cache, block_tables + b * table_stride, context_lens[b],
                            hkv, kh, d, block_size, group, scale, bf16, s, rows, out, row0);
             }

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_q4.c", "cpu_norm.c", "cpu_attention.c"))
+HEADERS = (Path(__file__).with_name("cpu_common.h"),)  # included by the sources
 ENV = "THRESHER_CPU_NATIVE"  # "off" keeps torch's operators; a -march value overrides "native"
 
 
@@ -55,7 +56,7 @@ def build(march: str = "native", out_dir: Path | None = None) -> Path:
     flags = ["-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
              "-std=c11"]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    text = [src.read_text() for src in SOURCES]
+    text = [src.read_text() for src in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\0".join([*text, *flags, version,
                                     " ".join(sorted(_cpu_flags()))]).encode()).hexdigest()[:16]
     out_dir = out_dir or state_dir() / "kernels"

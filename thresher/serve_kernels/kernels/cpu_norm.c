@@ -10,31 +10,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_common.h"
+
 #define LANES 16 /* partial sums, so the square sum vectorizes without reassociation flags */
-
-static inline float load(const void *p, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline float round_store(void *p, int64_t i, float f, int bf16) {
-    if (!bf16) {
-        ((float *)p)[i] = f;
-        return f;
-    }
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        u = (u | 0x400000u) & 0xffff0000u; /* NaN stays NaN */
-    else
-        u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u; /* nearest even */
-    ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 void thr_rms_norm(const void *x, const void *res, void *res_out, const void *w, int w_f32,
                   int64_t w_rows, void *out, int64_t rows, int64_t d, float eps, int bf16) {
@@ -43,8 +21,8 @@ void thr_rms_norm(const void *x, const void *res, void *res_out, const void *w, 
         int64_t o = r * d;
         float part[LANES] = {0};
         for (int64_t i = 0; i < d; i++) {
-            float a = load(x, o + i, bf16);
-            if (res) a = round_store(res_out, o + i, a + load(res, o + i, bf16), bf16);
+            float a = load_f(x, o + i, bf16);
+            if (res) a = store_f(res_out, o + i, a + load_f(res, o + i, bf16), bf16);
             v[i] = a;
             part[i % LANES] += a * a;
         }
@@ -53,6 +31,6 @@ void thr_rms_norm(const void *x, const void *res, void *res_out, const void *w, 
         float rstd = 1.0f / sqrtf(ss / (float)d + eps);
         int64_t wo = (r % w_rows) * d;
         for (int64_t i = 0; i < d; i++)
-            round_store(out, o + i, v[i] * rstd * load(w, wo + i, bf16 && !w_f32), bf16);
+            store_f(out, o + i, v[i] * rstd * load_f(w, wo + i, bf16 && !w_f32), bf16);
     }
 }

@@ -21,22 +21,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_common.h"
+
 #define QBLOCK 32
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);                                          /* nearest even */
-    return (uint16_t)(u >> 16);
-}
 
 /* One activation row in int8 blocks: codes, block scales and, per weight group, sum of x. */
 static void quantize_row(const void *x, int x_bf16, int64_t k, int64_t g, int8_t *xq, float *d,
@@ -148,19 +135,12 @@ static inline __attribute__((always_inline)) void rows_dot(
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define Q4_ISA "avx2"
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 static inline float zdot(const float *a, const float *b, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float v = hsum(acc);
+    float v = hsum8(acc);
     for (; i < n; i++) v += a[i] * b[i];
     return v;
 }
@@ -184,7 +164,7 @@ static inline __attribute__((always_inline)) void rows_dot(
             acc[r] = _mm256_fmadd_ps(dot32(wb + r * k + 32 * b, xq + 32 * b),
                                      _mm256_set1_ps(d[b] * sz[r * sz_stride + gi]), acc[r]);
     }
-    for (int r = 0; r < nr; r++) out[r] = hsum(acc[r]);
+    for (int r = 0; r < nr; r++) out[r] = hsum8(acc[r]);
 }
 #else
 #error "cpu_q4.c needs AVX2 and FMA"

@@ -1,0 +1,48 @@
+/* What thresher's C kernels share: bf16 <-> fp32 and an 8-lane horizontal sum. */
+#ifndef THRESHER_CPU_COMMON_H
+#define THRESHER_CPU_COMMON_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* round to nearest even; NaN stays NaN */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* element i of an fp32 or bf16 array, as fp32 */
+static inline float load_f(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* store f as element i of an fp32 or bf16 array; returns the value stored, as fp32 */
+static inline float store_f(void *p, int64_t i, float f, int bf16) {
+    if (!bf16) {
+        ((float *)p)[i] = f;
+        return f;
+    }
+    uint16_t h = f32_to_bf16(f);
+    ((uint16_t *)p)[i] = h;
+    return bf16_to_f32(h);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+#endif
