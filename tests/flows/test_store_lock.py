@@ -21,6 +21,8 @@ pytestmark = pytest.mark.slow
 # Each process imports everything, says it is about to ask, then asks for the stage (a real
 # frequency prune of the tiny demo model) and reports when it finished. The test holds the key's
 # lock until both have asked, so both reach the same prefix at once however loaded the machine is.
+# Times are CLOCK_MONOTONIC (shared by every process on Linux): the wall clock can be stepped
+# between two readings, which once put a worker's finish 1 ms before the lock's release.
 WORKER = """
 import json, sys, time
 from pathlib import Path
@@ -34,7 +36,7 @@ calibration = CalibrationConfig(samples=4, seq_len=32)
 input_hash = hash_directory(model)
 Path(me).touch()
 out = run_stage.fn(model, input_hash, stage, calibration, store, label="lock")
-print(json.dumps({**out, "done": time.time()}))
+print(json.dumps({**out, "done": time.monotonic()}))
 """
 
 
@@ -55,7 +57,7 @@ def test_two_processes_same_key_compute_once(tiny_demo, tmp_path):
             assert all(p.poll() is None for p in procs), procs[0].stderr or procs[1].stderr
             time.sleep(0.05)
         time.sleep(1.0)  # both are now blocked on the key's lock
-        released = time.time()
+        released = time.monotonic()  # one clock for all processes, never stepped by NTP
     results = []
     for p in procs:
         out, err = p.communicate(timeout=300)
