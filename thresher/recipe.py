@@ -129,6 +129,15 @@ class PruneStage(StrictModel):
     loss_tokens: int = Field(
         8192, gt=0, description="damage 'loss': held-out tokens (whole windows, at least one) the "
         "loss is measured on")
+    refit: bool = Field(
+        False, description="after choosing the experts, refit the kept experts' down projections "
+        "(ridge least squares on the calibration tokens) so the pruned MoE block reproduces the "
+        "unpruned block's output; the checkpoint's architecture is unchanged")
+    refit_damp: float = Field(
+        0.1, gt=0.0, description="refit: ridge strength toward the original weights, relative to "
+        "the mean diagonal of each expert's Gram matrix")
+    refit_tokens: int = Field(
+        65536, gt=0, description="refit: calibration tokens per MoE layer the refit is fitted on")
 
     @field_validator("ratio")
     @classmethod
@@ -159,6 +168,7 @@ class PruneStage(StrictModel):
         extra += "" if self.damage == "local" else f" damage={self.damage}"
         extra += " sequential" if self.sequential else ""
         extra += " protect_super_experts" if self.protect_super_experts else ""
+        extra += " refit" if self.refit else ""
         return f"prune {self.method} {amount}{extra}"
 
 

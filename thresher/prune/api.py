@@ -29,14 +29,14 @@ from transformers import PretrainedConfig
 from thresher.data.windows import calibration_windows
 from thresher.errors import ArtifactError, CompressionError
 from thresher.formats.artifact import PRUNE_REPORT
-from thresher.models.adapters import Adapter, get_adapter
+from thresher.models.adapters import MEMORY_DOWN, Adapter, get_adapter
 from thresher.models.checkpoint import (
     CheckpointReader,
     CheckpointWriter,
     canonical_layer_state,
     read_layer_state,
 )
-from thresher.models.device import Compute
+from thresher.models.device import ActivationStore, Compute
 from thresher.models.layerwise import LayerwiseModel, load_config
 from thresher.models.loading import load_tokenizer
 from thresher.paths import build_dir_atomically
@@ -44,6 +44,7 @@ from thresher.prune.endtoend import loss_of
 from thresher.prune.mask import choose_experts, experts_to_keep, prune_layer_state
 from thresher.prune.observer import ExpertStats, Observation, observe_experts, observe_layers
 from thresher.prune.plan import LayerChoice, needs_probes, plan_layers
+from thresher.prune.refit import RefitResult, refit_down
 from thresher.prune.saliency import OBSERVED_METHODS, random_saliency, saliency
 from thresher.recipe import CalibrationConfig, PruneStage
 from thresher.resources import measure
@@ -70,6 +71,8 @@ class LayerPruneReport:
     errors: dict[str, float] = field(default_factory=dict)  # every candidate's (stage's damage)
     loss_increase: float | None = None  # damage 'loss': held-out loss increase of the kept set
     damage: list[float] = field(default_factory=list)  # damage budget: per removal count 0..bound
+    refit_error_before: float | None = None  # refit: routed-output residual / ||y||^2, original
+    refit_error_after: float | None = None  # ... with the refit down projections
 
     @property
     def dead_experts(self) -> list[int]:
@@ -100,6 +103,7 @@ class PruneReport:
     budget: str = "uniform"
     damage: str = "local"  # what auto and a damage budget minimize: local error or loss increase
     heldout_windows: int = 0  # calibration windows held out from saliency for local errors
+    refit: bool = False  # kept experts' down projections refit to the unpruned block's output
     loss_windows: int = 0  # damage 'loss': held-out windows the loss increases are measured on
     layers: list[LayerPruneReport] = field(default_factory=list)
 
@@ -129,6 +133,11 @@ class PruneReport:
         losses = [r.loss_increase for r in self.layers if r.loss_increase is not None]
         if losses:
             m["loss_increase_sum"] = sum(losses)
+        refit = [r for r in self.layers if r.refit_error_before is not None]
+        if refit:
+            before = sum(r.refit_error_before for r in refit)
+            m["refit_error_left"] = (sum(r.refit_error_after for r in refit) / before
+                                     if before > 0 else 1.0)
         return m
 
     def to_json(self) -> str:
@@ -199,7 +208,9 @@ def _prune_into(build: Path, model_dir: Path, out_dir: Path, config: PretrainedC
         model_dir=str(model_dir), out_dir=str(out_dir), method=stage.method, ratio=stage.ratio,
         keep=stage.keep, seed=stage.seed, num_experts=num_experts, experts_kept=n_keep,
         top_k=top_k, calibration_samples=calibration.samples,
-        calibration_seq_len=calibration.seq_len, budget=stage.budget, damage=stage.damage)
+        calibration_seq_len=calibration.seq_len, budget=stage.budget, damage=stage.damage,
+        refit=stage.refit)
+    windows: torch.Tensor | None = None
 
     if stage.method == "random":
         gen = torch.Generator().manual_seed(stage.seed)
@@ -223,9 +234,9 @@ def _prune_into(build: Path, model_dir: Path, out_dir: Path, config: PretrainedC
             report.heldout_windows = observed.heldout_windows
         end_to_end = None
         if stage.damage == "loss" and isinstance(observed, Observation) and observed.heldout:
-            windows = _loss_windows(observed, stage.loss_tokens)
-            report.loss_windows = len(windows)
-            end_to_end = loss_of(lw, windows, show_progress=show_progress)
+            loss_windows = _loss_windows(observed, stage.loss_tokens)
+            report.loss_windows = len(loss_windows)
+            end_to_end = loss_of(lw, loss_windows, show_progress=show_progress)
         plan = plan_layers(stage, observed, lw.num_layers, num_experts, top_k, n_keep,
                            str(model_dir), end_to_end)
         shown = stage.method if stage.method in OBSERVED_METHODS else "reap"  # auto: REAP's
@@ -251,7 +262,18 @@ def _prune_into(build: Path, model_dir: Path, out_dir: Path, config: PretrainedC
                                     for i in range(lw.num_layers)]
         n_keep = max(counts)
     adapter.set_num_experts(config, n_keep)
-    _write_checkpoint(lw.reader, adapter, lw.num_layers, num_experts, kept, build, show_progress)
+    if stage.refit:
+        if windows is None:
+            windows = calibration_windows(load_tokenizer(model_dir), calibration)
+        results = _write_refit_checkpoint(lw, kept, windows, stage, build, show_progress,
+                                          compute.budget_bytes)
+        for layer_report in report.layers:
+            result = results[layer_report.layer]
+            layer_report.refit_error_before = result.error_before
+            layer_report.refit_error_after = result.error_after
+    else:
+        _write_checkpoint(lw.reader, adapter, lw.num_layers, num_experts, kept, build,
+                          show_progress)
     config.save_pretrained(build)
     for name in TOKENIZER_FILES:
         if (model_dir / name).is_file():
@@ -297,3 +319,66 @@ def _write_checkpoint(reader: CheckpointReader, adapter: Adapter, num_layers: in
             state = prune_layer_state(adapter, i, state, kept[i], num_experts)
         writer.add(canonical_layer_state(adapter, i, state))
     writer.close()
+
+
+@torch.no_grad()
+def _write_refit_checkpoint(lw: LayerwiseModel, kept: dict[int, list[int]], windows: torch.Tensor,
+                            stage: PruneStage, out: Path, show_progress: bool,
+                            budget_bytes: float, batch_size: int = 8) -> dict[int, RefitResult]:
+    """``_write_checkpoint`` with each MoE layer's kept down projections refit (``refit``).
+
+    The calibration ``windows`` walk the model one decoder layer at a time through the layers as
+    pruned and refit so far (GPTQ's sequential order): each MoE layer is fit on the inputs the
+    pruned model gives it, to the unpruned layer's routed output on those inputs."""
+    adapter, config, reader = lw.adapter, lw.config, lw.reader
+    num_experts = adapter.num_experts(config)
+    writer = CheckpointWriter(out)
+    writer.add((k, reader.get(k)) for k in reader.tensor_names() if not adapter.is_disk_layer_key(k))
+    lw.load_outer()
+    hidden = ActivationStore(lw.device, budget_bytes)
+    for batch in windows.split(batch_size):
+        hidden.append(lw.embed(batch))
+    results: dict[int, RefitResult] = {}
+    for i in tqdm(range(lw.num_layers), desc="refit layers", unit="layer",
+                  disable=not show_progress, leave=False):
+        layer = lw.load_layer(i)
+        state = read_layer_state(reader, adapter, i, num_experts)  # the dtype on disk
+        if i in kept:
+            inputs = _moe_inputs(lw, i, hidden, stage.refit_tokens)
+            results[i] = refit_down(adapter, layer, config, inputs, kept[i], stage.refit_damp)
+            state = prune_layer_state(adapter, i, state, kept[i], num_experts)
+            for pos, e in enumerate(kept[i]):
+                state[MEMORY_DOWN][pos] = results[i].down[e].to(state[MEMORY_DOWN].dtype).cpu()
+            adapter.resize_experts(layer, len(kept[i]))
+            layer.load_state_dict({k: v.to(lw.device, lw.dtype) if v.is_floating_point()
+                                   else v.to(lw.device) for k, v in state.items()},
+                                  strict=True, assign=True)
+        for b in range(len(hidden)):
+            hidden[b] = lw.layer_forward(i, hidden[b])
+        lw.release_layer(i)
+        writer.add(canonical_layer_state(adapter, i, state))
+    writer.close()
+    return results
+
+
+def _moe_inputs(lw: LayerwiseModel, i: int, hidden: ActivationStore, max_tokens: int
+                ) -> torch.Tensor:
+    """The first ``max_tokens`` inputs [T, H] of layer ``i``'s MoE block on ``hidden``."""
+    taken: list[torch.Tensor] = []
+    count = 0
+
+    def capture(_module: torch.nn.Module, args: tuple) -> None:
+        nonlocal count
+        x = args[0].reshape(-1, args[0].shape[-1])[:max_tokens - count]
+        taken.append(x)
+        count += x.shape[0]
+
+    handle = lw.adapter.mlp(lw.layer(i)).register_forward_pre_hook(capture)
+    try:
+        for b in range(len(hidden)):
+            if count >= max_tokens:
+                break
+            lw.layer_forward(i, hidden[b])
+    finally:
+        handle.remove()
+    return torch.cat(taken)

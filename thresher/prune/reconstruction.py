@@ -80,12 +80,20 @@ class ProbeRecorder:
             renormalize=self.adapter.forward_renormalizes(self.config))
 
 
+def pruned_routing(logits: torch.Tensor, kept: torch.Tensor, top_k: int,
+                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate values and expert indices [T, k] of the pruned block (only experts ``kept`` [E], bool,
+    remain), as the pruned checkpoint computes them from the raw router ``logits`` [T, E]."""
+    logits = logits.masked_fill(~kept, float("-inf"))
+    weights, index = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, index
+
+
 def routed_output(probe: LayerProbe, kept: torch.Tensor) -> torch.Tensor:
     """The routed part of the block's output [T, H] when only experts ``kept`` [E] (bool) remain."""
-    logits = probe.logits.masked_fill(~kept, float("-inf"))
-    weights, index = torch.topk(torch.softmax(logits, dim=-1), probe.top_k, dim=-1)
-    if probe.renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights, index = pruned_routing(probe.logits, kept, probe.top_k, probe.renormalize)
     tokens = torch.arange(probe.tokens)
     out = torch.zeros(probe.tokens, probe.outputs.shape[-1])
     for slot in range(probe.top_k):

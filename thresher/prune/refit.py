@@ -1,0 +1,104 @@
+"""Compensation after pruning: refit the kept experts' down projections to the unpruned block.
+
+Removing experts changes a MoE block's output in two ways: the removed experts' contributions
+are gone, and their tokens are routed to other experts with other gate values. Both show up on
+calibration tokens as a residual between the unpruned block's routed output y(x) and the pruned
+block's. Given the pruned routing, the pruned block's routed output is linear in the kept
+experts' down projections:
+
+    y_pruned(x) = sum over kept j routed for x of  W_j (g'_j(x) h_j(x))
+
+with h_j(x) = act(gate_j x) * up_j x the input of expert j's down projection and g'_j(x) its gate
+among the kept experts. ``refit_down`` solves the ridge least-squares problem
+
+    min over W  sum_x ||y(x) - y_pruned(x)||^2  +  sum_j lambda_j ||W_j - W_j_original||_F^2
+
+by block coordinate descent (one expert's W_j at a time, the others fixed; each step a
+Cholesky solve with that expert's Gram matrix, factored once). lambda_j is ``damp`` times the mean
+diagonal of expert j's Gram matrix (GPTQ's relative damping), so experts with few tokens stay
+near their original weights. Architecture, routing, gates and every other weight are unchanged:
+the pruned checkpoint loads wherever the plain pruned one does.
+
+The idea is the output-reconstruction step of pruning methods for dense layers (OBS/SparseGPT
+update the surviving weights to absorb the removed ones) applied to whole experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from thresher.models.adapters import Adapter
+from thresher.prune.reconstruction import pruned_routing
+
+
+@dataclass
+class RefitResult:
+    """New down projections of one layer's kept experts and how much of the pruning error is left."""
+
+    down: dict[int, torch.Tensor]  # original expert index -> [H, I], the layer's dtype and device
+    error_before: float  # sum ||y - y_pruned||^2 / sum ||y||^2 with the original down projections
+    error_after: float  # the same with the refit ones (on the tokens fitted)
+    tokens: int
+
+
+def routed_output_full(adapter: Adapter, layer: nn.Module, config, x: torch.Tensor
+                       ) -> torch.Tensor:
+    """The unpruned block's routed output [T, H] (shared experts excluded), as its forward sums it."""
+    routing = adapter.route(layer, x, config)
+    y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for e in range(routing.probs.shape[1]):
+        token, slot = (routing.top_k_index == e).nonzero(as_tuple=True)
+        if token.numel():
+            weight = routing.top_k_weights[token, slot].float()[:, None]
+            y.index_add_(0, token, weight * adapter.expert_forward(layer, e, x[token]).float())
+    return y
+
+
+@torch.no_grad()
+def refit_down(adapter: Adapter, layer: nn.Module, config, x: torch.Tensor, kept: list[int],
+               damp: float, sweeps: int = 3) -> RefitResult:
+    """Refit the down projections of experts ``kept`` of the unpruned ``layer`` (original indices)
+    on MoE-block inputs ``x`` [T, H]; returns the new matrices and the residual before and after."""
+    x = x.reshape(-1, x.shape[-1])
+    y = routed_output_full(adapter, layer, config, x)
+    logits = adapter.route(layer, x, config).logits.float()
+    mask = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
+    mask[kept] = True
+    weights, index = pruned_routing(logits, mask, adapter.top_k(config),
+                                    adapter.forward_renormalizes(config))
+    pred = torch.zeros_like(y)
+    blocks: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]] = {}
+    down: dict[int, torch.Tensor] = {}
+    for j in kept:
+        original = adapter.expert_view(layer, j).down
+        token, slot = (index == j).nonzero(as_tuple=True)
+        if token.numel() == 0:  # no calibration token reaches it: nothing to fit
+            down[j] = original.clone()
+            continue
+        z = weights[token, slot][:, None] * adapter.expert_hidden(layer, j, x[token]).float()
+        w_t = original.float().t().contiguous()  # [I, H]
+        gram = (z.t() @ z).double()
+        lam = damp * float(gram.diagonal().mean()) + 1e-12
+        gram.diagonal().add_(lam)
+        chol = torch.linalg.cholesky(gram)
+        pred.index_add_(0, token, z @ w_t)
+        blocks[j] = (token, z, w_t, chol, lam)
+    error_before = float((y - pred).double().pow(2).sum())
+    for _ in range(sweeps):
+        for j, (token, z, w_t, chol, lam) in blocks.items():
+            original_t = adapter.expert_view(layer, j).down.float().t()
+            pred.index_add_(0, token, -(z @ w_t))
+            rhs = z.t().double() @ (y[token] - pred[token]).double() + lam * original_t.double()
+            w_t = torch.cholesky_solve(rhs, chol).float()
+            pred.index_add_(0, token, z @ w_t)
+            blocks[j] = (token, z, w_t, chol, lam)
+    norm = max(float(y.double().pow(2).sum()), 1e-30)
+    error_after = float((y - pred).double().pow(2).sum())
+    dtype = adapter.expert_view(layer, kept[0]).down.dtype
+    for j, (_, _, w_t, _, _) in blocks.items():
+        down[j] = w_t.t().to(dtype).contiguous()
+    return RefitResult(down=down, error_before=error_before / norm,
+                       error_after=error_after / norm, tokens=x.shape[0])
