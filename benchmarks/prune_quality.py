@@ -5,11 +5,15 @@ from one observation of all calibration windows; ``auto`` and damage budgets sha
 observation that holds the last quarter of those windows out for local errors (the random control
 observes nothing; it is averaged over seeds). ``auto`` and ``auto damage`` minimize the local
 error, ``auto loss`` and ``auto damage loss`` the end-to-end loss increase on those held-out
-windows (``damage: loss``), ``sequential`` measured with the earlier layers already pruned. Perplexity is token-level on the stdlib held-out
-split; each cell shows the increase over the unpruned model. A model is a demo size or a
-checkpoint directory (other training seeds of a demo recipe).
+windows (``damage: loss``), ``sequential`` measured with the earlier layers already pruned.
+``--refit`` adds, for every row but the random control, the same pruning with the kept experts'
+down projections refit to the unpruned block (``refit: true``, each ``--refit-damp``).
+Perplexity is token-level on the stdlib held-out split; each cell shows the increase over the
+unpruned model. A model is a demo size or a checkpoint directory (other training seeds of a demo
+recipe).
 
     python benchmarks/prune_quality.py tiny small /tmp/small-seed1 [--samples 128 --windows 64]
+    python benchmarks/prune_quality.py small --samples 64 --probed auto "auto damage" --refit
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ RATIOS = (0.25, 0.5)
 
 
 def measure(size: str, cal: CalibrationConfig, ppl_cfg: PerplexityConfig, seeds: int,
-            work: Path, rows: tuple[str, ...] = tuple(PROBED)) -> dict[str, str]:
+            work: Path, rows: tuple[str, ...] = tuple(PROBED),
+            refit_damps: tuple[float, ...] = ()) -> dict[str, str]:
     path = Path(size) if "/" in size else build_demo_model(size)
     tok = load_tokenizer(path)
     def ppl(model_dir: Path) -> float:
@@ -70,7 +75,7 @@ def measure(size: str, cal: CalibrationConfig, ppl_cfg: PerplexityConfig, seeds:
         report = prune_model(path, stage, cal, out, observed=probed if needs_probes(stage)
                              else observed, show_progress=False)
         plan_seconds[name] = time.perf_counter() - start
-        if needs_probes(stage):
+        if needs_probes(stage) and not stage.refit:
             row[f"{name} {int(stage.ratio * 100)}% layers"] = " ".join(
                 f"{r.criterion}:{len(r.kept)}" for r in report.layers)
         return ppl(out)
@@ -78,12 +83,13 @@ def measure(size: str, cal: CalibrationConfig, ppl_cfg: PerplexityConfig, seeds:
     plan_seconds: dict[str, float] = {}
     for ratio in RATIOS:
         pct = f"{int(ratio * 100)}%"
-        for method in METHODS:
-            row[f"{method} {pct}"] = cell(pruned_ppl(PruneStage(method=method, ratio=ratio),
-                                                     method))
-        for name in rows:
-            options = PROBED[name]
+        variants = [(m, {"method": m}) for m in METHODS] + [(n, PROBED[n]) for n in rows]
+        for name, options in variants:
             row[f"{name} {pct}"] = cell(pruned_ppl(PruneStage(ratio=ratio, **options), name))
+            for damp in refit_damps:
+                label = f"{name} refit" + (f" {damp:g}" if len(refit_damps) > 1 else "")
+                row[f"{label} {pct}"] = cell(pruned_ppl(PruneStage(
+                    ratio=ratio, refit=True, refit_damp=damp, **options), label))
         rand = [pruned_ppl(PruneStage(method="random", ratio=ratio, seed=s), "random")
                 for s in range(seeds)]
         row[f"random {pct}"] = (f"{statistics.mean(rand):.2f} ({min(rand):.0f}-{max(rand):.0f})"
@@ -112,13 +118,18 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the random control")
     parser.add_argument("--probed", nargs="+", choices=tuple(PROBED), default=tuple(PROBED),
                         help="the auto / damage-budget rows to measure (default: all)")
+    parser.add_argument("--refit", action="store_true",
+                        help="also measure every row with the kept experts' down projections refit")
+    parser.add_argument("--refit-damp", type=float, nargs="+", default=[0.1],
+                        help="the refit's ridge strength(s) (with --refit)")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     cal = CalibrationConfig(samples=args.samples, seq_len=args.seq_len)
     ppl_cfg = PerplexityConfig(seq_len=args.seq_len, max_windows=args.windows)
     with tempfile.TemporaryDirectory() as work:
+        damps = tuple(args.refit_damp) if args.refit else ()
         columns = {size: measure(size, cal, ppl_cfg, args.seeds, Path(work),
-                                 tuple(args.probed)) for size in args.sizes}
+                                 tuple(args.probed), damps) for size in args.sizes}
     print(f"Held-out perplexity after pruning ({ppl_cfg.max_windows} windows of {args.seq_len} "
           f"tokens; calibration {args.samples} x {args.seq_len} stdlib train; random = mean "
           f"(range) of {args.seeds} seeds; {platform.machine()})\n")

@@ -310,6 +310,9 @@ def prune_cmd(
         "by measured local error).")] = "uniform",
     protect_super_experts: Annotated[bool, typer.Option(
         help="Never remove experts whose outputs carry extreme outliers.")] = False,
+    refit: Annotated[bool, typer.Option(
+        help="Refit the kept experts' down projections so the pruned MoE blocks reproduce the "
+        "unpruned ones on the calibration text (same architecture, better quality).")] = False,
     device: Annotated[str, typer.Option(help=DEVICE_OPTION_HELP)] = "auto",
     offload_budget_gb: Annotated[float | None, typer.Option(help=BUDGET_OPTION_HELP)] = None,
 ) -> None:
@@ -326,7 +329,7 @@ def prune_cmd(
         ratio = 0.5
     try:
         stage = PruneStage(method=method, ratio=ratio, keep=keep, seed=seed, budget=budget,
-                           protect_super_experts=protect_super_experts)
+                           protect_super_experts=protect_super_experts, refit=refit)
         cal = CalibrationConfig(source=_calibration_source(calibration), samples=samples,
                                 seq_len=seq_len, seed=seed)
     except ValidationError as err:
@@ -346,7 +349,9 @@ def prune_cmd(
     console.print(f"pruned checkpoint: {out} ({PRUNE_REPORT} beside it); {m['wall_seconds']:.1f} s "
                   f"{_memory_note(report)}"
                   + (f", removed experts had {share:.1%} of routed tokens" if share is not None
-                     else ""))
+                     else "")
+                  + (f"; the refit left {m['refit_error_left']:.1%} of the pruned blocks' output "
+                     "error on the calibration tokens" if "refit_error_left" in m else ""))
     _print_runtime_note(out)
 
 

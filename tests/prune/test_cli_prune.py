@@ -55,3 +55,15 @@ def test_prune_command_device_option(tmp_path, tiny_tokenizer):
     result = runner.invoke(app, [*args, "--out", str(tmp_path / "q"), "--device", "tpu"])
     assert result.exit_code == 2 and "device 'tpu'" in result.output
     assert "Traceback" not in result.output and not (tmp_path / "q").exists()
+
+
+def test_prune_command_refit(tmp_path, tiny_tokenizer):
+    save_model(build_random_model("qwen3_moe", vocab_size=len(tiny_tokenizer)), tiny_tokenizer,
+               tmp_path / "base")
+    result = runner.invoke(app, ["prune", "--model", str(tmp_path / "base"), "--ratio", "0.5",
+                                 "--calibration", CALIBRATION_FILE, "--samples", "3",
+                                 "--seq-len", "16", "--refit", "--out", str(tmp_path / "p")])
+    assert result.exit_code == 0, result.output
+    assert "the refit left" in result.output
+    report = json.loads((tmp_path / "p" / "prune_report.json").read_text())
+    assert report["refit"] is True and report["metrics"]["refit_error_left"] < 1
