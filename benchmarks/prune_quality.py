@@ -7,7 +7,7 @@ observes nothing; it is averaged over seeds). ``auto`` and ``auto damage`` minim
 error, ``auto loss`` and ``auto damage loss`` the end-to-end loss increase on those held-out
 windows (``damage: loss``), ``sequential`` measured with the earlier layers already pruned.
 ``--refit`` adds, for every row but the random control, the same pruning with the kept experts'
-down projections refit to the unpruned block (``refit: true``, each ``--refit-damp``).
+down projections refit (``refit: true``, each ``--refit-damp`` and ``--refit-target``).
 Perplexity is token-level on the stdlib held-out split; each cell shows the increase over the
 unpruned model. A model is a demo size or a checkpoint directory (other training seeds of a demo
 recipe).
@@ -49,7 +49,7 @@ RATIOS = (0.25, 0.5)
 
 def measure(size: str, cal: CalibrationConfig, ppl_cfg: PerplexityConfig, seeds: int,
             work: Path, rows: tuple[str, ...] = tuple(PROBED),
-            refit_damps: tuple[float, ...] = ()) -> dict[str, str]:
+            refits: tuple[tuple[float, str], ...] = ()) -> dict[str, str]:
     path = Path(size) if "/" in size else build_demo_model(size)
     tok = load_tokenizer(path)
     def ppl(model_dir: Path) -> float:
@@ -86,10 +86,12 @@ def measure(size: str, cal: CalibrationConfig, ppl_cfg: PerplexityConfig, seeds:
         variants = [(m, {"method": m}) for m in METHODS] + [(n, PROBED[n]) for n in rows]
         for name, options in variants:
             row[f"{name} {pct}"] = cell(pruned_ppl(PruneStage(ratio=ratio, **options), name))
-            for damp in refit_damps:
-                label = f"{name} refit" + (f" {damp:g}" if len(refit_damps) > 1 else "")
+            for damp, target in refits:
+                label = f"{name} refit" + (f" {target}" if target != "block" else "") + (
+                    f" {damp:g}" if len({d for d, _ in refits}) > 1 else "")
                 row[f"{label} {pct}"] = cell(pruned_ppl(PruneStage(
-                    ratio=ratio, refit=True, refit_damp=damp, **options), label))
+                    ratio=ratio, refit=True, refit_damp=damp, refit_target=target, **options),
+                    label))
         rand = [pruned_ppl(PruneStage(method="random", ratio=ratio, seed=s), "random")
                 for s in range(seeds)]
         row[f"random {pct}"] = (f"{statistics.mean(rand):.2f} ({min(rand):.0f}-{max(rand):.0f})"
@@ -120,16 +122,19 @@ def main() -> None:
                         help="the auto / damage-budget rows to measure (default: all)")
     parser.add_argument("--refit", action="store_true",
                         help="also measure every row with the kept experts' down projections refit")
-    parser.add_argument("--refit-damp", type=float, nargs="+", default=[0.1],
+    parser.add_argument("--refit-damp", type=float, nargs="+", default=[0.01],
                         help="the refit's ridge strength(s) (with --refit)")
+    parser.add_argument("--refit-target", nargs="+", choices=("block", "model"),
+                        default=["block"], help="the refit's target(s) (with --refit)")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     cal = CalibrationConfig(samples=args.samples, seq_len=args.seq_len)
     ppl_cfg = PerplexityConfig(seq_len=args.seq_len, max_windows=args.windows)
     with tempfile.TemporaryDirectory() as work:
-        damps = tuple(args.refit_damp) if args.refit else ()
+        refits = tuple((d, t) for t in args.refit_target for d in args.refit_damp
+                       ) if args.refit else ()
         columns = {size: measure(size, cal, ppl_cfg, args.seeds, Path(work),
-                                 tuple(args.probed), damps) for size in args.sizes}
+                                 tuple(args.probed), refits) for size in args.sizes}
     print(f"Held-out perplexity after pruning ({ppl_cfg.max_windows} windows of {args.seq_len} "
           f"tokens; calibration {args.samples} x {args.seq_len} stdlib train; random = mean "
           f"(range) of {args.seeds} seeds; {platform.machine()})\n")

@@ -150,3 +150,28 @@ def test_refit_more_than_halves_the_perplexity_increase_of_reap_at_half(refit_pp
 def test_auto_damage_budget_with_refit_costs_less_than_half_of_uniform_reap(refit_ppl):
     base = refit_ppl["base"]
     assert refit_ppl["auto damage refit"] - base < 0.5 * (refit_ppl["reap"] - base), refit_ppl
+
+
+def test_model_target_corrects_the_drift_of_earlier_pruned_layers(tmp_path, tiny_tokenizer):
+    """``refit_target: model`` adds to the block's target what the layer must add for the pruned
+    stream to rejoin the unpruned one: nothing at the first layer (no pruned layer before it, so
+    the same fit as ``block``), something after it."""
+    model = build_random_model("qwen3_moe", num_layers=2, vocab_size=len(tiny_tokenizer))
+    base = tmp_path / "base"
+    save_model(model, tiny_tokenizer, base)
+    reports = {}
+    for target in ("block", "model"):
+        stage = PruneStage(method="reap", ratio=0.5, refit=True, refit_target=target)
+        reports[target] = prune_model(base, stage, CAL, tmp_path / target, show_progress=False)
+    a, b = CheckpointReader(tmp_path / "block"), CheckpointReader(tmp_path / "model")
+    adapter = get_adapter(model.config)
+    for e in range(4):
+        key = adapter.disk_expert_key(0, e, "down") + ".weight"
+        torch.testing.assert_close(a.get(key), b.get(key))
+        key = adapter.disk_expert_key(1, e, "down") + ".weight"
+        assert not torch.allclose(a.get(key), b.get(key)), key
+    first, second = (r.refit_error_before for r in reports["model"].layers)
+    assert first == pytest.approx(reports["block"].layers[0].refit_error_before)
+    assert second > reports["block"].layers[1].refit_error_before  # the drift is added
+    assert PruneStage(method="reap", ratio=0.5, refit=True, refit_target="model"
+                      ).describe().endswith("refit(model)")

@@ -329,23 +329,33 @@ def _write_refit_checkpoint(lw: LayerwiseModel, kept: dict[int, list[int]], wind
 
     The calibration ``windows`` walk the model one decoder layer at a time through the layers as
     pruned and refit so far (GPTQ's sequential order): each MoE layer is fit on the inputs the
-    pruned model gives it, to the unpruned layer's routed output on those inputs."""
+    pruned model gives it, to the unpruned layer's routed output on those inputs
+    (``refit_target: block``), or to that plus what the layer must add for its output to match
+    the unpruned model's at that depth (``model``: the unpruned stream is walked beside it)."""
     adapter, config, reader = lw.adapter, lw.config, lw.reader
     num_experts = adapter.num_experts(config)
     writer = CheckpointWriter(out)
     writer.add((k, reader.get(k)) for k in reader.tensor_names() if not adapter.is_disk_layer_key(k))
     lw.load_outer()
     hidden = ActivationStore(lw.device, budget_bytes)
+    unpruned = ActivationStore(lw.device, budget_bytes) if stage.refit_target == "model" else None
     for batch in windows.split(batch_size):
         hidden.append(lw.embed(batch))
+        if unpruned is not None:
+            unpruned.append(lw.embed(batch))
     results: dict[int, RefitResult] = {}
     for i in tqdm(range(lw.num_layers), desc="refit layers", unit="layer",
                   disable=not show_progress, leave=False):
         layer = lw.load_layer(i)
         state = read_layer_state(reader, adapter, i, num_experts)  # the dtype on disk
         if i in kept:
-            inputs = _moe_inputs(lw, i, hidden, stage.refit_tokens)
-            results[i] = refit_down(adapter, layer, config, inputs, kept[i], stage.refit_damp)
+            inputs, offset = _moe_inputs(lw, i, hidden, unpruned, stage.refit_tokens)
+            results[i] = refit_down(adapter, layer, config, inputs, kept[i], stage.refit_damp,
+                                    offset=offset)
+        if unpruned is not None:
+            for b in range(len(unpruned)):
+                unpruned[b] = lw.layer_forward(i, unpruned[b])
+        if i in kept:
             state = prune_layer_state(adapter, i, state, kept[i], num_experts)
             for pos, e in enumerate(kept[i]):
                 state[MEMORY_DOWN][pos] = results[i].down[e].to(state[MEMORY_DOWN].dtype).cpu()
@@ -361,24 +371,30 @@ def _write_refit_checkpoint(lw: LayerwiseModel, kept: dict[int, list[int]], wind
     return results
 
 
-def _moe_inputs(lw: LayerwiseModel, i: int, hidden: ActivationStore, max_tokens: int
-                ) -> torch.Tensor:
-    """The first ``max_tokens`` inputs [T, H] of layer ``i``'s MoE block on ``hidden``."""
+def _moe_inputs(lw: LayerwiseModel, i: int, hidden: ActivationStore,
+                unpruned: ActivationStore | None, max_tokens: int
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The first ``max_tokens`` inputs [T, H] of unpruned layer ``i``'s MoE block on ``hidden``
+    and, with the ``unpruned`` stream, the layer's output there minus its output on ``hidden``
+    (what the block must add to put the pruned stream back on the unpruned one)."""
     taken: list[torch.Tensor] = []
+    offsets: list[torch.Tensor] = []
     count = 0
 
     def capture(_module: torch.nn.Module, args: tuple) -> None:
-        nonlocal count
-        x = args[0].reshape(-1, args[0].shape[-1])[:max_tokens - count]
-        taken.append(x)
-        count += x.shape[0]
+        taken.append(args[0].reshape(-1, args[0].shape[-1])[:max_tokens - count])
 
-    handle = lw.adapter.mlp(lw.layer(i)).register_forward_pre_hook(capture)
-    try:
-        for b in range(len(hidden)):
-            if count >= max_tokens:
-                break
-            lw.layer_forward(i, hidden[b])
-    finally:
-        handle.remove()
-    return torch.cat(taken)
+    for b in range(len(hidden)):
+        if count >= max_tokens:
+            break
+        handle = lw.adapter.mlp(lw.layer(i)).register_forward_pre_hook(capture)
+        try:
+            out = lw.layer_forward(i, hidden[b])
+        finally:
+            handle.remove()
+        n = taken[-1].shape[0]
+        if unpruned is not None:
+            target = lw.layer_forward(i, unpruned[b])
+            offsets.append((target - out).reshape(-1, out.shape[-1])[:n].float())
+        count += n
+    return torch.cat(taken), torch.cat(offsets) if offsets else None

@@ -59,11 +59,14 @@ def routed_output_full(adapter: Adapter, layer: nn.Module, config, x: torch.Tens
 
 @torch.no_grad()
 def refit_down(adapter: Adapter, layer: nn.Module, config, x: torch.Tensor, kept: list[int],
-               damp: float, sweeps: int = 3) -> RefitResult:
+               damp: float, sweeps: int = 3, offset: torch.Tensor | None = None) -> RefitResult:
     """Refit the down projections of experts ``kept`` of the unpruned ``layer`` (original indices)
-    on MoE-block inputs ``x`` [T, H]; returns the new matrices and the residual before and after."""
+    on MoE-block inputs ``x`` [T, H]; returns the new matrices and the residual before and after.
+    ``offset`` [T, H] is added to the target (the unpruned block's routed output)."""
     x = x.reshape(-1, x.shape[-1])
     y = routed_output_full(adapter, layer, config, x)
+    if offset is not None:
+        y = y + offset
     logits = adapter.route(layer, x, config).logits.float()
     mask = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
     mask[kept] = True
