@@ -87,7 +87,8 @@ def measure(size: str, cal: CalibrationConfig, ppl_cfg: PerplexityConfig, seeds:
         for name, options in variants:
             row[f"{name} {pct}"] = cell(pruned_ppl(PruneStage(ratio=ratio, **options), name))
             for damp, target in refits:
-                label = f"{name} refit" + (f" {target}" if target != "block" else "") + (
+                label = f"{name} refit" + (f" {target}" if len({t for _, t in refits}) > 1
+                                           else "") + (
                     f" {damp:g}" if len({d for d, _ in refits}) > 1 else "")
                 row[f"{label} {pct}"] = cell(pruned_ppl(PruneStage(
                     ratio=ratio, refit=True, refit_damp=damp, refit_target=target, **options),
@@ -125,7 +126,7 @@ def main() -> None:
     parser.add_argument("--refit-damp", type=float, nargs="+", default=[0.01],
                         help="the refit's ridge strength(s) (with --refit)")
     parser.add_argument("--refit-target", nargs="+", choices=("block", "model"),
-                        default=["block"], help="the refit's target(s) (with --refit)")
+                        default=["model"], help="the refit's target(s) (with --refit)")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     cal = CalibrationConfig(samples=args.samples, seq_len=args.seq_len)

@@ -136,10 +136,11 @@ class PruneStage(StrictModel):
     refit_damp: float = Field(
         0.01, gt=0.0, description="refit: ridge strength toward the original weights, relative to "
         "the mean diagonal of each expert's Gram matrix")
-    refit_target: Literal["block", "model"] = Field(
-        "block", description="refit: fit each pruned block to the unpruned block on the same "
-        "inputs ('block'), or so that the layer's output matches the unpruned model's at that "
-        "depth ('model': also corrects what earlier pruned layers changed)")
+    refit_target: Literal["model", "block"] = Field(
+        "model", description="refit: fit each pruned block so that the layer's output matches "
+        "the unpruned model's at that depth ('model': also corrects what earlier pruned layers "
+        "changed; walks a second stream of activations), or to the unpruned block on the same "
+        "inputs ('block')")
     refit_tokens: int = Field(
         65536, gt=0, description="refit: calibration tokens per MoE layer the refit is fitted on")
 
@@ -172,7 +173,7 @@ class PruneStage(StrictModel):
         extra += "" if self.damage == "local" else f" damage={self.damage}"
         extra += " sequential" if self.sequential else ""
         extra += " protect_super_experts" if self.protect_super_experts else ""
-        extra += (" refit" + ("" if self.refit_target == "block" else f"({self.refit_target})")
+        extra += (" refit" + ("" if self.refit_target == "model" else f"({self.refit_target})")
               if self.refit else "")
         return f"prune {self.method} {amount}{extra}"
 

@@ -173,5 +173,6 @@ def test_model_target_corrects_the_drift_of_earlier_pruned_layers(tmp_path, tiny
     first, second = (r.refit_error_before for r in reports["model"].layers)
     assert first == pytest.approx(reports["block"].layers[0].refit_error_before)
     assert second > reports["block"].layers[1].refit_error_before  # the drift is added
-    assert PruneStage(method="reap", ratio=0.5, refit=True, refit_target="model"
-                      ).describe().endswith("refit(model)")
+    assert PruneStage(method="reap", ratio=0.5, refit=True, refit_target="block"
+                      ).describe().endswith("refit(block)")
+    assert PruneStage(method="reap", ratio=0.5, refit=True).refit_target == "model"
