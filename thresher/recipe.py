@@ -161,6 +161,11 @@ class PruneStage(StrictModel):
         if self.sequential and self.damage != "loss":
             raise ValueError("sequential measures the model's loss with earlier layers pruned; "
                              "it takes damage 'loss'")
+        unread = [name for name in ("refit_damp", "refit_target", "refit_tokens")
+                  if getattr(self, name) != type(self).model_fields[name].default]
+        if unread and not self.refit:
+            raise ValueError(f"{', '.join(unread)} set without refit: true, which is what reads "
+                             "them")
         if self.damage != "local" and self.method != "auto" and self.budget != "damage":
             raise ValueError(f"damage {self.damage!r} is what 'auto' and the 'damage' budget "
                              f"minimize; method {self.method!r} with budget 'uniform' reads no "

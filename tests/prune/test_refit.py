@@ -176,3 +176,16 @@ def test_model_target_corrects_the_drift_of_earlier_pruned_layers(tmp_path, tiny
     assert PruneStage(method="reap", ratio=0.5, refit=True, refit_target="block"
                       ).describe().endswith("refit(block)")
     assert PruneStage(method="reap", ratio=0.5, refit=True).refit_target == "model"
+
+
+def test_refit_options_without_refit_are_refused():
+    with pytest.raises(ValueError, match="refit_damp set without refit: true"):
+        PruneStage(method="reap", ratio=0.5, refit_damp=0.1)
+    PruneStage(method="reap", ratio=0.5, refit=True, refit_damp=0.1, refit_target="block")
+
+
+def test_a_dumped_stage_validates_again():
+    """Flows pass recipes as their JSON dump (every field set): defaults must validate."""
+    for stage in (PruneStage(method="reap", ratio=0.5),
+                  PruneStage(method="reap", ratio=0.5, refit=True, refit_target="block")):
+        assert PruneStage.model_validate(stage.model_dump(mode="json")) == stage

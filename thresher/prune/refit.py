@@ -19,6 +19,10 @@ diagonal of expert j's Gram matrix (GPTQ's relative damping), so experts with fe
 near their original weights. Architecture, routing, gates and every other weight are unchanged:
 the pruned checkpoint loads wherever the plain pruned one does.
 
+``offset`` adds to the target what the block must also produce for the layer's output to match
+the unpruned model's at that depth (``refit_target: model``: the drift that earlier pruned layers
+left in the residual stream, measured by the caller on the unpruned and pruned streams).
+
 The idea is the output-reconstruction step of pruning methods for dense layers (OBS/SparseGPT
 update the surviving weights to absorb the removed ones) applied to whole experts.
 """
@@ -73,7 +77,7 @@ def refit_down(adapter: Adapter, layer: nn.Module, config, x: torch.Tensor, kept
     weights, index = pruned_routing(logits, mask, adapter.top_k(config),
                                     adapter.forward_renormalizes(config))
     pred = torch.zeros_like(y)
-    blocks: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]] = {}
+    systems: dict[int, _ExpertSystem] = {}
     down: dict[int, torch.Tensor] = {}
     for j in kept:
         original = adapter.expert_view(layer, j).down
@@ -82,26 +86,36 @@ def refit_down(adapter: Adapter, layer: nn.Module, config, x: torch.Tensor, kept
             down[j] = original.clone()
             continue
         z = weights[token, slot][:, None] * adapter.expert_hidden(layer, j, x[token]).float()
-        w_t = original.float().t().contiguous()  # [I, H]
         gram = (z.t() @ z).double()
         lam = damp * float(gram.diagonal().mean()) + 1e-12
         gram.diagonal().add_(lam)
-        chol = torch.linalg.cholesky(gram)
-        pred.index_add_(0, token, z @ w_t)
-        blocks[j] = (token, z, w_t, chol, lam)
+        system = _ExpertSystem(token=token, z=z, chol=torch.linalg.cholesky(gram),
+                               prior=lam * original.double().t(),
+                               w_t=original.float().t().contiguous())
+        pred.index_add_(0, token, z @ system.w_t)
+        systems[j] = system
     error_before = float((y - pred).double().pow(2).sum())
     for _ in range(sweeps):
-        for j, (token, z, w_t, chol, lam) in blocks.items():
-            original_t = adapter.expert_view(layer, j).down.float().t()
-            pred.index_add_(0, token, -(z @ w_t))
-            rhs = z.t().double() @ (y[token] - pred[token]).double() + lam * original_t.double()
-            w_t = torch.cholesky_solve(rhs, chol).float()
-            pred.index_add_(0, token, z @ w_t)
-            blocks[j] = (token, z, w_t, chol, lam)
+        for s in systems.values():
+            pred.index_add_(0, s.token, -(s.z @ s.w_t))
+            rhs = s.z.t().double() @ (y[s.token] - pred[s.token]).double() + s.prior
+            s.w_t = torch.cholesky_solve(rhs, s.chol).float()
+            pred.index_add_(0, s.token, s.z @ s.w_t)
     norm = max(float(y.double().pow(2).sum()), 1e-30)
     error_after = float((y - pred).double().pow(2).sum())
     dtype = adapter.expert_view(layer, kept[0]).down.dtype
-    for j, (_, _, w_t, _, _) in blocks.items():
-        down[j] = w_t.t().to(dtype).contiguous()
+    for j, s in systems.items():
+        down[j] = s.w_t.t().to(dtype).contiguous()
     return RefitResult(down=down, error_before=error_before / norm,
                        error_after=error_after / norm, tokens=x.shape[0])
+
+
+@dataclass
+class _ExpertSystem:
+    """One kept expert's share of the least-squares problem."""
+
+    token: torch.Tensor  # [n] the tokens routed to it after pruning
+    z: torch.Tensor  # [n, I] gate * h_j(x): what its down projection multiplies
+    chol: torch.Tensor  # [I, I] Cholesky factor of z^T z + lambda I (fp64)
+    prior: torch.Tensor  # [I, H] lambda * W_original^T (fp64): the ridge's pull
+    w_t: torch.Tensor  # [I, H] the current W^T
