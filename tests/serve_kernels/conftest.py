@@ -34,25 +34,50 @@ def save_family(model, tokenizer_dir: Path, out: Path) -> Path:
 
 def prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     """The engine's fp32 logits [len(ids), V] for a prompt, through the paged cache."""
+    return prompt_pass(llm, ids)[0]
+
+
+def prompt_pass(llm: LLM, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's fp32 logits [len(ids), V] for a prompt and the experts each token was routed
+    to in every MoE layer ([len(ids), layers, k], sorted per token)."""
     engine = llm.engine
+    routed: list[torch.Tensor] = []
+    hooks = [layer.mlp.experts.register_forward_pre_hook(
+                 lambda _m, args: routed.append(args[2].sort(-1).values))
+             for layer in engine.runner.model.layers if hasattr(layer.mlp, "experts")]
     seq = Sequence("probe", ids, SamplingParams(max_tokens=1), 1)
     assert engine.block_manager.allocate(seq, len(ids))
     try:
         hidden, _ = engine.runner.hidden_states(ScheduledBatch([seq], [len(ids)]))
-        return engine.runner.model.logits(hidden)
+        return engine.runner.model.logits(hidden), torch.stack(routed, 1)
     finally:
         engine.block_manager.free(seq)
+        for hook in hooks:
+            hook.remove()
+
+
+def assert_logits_track(got: tuple[torch.Tensor, torch.Tensor],
+                        ref: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """``prompt_pass`` results of a bf16 kernel and of the fp32 reference: every token routed to
+    the same experts has logits within 2% of their scale. A token whose top-k choice sits at a
+    near-tie may be routed to another expert in one of the two (measured: 2 tokens of 264 on an
+    AVX512-BF16 CPU), which moves its logits by more; those rows are exempt, and rare."""
+    (got_logits, got_routing), (ref_logits, ref_routing) = got, ref
+    same = (got_routing == ref_routing).flatten(1).all(1)
+    assert same.float().mean() >= 0.95, f"routing differs for {int((~same).sum())} tokens"
+    scale = ref_logits.abs().max()
+    assert (got_logits - ref_logits)[same].abs().max() < 0.02 * scale
 
 
 def assert_tracks_reference(llm: LLM, prompts: list[list[int]], fast: list[list[int]],
-                            fast_logits: list[torch.Tensor]) -> None:
+                            fast_passes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """A fast kernel's greedy tokens, teacher-forced through the path now in force (the
-    reference): logits within 2% of their scale, each chosen token the best or within 1% of it
-    (a near-tie may flip between bf16 kernels and the fp32 reference)."""
-    for prompt, tokens, got in zip(prompts, fast, fast_logits, strict=True):
-        ref = prompt_logits(llm, prompt + tokens)
-        scale = ref.abs().max()
-        assert (got - ref).abs().max() < 0.02 * scale
-        steps = ref[len(prompt) - 1: -1]  # the logits that chose each generated token
+    reference): logits as ``assert_logits_track`` says, each chosen token the best or within 1%
+    of it (a near-tie may flip between bf16 kernels and the fp32 reference)."""
+    for prompt, tokens, got in zip(prompts, fast, fast_passes, strict=True):
+        ref = prompt_pass(llm, prompt + tokens)
+        assert_logits_track(got, ref)
+        scale = ref[0].abs().max()
+        steps = ref[0][len(prompt) - 1: -1]  # the logits that chose each generated token
         chosen = steps.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
         assert (steps.max(1).values - chosen).max() < 0.01 * scale  # best, or a near-tie

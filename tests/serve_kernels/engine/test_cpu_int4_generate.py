@@ -15,7 +15,7 @@ import json.decoder
 
 import pytest
 
-from tests.serve_kernels.conftest import assert_tracks_reference, prompt_logits
+from tests.serve_kernels.conftest import assert_tracks_reference, prompt_pass
 from thresher.compress.api import quantize_model
 from thresher.recipe import CalibrationConfig, FilesSource, QuantizeStage
 from thresher.serve_kernels import LLM, SamplingParams
@@ -45,6 +45,6 @@ def test_int4_fast_path_greedy_tokens_match_reference(stage, kernel, tiny_demo, 
     assert {p.kernel for layer in model.layers for p in layer.mlp.experts.cpu_packs} == {kernel}
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     fast = [o.token_ids for o in llm.generate(PROMPTS, params)]
-    fast_logits = [prompt_logits(llm, p + f) for p, f in zip(PROMPTS, fast, strict=True)]
+    fast_passes = [prompt_pass(llm, p + f) for p, f in zip(PROMPTS, fast, strict=True)]
     monkeypatch.setenv("THRESHER_KERNELS", "torch")
-    assert_tracks_reference(llm, PROMPTS, fast, fast_logits)
+    assert_tracks_reference(llm, PROMPTS, fast, fast_passes)

@@ -3,7 +3,8 @@
 The kernel runs in bf16 (activations and absmax rounded), the reference in fp32 from the same
 codes, so the two differ by bf16 rounding only; greedy continuations must agree token for token
 and the prompt logits within a small fraction of their scale (their argmax agreeing except at
-near-ties: one position of a 264-token prompt flipped when measured).
+near-ties: one position of a 264-token prompt flipped when measured), except at tokens whose
+top-k routing sits at a near-tie and goes to another expert (2 of those 264 tokens in layer 0).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.serve_kernels.conftest import prompt_logits
+from tests.serve_kernels.conftest import assert_logits_track, prompt_pass
 from thresher.compress.api import quantize_model
 from thresher.formats.nf4 import concat_rows
 from thresher.recipe import NF4Stage
@@ -52,15 +53,15 @@ def test_every_nf4_layer_takes_the_fast_path(nf4_llm):
 def test_greedy_tokens_and_logits_match_reference(nf4_llm, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     fast = [o.token_ids for o in nf4_llm.generate(PROMPTS, params)]
-    fast_logits = prompt_logits(nf4_llm, PROMPTS[2])
+    fast_short = prompt_pass(nf4_llm, PROMPTS[2])
     long_prompt = (PROMPTS[0] * 50)[: cpu_nf4.DEQUANTIZE_ROWS + 8]  # the dequantizing branch
-    fast_long = prompt_logits(nf4_llm, long_prompt)
+    fast_long = prompt_pass(nf4_llm, long_prompt)
     monkeypatch.setenv("THRESHER_KERNELS", "torch")
     assert [o.token_ids for o in nf4_llm.generate(PROMPTS, params)] == fast
-    for got, ids in ((fast_logits, PROMPTS[2]), (fast_long, long_prompt)):
-        ref = prompt_logits(nf4_llm, ids)
-        assert (got - ref).abs().max() < 0.02 * ref.abs().max()
-        assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95  # near-ties may flip
+    for got, ids in ((fast_short, PROMPTS[2]), (fast_long, long_prompt)):
+        ref = prompt_pass(nf4_llm, ids)
+        assert_logits_track(got, ref)  # a token routed elsewhere at a near-tie is exempt
+        assert (got[0].argmax(-1) == ref[0].argmax(-1)).float().mean() > 0.95  # near-ties flip
 
 
 @requires_kernel

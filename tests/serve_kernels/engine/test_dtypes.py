@@ -2,8 +2,11 @@
 
 float32 is held to token-for-token parity in test_generate.py. In bfloat16 and float16 the two
 implementations round differently (fused residual adds, fp32 norm statistics), so a greedy
-continuation may flip at a near-tie after a while: the first tokens must match, most of the rest
-should, and perplexity must agree within 1%.
+continuation may flip at a near-tie: the first tokens must match unless float32 itself has a
+near-tie there (measured on an AVX512-BF16 CPU: "class Foo(object):" flips at its second token,
+where float32's best two logits are 7.208 and 7.198), every engine token must be transformers'
+choice on the engine's own continuation or within a near-tie of it, and perplexity must agree
+within 1%.
 """
 
 from __future__ import annotations
@@ -18,12 +21,12 @@ from thresher.serve_kernels import LLM, SamplingParams
 from thresher.serve_kernels.engine import llm_engine
 from thresher.serve_kernels.engine.llm_engine import CPU_BF16_MIN_BYTES, resolve_dtype
 from thresher.serve_kernels.kernels import cpu_blocked
-from thresher.serve_kernels.validate import token_agreement
 
 PROMPTS = ["def main():\n    ", "import os\nimport sys\n", "class Foo(object):",
            "    return self.", "for i in range(10):\n"]
 MAX_TOKENS = 48
-EXACT_PREFIX = 16  # tokens every prompt must reproduce exactly
+EXACT_PREFIX = 16  # tokens every prompt must reproduce, unless float32 has a near-tie there
+NEAR_TIE = 0.01  # logits within this fraction of their scale of the best
 
 
 @pytest.fixture(scope="module", params=["bfloat16", "float16", "bfloat16 blocked"])
@@ -49,20 +52,25 @@ def test_weights_are_stored_in_the_serving_dtype(pair):
     assert llm.engine.model_info["dtype"] == dtype
 
 
-def test_greedy_matches_transformers_in_16_bit(pair, tiny_tokenizer):
+def test_greedy_matches_transformers_in_16_bit(pair, tiny_demo, tiny_tokenizer):
     _, hf, llm = pair
-    want = []
-    for p in PROMPTS:
-        ids = torch.tensor([tiny_tokenizer.encode(p, add_special_tokens=False)])
-        gen = hf.generate(ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                          do_sample=False)
-        want.append(gen[0, ids.shape[1]:].tolist())
+    fp32 = load_model(tiny_demo)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     got = [o.token_ids for o in llm.generate(PROMPTS, params)]
-    for p, g, w in zip(PROMPTS, got, want, strict=True):
-        assert g[:EXACT_PREFIX] == w[:EXACT_PREFIX], p
-    _, prefix = token_agreement(got, want)
-    assert prefix >= 0.75
+    for p, g in zip(PROMPTS, got, strict=True):
+        ids = torch.tensor([tiny_tokenizer.encode(p, add_special_tokens=False)])
+        w = hf.generate(ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                        do_sample=False)[0, ids.shape[1]:].tolist()
+        first = next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), len(g))
+        if first < EXACT_PREFIX:  # only at a near-tie of the float32 model
+            with torch.no_grad():
+                step = fp32(torch.tensor([ids[0].tolist() + w[:first]])).logits[0, -1]
+            assert step.max() - step[[g[first], w[first]]].min() < NEAR_TIE * step.abs().max(), p
+        with torch.no_grad():  # every engine token is transformers' choice or within a near-tie
+            steps = hf(torch.tensor([ids[0].tolist() + g])).logits[0, ids.shape[1] - 1: -1]
+        steps = steps.float()
+        chosen = steps.gather(1, torch.tensor(g)[:, None]).squeeze(1)
+        assert ((steps.max(1).values - chosen) < NEAR_TIE * steps.abs().max()).all(), p
 
 
 def test_perplexity_matches_transformers_in_16_bit(pair, tiny_tokenizer):

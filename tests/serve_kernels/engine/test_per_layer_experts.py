@@ -13,7 +13,7 @@ import json.decoder
 import pytest
 import torch
 
-from tests.serve_kernels.conftest import assert_tracks_reference, prompt_logits
+from tests.serve_kernels.conftest import assert_tracks_reference, prompt_pass
 from thresher.cli import _describe_loaded
 from thresher.compress.api import quantize_model
 from thresher.models import load_model
@@ -63,7 +63,7 @@ def test_quantized_damage_budget_checkpoint_matches_thresher_loader(tiny_damage_
     if stage.method != "nf4":  # GPTQ-4 and AWQ-4 experts on the CPU int4 kernel
         assert all(layer.mlp.experts.cpu_packs for layer in llm.engine.runner.model.layers)
     fast = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]  # the CPU kernels where present
-    fast_logits = [prompt_logits(llm, p + f) for p, f in zip(PROMPTS, fast, strict=True)]
+    fast_passes = [prompt_pass(llm, p + f) for p, f in zip(PROMPTS, fast, strict=True)]
     monkeypatch.setenv("THRESHER_KERNELS", "torch")  # the dequantizing references, in fp32
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference_greedy(out, PROMPTS)
-    assert_tracks_reference(llm, PROMPTS, fast, fast_logits)
+    assert_tracks_reference(llm, PROMPTS, fast, fast_passes)
