@@ -49,7 +49,9 @@ def prompt_pass(llm: LLM, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     assert engine.block_manager.allocate(seq, len(ids))
     try:
         hidden, _ = engine.runner.hidden_states(ScheduledBatch([seq], [len(ids)]))
-        return engine.runner.model.logits(hidden), torch.stack(routed, 1)
+        routing = (torch.stack(routed, 1) if routed  # a dense family routes nothing
+                   else torch.zeros(len(ids), 0, 0, dtype=torch.long))
+        return engine.runner.model.logits(hidden), routing
     finally:
         engine.block_manager.free(seq)
         for hook in hooks:

@@ -347,13 +347,17 @@ def test_disconnect_while_waiting_unstreamed_frees_blocks(server):
     wait_idle(server)
     before = engine_stats(server).generated_tokens_total
     aborted = metric_values(server)["thresher_aborted_sequences_total"]
+    # 4 x 480 tokens: several times what the tiny model decodes before the disconnect is seen
+    # (the client gives up after 0.25 s, the server polls every 0.25 s; one 480-token answer
+    # alone finished within 0.5 s on a fast CPU)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                   json={"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}, timeout=0.5)
+                   json={"prompt": PROMPT, "max_tokens": 480, "n": 4, "ignore_eos": True},
+                   timeout=0.25)
     stats = wait_idle(server)
     assert stats.kv_blocks_used == 0
-    assert stats.generated_tokens_total - before < 480  # stopped early, not run to the end
-    assert metric_values(server)["thresher_aborted_sequences_total"] == aborted + 1
+    assert stats.generated_tokens_total - before < 4 * 480  # stopped early, not run to the end
+    assert metric_values(server)["thresher_aborted_sequences_total"] == aborted + 4
 
 
 def metric_values(server) -> dict[str, float]:
