@@ -313,6 +313,9 @@ def prune_cmd(
     refit: Annotated[bool, typer.Option(
         help="Refit the kept experts' down projections so the pruned MoE blocks reproduce the "
         "unpruned ones on the calibration text (same architecture, better quality).")] = False,
+    refit_damp: Annotated[float | None, typer.Option(
+        help="With --refit: ridge strength toward the original weights (default 0.01); raise it "
+        "(0.1-1) when calibrating on a few windows.")] = None,
     device: Annotated[str, typer.Option(help=DEVICE_OPTION_HELP)] = "auto",
     offload_budget_gb: Annotated[float | None, typer.Option(help=BUDGET_OPTION_HELP)] = None,
 ) -> None:
@@ -327,9 +330,12 @@ def prune_cmd(
 
     if ratio is None and keep is None:
         ratio = 0.5
+    if refit_damp is not None and not refit:
+        raise CompressionError("prune: --refit-damp sets the refit's damping; add --refit")
     try:
+        options = {} if refit_damp is None else {"refit_damp": refit_damp}
         stage = PruneStage(method=method, ratio=ratio, keep=keep, seed=seed, budget=budget,
-                           protect_super_experts=protect_super_experts, refit=refit)
+                           protect_super_experts=protect_super_experts, refit=refit, **options)
         cal = CalibrationConfig(source=_calibration_source(calibration), samples=samples,
                                 seq_len=seq_len, seed=seed)
     except ValidationError as err:

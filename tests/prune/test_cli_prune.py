@@ -67,3 +67,15 @@ def test_prune_command_refit(tmp_path, tiny_tokenizer):
     assert "the refit left" in result.output
     report = json.loads((tmp_path / "p" / "prune_report.json").read_text())
     assert report["refit"] is True and report["metrics"]["refit_error_left"] < 1
+    damped = runner.invoke(app, ["prune", "--model", str(tmp_path / "base"), "--ratio", "0.5",
+                                 "--calibration", CALIBRATION_FILE, "--samples", "3",
+                                 "--seq-len", "16", "--refit", "--refit-damp", "1e6",
+                                 "--out", str(tmp_path / "d")])
+    assert damped.exit_code == 0, damped.output
+    # a huge ridge keeps the original weights: almost none of the error is removed
+    left = json.loads((tmp_path / "d" / "prune_report.json").read_text())["metrics"]
+    assert left["refit_error_left"] > 0.99 > report["metrics"]["refit_error_left"]
+    alone = runner.invoke(app, ["prune", "--model", str(tmp_path / "base"), "--refit-damp", "0.1",
+                                "--out", str(tmp_path / "e")])
+    assert alone.exit_code != 0 and "add --refit" in alone.output
+    assert not (tmp_path / "e").exists()
