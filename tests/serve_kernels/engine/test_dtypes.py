@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.serve_kernels.conftest import assert_chosen_near_best
 from thresher.evaluate.perplexity import perplexity
 from thresher.models import load_model
 from thresher.models.inspect import weight_bytes
@@ -69,8 +70,7 @@ def test_greedy_matches_transformers_in_16_bit(pair, tiny_demo, tiny_tokenizer):
         with torch.no_grad():  # every engine token is transformers' choice or within a near-tie
             steps = hf(torch.tensor([ids[0].tolist() + g])).logits[0, ids.shape[1] - 1: -1]
         steps = steps.float()
-        chosen = steps.gather(1, torch.tensor(g)[:, None]).squeeze(1)
-        assert ((steps.max(1).values - chosen) < NEAR_TIE * steps.abs().max()).all(), p
+        assert_chosen_near_best(steps, g, NEAR_TIE * steps.abs().max())
 
 
 def test_perplexity_matches_transformers_in_16_bit(pair, tiny_tokenizer):
