@@ -604,7 +604,8 @@ def serve(
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
     api_key: Annotated[str | None, typer.Option(
         envvar="THRESHER_API_KEY",
-        help="Require 'Authorization: Bearer KEY' on /v1 endpoints.")] = None,
+        help="Require 'Authorization: Bearer KEY' on /v1 endpoints (an empty key is refused; "
+             "leave it unset to serve without one).")] = None,
     served_model_name: Annotated[str | None, typer.Option(
         help="Model name clients send (default: the artifact directory's name).")] = None,
     max_num_seqs: Annotated[int, typer.Option(help="Sequences in the running batch.")] = 64,
@@ -627,14 +628,27 @@ def serve(
         help="CUDA: fraction of GPU memory for weights, activations and the KV cache.")] = 0.9,
     enforce_eager: Annotated[bool, typer.Option(
         help="CUDA: run decode steps eagerly instead of replaying CUDA graphs.")] = False,
+    max_body_bytes: Annotated[int, typer.Option(
+        help="Largest request body accepted; larger ones get HTTP 413.")] = 8 * 2**20,
 ) -> None:
-    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
-    import uvicorn
+    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions).
 
+    Exits with status 3 if the engine itself fails (after answering every waiting request), so
+    that a supervisor restarts it; a failure of one request fails that request alone.
+    """
     from thresher.models import resolve_model
     from thresher.serve_kernels import LLMEngine
-    from thresher.serve_kernels.server import ServerConfig, build_app
+    from thresher.serve_kernels.server import ServerConfig, bind_warning, build_app, run_server
 
+    if api_key is not None and not api_key.strip():
+        raise typer.BadParameter("the API key is empty (an unset variable?); pass a key, or "
+                                 "leave --api-key and THRESHER_API_KEY unset to serve without one",
+                                 param_hint="'--api-key' / THRESHER_API_KEY")
+    if max_body_bytes < 1:
+        raise typer.BadParameter(f"{max_body_bytes}: must be >= 1", param_hint="'--max-body-bytes'")
+    warning = bind_warning(host, api_key)
+    if warning:
+        err_console.print(f"[bold yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     path = resolve_model(model)
     try:
         engine = LLMEngine(path, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -652,8 +666,14 @@ def serve(
     console.print(f"serving '{name}' at http://{host}:{port}/v1 ({auth}); metrics at /metrics",
                   highlight=False, soft_wrap=True)
     app_ = build_app(engine, ServerConfig(served_model_name=name, api_key=api_key,
-                                          max_num_seqs=max_num_seqs, max_queue=max_queue))
-    uvicorn.run(app_, host=host, port=port, log_level="warning")
+                                          max_num_seqs=max_num_seqs, max_queue=max_queue,
+                                          max_body_bytes=max_body_bytes))
+    status = run_server(app_, host, port)
+    if status:
+        err_console.print("[bold red]error:[/] the engine failed (the log above has the "
+                          "traceback); exiting so that a supervisor can restart the server",
+                          highlight=False)
+        raise typer.Exit(status)
 
 
 # --- the embedded default -----------------------------------------------------------------------

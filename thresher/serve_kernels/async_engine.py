@@ -5,6 +5,11 @@ The engine is single-threaded, so only the loop thread here calls ``add_request`
 queue and receive each request's outputs on an ``asyncio.Queue`` (``call_soon_threadsafe``).
 Admission is bounded: beyond ``max_num_seqs + max_queue`` sequences in flight a submission is
 refused with ``QueueFull`` (the server answers 429), so a flood never grows memory without bound.
+
+Failures come in two sizes. One request's failure (``add_request`` raising, or the engine
+finishing it with an error) reaches that request's waiter alone as ``RequestFailed``. A failure
+of ``step`` itself is the engine's: ``error`` is set at once (``/health`` reads it), every waiter
+gets ``EngineDead`` and ``on_failure`` is called so the process can exit and be restarted.
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from thresher.serve_kernels.engine.llm_engine import RequestFailed, is_device_error
 from thresher.serve_kernels.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -97,6 +103,7 @@ class AsyncEngine:
         self.metrics = metrics
         self.snapshot = StatsSnapshot()
         self.error: BaseException | None = None
+        self.on_failure: Callable[[], None] | None = None  # on the event loop, waiters failed
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -129,10 +136,11 @@ class AsyncEngine:
         """Admit one API request's sequences (one per (prompt, params) pair) into the engine.
 
         Raises QueueFull when admission is bounded out, ValueError when the engine refuses a
-        prompt (every sequence of the group is then withdrawn), EngineDead after a loop failure.
+        prompt or its parameters, RequestFailed when adding it raised anything else (every
+        sequence of the group is then withdrawn), EngineDead after a loop failure.
         """
         if self.error is not None:
-            raise EngineDead(str(self.error))
+            raise EngineDead("the engine failed")
         if self.in_flight + len(prompts) > self.capacity:
             raise QueueFull(f"{self.in_flight} sequences in flight, limit {self.capacity}")
         assert self._loop is not None, "AsyncEngine.start() was not called"
@@ -180,6 +188,9 @@ class AsyncEngine:
             if out.finished:
                 seq.finished = True
                 del self._sequences[seq.request_id]
+                if out.error is not None:
+                    seq.sink.put_nowait(RequestFailed(f"{seq.request_id}: {out.error}"))
+                    continue
                 if self.metrics is not None and seq.first_token_at is not None \
                         and len(out.token_ids) > 1:
                     self.metrics.tpot.observe((at - seq.first_token_at) / (len(out.token_ids) - 1))
@@ -189,11 +200,13 @@ class AsyncEngine:
         """Fail every waiter: admitted sequences through their queues, and submissions still
         waiting to be admitted (the dead loop will never drain their commands)."""
         for accepted in list(self._admitting):
-            _settle(accepted, EngineDead(f"the engine failed: {err}"))
+            _settle(accepted, EngineDead("the engine failed"))
         for seq in list(self._sequences.values()):
             seq.finished = True
-            seq.sink.put_nowait(EngineDead(f"the engine failed: {err}"))
+            seq.sink.put_nowait(EngineDead("the engine failed"))
         self._sequences.clear()
+        if self.on_failure is not None:
+            self.on_failure()
 
     # --- loop thread ------------------------------------------------------------------------------
 
@@ -234,7 +247,13 @@ class AsyncEngine:
                 for seq, prompt, p in zip(sequences, prompts, params, strict=True):
                     self.engine.add_request(seq.request_id, prompt, p)
                     added.append(seq.request_id)
-            except ValueError as err:
+            except Exception as err:
+                if is_device_error(err):
+                    raise
+                if not isinstance(err, ValueError):  # not a refusal: a fault, for the log
+                    log.error("adding %s failed: %s: %s", sequences[len(added)].request_id,
+                              type(err).__name__, err, exc_info=err)
+                    err = RequestFailed(f"{type(err).__name__}: {err}")
                 for rid in added:
                     self.engine.abort_request(rid)
                 self._loop.call_soon_threadsafe(_settle, accepted, err)

@@ -2,8 +2,11 @@
 
 Field names follow OpenAI's (``max_tokens``, ``logprobs``, ``echo``, ``stream_options``...), so
 stock clients and lm-evaluation-harness's ``local-completions`` backend work unchanged. Types are
-strict ("5" is not an integer) and unknown fields are ignored, as OpenAI does. Two extensions that
-vLLM also accepts: ``top_k`` and ``ignore_eos`` (the load test uses the latter for fixed lengths).
+strict ("5" is not an integer) and unknown fields are ignored, as OpenAI does. Ranges are OpenAI's
+where OpenAI defines one (and appear in the server's /openapi.json); what depends on the model
+(``top_k`` and ``logit_bias`` ids against the vocabulary) the server checks next. Extensions that
+vLLM also accepts: ``top_k``, ``min_p`` and ``ignore_eos`` (the load test uses the latter for
+fixed lengths).
 """
 
 from __future__ import annotations
@@ -12,13 +15,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from thresher.serve_kernels.engine.sampling_params import MAX_LOGIT_BIAS, MAX_PENALTY
+
 MAX_LOGPROBS = 20
 MAX_N = 16
 MAX_STOP = 4
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIModel):
@@ -29,23 +35,30 @@ class SamplingFields(OpenAIModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = Field(None, description="served model name (default: the one loaded)")
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, description="extension: sample from the k most likely tokens")
+    temperature: float = Field(1.0, ge=0.0, le=2.0,
+                               description="below 1e-5 (0 included) picks the most likely token")
+    top_p: float = Field(1.0, ge=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="extension: sample from the k most likely tokens "
+                       "(at most the vocabulary size); -1 or 0: off")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="extension: drop tokens less likely "
+                         "than min_p times the most likely one")
     n: int = Field(1, ge=1, le=MAX_N)
     stop: list[str] = Field(default_factory=list, description="a string or up to 4 strings")
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="extension: keep generating past end-of-sequence")
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None \
+        = Field(None, description="token id (as a string) -> bias added to its logit")
 
-    @field_validator("top_k")
+    @field_validator("logit_bias")
     @classmethod
-    def _top_k(cls, v: int) -> int:
-        if v == 0:
-            raise ValueError("top_k must be -1 (off) or a positive integer")
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            if not key.isdigit() or not key.isascii():
+                raise ValueError(f"key {key!r} is not a token id (a non-negative integer)")
         return v
 
     @field_validator("stop", mode="before")
@@ -61,14 +74,6 @@ class SamplingFields(OpenAIModel):
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty strings")
         return stops
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError("presence and frequency penalties are not supported by this engine; "
-                             "leave them at 0")
-        return v
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]

@@ -1,10 +1,13 @@
 """OpenAI-compatible HTTP API over the serving engine.
 
 ``/v1/completions`` and ``/v1/chat/completions`` (streamed with server-sent events or not),
-``/v1/models``, ``/health`` and ``/metrics`` (Prometheus). Handlers tokenize, check the request
-against the context length, submit to the ``AsyncEngine`` (whose thread alone touches the engine)
-and shape its outputs as OpenAI responses. Every failure is an OpenAI error body with the right
-status; a client that goes away aborts its sequences, which frees their KV blocks.
+``/v1/models``, ``/health``, ``/metrics`` (Prometheus) and ``/openapi.json`` (every request body
+with its ranges). Handlers check the request (body size, fields, prompt length before tokenizing),
+tokenize, check it against the context length, submit to the ``AsyncEngine`` (whose thread alone
+touches the engine) and shape its outputs as OpenAI responses. Every failure is an OpenAI error
+body with the right status; a 5xx body carries the request id (also the ``x-request-id`` header
+of every response) and never the exception, which goes to the log under that id. A client that
+goes away aborts its sequences, which frees their KV blocks.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import json
 import logging
 import threading
@@ -24,13 +28,21 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from thresher.serve_kernels import SamplingParams
-from thresher.serve_kernels.async_engine import AsyncEngine, EngineDead, QueueFull, RequestGroup
+from thresher.serve_kernels.async_engine import (
+    AsyncEngine,
+    EngineDead,
+    QueueFull,
+    RequestFailed,
+    RequestGroup,
+)
+from thresher.serve_kernels.engine.sampling_params import InvalidSamplingParam
 from thresher.serve_kernels.metrics import CONTENT_TYPE, ServerMetrics
 from thresher.serve_kernels.protocol import (
     ChatCompletionRequest,
@@ -52,16 +64,44 @@ FALLBACK_CHAT_TEMPLATE = (
 FALLBACK_CHAT_STOP = "\n<|"
 DISCONNECT_POLL_S = 0.25
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+MAX_BODY_BYTES = 8 * 2**20  # a full 128k-token prompt as JSON token ids is about 1 MiB
+ENGINE_FAILED_EXIT = 3  # `thresher serve`'s exit status after an engine failure
+REQUEST_ID_HEADER = "x-request-id"
 
 
 @dataclass
 class ServerConfig:
-    """What the server needs besides the engine."""
+    """What the server needs besides the engine.
+
+    ``api_key``: None serves without a key; an empty string is refused (it is what an unset
+    variable expands to, and a server that meant to require a key must not start open).
+    """
 
     served_model_name: str
     api_key: str | None = None
     max_num_seqs: int = 64
     max_queue: int = 256
+    max_body_bytes: int = MAX_BODY_BYTES
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key is empty: pass a non-empty key, or none at all to serve "
+                             "without one")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes={self.max_body_bytes}: must be >= 1")
+
+
+def bind_warning(host: str, api_key: str | None) -> str | None:
+    """What to warn about when ``host`` is reachable from other machines and no key is set."""
+    if api_key is not None or host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:  # a host name: it may resolve to anything
+        pass
+    return (f"serving on {host} without an API key: anyone who can reach this port can use the "
+            "model; set --api-key (or THRESHER_API_KEY), or bind 127.0.0.1")
 
 
 class APIError(Exception):
@@ -80,6 +120,41 @@ class APIError(Exception):
 
 class ClientGone(Exception):
     """The client disconnected before the answer was ready."""
+
+
+class RequestIds:
+    """Gives every request an id: in ``request.state.request_id``, and in the response's
+    ``x-request-id`` header, so a client can quote it and the log can be searched for it."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", [])
+                           if h[0].lower() != REQUEST_ID_HEADER.encode()]
+                message = {**message, "headers": [*headers, (REQUEST_ID_HEADER.encode(),
+                                                             rid.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def request_id(request: Request) -> str:
+    return getattr(request.state, "request_id", "-")
+
+
+def internal_error(rid: str) -> dict[str, Any]:
+    """A 5xx body: what happened in general, and the id under which the log has the details."""
+    return error_body(f"internal error (request id {rid}); the server log has the details",
+                      "server_error", code="internal_error")
 
 
 class RequestCounter:
@@ -130,8 +205,10 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="thresher", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.async_engine = aengine
     app.state.metrics = metrics
+    app.openapi = lambda: _openapi(app)
 
     app.add_middleware(RequestCounter, metrics=metrics)
+    app.add_middleware(RequestIds)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, err: APIError) -> JSONResponse:
@@ -148,20 +225,26 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(EngineDead)
     async def _engine_dead(_: Request, err: EngineDead) -> JSONResponse:
-        return JSONResponse(error_body(str(err), "server_error", code="engine_unavailable"),
-                            status_code=503)
+        return JSONResponse(ENGINE_DEAD, status_code=503)
+
+    @app.exception_handler(RequestFailed)
+    async def _request_failed(request: Request, err: RequestFailed) -> JSONResponse:
+        rid = request_id(request)
+        log.error("request %s failed in the engine: %s", rid, err)
+        return JSONResponse(internal_error(rid), status_code=500,
+                            headers={REQUEST_ID_HEADER: rid})
 
     @app.exception_handler(Exception)
-    async def _internal_error(_: Request, err: Exception) -> JSONResponse:
-        log.exception("request failed")
-        return JSONResponse(error_body(f"internal error: {type(err).__name__}: {err}",
-                                       "server_error"), status_code=500)
+    async def _internal_error(request: Request, err: Exception) -> JSONResponse:
+        rid = request_id(request)
+        log.error("request %s failed", rid, exc_info=err)
+        return JSONResponse(internal_error(rid), status_code=500,
+                            headers={REQUEST_ID_HEADER: rid})
 
     @app.get("/health")
     async def health() -> JSONResponse:
         if aengine.error is not None:
-            return JSONResponse(error_body(f"the engine failed: {aengine.error}", "server_error"),
-                                status_code=503)
+            return JSONResponse(ENGINE_DEAD, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -173,28 +256,65 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         api.authorize(request)
         return JSONResponse({"object": "list", "data": [api.model_card()]})
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_request_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         api.authorize(request)
-        body = _parse(CompletionRequest, await _json_body(request))
+        body = _parse(CompletionRequest, await _json_body(request, config.max_body_bytes))
         return await api.completions(body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_request_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         api.authorize(request)
-        body = _parse(ChatCompletionRequest, await _json_body(request))
+        body = _parse(ChatCompletionRequest, await _json_body(request, config.max_body_bytes))
         return await api.chat(body, request)
 
     return app
 
 
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
+ENGINE_DEAD = error_body("the engine failed; this server must be restarted", "server_error",
+                         code="engine_unavailable")
+
+
+def _request_body(model: type[SamplingFields]) -> dict[str, Any]:
+    """The OpenAPI requestBody of an endpoint that parses ``model`` itself (to answer OpenAI's
+    error bodies rather than FastAPI's)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus the protocol's request models (with their ranges) as components."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (CompletionRequest, ChatCompletionRequest):
+            full = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(full.pop("$defs", {}))
+            components[model.__name__] = full
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+async def _json_body(request: Request, limit: int) -> Any:
+    """The body as JSON; refused (413) past ``limit`` bytes without reading the rest."""
+    too_large = APIError(413, f"the request body exceeds {limit} bytes (the server's "
+                         "--max-body-bytes)", code="body_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
     try:
-        return json.loads(raw)
+        return json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise APIError(400, f"the request body is not valid JSON: {err}", code="invalid_json") \
             from None
+    except RecursionError:
+        raise APIError(400, "the request body nests too deeply", code="invalid_json") from None
 
 
 def _parse(model: type[SamplingFields], data: Any) -> Any:
@@ -251,6 +371,10 @@ class _API:
         self.vocab_size = engine.vocab_size
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
+        # No token spans more characters than the longest vocabulary entry, so a text longer than
+        # this cannot fit the context whatever its tokenization: refused before tokenizing it.
+        longest = max(map(len, self.tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = engine.max_model_len * max(longest, 1)
 
     def authorize(self, request: Request) -> None:
         key = self.config.api_key
@@ -289,11 +413,26 @@ class _API:
         """Text to token ids as the engine encodes a text prompt (no special tokens added)."""
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def check_length(self, chars: int, param: str) -> None:
+        """Refuse a text or token list that cannot fit the context, before tokenizing anything."""
+        if chars > self.max_prompt_chars:
+            raise APIError(400, f"This model's maximum context length is {self.engine.max_model_len}"
+                           f" tokens; the {param} has {chars} characters, more than any "
+                           f"tokenization of it could fit. Shorten the {param}.", param=param,
+                           code="context_length_exceeded")
+
     def completion_prompts(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
             prompt = [prompt]
         if isinstance(prompt[0], int):
             prompt = [prompt]
+        for p in prompt:
+            self.check_length(len(p) if isinstance(p, str) else 0, "prompt")
+            if not isinstance(p, str) and len(p) > self.engine.max_model_len:
+                raise APIError(400, f"This model's maximum context length is "
+                               f"{self.engine.max_model_len} tokens; the prompt has {len(p)}. "
+                               "Shorten the prompt.", param="prompt",
+                               code="context_length_exceeded")
         prompts = []
         for p in prompt:
             ids = self.encode(p) if isinstance(p, str) else list(p)
@@ -308,6 +447,7 @@ class _API:
 
     def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], list[str]]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        self.check_length(sum(len(m["content"]) for m in messages), "messages")
         template = None if self.tokenizer.chat_template else FALLBACK_CHAT_TEMPLATE
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False,
@@ -337,22 +477,39 @@ class _API:
 
     def sampling(self, body: SamplingFields, max_tokens: int, choice: int, logprobs: int | None,
                  prompt_logprobs: bool, extra_stop: list[str]) -> SamplingParams:
-        return SamplingParams(
-            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-            max_tokens=max_tokens, stop=[*body.stop, *extra_stop],
-            seed=None if body.seed is None else body.seed + choice, ignore_eos=body.ignore_eos,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        )
+        """The engine's parameters for one choice; a value the engine refuses is a 400 naming its
+        field (choice j of n samples with seed + j, still a 64-bit seed for the generator)."""
+        try:
+            params = SamplingParams(
+                temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                min_p=body.min_p, presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                logit_bias={int(t): b for t, b in (body.logit_bias or {}).items()},
+                max_tokens=max_tokens, stop=[*body.stop, *extra_stop],
+                seed=None if body.seed is None else body.seed + choice,
+                ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            )
+            params.check_vocab(self.vocab_size)
+        except InvalidSamplingParam as err:
+            raise APIError(400, f"'{err.field}': {err}", param=err.field,
+                           code="invalid_value") from None
+        return params
+
+    def check_capacity(self, sequences: int) -> None:
+        if sequences > self.aengine.capacity:
+            raise APIError(400, f"the request needs {sequences} sequences (prompts x n); this "
+                           f"server admits at most {self.aengine.capacity} at a time", param="n")
 
     async def submit(self, prompts: list[list[int]], params: list) -> RequestGroup:
-        if len(prompts) > self.aengine.capacity:
-            raise APIError(400, f"the request needs {len(prompts)} sequences (prompts x n); this "
-                           f"server admits at most {self.aengine.capacity} at a time", param="n")
+        self.check_capacity(len(prompts))
         try:
             return await self.aengine.submit(prompts, params)
         except QueueFull as err:
             raise APIError(429, f"the server is at capacity ({err}); retry later",
                            "rate_limit_error", code="queue_full") from None
+        except InvalidSamplingParam as err:
+            raise APIError(400, f"'{err.field}': {err}", param=err.field,
+                           code="invalid_value") from None
         except ValueError as err:
             raise APIError(400, str(err), param="prompt") from None
 
@@ -360,6 +517,9 @@ class _API:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
+        prompt = body.prompt
+        count = len(prompt) if isinstance(prompt, list) and not isinstance(prompt[0], int) else 1
+        self.check_capacity(count * body.n)  # before tokenizing what would be refused anyway
         # tokenizing a long prompt takes milliseconds: off the event loop, which serves streams
         prompts = await asyncio.to_thread(self.completion_prompts, body.prompt)
         scoring_only = body.max_tokens == 0
@@ -378,7 +538,8 @@ class _API:
         head = {"id": rid, "object": "text_completion", "created": int(time.time()),
                 "model": self.config.served_model_name}
         if body.stream:
-            return _sse(self._stream_completion(group, choices, body, head, scoring_only))
+            return _sse(self._stream_completion(group, choices, body, head, scoring_only),
+                        request_id(request))
         await _collect(group, choices, request)
         out = []
         for i, c in enumerate(choices):
@@ -477,7 +638,7 @@ class _API:
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": self.config.served_model_name}
         if body.stream:
-            return _sse(self._stream_chat(group, choices, body, head))
+            return _sse(self._stream_chat(group, choices, body, head), request_id(request))
         await _collect(group, choices, request)
         out = []
         for i, c in enumerate(choices):
@@ -550,22 +711,22 @@ def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def _sse(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(_guarded(events), media_type="text/event-stream",
+def _sse(events: AsyncIterator[str], rid: str) -> StreamingResponse:
+    return StreamingResponse(_guarded(events, rid), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
 
-async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _guarded(events: AsyncIterator[str], rid: str) -> AsyncIterator[str]:
     """A failure after the stream started (status 200 already sent) ends it with an error event."""
     try:
         async for event in events:
             yield event
-    except EngineDead as err:
-        yield _event(error_body(str(err), "server_error", code="engine_unavailable"))
+    except EngineDead:
+        yield _event(ENGINE_DEAD)
         yield "data: [DONE]\n\n"
     except Exception as err:
-        log.exception("stream failed")
-        yield _event(error_body(f"internal error: {type(err).__name__}: {err}", "server_error"))
+        log.error("request %s failed mid-stream", rid, exc_info=err)
+        yield _event(internal_error(rid))
         yield "data: [DONE]\n\n"
 
 
@@ -599,6 +760,21 @@ async def _collect(group: RequestGroup, choices: list[_Choice], request: Request
 
 
 # --- running the server ---------------------------------------------------------------------------
+
+
+def run_server(app: FastAPI, host: str, port: int) -> int:
+    """Serve ``app`` until stopped; the exit status: 0, or ``ENGINE_FAILED_EXIT`` when the engine
+    failed (every waiter has its error by then), so that a supervisor restarts the process."""
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    aengine: AsyncEngine = app.state.async_engine
+
+    def stop() -> None:
+        log.critical("the engine failed; stopping the server so that it can be restarted")
+        server.should_exit = True
+
+    aengine.on_failure = stop
+    server.run()
+    return ENGINE_FAILED_EXIT if aengine.error is not None else 0
 
 
 class BackgroundServer:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from thresher.serve_kernels import LLM, SamplingParams
 from thresher.serve_kernels.engine.sampler import Sampler
+from thresher.serve_kernels.engine.sampling_params import InvalidSamplingParam
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +96,44 @@ def test_streamed_text_only_grows(llm):
 
 
 def test_sampling_params_are_checked():
-    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_k=0), dict(max_tokens=0),
-                dict(stop=[""])):
-        with pytest.raises(ValueError):
-            SamplingParams(**bad)
+    for field, bad in (("temperature", -1), ("temperature", math.inf), ("top_p", 1.5),
+                       ("min_p", -0.1), ("top_k", -2), ("max_tokens", 0), ("stop", [""]),
+                       ("presence_penalty", 2.5), ("frequency_penalty", math.nan),
+                       ("logit_bias", {3: 1e30}), ("logit_bias", {-1: 1.0}),
+                       ("seed", 2**64), ("seed", -(2**63) - 1)):
+        with pytest.raises(InvalidSamplingParam) as err:
+            SamplingParams(**{field: bad})
+        assert err.value.field == field
+    SamplingParams(top_p=0, top_k=0, min_p=1, seed=2**64 - 1)  # the edges are valid
+    for field, bad in (("top_k", 4097), ("logit_bias", {4096: 1.0})):
+        with pytest.raises(InvalidSamplingParam) as err:
+            SamplingParams(**{field: bad}).check_vocab(4096)
+        assert err.value.field == field
+
+
+def test_temperature_below_epsilon_is_greedy(llm):
+    greedy = llm.generate("import os\n", SamplingParams(temperature=0, max_tokens=8,
+                                                        ignore_eos=True))[0].token_ids
+    for t in (1e-300, 1e-45, 1e-6):
+        p = SamplingParams(temperature=t, max_tokens=8, ignore_eos=True)
+        assert p.greedy and llm.generate("import os\n", p)[0].token_ids == greedy
+
+
+def test_logit_bias_penalties_and_min_p():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    sampler = Sampler()
+    greedy = SamplingParams(temperature=0)
+    assert sampler(logits, [greedy], [None]).token_ids == [0]
+    biased = SamplingParams(temperature=0, logit_bias={3: 100.0})
+    assert sampler(logits, [biased], [None]).token_ids == [3]
+    # token 0 generated twice: 3 - 2 x 0.8 - 0.5 = 0.9 < 2, so token 1 wins
+    penalized = SamplingParams(temperature=0, frequency_penalty=0.8, presence_penalty=0.5)
+    assert sampler(logits, [penalized], [None], [[0, 0]]).token_ids == [1]
+    # min_p 1 keeps only the most likely token, whatever the temperature
+    gen = torch.Generator().manual_seed(0)
+    top_only = SamplingParams(temperature=2.0, min_p=1.0)
+    assert {sampler(logits, [top_only], [gen]).token_ids[0] for _ in range(50)} == {0}
+    # the log-probs stay the model's own
+    out = sampler(logits, [SamplingParams(temperature=0, logit_bias={3: 100.0}, logprobs=0)],
+                  [None])
+    assert out.logprobs[0] == pytest.approx(torch.log_softmax(logits, -1)[0, 3].item())

@@ -4,6 +4,9 @@
 abort_request, step); ``LLM`` is the offline API that runs the loop to completion. One step =
 schedule, run the model on the packed batch, sample, update every sequence (detokenize, stop
 conditions), release the finished ones.
+
+A failure that belongs to one request fails that request alone (finish reason ``"error"``, its
+blocks freed) and the step goes on for the others; see ``LLMEngine.step`` for what counts as one.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from thresher.serve_kernels.engine.block_manager import BlockManager
 from thresher.serve_kernels.engine.detokenizer import append_text, find_stop, visible_text
 from thresher.serve_kernels.engine.kv_budget import KVCacheConfig, free_gpu_bytes, size_kv_cache
 from thresher.serve_kernels.engine.model_runner import ModelRunner
-from thresher.serve_kernels.engine.sampler import Sampler
+from thresher.serve_kernels.engine.sampler import Sampler, SampleResult
 from thresher.serve_kernels.engine.sampling_params import (
     EngineStats,
     RequestOutput,
@@ -37,6 +40,16 @@ from thresher.serve_kernels.loader import load_engine_model
 log = logging.getLogger(__name__)
 
 CPU_BF16_MIN_BYTES = 128 * 2**20  # checkpoints at least this large serve in bf16 on a CPU
+
+
+class RequestFailed(Exception):
+    """The engine failed one request (and only it); the message says why, for the server log."""
+
+
+def is_device_error(err: BaseException) -> bool:
+    """A failure of the device itself (out of memory, a CUDA error), never one request's fault:
+    retrying the rows one by one would only fail again, or hang on a broken context."""
+    return isinstance(err, torch.cuda.OutOfMemoryError | torch.AcceleratorError)
 
 
 def resolve_dtype(dtype: str, device: torch.device, checkpoint_bytes: int = 0) -> str:
@@ -151,6 +164,7 @@ class LLMEngine:
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError(f"request {request_id!r}: prompt token ids must lie in "
                              f"[0, {self.vocab_size})")
+        params.check_vocab(self.vocab_size)
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if room < max(max_tokens, 0) or (params.max_tokens is None and room < 1):
@@ -177,18 +191,27 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler step; outputs of every request that produced tokens or finished."""
+        """One scheduler step; outputs of every request that produced tokens or finished.
+
+        Sampling and the per-sequence update (detokenizing, stop conditions) belong to one
+        request each: if the batched sampling raises, the rows are sampled again one by one
+        (each seeded generator rewound first, so the others draw exactly what they would have),
+        and a row or an update that still raises fails its request alone. The forward pass is
+        not retried: its inputs were checked at admission (token ids inside the vocabulary,
+        lengths inside the context, blocks from the block manager), so a forward that raises
+        means the device or a kernel failed, and it propagates as an engine failure. A device
+        error (``is_device_error``) propagates from anywhere.
+        """
         outputs = [self._output(seq, []) for seq in self._aborted]
         self._aborted = []
         batch = self.scheduler.schedule()
         if not len(batch):
             return outputs
         result = self.runner.run(batch)
-        sampled = None
+        sampled, failed = None, {}
         if result.sample_rows:
-            seqs = [batch.seqs[b] for b in result.sample_rows]
-            sampled = self.sampler(result.logits, [s.params for s in seqs],
-                                   [s.generator for s in seqs])
+            sampled, failed = self._sample([batch.seqs[b] for b in result.sample_rows],
+                                           result.logits)
         for b, lps in result.prompt_logprobs.items():
             batch.seqs[b].prompt_logprobs.extend(lps)
         row_of = {b: r for r, b in enumerate(result.sample_rows)}
@@ -196,12 +219,61 @@ class LLMEngine:
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
             r = row_of.get(b)
-            if r is not None:
-                outputs.append(self._append_token(seq, sampled, r))
-            elif seq.num_computed_tokens == seq.num_tokens and seq.max_tokens == 0:
-                self._finish(seq, "length")
-                outputs.append(self._output(seq, []))
+            try:
+                if r in failed:
+                    raise failed[r]
+                if r is not None:
+                    outputs.append(self._append_token(seq, sampled, r))
+                elif seq.num_computed_tokens == seq.num_tokens and seq.max_tokens == 0:
+                    self._finish(seq, "length")
+                    outputs.append(self._output(seq, []))
+            except Exception as err:
+                if is_device_error(err):
+                    raise
+                outputs.append(self._fail(seq, err))
         return outputs
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor
+                ) -> tuple[SampleResult, dict[int, Exception]]:
+        """One batched draw; if it raises, one draw per row, and the rows that still raise."""
+        params = [s.params for s in seqs]
+        generators = [s.generator for s in seqs]
+        output_ids = [s.output_token_ids for s in seqs] if any(
+            p.adjusts_logits for p in params) else None
+        states = [g.get_state() if g is not None else None for g in generators]
+        try:
+            return self.sampler(logits, params, generators, output_ids), {}
+        except Exception as err:
+            if is_device_error(err):
+                raise
+            log.warning("batched sampling failed (%s: %s); sampling its %d rows one by one",
+                        type(err).__name__, err, len(seqs))
+        merged = SampleResult([0] * len(seqs), [0.0] * len(seqs), [None] * len(seqs))
+        failed: dict[int, Exception] = {}
+        for r, (p, g, state) in enumerate(zip(params, generators, states, strict=True)):
+            if g is not None:
+                g.set_state(state)
+            try:
+                one = self.sampler(logits[r:r + 1], [p], [g],
+                                   None if output_ids is None else [output_ids[r]])
+            except Exception as err:
+                if is_device_error(err):
+                    raise
+                failed[r] = err
+                continue
+            merged.token_ids[r] = one.token_ids[0]
+            if one.logprobs is not None:
+                merged.logprobs[r] = one.logprobs[0]
+                merged.top_logprobs[r] = one.top_logprobs[0]
+        return merged, failed
+
+    def _fail(self, seq: Sequence, err: Exception) -> RequestOutput:
+        """End one request on an exception of its own; the others carry on."""
+        log.error("request %s failed, aborting it alone: %s: %s", seq.request_id,
+                  type(err).__name__, err, exc_info=err)
+        seq.error = f"{type(err).__name__}: {err}"
+        self._finish(seq, "error")
+        return self._output(seq, [])
 
     def _append_token(self, seq: Sequence, sampled, row: int) -> RequestOutput:
         token = sampled.token_ids[row]
@@ -239,6 +311,7 @@ class LLMEngine:
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
             num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
             top_logprobs=list(seq.top_logprobs) if seq.top_logprobs is not None else None,
+            error=seq.error,
         )
 
     def stats(self) -> EngineStats:
@@ -284,6 +357,10 @@ class LLM:
                     if out.finished:
                         final[out.request_id] = out
                         bar.update(1)
+        failed = [final[i] for i in ids if final[i].error is not None]
+        if failed:  # offline callers (evaluation) must not read a cut-short output as complete
+            raise RequestFailed(f"{len(failed)} of {len(ids)} requests failed; the first: "
+                                f"{failed[0].error}")
         return [final[i] for i in ids]
 
     def generate(self, prompts: str | list[str] | list[list[int]],

@@ -1,10 +1,13 @@
 """Next-token choice for a batch of rows, each with its own sampling parameters.
 
-Greedy rows take the argmax. The others divide by their temperature, mask everything outside
-their top-k and their top-p nucleus (one sort for the rows that ask for either), and draw from
-the softmax: rows with a seed from their own generator (so a seeded request samples the same
-tokens whatever else is in the batch), the rest in one batched draw. Log-probs are those of the
-model's own distribution (log-softmax of the raw logits), as vLLM returns them.
+Rows with a ``logit_bias`` or a presence/frequency penalty first have their logits adjusted
+(OpenAI's formula: minus ``frequency x count + presence x [count > 0]`` over the tokens generated
+so far). Greedy rows then take the argmax. The others divide by their temperature, mask
+everything outside their top-k and their top-p nucleus (one sort for the rows that ask for
+either) and below their min-p share of the most likely token, and draw from the softmax: rows
+with a seed from their own generator (so a seeded request samples the same tokens whatever else
+is in the batch), the rest in one batched draw. Log-probs are those of the model's own
+distribution (log-softmax of the raw logits), as vLLM returns them.
 """
 
 from __future__ import annotations
@@ -35,12 +38,35 @@ def _restrict(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
     return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
+def _adjust(logits: torch.Tensor, params: list[SamplingParams],
+            output_ids: list[list[int]] | None) -> torch.Tensor:
+    """The logits with each row's logit_bias added and its penalties subtracted (a copy)."""
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            bias = torch.tensor(list(p.logit_bias.values()), device=logits.device,
+                                dtype=logits.dtype)
+            logits[i].index_add_(0, ids, bias)
+        if (p.presence_penalty or p.frequency_penalty) and output_ids and output_ids[i]:
+            counts = torch.bincount(torch.tensor(output_ids[i], device=logits.device),
+                                    minlength=vocab)[:vocab].to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return logits
+
+
 class Sampler:
     """Samples one token per row of fp32 logits [R, V]."""
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> SampleResult:
+                 generators: list[torch.Generator | None],
+                 output_ids: list[list[int]] | None = None) -> SampleResult:
+        """``output_ids``: each row's generated tokens so far (needed only for penalties)."""
         rows = logits.shape[0]
+        raw = logits
+        if any(p.adjusts_logits for p in params):
+            logits = _adjust(logits, params, output_ids)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         random = [i for i, p in enumerate(params) if not p.greedy]
         if not random:  # the common all-greedy batch: one argmax, no gathers or scatters
@@ -57,7 +83,7 @@ class Sampler:
         want = [p.logprobs for p in params]
         if all(w is None for w in want):
             return SampleResult(token_ids, None, None)
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = torch.log_softmax(raw, dim=-1)
         chosen_lp = logprobs.gather(-1, chosen[:, None]).squeeze(-1).tolist()
         top: list[dict[int, float] | None] = [None] * rows
         n_top = max(w or 0 for w in want)
@@ -80,6 +106,10 @@ class Sampler:
             top_p = torch.tensor([p.top_p for p in params], device=device, dtype=x.dtype)
             x = _restrict(x, top_k, top_p)
         probs = x.softmax(dim=-1)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
+            floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0.0)
         out = torch.empty(len(rows), dtype=torch.long, device=device)
         seeded = [i for i, g in enumerate(generators) if g is not None]
         for i in seeded:

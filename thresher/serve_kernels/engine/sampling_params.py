@@ -1,17 +1,45 @@
-"""What a request asks of generation, and what the engine hands back per step."""
+"""What a request asks of generation, and what the engine hands back per step.
+
+Every option is checked when the parameters are built (and against the vocabulary when the
+engine admits them), so nothing a request asks for can make a batched sampling step fail: a
+failure there would cost every other sequence in the batch its step.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+GREEDY_EPS = 1e-5  # a temperature below this samples greedily (as vLLM): dividing by it overflows
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+MAX_PENALTY = 2.0  # OpenAI's range for presence and frequency penalties: [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+
+
+class InvalidSamplingParam(ValueError):
+    """One sampling option out of range; ``field`` names it (the server's error ``param``)."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+def _finite(name: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise InvalidSamplingParam(name, f"{value} is not a finite number")
 
 
 @dataclass
 class SamplingParams:
     """Decoding options of one request (vLLM's names and meanings)."""
 
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1 = off
+    temperature: float = 1.0  # below GREEDY_EPS = greedy
+    top_p: float = 1.0  # 0 keeps only the most likely token
+    top_k: int = -1  # -1 or 0 = off
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
+    presence_penalty: float = 0.0  # subtracted once from the logit of every generated token
+    frequency_penalty: float = 0.0  # subtracted per occurrence of a generated token
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     max_tokens: int | None = 16  # None = up to the context limit; 0 only with prompt_logprobs
     stop: list[str] = field(default_factory=list)  # stop strings, cut from the text
     stop_token_ids: list[int] = field(default_factory=list)
@@ -23,25 +51,56 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+            _finite(name, getattr(self, name))
         if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 = greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k={self.top_k}: must be -1 (off) or >= 1")
+            raise InvalidSamplingParam("temperature", f"{self.temperature} must be >= 0 (0 = "
+                                       "greedy)")
+        for name in ("top_p", "min_p"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise InvalidSamplingParam(name, f"{getattr(self, name)} must be in [0, 1]")
+        if self.top_k < -1:
+            raise InvalidSamplingParam("top_k", f"{self.top_k} must be -1 or 0 (off) or >= 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if abs(getattr(self, name)) > MAX_PENALTY:
+                raise InvalidSamplingParam(name, f"{getattr(self, name)} must be in "
+                                           f"[-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        for token, bias in self.logit_bias.items():
+            if token < 0:
+                raise InvalidSamplingParam("logit_bias", f"token id {token} is negative")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidSamplingParam("logit_bias", f"the bias of token {token} ({bias}) "
+                                           f"must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise InvalidSamplingParam("seed", f"{self.seed} is not a 64-bit integer")
         if self.max_tokens is not None and (
             self.max_tokens < 0 or (self.max_tokens == 0 and not self.prompt_logprobs)
         ):
-            raise ValueError(f"max_tokens={self.max_tokens}: must be >= 1 (0 only to score a "
-                             "prompt with prompt_logprobs=True)")
+            raise InvalidSamplingParam("max_tokens", f"{self.max_tokens} must be >= 1 (0 only "
+                                       "to score a prompt with prompt_logprobs=True)")
         if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs={self.logprobs}: must be >= 0 (or None)")
+            raise InvalidSamplingParam("logprobs", f"{self.logprobs} must be >= 0 (or None)")
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise InvalidSamplingParam("stop", "stop strings must be non-empty")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse a top_k or a logit_bias token beyond the model's vocabulary."""
+        if self.top_k > vocab_size:
+            raise InvalidSamplingParam("top_k", f"{self.top_k} exceeds the vocabulary size "
+                                       f"({vocab_size}); use -1 to turn top-k off")
+        outside = [t for t in self.logit_bias if t >= vocab_size]
+        if outside:
+            raise InvalidSamplingParam("logit_bias", f"token id {outside[0]} is outside the "
+                                       f"vocabulary (size {vocab_size})")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a logit_bias or a penalty changes this request's logits before sampling."""
+        return bool(self.logit_bias) or bool(self.presence_penalty or self.frequency_penalty)
 
 
 @dataclass
@@ -53,12 +112,13 @@ class RequestOutput:
     token_ids: list[int]  # all generated so far
     text: str  # detokenized generated text so far (stop strings cut)
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     new_token_ids: list[int]  # generated in this step (for streaming)
     prompt_logprobs: list[float | None] | None
     logprobs: list[float] | None  # per generated token
     num_cached_prompt_tokens: int  # prompt tokens served from the prefix cache
     top_logprobs: list[dict[int, float]] | None = None  # per generated token, with logprobs=N
+    error: str | None = None  # why the engine failed this request alone (finish_reason "error")
 
 
 @dataclass

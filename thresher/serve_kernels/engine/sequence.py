@@ -36,6 +36,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.status = Status.WAITING
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why the engine failed this request alone
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chain hashes of the leading full blocks
         self.num_computed_tokens = 0
