@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from functools import wraps
@@ -640,6 +641,8 @@ def serve(
     from thresher.serve_kernels import LLMEngine
     from thresher.serve_kernels.server import ServerConfig, bind_warning, build_app, run_server
 
+    if api_key is None and os.environ.get("THRESHER_API_KEY") == "":  # click skips an empty one
+        api_key = ""
     if api_key is not None and not api_key.strip():
         raise typer.BadParameter("the API key is empty (an unset variable?); pass a key, or "
                                  "leave --api-key and THRESHER_API_KEY unset to serve without one",

@@ -56,3 +56,32 @@ def test_serve_refuses_a_kv_cache_too_small(tiny_demo):
     result = CliRunner().invoke(app, ["serve", str(tiny_demo), "--num-kv-blocks", "2"])
     assert result.exit_code == 2
     assert "num_kv_blocks=2 cannot hold one sequence" in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_serve_refuses_an_empty_api_key_before_loading(how):
+    from typer.testing import CliRunner
+
+    from thresher.cli import app
+
+    args, env = ["serve", "/nonexistent-model"], {}
+    if how == "flag":
+        args += ["--api-key", ""]
+    else:
+        env["THRESHER_API_KEY"] = ""
+    result = CliRunner().invoke(app, args, env=env)
+    output = " ".join(result.output.split())
+    assert result.exit_code == 2 and "the API key is empty" in output, output
+    assert "not a model directory" not in output  # refused before touching the model
+
+
+def test_serve_warns_on_a_non_loopback_bind_without_a_key(tiny_demo):
+    from typer.testing import CliRunner
+
+    from thresher.cli import app
+
+    result = CliRunner().invoke(app, ["serve", str(tiny_demo), "--host", "0.0.0.0",
+                                      "--num-kv-blocks", "2"], env={"THRESHER_API_KEY": None})
+    output = " ".join(result.output.split())
+    assert "warning: serving on 0.0.0.0 without an API key" in output, output
+    assert result.exit_code == 2  # then the tiny KV cache stops it before it binds

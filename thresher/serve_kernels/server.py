@@ -124,7 +124,12 @@ class ClientGone(Exception):
 
 class RequestIds:
     """Gives every request an id: in ``request.state.request_id``, and in the response's
-    ``x-request-id`` header, so a client can quote it and the log can be searched for it."""
+    ``x-request-id`` header, so a client can quote it and the log can be searched for it.
+
+    An exception no handler answered is logged under that id and answered here with a 500 that
+    names only the id (Starlette's own last-resort handler would re-raise it and close the
+    connection).
+    """
 
     def __init__(self, app: Any):
         self.app = app
@@ -135,16 +140,26 @@ class RequestIds:
             return
         rid = uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
+        started = False
 
         async def send_with_id(message: dict) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 headers = [h for h in message.get("headers", [])
                            if h[0].lower() != REQUEST_ID_HEADER.encode()]
                 message = {**message, "headers": [*headers, (REQUEST_ID_HEADER.encode(),
                                                              rid.encode())]}
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as err:
+            log.error("request %s failed", rid, exc_info=err)
+            if started:  # too late for a status: the connection is closed
+                raise
+            await JSONResponse(internal_error(rid), status_code=500)(scope, receive,
+                                                                     send_with_id)
 
 
 def request_id(request: Request) -> str:
@@ -207,8 +222,8 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     app.state.metrics = metrics
     app.openapi = lambda: _openapi(app)
 
-    app.add_middleware(RequestCounter, metrics=metrics)
     app.add_middleware(RequestIds)
+    app.add_middleware(RequestCounter, metrics=metrics)  # outermost: counts RequestIds' 500s
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, err: APIError) -> JSONResponse:
@@ -231,15 +246,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     async def _request_failed(request: Request, err: RequestFailed) -> JSONResponse:
         rid = request_id(request)
         log.error("request %s failed in the engine: %s", rid, err)
-        return JSONResponse(internal_error(rid), status_code=500,
-                            headers={REQUEST_ID_HEADER: rid})
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, err: Exception) -> JSONResponse:
-        rid = request_id(request)
-        log.error("request %s failed", rid, exc_info=err)
-        return JSONResponse(internal_error(rid), status_code=500,
-                            headers={REQUEST_ID_HEADER: rid})
+        return JSONResponse(internal_error(rid), status_code=500)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -296,18 +303,23 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
 
 
 async def _json_body(request: Request, limit: int) -> Any:
-    """The body as JSON; refused (413) past ``limit`` bytes without reading the rest."""
-    too_large = APIError(413, f"the request body exceeds {limit} bytes (the server's "
-                         "--max-body-bytes)", code="body_too_large")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large
+    """The body as JSON; refused (413) past ``limit`` bytes, keeping none of the excess.
+
+    The excess is read and dropped up to another ``limit`` bytes, so that the client reads the
+    413 (a server that closes with unread bytes resets the connection, and the answer is lost);
+    beyond that reading stops and the connection may be reset.
+    """
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+        if size <= limit:
+            chunks.append(chunk)
+        elif size > 2 * limit:
+            break
+    declared = request.headers.get("content-length", "")
+    if size > limit or (declared.isdigit() and int(declared) > limit):
+        raise APIError(413, f"the request body exceeds {limit} bytes (the server's "
+                       "--max-body-bytes)", code="body_too_large")
     try:
         return json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
