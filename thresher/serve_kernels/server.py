@@ -574,7 +574,8 @@ class _API:
 
     def prompt_scores(self, c: _Choice) -> list[float | None]:
         if c.prompt_logprobs is None or len(c.prompt_logprobs) != len(c.prompt_ids):
-            raise APIError(500, "the engine returned no prompt log-probabilities", "server_error")
+            raise RuntimeError(f"the engine returned no prompt log-probabilities for "
+                               f"{len(c.prompt_ids)} prompt tokens")
         return c.prompt_logprobs
 
     def top_entries(self, token_id: int, logprob: float | None,
