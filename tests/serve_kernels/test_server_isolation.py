@@ -5,7 +5,6 @@ reaches its client alone, and the limits (body size, prompt length) hold before 
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -65,11 +64,14 @@ def hostile_cases(vocab: int) -> list[tuple[str, object, str | None]]:
     ]
 
 
-@pytest.mark.parametrize("n", [1, 16])
-def test_hostile_sampling_parameters_are_refused_by_name_or_answered(server, client, n):
+@pytest.mark.parametrize(("endpoint", "n"), [("completions", 1), ("completions", 16),
+                                              ("chat/completions", 16)])
+def test_hostile_sampling_parameters_are_refused_by_name_or_answered(server, client, endpoint, n):
+    prompt = ({"prompt": PROMPT} if endpoint == "completions"
+              else {"messages": [{"role": "user", "content": PROMPT}]})
     for field, value, refused in hostile_cases(server.engine.vocab_size):
-        body = {"prompt": PROMPT, "max_tokens": 2, "n": n, "temperature": 0.7, field: value}
-        r = client.post("/v1/completions", json=body)
+        body = {**prompt, "max_tokens": 2, "n": n, "temperature": 0.7, field: value}
+        r = client.post(f"/v1/{endpoint}", json=body)
         case = f"{field}={value!r} n={n}: {r.status_code} {r.text[:300]}"
         if refused:
             assert r.status_code == 400, case
@@ -233,4 +235,3 @@ def test_empty_api_key_is_refused_and_non_loopback_binds_warn():
 def test_request_ids_differ(client):
     ids = {client.get("/health").headers[REQUEST_ID_HEADER] for _ in range(3)}
     assert len(ids) == 3
-    time.sleep(0)
