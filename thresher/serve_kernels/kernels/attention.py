@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from thresher.serve_kernels.kernels.backend import dot_dtype, launcher, use_triton
+from thresher.serve_kernels.kernels.backend import DOT_PRECISION, dot_dtype, launcher, use_triton
 
 BLOCK_N = 64  # context tokens per step
 PREFILL_BLOCK_M = 32  # queries per prefill program
@@ -99,13 +99,15 @@ def _attend_paged(q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, l
         mask_nd = mask_n[:, None] & (offs_d[None, :] < HEAD_DIM)
         k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
-        s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(tl.float32).to(DOT_DTYPE))) * scale
+        s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(tl.float32).to(DOT_DTYPE)),
+                   input_precision=DOT_PRECISION) * scale
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(tl.float32).to(DOT_DTYPE))
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(tl.float32).to(DOT_DTYPE),
+                                            input_precision=DOT_PRECISION)
         m = m_new
     return m, denom, acc
 
@@ -222,13 +224,15 @@ def _prefill_kernel(
         mask_nd = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
-        s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(tl.float32).to(DOT_DTYPE))) * scale
+        s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(tl.float32).to(DOT_DTYPE)),
+                   input_precision=DOT_PRECISION) * scale
         s = tl.where(mask_n[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(tl.float32).to(DOT_DTYPE))
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(tl.float32).to(DOT_DTYPE),
+                                            input_precision=DOT_PRECISION)
         m = m_new
     out = acc / denom[:, None]
     tl.store(out_ptr + q_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),

@@ -19,7 +19,13 @@ import triton
 import triton.language as tl
 
 from thresher.formats.nf4 import NF4Weight
-from thresher.serve_kernels.kernels.backend import TileConfig, dot_dtype, launcher, use_triton
+from thresher.serve_kernels.kernels.backend import (
+    DOT_PRECISION,
+    TileConfig,
+    dot_dtype,
+    launcher,
+    use_triton,
+)
 
 DECODE = TileConfig(block_m=16, block_n=64, block_k=64, split_k=4, num_warps=4, num_stages=3)
 PREFILL = TileConfig(block_m=64, block_n=64, block_k=64, split_k=1, num_warps=4, num_stages=3)
@@ -61,7 +67,8 @@ def _nf4_matmul_kernel(
         value = tl.load(quant_map_ptr + code, mask=mask_kn, other=0.0)
         scale = tl.load(absmax_ptr + flat // blocksize, mask=mask_kn, other=0.0)
         w = value * scale
-        acc += tl.dot(a.to(tl.float32).to(DOT_DTYPE), w.to(DOT_DTYPE))
+        acc += tl.dot(a.to(tl.float32).to(DOT_DTYPE), w.to(DOT_DTYPE),
+                      input_precision=DOT_PRECISION)
     out = out_ptr + offs_m[:, None] * N + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:

@@ -24,7 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from thresher.serve_kernels.kernels.backend import TileConfig, dot_dtype, launcher, use_triton
+from thresher.serve_kernels.kernels.backend import (
+    DOT_PRECISION,
+    TileConfig,
+    dot_dtype,
+    launcher,
+    use_triton,
+)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column (within 8) held by nibble i of an AWQ word
 DECODE = TileConfig(block_m=16, block_n=64, block_k=64, split_k=4, num_warps=4, num_stages=3)
@@ -153,7 +159,8 @@ def _gptq_matmul_kernel(
         z = ((packed_z >> zero_shift[None, :]) & 0xF) + 1
         s = tl.load(scales_ptr + g[:, None] * N + offs_n[None, :], mask=mask_kn, other=0.0)
         w = (q - z).to(tl.float32) * s.to(tl.float32)
-        acc += tl.dot(a.to(tl.float32).to(DOT_DTYPE), w.to(DOT_DTYPE))
+        acc += tl.dot(a.to(tl.float32).to(DOT_DTYPE), w.to(DOT_DTYPE),
+                      input_precision=DOT_PRECISION)
     out = out_ptr + offs_m[:, None] * N + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
@@ -191,7 +198,8 @@ def _awq_matmul_kernel(
         z = (packed_z >> shift[None, :]) & 0xF
         s = tl.load(scales_ptr + g[:, None] * N + offs_n[None, :], mask=mask_kn, other=0.0)
         w = (q - z).to(tl.float32) * s.to(tl.float32)
-        acc += tl.dot(a.to(tl.float32).to(DOT_DTYPE), w.to(DOT_DTYPE))
+        acc += tl.dot(a.to(tl.float32).to(DOT_DTYPE), w.to(DOT_DTYPE),
+                      input_precision=DOT_PRECISION)
     out = out_ptr + offs_m[:, None] * N + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
@@ -251,7 +259,8 @@ def _grouped_matmul_kernel(
         else:
             a = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :],
                         mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
-            acc += tl.dot(a.to(tl.float32).to(DOT_DTYPE), w.to(DOT_DTYPE)) * s[None, :]
+            acc += tl.dot(a.to(tl.float32).to(DOT_DTYPE), w.to(DOT_DTYPE),
+                          input_precision=DOT_PRECISION) * s[None, :]
     if BLOCK_M == 1:
         out = out_ptr + tl.program_id(0) * N + offs_n
         mask = mask_n
