@@ -448,17 +448,22 @@ def section_gptq(ctx: MoEContext, tokenizer_dir: Path, log: Path) -> str:
 
 def prepare(bundle: Path, demos: list[str]) -> None:
     """Write the bundle to carry: the demo models as thresher's state directory holds them
-    (``BUNDLE/demo-models/<name>-<hash>``: with ``THRESHER_HOME=BUNDLE`` the tests find them
-    instead of training them) and their GPTQ-4, AWQ-4 and NF4 artifacts (``BUNDLE/artifacts``)."""
-    from thresher.data.demo_model import build_demo_model
+    (``BUNDLE/demo-models/<name>-<hash>``, named in ``pinned.json``: with ``THRESHER_HOME=BUNDLE``
+    the tests use them instead of training them, although the GPU machine's standard library, and
+    so its own key, differs) and their GPTQ-4, AWQ-4 and NF4 artifacts (``BUNDLE/artifacts``)."""
+    from thresher.data.demo_model import PINNED, build_demo_model
 
     (bundle / "demo-models").mkdir(parents=True, exist_ok=True)
     (bundle / "artifacts").mkdir(exist_ok=True)
+    pinned_file = bundle / "demo-models" / PINNED
+    pinned = json.loads(pinned_file.read_text()) if pinned_file.is_file() else {}
     for name in demos:
         src = build_demo_model(name)
         base = bundle / "demo-models" / src.name
         if not base.exists():
             shutil.copytree(src, base)
+        pinned[name] = src.name
+        pinned_file.write_text(json.dumps(pinned, indent=2))
         for method, args in DEMO_QUANT.items():
             out = bundle / "artifacts" / f"demo-{name}-{method}"
             if out.exists():
