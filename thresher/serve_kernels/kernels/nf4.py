@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from thresher.formats.nf4 import NF4Weight
+from thresher.serve_kernels.kernels import tuning
 from thresher.serve_kernels.kernels.backend import (
     DOT_PRECISION,
     TileConfig,
@@ -30,6 +31,13 @@ from thresher.serve_kernels.kernels.backend import (
 DECODE = TileConfig(block_m=16, block_n=64, block_k=64, split_k=4, num_warps=4, num_stages=3)
 PREFILL = TileConfig(block_m=64, block_n=64, block_k=64, split_k=1, num_warps=4, num_stages=3)
 CONFIGS = {"decode": DECODE, "prefill": PREFILL}
+
+
+def tile_candidates(default: TileConfig) -> list[TileConfig]:
+    """The tiles a GPU times against ``default`` for one shape (``tuning``)."""
+    if default.block_m > 16:
+        return tuning.variants(default, block_n=(64, 128), num_warps=(4, 8), num_stages=(2, 3))
+    return tuning.variants(default, block_n=(32, 64, 128), split_k=(2, 4, 8), num_warps=(4, 8))
 
 
 def nf4_dequantize(weight: NF4Weight) -> torch.Tensor:
@@ -80,22 +88,30 @@ def _nf4_matmul_kernel(
 def nf4_matmul_triton(
     x: torch.Tensor, weight: NF4Weight, config: TileConfig | None = None
 ) -> torch.Tensor:
-    """x @ W.T with the Triton kernel."""
+    """x @ W.T with the Triton kernel; the tile is ``config``, or per shape (``tuning``)."""
     n, k = weight.shape
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
-    cfg = config or (DECODE if m <= 16 else PREFILL)
-    if cfg.split_k > 1:
-        y = torch.zeros(m, n, device=x.device, dtype=torch.float32)
-    else:
-        y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
-    launcher(_nf4_matmul_kernel, x)[grid](
-        x2, weight.packed.contiguous(), weight.absmax_fp32().contiguous(),
-        weight.quant_map.float().contiguous(), y, m, n, k, weight.blocksize,
-        DOT_DTYPE=dot_dtype(x), SPLIT_K=cfg.split_k, **cfg.launch,
-    )
-    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+    packed, absmax = weight.packed.contiguous(), weight.absmax_fp32().contiguous()
+    quant_map = weight.quant_map.float().contiguous()
+
+    def run(cfg: TileConfig) -> torch.Tensor:
+        if cfg.split_k > 1:
+            y = torch.zeros(m, n, device=x.device, dtype=torch.float32)
+        else:
+            y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+        grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
+        launcher(_nf4_matmul_kernel, x)[grid](
+            x2, packed, absmax, quant_map, y, m, n, k, weight.blocksize,
+            DOT_DTYPE=dot_dtype(x), SPLIT_K=cfg.split_k, **cfg.launch,
+        )
+        return y
+
+    if config is None:
+        default = DECODE if m <= 16 else PREFILL
+        config = tuning.tuner("_nf4_matmul_kernel").pick(
+            (tuning.m_bucket(m), n, k, x.dtype), x, default, tile_candidates(default), run)
+    return run(config).to(x.dtype).reshape(*x.shape[:-1], n)
 
 
 def nf4_matmul(x: torch.Tensor, weight: NF4Weight) -> torch.Tensor:

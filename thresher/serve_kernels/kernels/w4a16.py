@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from thresher.serve_kernels.kernels import tuning
 from thresher.serve_kernels.kernels.backend import (
     DOT_PRECISION,
     TileConfig,
@@ -273,21 +274,41 @@ def _grouped_matmul_kernel(
         tl.atomic_add(out, acc, mask=mask)
 
 
+def tile_candidates(default: TileConfig) -> list[TileConfig]:
+    """The tiles a GPU times against ``default`` for one shape (``tuning``): column width,
+    split-K and warps around it, the K tile kept (the grouped kernel's must divide the group)."""
+    if default.block_m > 16:
+        return tuning.variants(default, block_n=(64, 128), num_warps=(4, 8), num_stages=(2, 3))
+    return tuning.variants(default, block_n=(64, 128), split_k=(2, 4, 8), num_warps=(4, 8))
+
+
 def _launch(kernel, x: torch.Tensor, n: int, tensors: tuple, extra: tuple,
-            config: TileConfig | None, **constexprs) -> torch.Tensor:
+            config: TileConfig | None, default: TileConfig | None = None,
+            **constexprs) -> torch.Tensor:
+    """Launch ``kernel`` over x [..., K] -> [..., N] with ``config``, or (None) the tile
+    ``tuning`` picks for the shape, starting from ``default`` (``pick_config`` if None)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
-    cfg = config or pick_config(m)
-    out_dtype = torch.float32 if cfg.split_k > 1 else x.dtype
-    out = torch.zeros if cfg.split_k > 1 else torch.empty
-    y = out((m, n), device=x.device, dtype=out_dtype)
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
-    launcher(kernel, x)[grid](
-        x2, *(t.contiguous() for t in tensors), y, m, n, k, *extra,
-        DOT_DTYPE=dot_dtype(x), SPLIT_K=cfg.split_k, **cfg.launch, **constexprs,
-    )
-    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+    args = tuple(t.contiguous() for t in tensors)
+
+    def run(cfg: TileConfig) -> torch.Tensor:
+        out_dtype = torch.float32 if cfg.split_k > 1 else x.dtype
+        out = torch.zeros if cfg.split_k > 1 else torch.empty
+        y = out((m, n), device=x.device, dtype=out_dtype)
+        grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
+        launcher(kernel, x)[grid](
+            x2, *args, y, m, n, k, *extra,
+            DOT_DTYPE=dot_dtype(x), SPLIT_K=cfg.split_k, **cfg.launch, **constexprs,
+        )
+        return y
+
+    if config is None:
+        default = default or pick_config(m)
+        key = (tuning.m_bucket(m), n, k, x.dtype, *constexprs.values())
+        config = tuning.tuner(getattr(kernel, "fn", kernel).__name__).pick(
+            key, x, default, tile_candidates(default), run)
+    return run(config).to(x.dtype).reshape(*x.shape[:-1], n)
 
 
 def grouped_matmul_triton(
@@ -296,14 +317,14 @@ def grouped_matmul_triton(
 ) -> torch.Tensor:
     """x @ W with the grouped kernel (contiguous groups only: AWQ, GPTQ without act-order)."""
     k = x.shape[-1]
-    cfg = config or grouped_config(x.numel() // k, k, group_size)
-    if cfg is None:
+    default = grouped_config(x.numel() // k, k, group_size)
+    if config is None and default is None:
         raise ValueError(f"group_size={group_size}: the grouped kernel needs up to 16 rows and a "
                          "group size divisible by 16")
     n = qweight.shape[1] * (8 if awq else 1)
     group_size = k if group_size == -1 else group_size
-    return _launch(_grouped_matmul_kernel, x, n, (qweight, qzeros, scales), (group_size,), cfg,
-                   AWQ=awq)
+    return _launch(_grouped_matmul_kernel, x, n, (qweight, qzeros, scales), (group_size,), config,
+                   default, AWQ=awq)
 
 
 def gptq_matmul_triton(
