@@ -112,7 +112,7 @@ def _attend_paged(q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, l
     return m, denom, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
     scale, stride_qb, stride_bt, num_kv_heads, block_size,
@@ -136,7 +136,7 @@ def _decode_kernel(
              out.to(out_ptr.dtype.element_ty), mask=mask_gd)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, part_out_ptr,
     part_lse_ptr, scale, stride_qb, stride_bt, num_kv_heads, block_size, num_splits,
@@ -169,7 +169,7 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + row_part, lse, mask=offs_g < GROUP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     part_out_ptr, part_lse_ptr, context_lens_ptr, out_ptr, stride_qb, num_heads, num_splits,
     HEAD_DIM: tl.constexpr, PARTITION: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -191,7 +191,7 @@ def _decode_merge_kernel(
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
     out_ptr, scale, stride_qt, stride_bt, num_kv_heads, block_size,

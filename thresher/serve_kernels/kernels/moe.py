@@ -120,7 +120,7 @@ def moe_align(
     return sorted_ids, expert_ids
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_matmul_kernel(
     a_ptr, b_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr,
     sorted_ids_ptr, expert_ids_ptr, topk_weights_ptr,

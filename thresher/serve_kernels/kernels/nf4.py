@@ -50,7 +50,7 @@ def nf4_matmul_ref(x: torch.Tensor, weight: NF4Weight) -> torch.Tensor:
     return (x.float() @ nf4_dequantize(weight).T).to(x.dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _nf4_matmul_kernel(
     x_ptr, packed_ptr, absmax_ptr, quant_map_ptr, out_ptr,
     M, N, K, blocksize,

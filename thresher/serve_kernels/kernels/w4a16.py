@@ -132,7 +132,7 @@ def awq_matmul_ref(
 
 # ---------------------------------------------------------------- Triton kernels
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _gptq_matmul_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, out_ptr,
     M, N, K,
@@ -170,7 +170,7 @@ def _gptq_matmul_kernel(
         tl.atomic_add(out, acc, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _awq_matmul_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, out_ptr,
     M, N, K, group_size,
@@ -209,7 +209,7 @@ def _awq_matmul_kernel(
         tl.atomic_add(out, acc, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _grouped_matmul_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, out_ptr,
     M, N, K, group_size,
