@@ -41,19 +41,23 @@ CONFIGS = {"decode": DECODE, "prefill": PREFILL}
 GEMV = TileConfig(block_m=1, block_n=128, block_k=128, split_k=4, num_warps=4, num_stages=3)
 GROUPED_DECODE = TileConfig(block_m=16, block_n=64, block_k=128, split_k=4, num_warps=4,
                             num_stages=3)
-GROUPED_CONFIGS = {"gemv": GEMV, "decode": GROUPED_DECODE}
+GROUPED_PREFILL = TileConfig(block_m=64, block_n=64, block_k=128, split_k=1, num_warps=4,
+                             num_stages=3)
+GROUPED_CONFIGS = {"gemv": GEMV, "decode": GROUPED_DECODE, "prefill": GROUPED_PREFILL}
 
 
 def grouped_config(m: int, k: int, group_size: int) -> TileConfig | None:
-    """The grouped kernel's tiles for ``m`` rows, or None where it does not apply (prefill-sized
-    batches, or a group size that no power-of-two K tile of 16..128 divides)."""
-    if m > 16:
-        return None
+    """The grouped kernel's tiles for ``m`` rows, or None where it does not apply (a group size
+    that no power-of-two K tile of 16..128 divides).
+
+    Prefill-sized batches of contiguous groups take it too: it multiplies the exact codes and
+    applies the scale in fp32, where the general kernel rounds each dequantized weight to the
+    16-bit dot type, so decode and prefill of one weight would otherwise round it differently."""
     group = k if group_size == -1 else group_size
     block_k = next((b for b in (128, 64, 32, 16) if group % b == 0), None)
     if block_k is None:
         return None
-    cfg = GEMV if m == 1 else GROUPED_DECODE
+    cfg = GEMV if m == 1 else GROUPED_DECODE if m <= 16 else GROUPED_PREFILL
     return TileConfig(cfg.block_m, cfg.block_n, block_k, cfg.split_k, cfg.num_warps,
                       cfg.num_stages)
 
@@ -319,8 +323,8 @@ def grouped_matmul_triton(
     k = x.shape[-1]
     default = grouped_config(x.numel() // k, k, group_size)
     if config is None and default is None:
-        raise ValueError(f"group_size={group_size}: the grouped kernel needs up to 16 rows and a "
-                         "group size divisible by 16")
+        raise ValueError(f"group_size={group_size}: the grouped kernel needs a group size "
+                         "divisible by 16")
     n = qweight.shape[1] * (8 if awq else 1)
     group_size = k if group_size == -1 else group_size
     return _launch(_grouped_matmul_kernel, x, n, (qweight, qzeros, scales), (group_size,), config,
@@ -334,8 +338,8 @@ def gptq_matmul_triton(
     """x @ W for a GPTQ v1 weight with the Triton kernel.
 
     ``group_size`` says that ``g_idx`` is the contiguous ``arange(K) // group_size`` (no
-    act-order): then up to 16 rows run the grouped kernel (each word read once, one scale row
-    per tile), unless ``config`` picks a tile of the general kernel."""
+    act-order): then the grouped kernel runs (each word read once, one scale row per tile),
+    unless ``config`` picks a tile of the general kernel."""
     k = x.shape[-1]
     if config is None and group_size is not None and grouped_config(x.numel() // k, k,
                                                                     group_size) is not None:
@@ -348,7 +352,8 @@ def awq_matmul_triton(
     x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     group_size: int, config: TileConfig | None = None,
 ) -> torch.Tensor:
-    """x @ W for an AWQ gemm weight with the Triton kernel (the grouped one up to 16 rows)."""
+    """x @ W for an AWQ gemm weight with the Triton kernel (the grouped one where the group size
+    allows)."""
     n = qweight.shape[1] * 8
     if config is None and grouped_config(x.numel() // x.shape[-1], x.shape[-1],
                                          group_size) is not None:
