@@ -1,4 +1,4 @@
-"""The GPU suite: every measurement issue 15 asks of a lent GPU, in one command (< 9 min, H100).
+"""The GPU suite: every GPU measurement the project's goals name, in one command (< 9 min, H100).
 
     python benchmarks/gpu_suite.py --prepare BUNDLE          # CPU machine: models to carry
     python benchmarks/gpu_suite.py --bundle BUNDLE --out OUT  # GPU machine: every section
@@ -10,10 +10,14 @@ output to OUT/gpu_suite.log; a failing section reports its error and the next on
 1. tests: the kernel tests on CUDA tensors and the ``cuda``-marked engine tests.
 2. gemv: W4A16 (grouped GPTQ, AWQ; the act-order GPTQ kernel beside them) and NF4 at M=1 for
    K, N in {4096, 8192, 14336}, against the device copy bandwidth measured first (bytes read +
-   written). Weights rotate through > 256 MiB of copies, so L2 does not serve them.
-3. decode: tokens/s at concurrency 1 on a random Qwen3-MoE of >= 4 GB in bf16 (hidden 2048,
-   128 experts of 768, top-8, like Qwen3-30B-A3B's layers) against its roofline: copy bandwidth
-   / bytes one token reads (every non-expert weight, top-k experts of each layer, the KV cache).
+   written). Weights rotate through > 256 MiB of copies, so L2 does not serve them; the calls
+   are captured in a CUDA graph and timed with CUDA events (``device_seconds``), so launch
+   latency is not counted; the tile each shape chose (``kernels/tuning.py``) is printed.
+2b. moe kernel: the fused GPTQ-4 MoE kernel at decode shapes (M = 1..64 tokens, top-8 of 128
+   experts), the bytes of the distinct experts routed to per second against the copy bandwidth.
+3. decode: tokens/s at concurrency 1 on a random 16-layer Qwen3-MoE of >= 4 GB in bf16 against
+   its roofline (copy bandwidth / bytes one token reads: attention weights, the router, top-k
+   experts of each layer, the KV cache), with the step's wall time beside its GPU busy time.
 4. vs_hf: the engine against transformers' ``generate`` (bf16, same prompts, greedy, same new
    tokens) at concurrency 1, 16 and 64 on that model.
 5. parity: greedy tokens of the engine against transformers on the device for the demo models
@@ -23,6 +27,8 @@ output to OUT/gpu_suite.log; a failing section reports its error and the next on
    the CPU would not fit the time), limited to 2 threads like the 2-core machine and again with
    every core: seconds per decoder layer from each report, and the CPU / GPU ratio. The dry run
    runs both on the CPU at toy sizes.
+7. quantized decode: the same model in GPTQ-4 (section 6's artifact), AWQ-4 and NF4, decode at
+   concurrency 1 against the roofline of the bytes a token reads in each format.
 
 ``--dry-run`` runs the same code at toy sizes on the CPU (Triton kernels through the
 interpreter), to prove the suite end to end before GPU minutes are spent.
@@ -55,6 +61,8 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from thresher.serve_kernels.kernels import tuning  # noqa: E402
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DEMO_QUANT = {"gptq4": ["--method", "gptq", "--bits", "4", "--group-size", "32"],  # tiny's experts
               "awq4": ["--method", "awq", "--bits", "4", "--group-size", "32"],  # have 64 inputs
@@ -66,6 +74,7 @@ class Sizes:
     """Everything that differs between a GPU run and a dry run."""
 
     gemv_shapes: tuple[int, ...]
+    kernel_experts: int  # E of the fused-MoE kernel section (the decode model has fewer)
     rotate_bytes: int
     copy_bytes: int
     moe: dict
@@ -75,10 +84,13 @@ class Sizes:
     gptq_samples: int
 
 
-GPU = Sizes((4096, 8192, 14336), 256 << 20, 1 << 30,
-            dict(hidden=2048, layers=4, experts=128, inter=768, top_k=8, heads=32, kv=4, hd=128),
+# The decode model: Qwen3-30B-A3B's layer shapes and active bytes per token and layer (hidden 2048,
+# experts of 768, top-8, 32 query / 4 KV heads), 32 experts instead of 128 so that 16 layers fit
+# 5.4 GB: deep enough that the 1.8 GB a token reads outlasts the step's host work.
+GPU = Sizes((4096, 8192, 14336), 128, 256 << 20, 1 << 30,
+            dict(hidden=2048, layers=16, experts=32, inter=768, top_k=8, heads=32, kv=4, hd=128),
             (1, 16, 64), 64, 64, 32)
-TOY = Sizes((256,), 1 << 20, 8 << 20,
+TOY = Sizes((256,), 4, 1 << 20, 8 << 20,
             dict(hidden=64, layers=2, experts=4, inter=32, top_k=2, heads=4, kv=2, hd=16),
             (1, 4), 8, 4, 2)
 
@@ -108,11 +120,54 @@ def median_seconds(fn: Callable[[], object], iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def device_seconds(calls: list[Callable[[], object]], repeats: int = 5) -> tuple[float, str]:
+    """Median seconds per call of ``calls`` run back to back, and how they were timed.
+
+    On CUDA the calls are captured once in a CUDA graph and the replay is timed with CUDA events,
+    so neither Python nor launch latency is counted: a 4-bit GEMV at K = N = 4096 reads 8 MiB,
+    ~3 us at H100 bandwidth, less than one launch. A capture that fails (a kernel that
+    synchronises) falls back to events around the eager loop. In a dry run: wall time.
+    """
+    if not torch.cuda.is_available():
+        return median_seconds(lambda: [c() for c in calls], repeats) / len(calls), "wall"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream: kernels compile here
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for call in calls:
+                call()
+        run, how = graph.replay, "graph"
+    except RuntimeError:
+        torch.cuda.synchronize()
+        run, how = (lambda: [c() for c in calls]), "events"
+    run()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2] / len(calls), how
+
+
+_BANDWIDTH: dict[int, float] = {}
+
+
 def copy_bandwidth(nbytes: int) -> float:
-    """Bytes per second a device-to-device copy moves (read + written), median of 10."""
-    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device())
-    dst = torch.empty_like(src)
-    return 2 * nbytes / median_seconds(lambda: dst.copy_(src), 10)
+    """Bytes per second a device-to-device copy moves (read + written), measured once a run."""
+    if nbytes not in _BANDWIDTH:
+        src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device())
+        dst = torch.empty_like(src)
+        _BANDWIDTH[nbytes] = 2 * nbytes / device_seconds([lambda: dst.copy_(src)] * 4)[0]
+    return _BANDWIDTH[nbytes]
 
 
 # ---------------------------------------------------------------- section 1: tests
@@ -157,19 +212,21 @@ def _random_nf4(k: int, n: int, dev, gen):
 def section_gemv(sizes: Sizes, log: Path) -> str:
     bw = copy_bandwidth(sizes.copy_bytes)
     rows = [f"device copy bandwidth (read + write): {bw / 1e9:.0f} GB/s\n",
-            "| kernel | K | N | us | GB/s | % of copy |", "|---|---|---|---|---|---|"]
+            "| kernel | K | N | us | GB/s | % of copy | timed by | config |",
+            "|---|---|---|---|---|---|---|---|"]
     for k in sizes.gemv_shapes:
         for n in sizes.gemv_shapes:
-            for name, sec, nbytes in _gemv_times(k, n, sizes):
+            for name, sec, how, nbytes, config in _gemv_times(k, n, sizes):
                 rate = nbytes / sec
                 rows.append(f"| {name} | {k} | {n} | {sec * 1e6:.1f} | {rate / 1e9:.0f} | "
-                            f"{rate / bw:.0%} |")
+                            f"{rate / bw:.0%} | {how} | {config} |")
             gc.collect()
     return "\n".join(rows)
 
 
-def _gemv_times(k: int, n: int, sizes: Sizes) -> list[tuple[str, float, int]]:
-    """(kernel, median seconds, bytes moved) of each 4-bit GEMV at one shape."""
+def _gemv_times(k: int, n: int, sizes: Sizes) -> list[tuple[str, float, str, int, str]]:
+    """(kernel, median seconds, how timed, bytes moved, launch config) of each 4-bit GEMV at
+    one shape, each call on the next copy of the weights (> L2 in all)."""
     from thresher.serve_kernels.kernels import w4a16
     from thresher.serve_kernels.kernels.nf4 import nf4_matmul_triton
 
@@ -199,11 +256,62 @@ def _gemv_times(k: int, n: int, sizes: Sizes) -> list[tuple[str, float, int]]:
         "nf4 (fp32 absmax)": (nf4_bytes, lambda i: nf4_matmul_triton(x, nf4[i % len(nf4)])),
     }
     out = []
+    calls = 4 if DRY else 64
     for name, (nbytes, fn) in cases.items():
-        counter = iter(range(10**9))
-        sec = median_seconds(lambda fn=fn, c=counter: fn(next(c)), 5 if DRY else 50)
-        out.append((name, sec, nbytes + io))
+        before = tile_choices()
+        sec, how = device_seconds([lambda fn=fn, i=i: fn(i) for i in range(calls)])
+        new = [tuning.describe(cfg) for key, cfg in tile_choices().items() if key not in before]
+        out.append((name, sec, how, nbytes + io, ", ".join(new) or "default"))
     return out
+
+
+def tile_choices() -> dict[tuple, object]:
+    """Every tile ``tuning`` has chosen so far, by (kernel, shape key)."""
+    return {(kernel, key): cfg for kernel, keys in tuning.chosen().items()
+            for key, cfg in keys.items()}
+
+
+def section_moe_kernel(sizes: Sizes, log: Path) -> str:
+    """The fused W4A16 MoE kernel at decode shapes (M tokens, top-k experts of E, GPTQ-4), where a
+    quantized MoE spends its decode time: bytes it must read (the distinct experts the M tokens
+    route to) per second, against the copy bandwidth."""
+    from thresher.serve_kernels.kernels.moe import ExpertWeights, fused_moe_triton
+
+    m = sizes.moe
+    dev, gen = device(), torch.Generator().manual_seed(1)
+    e, h, inter, top_k = sizes.kernel_experts, m["hidden"], m["inter"], m["top_k"]
+    group = 128 if not DRY else 32
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+
+    def gptq_experts(k: int, n: int) -> ExpertWeights:
+        q = torch.randint(-2**31, 2**31 - 1, (e, k // 8, n), generator=gen, dtype=torch.int32)
+        z = torch.randint(-2**31, 2**31 - 1, (e, k // group, n // 8), generator=gen,
+                          dtype=torch.int32)
+        sc = (torch.rand(e, k // group, n, generator=gen) * 0.01).to(dtype)
+        g_idx = (torch.arange(k) // group).expand(e, k).int()
+        return ExpertWeights("gptq", q.to(dev), sc.to(dev), z.to(dev), g_idx.to(dev))
+
+    w1, w2 = gptq_experts(h, 2 * inter), gptq_experts(inter, h)
+    per_expert = sum(t[0].nbytes for w in (w1, w2) for t in (w.weight, w.scales, w.qzeros))
+    bw = copy_bandwidth(sizes.copy_bytes)
+    rows = [f"GPTQ-4 g{group} experts: E={e}, top-{top_k}, hidden {h}, intermediate {inter}; "
+            f"{per_expert / 2**20:.2f} MiB per expert; copy {bw / 1e9:.0f} GB/s\n",
+            "| tokens M | distinct experts (mean) | us | GB/s | % of copy | timed by |",
+            "|---|---|---|---|---|---|"]
+    for tokens in ((1, 4) if DRY else (1, 2, 4, 8, 16, 32, 64)):
+        x = torch.randn(tokens, h, generator=gen).to(dtype).to(dev)
+        routes = []  # a different routing per call, so the calls do not share experts in L2
+        for _ in range(4 if DRY else 32):
+            ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(tokens)])
+            routes.append((ids.to(dev), torch.softmax(torch.rand(tokens, top_k, generator=gen),
+                                                      -1).to(dev)))
+        sec, how = device_seconds([lambda x=x, ids=ids, w=w: fused_moe_triton(x, w1, w2, w, ids)
+                                   for ids, w in routes])
+        distinct = sum(ids.unique().numel() for ids, _ in routes) / len(routes)
+        rate = distinct * per_expert / sec
+        rows.append(f"| {tokens} | {distinct:.1f} | {sec * 1e6:.1f} | {rate / 1e9:.0f} | "
+                    f"{rate / bw:.0%} | {how} |")
+    return "\n".join(rows)
 
 
 # ---------------------------------------------------------------- the random MoE
@@ -255,14 +363,14 @@ def build_random_moe(out: Path, tokenizer_dir: Path, m: dict) -> int:
     return sum(f.stat().st_size for f in out.glob("*.safetensors"))
 
 
-def bytes_per_token(m: dict, context: int) -> int:
-    """Bytes one decode token reads in bf16: non-expert weights, top-k experts, its KV cache."""
+def bytes_per_token(m: dict, context: int, weight_bits: float = 16) -> int:
+    """Bytes one decode token reads: attention and top-k expert weights at ``weight_bits`` (16,
+    or a 4-bit format's bits per weight with its scales), the bf16 router, KV cache and
+    lm_head (the embedding: one row)."""
     h, heads, kv, hd = m["hidden"], m["heads"], m["kv"], m["hd"]
-    attn = h * (heads + 2 * kv) * hd + heads * hd * h
-    experts = m["top_k"] * 3 * h * m["inter"]
-    per_layer = attn + m["experts"] * h + experts
-    kv_cache = 2 * kv * hd * context
-    return 2 * (m["layers"] * (per_layer + kv_cache) + 4096 * h)  # + lm_head (embedding: 1 row)
+    linear = h * (heads + 2 * kv) * hd + heads * hd * h + m["top_k"] * 3 * h * m["inter"]
+    per_layer = linear * weight_bits / 8 + 2 * (m["experts"] * h + 2 * kv * hd * context)
+    return int(m["layers"] * per_layer + 2 * 4096 * h)
 
 
 @dataclass
@@ -303,12 +411,13 @@ def section_decode_and_engine(ctx: MoEContext, log: Path) -> str:
     bw = copy_bandwidth(s.copy_bytes)
     per_token = bytes_per_token(s.moe, s.prompt_len + s.new_tokens)
     roof = bw / per_token
+    wall, busy = step_times(llm, one[0], 16)
     rows = [f"random Qwen3-MoE {ctx.size / 1e9:.2f} GB bf16 ({s.moe}); KV cache "
             f"{info['kv_cache_bytes'] / 2**30:.1f} GiB, CUDA graphs {info.get('cuda_graphs')}\n",
-            "| decode c=1 tokens/s | bytes/token | copy GB/s | roofline tokens/s | % of roofline |",
-            "|---|---|---|---|---|",
+            "| decode c=1 tokens/s | bytes/token | copy GB/s | roofline tokens/s | % of roofline "
+            "| step wall ms | step GPU ms |", "|---|---|---|---|---|---|---|",
             f"| {rate:.0f} | {per_token / 1e6:.1f} MB | {bw / 1e9:.0f} | {roof:.0f} | "
-            f"{rate / roof:.0%} |", ""]
+            f"{rate / roof:.0%} | {wall * 1e3:.2f} | {_ms(busy)} |", ""]
     engine_rates = {}
     for c in s.concurrency:
         prompts = _prompts(c, s.prompt_len)
@@ -323,6 +432,90 @@ def section_decode_and_engine(ctx: MoEContext, log: Path) -> str:
     for c in s.concurrency:
         rows.append(f"| {c} | {engine_rates[c]:.0f} | {hf_rates[c]:.0f} | "
                     f"{engine_rates[c] / hf_rates[c]:.1f}x |")
+    return "\n".join(rows)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def step_times(llm, prompt: list[int], steps: int) -> tuple[float, float | None]:
+    """Median wall seconds of one c=1 decode step, and the GPU's busy time per step (the sum
+    of its kernels' device times under torch.profiler; None without a GPU): their difference is
+    what the host costs the step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from thresher.serve_kernels import SamplingParams
+
+    engine = llm.engine
+    engine.add_request("step-times", prompt, SamplingParams(temperature=0, max_tokens=3 * steps,
+                                                            ignore_eos=True))
+    engine.step()  # prefill
+    walls = []
+    for _ in range(steps):
+        sync()
+        start = time.perf_counter()
+        engine.step()
+        sync()
+        walls.append(time.perf_counter() - start)
+    busy = None
+    if torch.cuda.is_available():
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            sync()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.device_time for e in kernels) / 1e6 / steps
+    engine.abort_request("step-times")
+    while engine.has_unfinished_requests():
+        engine.step()
+    return sorted(walls)[len(walls) // 2], busy
+
+
+def section_quantized_decode(ctx: MoEContext, log: Path) -> str:
+    """Decode at c=1 of the random MoE's GPTQ-4 (section 6's GPU artifact), AWQ-4 and NF4 (made
+    here on the device), each against the roofline of the bytes a token reads in its format."""
+    from thresher.serve_kernels import LLM
+
+    s = ctx.sizes
+    dev = "cuda" if not DRY else "cpu"
+    arts = {"GPTQ-4 g128": (ctx.path.parent / "gptq4-0", 4 + 32 / 128)}
+    for name, method, bits in (("AWQ-4 g128", "awq", 4 + 32 / 128), ("NF4", "nf4", 4 + 32 / 64)):
+        out = ctx.path.parent / method
+        if not (out / "config.json").is_file():
+            cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(ctx.path), "--out",
+                   str(out), "--method", method, "--samples", str(s.gptq_samples), "--seq-len",
+                   "128" if not DRY else "16", "--device", dev]
+            if method == "awq":
+                cmd += ["--bits", "4", "--group-size", "128" if not DRY else "32"]
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
+            with log.open("a") as f:
+                f.write(f"$ {' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}\n")
+            if proc.returncode:
+                raise RuntimeError(f"quantize {method} exited {proc.returncode}")
+        arts[name] = (out, bits)
+    bw = copy_bandwidth(s.copy_bytes)
+    rows = ["| format | decode c=1 tokens/s | bytes/token | roofline tokens/s | % of roofline "
+            "| step wall ms | step GPU ms |", "|---|---|---|---|---|---|---|"]
+    one = _prompts(1, s.prompt_len)
+    for name, (path, bits) in arts.items():
+        if not (path / "config.json").is_file():
+            rows.append(f"| {name} | missing: {path.name} (section 6 failed?) | | | | | |")
+            continue
+        llm = LLM(path, dtype="bfloat16" if not DRY else "float32", max_model_len=1024,
+                  max_num_seqs=1)
+        _engine_wall(llm, one, 2)
+        rate = s.new_tokens / (_engine_wall(llm, one, s.new_tokens + 1)
+                               - _engine_wall(llm, one, 1))
+        wall, busy = step_times(llm, one[0], 16)
+        per_token = bytes_per_token(s.moe, s.prompt_len + s.new_tokens, bits)
+        rows.append(f"| {name} | {rate:.0f} | {per_token / 1e6:.1f} MB | {bw / per_token:.0f} | "
+                    f"{rate / (bw / per_token):.0%} | {wall * 1e3:.2f} | {_ms(busy)} |")
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return "\n".join(rows)
 
 
@@ -448,17 +641,22 @@ def section_gptq(ctx: MoEContext, tokenizer_dir: Path, log: Path) -> str:
 
 def prepare(bundle: Path, demos: list[str]) -> None:
     """Write the bundle to carry: the demo models as thresher's state directory holds them
-    (``BUNDLE/demo-models/<name>-<hash>``: with ``THRESHER_HOME=BUNDLE`` the tests find them
-    instead of training them) and their GPTQ-4, AWQ-4 and NF4 artifacts (``BUNDLE/artifacts``)."""
-    from thresher.data.demo_model import build_demo_model
+    (``BUNDLE/demo-models/<name>-<hash>``, named in ``pinned.json``: with ``THRESHER_HOME=BUNDLE``
+    the tests use them instead of training them, although the GPU machine's standard library, and
+    so its own key, differs) and their GPTQ-4, AWQ-4 and NF4 artifacts (``BUNDLE/artifacts``)."""
+    from thresher.data.demo_model import PINNED, build_demo_model
 
     (bundle / "demo-models").mkdir(parents=True, exist_ok=True)
     (bundle / "artifacts").mkdir(exist_ok=True)
+    pinned_file = bundle / "demo-models" / PINNED
+    pinned = json.loads(pinned_file.read_text()) if pinned_file.is_file() else {}
     for name in demos:
         src = build_demo_model(name)
         base = bundle / "demo-models" / src.name
         if not base.exists():
             shutil.copytree(src, base)
+        pinned[name] = src.name
+        pinned_file.write_text(json.dumps(pinned, indent=2))
         for method, args in DEMO_QUANT.items():
             out = bundle / "artifacts" / f"demo-{name}-{method}"
             if out.exists():
@@ -510,11 +708,15 @@ def run_sections(out: Path, bundle: Path | None) -> None:
         shutil.copytree(tokenizer_dir, parity_dir / "demo-models" / tokenizer_dir.name)
     sections = [("1. tests", lambda: section_tests(sizes, log)),
                 ("2. W4A16 / NF4 GEMV at M=1", lambda: section_gemv(sizes, log)),
+                ("2b. fused W4A16 MoE kernel at decode shapes",
+                 lambda: section_moe_kernel(sizes, log)),
                 ("3-4. decode roofline, engine vs transformers",
                  lambda: section_decode_and_engine(moe(), log)),
                 ("5. greedy parity with transformers", lambda: section_parity(parity_dir, log)),
                 ("6. GPTQ-4 of the random MoE on the device and on the CPU",
-                 lambda: section_gptq(moe(), tokenizer_dir, log))]
+                 lambda: section_gptq(moe(), tokenizer_dir, log)),
+                ("7. decode of the quantized MoE (GPTQ-4, AWQ-4, NF4)",
+                 lambda: section_quantized_decode(moe(), log))]
     try:
         for title, fn in sections:
             start = time.perf_counter()

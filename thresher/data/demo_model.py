@@ -3,12 +3,15 @@
 No download is possible (or wanted) for the demo and the tests, so thresher trains its own MoE:
 a byte-level BPE tokenizer and a Qwen3-MoE (8 experts, top-2) on the ``stdlib`` train split. The
 result is a normal Hugging Face checkpoint with its tokenizer, cached under the state directory
-and keyed by everything that determines it, so a second call reuses it.
+and keyed by what defines it (spec, training code, training text), so a second call reuses it.
+Models carried to another machine (the GPU suite's bundle) are pinned by name in ``pinned.json``
+beside them, since that machine's standard library, and so its key, differs.
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -24,15 +27,16 @@ from pathlib import Path
 
 import torch
 
-from thresher.data.sources import iter_documents
+from thresher.data.sources import iter_documents, stdlib_files, stdlib_root
 from thresher.errors import ModelError
 from thresher.formats.artifact import DEMO_MODEL_META
 from thresher.paths import build_dir_atomically, demo_models_dir
 
 log = logging.getLogger(__name__)
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 1  # the training code's version: bump it when a change alters the weights
 EOS = "<|endoftext|>"
+PINNED = "pinned.json"  # in the demo-models directory: {size: directory name} used as they are
 
 
 @dataclass(frozen=True)
@@ -73,19 +77,40 @@ SPECS: dict[str, DemoSpec] = {
 }
 
 
+@functools.cache
+def corpus_digest() -> str:
+    """sha256 of the training text: the stdlib train split's relative paths and contents."""
+    root, digest = stdlib_root(), hashlib.sha256()
+    for path in stdlib_files("train"):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def demo_key(spec: DemoSpec) -> str:
-    """Cache key: the spec, the builder version and the Python whose stdlib is the corpus."""
-    blob = json.dumps(
-        {"spec": asdict(spec), "builder": BUILDER_VERSION, "python": platform.python_version(),
-         "torch": torch.__version__.split("+")[0]},
-        sort_keys=True,
-    )
+    """Cache key: what defines the model — the spec (architecture, training settings, seed), the
+    training code (``BUILDER_VERSION``) and the training text (``corpus_digest``). Library
+    versions are recorded in the model's ``demo_model.json`` but not keyed: another torch trains
+    the same recipe, and keying it would retrain on every machine a model is carried to."""
+    blob = json.dumps({"spec": asdict(spec), "builder": BUILDER_VERSION,
+                       "corpus": corpus_digest()}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
 def demo_model_dir(size: str) -> Path:
+    """Where demo model ``size`` is (or will be) built: the directory ``pinned.json`` names for it,
+    else ``<size>-<key>`` under the state directory's demo models."""
     spec = _spec(size)
-    return demo_models_dir() / f"{size}-{demo_key(spec)}"
+    root = demo_models_dir()
+    pinned = root / PINNED
+    if pinned.is_file():
+        try:
+            name = json.loads(pinned.read_text()).get(size)
+        except (json.JSONDecodeError, AttributeError) as exc:
+            raise ModelError(f"{pinned}: not a JSON object of demo model names ({exc})") from exc
+        if name:
+            return root / name
+    return root / f"{size}-{demo_key(spec)}"
 
 
 def _spec(size: str) -> DemoSpec:
@@ -250,5 +275,6 @@ def _train(spec: DemoSpec, out: Path, progress: Callable[[int, int, float], None
         "train_tokens": int(data.numel()), "final_loss": loss_value,
         "parameters": sum(p.numel() for p in model.parameters()),
         "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+        "torch": torch.__version__,
     }
     (out / DEMO_MODEL_META).write_text(json.dumps(meta, indent=2))

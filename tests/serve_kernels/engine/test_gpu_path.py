@@ -109,3 +109,24 @@ def test_decode_replay_bookkeeping_matches_eager(tiny_demo):
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert [o.token_ids for o in llm.generate(prompts[:1], params)] == expected[:1]
     assert set(replays) == {4, 1}
+
+
+def test_a_kernel_that_cannot_compile_leaves_decode_eager(tiny_demo, caplog):
+    """Triton's own errors (out of shared memory, a compile error) during the capture's warm-up
+    leave the runner eager and serving, as a capture error does, instead of aborting start-up."""
+    from triton.runtime.errors import OutOfResources
+
+    llm = LLM(tiny_demo, block_size=4, dtype="float32", num_kv_blocks=64, max_model_len=64,
+              max_num_seqs=4, enable_prefix_caching=False)
+    runner = llm.engine.runner
+
+    def fails(*args):
+        raise OutOfResources(232448, 101376, "shared memory")
+
+    model, runner.model = runner.model, fails
+    with caplog.at_level("WARNING"):
+        runner.capture_decode_graphs(4, 64)
+    runner.model = model
+    assert runner.decode_graphs is None and "decode stays eager" in caplog.text
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    assert len(llm.generate(PROMPTS[:1], params)[0].token_ids) == 3

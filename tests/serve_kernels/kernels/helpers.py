@@ -89,7 +89,7 @@ class AotSpec:
 
     ``kernel`` is "module:attribute"; arguments named in ``constexprs`` are constexpr (a string
     "tl.<dtype>" stands for that Triton dtype), the others take their type from ``types``
-    (default i32).
+    (default i32). ``ptx_forbids``: strings the compiled PTX must not contain (e.g. "tf32").
     """
 
     kernel: str
@@ -98,6 +98,7 @@ class AotSpec:
     num_warps: int = 4
     num_stages: int = 3
     archs: tuple[int, ...] = (80, 90)
+    ptx_forbids: tuple[str, ...] = ()
 
 
 def aot_compile_all(specs: list[AotSpec]) -> None:
@@ -127,6 +128,8 @@ def _compile(spec: AotSpec, arch: int) -> None:
     compiled = triton.compile(ASTSource(fn, signature, constexprs),
                               target=GPUTarget("cuda", arch, 32), options=options)
     assert compiled.asm["cubin"], f"{spec.kernel}: no cubin for sm_{arch}"
+    for text in spec.ptx_forbids:
+        assert text not in compiled.asm["ptx"], f"{spec.kernel}: PTX for sm_{arch} has {text!r}"
 
 
 def _compile_or_error(job: tuple[dict, int]) -> str:

@@ -120,7 +120,8 @@ def test_aot_compiles():
                          {**shapes, "DOT_DTYPE": "tl.bfloat16", "PARTITION": attention.PARTITION,
                           "GROUP": 8, "BLOCK_G": 16}))
     specs.append(AotSpec(f"{attention.__name__}:_decode_merge_kernel", split_types,
-                         {"HEAD_DIM": 128, "BLOCK_S": 64, "BLOCK_D": 128}))
+                         {"HEAD_DIM": 128, "PARTITION": attention.PARTITION, "BLOCK_S": 64,
+                          "BLOCK_D": 128}))
     aot_compile_all(specs)
 
 
@@ -135,6 +136,26 @@ def test_split_kv_decode_matches_ref(dtype, tol):
                                                   max_context_len=max(CONTEXT), partition=64)
     ref = attention.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, SCALE)
     assert out.dtype == dtype and rel_err(out, ref) < tol
+
+
+def test_split_kv_decode_reads_only_the_real_context():
+    """Sized for a long max_model_len (as a CUDA graph is), the partitions past each sequence's
+    end neither write their partial results nor are read by the merge: NaN-filled buffers stay
+    NaN there and the output is still exact."""
+    (k_cache, v_cache, tables, lens), _, _ = paged(torch.float32)
+    q = torch.randn(len(CONTEXT), Q_HEADS, DIM, device=DEVICE)
+    splits = attention.decode_splits(len(CONTEXT), KV_HEADS, 4096, 32)
+    assert splits == 128
+    parts = (torch.full((len(CONTEXT), splits, Q_HEADS, DIM), float("nan"), device=DEVICE),
+             torch.full((len(CONTEXT), splits, Q_HEADS), float("nan"), device=DEVICE))
+    out = attention.paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, SCALE,
+                                                  max_context_len=4096, partition=32, parts=parts)
+    ref = attention.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, SCALE)
+    assert rel_err(out, ref) < 1e-5
+    for b, n in enumerate(CONTEXT):
+        used = -(-n // 32)
+        assert not parts[1][b, :used].isnan().any() and parts[1][b, used:].isnan().all()
+        assert parts[0][b, used:].isnan().all()
 
 
 def test_decode_splits_from_host_sizes():

@@ -1,8 +1,13 @@
-"""NF4: the reference against bitsandbytes' own dequantization, the kernel against the reference."""
+"""NF4: the reference against bitsandbytes' own dequantization, the kernel against the reference.
+
+The kernel tests build NF4 weights from random codes, so they run where bitsandbytes is not
+installed (the GPU machine's image has none); only the tests against bitsandbytes need it.
+"""
 
 from __future__ import annotations
 
-import bitsandbytes.functional as bnbf
+import math
+
 import pytest
 import torch
 
@@ -10,20 +15,46 @@ from tests.serve_kernels.kernels.helpers import DEVICE, AotSpec, aot_compile_all
 from thresher.serve_kernels.kernels import nf4
 
 N, K = 72, 101  # odd K: bytes and 64-element blocks straddle rows, N*K not a multiple of 64
+# the NF4 code table (QLoRA, Dettmers et al. 2023), as bitsandbytes stores it in quant_map
+NF4_CODES = (-1.0, -0.6961928, -0.5250731, -0.3949175, -0.2844414, -0.1847734, -0.0910500, 0.0,
+             0.0795803, 0.1609302, 0.2461123, 0.3379152, 0.4407098, 0.5626170, 0.7229568, 1.0)
 
 
-def quantized(n: int, k: int, double_quant: bool, dtype=torch.float32, seed=0):
+@pytest.fixture
+def bnbf():
+    """``bitsandbytes.functional``; the test is skipped where bitsandbytes is not installed."""
+    return pytest.importorskip("bitsandbytes.functional")
+
+
+def quantized(bnbf, n: int, k: int, double_quant: bool, dtype=torch.float32, seed=0):
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
     packed, state = bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4",
                                        compress_statistics=double_quant)
     return nf4.NF4Weight.from_quant_state(packed, state), (packed, state)
 
 
+def random_nf4(n: int, k: int, double_quant: bool, dtype=torch.float32, seed=0) -> nf4.NF4Weight:
+    """An NF4 weight of random codes and scales in bitsandbytes' layout (blocks of 64 elements;
+    with double quantization, uint8 absmax codes scaled per 256 blocks)."""
+    gen = torch.Generator().manual_seed(seed)
+    numel = n * k
+    blocks = math.ceil(numel / 64)
+    packed = torch.randint(0, 256, (math.ceil(numel / 2), 1), generator=gen, dtype=torch.uint8)
+    quant_map = torch.tensor(NF4_CODES, dtype=torch.float32)
+    if not double_quant:
+        absmax = torch.rand(blocks, generator=gen) * 2 + 0.5
+        return nf4.NF4Weight(packed, absmax, quant_map, (n, k), dtype=dtype)
+    nested = dict(nested_absmax=torch.rand(math.ceil(blocks / 256), generator=gen) + 0.5,
+                  nested_quant_map=torch.linspace(-1, 1, 256), nested_offset=1.5)
+    absmax = torch.randint(0, 256, (blocks,), generator=gen, dtype=torch.uint8)
+    return nf4.NF4Weight(packed, absmax, quant_map, (n, k), dtype=dtype, **nested)
+
+
 @pytest.mark.parametrize("double_quant", [False, True])
 @pytest.mark.parametrize("shape", [(72, 100), (33, 66)])
-def test_dequantize_matches_bitsandbytes(double_quant, shape):
+def test_dequantize_matches_bitsandbytes(bnbf, double_quant, shape):
     # even K: for odd K bitsandbytes' CPU backend falls back to a torch.compile'd path (slow)
-    weight, (packed, state) = quantized(*shape, double_quant)
+    weight, (packed, state) = quantized(bnbf, *shape, double_quant)
     assert (weight.nested_absmax is not None) == double_quant
     expected = bnbf.dequantize_4bit(packed, state).float()
     assert torch.allclose(nf4.nf4_dequantize(weight), expected, rtol=1e-6, atol=1e-6)
@@ -32,7 +63,7 @@ def test_dequantize_matches_bitsandbytes(double_quant, shape):
 @pytest.mark.parametrize("m", [1, 3, 16, 40])
 @pytest.mark.parametrize("double_quant", [False, True])
 def test_triton_matches_ref(m, double_quant):
-    weight, _ = quantized(N, K, double_quant, dtype=torch.float16, seed=m)
+    weight = random_nf4(N, K, double_quant, dtype=torch.float16, seed=m)
     weight = nf4.NF4Weight(**{f: getattr(weight, f).to(DEVICE) if torch.is_tensor(getattr(weight, f))
                               else getattr(weight, f) for f in weight.__dataclass_fields__})
     x = torch.randn(m, K, dtype=torch.float16, device=DEVICE)
@@ -43,15 +74,15 @@ def test_triton_matches_ref(m, double_quant):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_other_dtypes_and_configs(dtype, tol):
-    weight, _ = quantized(N, K, True)
+    weight = random_nf4(N, K, True)
     x = torch.randn(5, K, dtype=dtype)
     for cfg in nf4.CONFIGS.values():
         assert rel_err(nf4.nf4_matmul_triton(x, weight, cfg), nf4.nf4_matmul_ref(x, weight)) < tol
 
 
-def test_dispatch_torch_on_cpu(monkeypatch):
+def test_dispatch_torch_on_cpu(bnbf, monkeypatch):
     monkeypatch.delenv("THRESHER_KERNELS", raising=False)
-    weight, (packed, state) = quantized(N, 100, False)
+    weight, (packed, state) = quantized(bnbf, N, 100, False)
     x = torch.randn(2, 100)
     expected = x @ bnbf.dequantize_4bit(packed, state).float().T
     assert rel_err(nf4.nf4_matmul(x, weight), expected) < 1e-6

@@ -106,23 +106,38 @@ def test_aot_compiles():
     aot_compile_all(specs)
 
 
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("m", [1, 3, 40])
 @pytest.mark.parametrize("group_size", [32, 128, -1])
 def test_grouped_kernel_matches_ref(m, group_size):
     """Contiguous groups: GPTQ without act-order (what gptq_matmul_triton dispatches with a
-    group_size) and AWQ, as a GEMV (m=1) and as dot tiles (m=3)."""
+    group_size) and AWQ, as a GEMV (m=1) and as dot tiles (decode m=3, prefill m=40)."""
     gptq, _ = random_gptq(K, N, group_size, False, seed=m)
     awq, _ = random_awq(K, N, group_size, seed=m)
     x = torch.randn(m, K, dtype=torch.float16, device=DEVICE)
-    assert w4a16.grouped_config(m, K, group_size).block_m == (1 if m == 1 else 16)
+    assert w4a16.grouped_config(m, K, group_size).block_m == {1: 1, 3: 16, 40: 64}[m]
     out = w4a16.gptq_matmul_triton(x, *gptq, group_size=group_size)
     assert out.dtype == x.dtype and rel_err(out, w4a16.gptq_matmul_ref(x, *gptq)) < 1e-2
     out = w4a16.grouped_matmul_triton(x, *awq, group_size, awq=True)
     assert rel_err(out, w4a16.awq_matmul_ref(x, *awq, group_size)) < 1e-2
 
 
+def test_prefill_and_decode_share_the_grouped_kernel(monkeypatch):
+    """Contiguous groups run the grouped kernel at every batch size, so prefill and decode
+    multiply the same exact codes and scale in fp32 (the general kernel would round each
+    dequantized weight to the 16-bit dot type first)."""
+    launched = []
+    launch = w4a16._launch
+    monkeypatch.setattr(w4a16, "_launch", lambda kernel, *a, **kw: (
+        launched.append(kernel.fn.__name__), launch(kernel, *a, **kw))[1])
+    gptq, _ = random_gptq(K, N, 32, False)
+    for m in (1, 3, 40):
+        w4a16.gptq_matmul_triton(torch.randn(m, K, device=DEVICE), *gptq, group_size=32)
+    w4a16.gptq_matmul_triton(torch.randn(40, K, device=DEVICE), *gptq)  # act-order: general
+    assert launched == ["_grouped_matmul_kernel"] * 3 + ["_gptq_matmul_kernel"]
+
+
 def test_grouped_config_limits():
-    assert w4a16.grouped_config(17, 4096, 128) is None  # prefill-sized: the general kernel
+    assert w4a16.grouped_config(17, 4096, 128).block_m == 64  # prefill-sized tiles
     assert w4a16.grouped_config(1, 4096, 48).block_k == 16
     assert w4a16.grouped_config(1, 4096, 40) is None  # no tile of 16..128 divides the group
     with pytest.raises(ValueError, match="group_size=40"):

@@ -99,7 +99,8 @@ class ModelRunner:
                     g.hidden[:bs] = self.model(*args)
                 pool = graph.pool()
                 g.graphs[bs] = graph
-        except RuntimeError as exc:  # a kernel that synchronises or allocates on the host
+        except Exception as exc:  # noqa: BLE001 - a kernel that syncs or allocates on the host,
+            # or that Triton cannot compile or fit (OutOfResources, CompilationError)
             log.warning("CUDA graph capture failed, decode stays eager: %s", exc)
             return
         torch.cuda.synchronize(self.device)

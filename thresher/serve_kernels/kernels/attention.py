@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from thresher.serve_kernels.kernels.backend import dot_dtype, launcher, use_triton
+from thresher.serve_kernels.kernels.backend import DOT_PRECISION, dot_dtype, launcher, use_triton
 
 BLOCK_N = 64  # context tokens per step
 PREFILL_BLOCK_M = 32  # queries per prefill program
@@ -99,18 +99,20 @@ def _attend_paged(q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, l
         mask_nd = mask_n[:, None] & (offs_d[None, :] < HEAD_DIM)
         k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
-        s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(tl.float32).to(DOT_DTYPE))) * scale
+        s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(tl.float32).to(DOT_DTYPE)),
+                   input_precision=DOT_PRECISION) * scale
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(tl.float32).to(DOT_DTYPE))
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(tl.float32).to(DOT_DTYPE),
+                                            input_precision=DOT_PRECISION)
         m = m_new
     return m, denom, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
     scale, stride_qb, stride_bt, num_kv_heads, block_size,
@@ -134,7 +136,7 @@ def _decode_kernel(
              out.to(out_ptr.dtype.element_ty), mask=mask_gd)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, part_out_ptr,
     part_lse_ptr, scale, stride_qb, stride_bt, num_kv_heads, block_size, num_splits,
@@ -146,34 +148,39 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     length = tl.load(context_lens_ptr + seq)
     lo = split * PARTITION
-    hi = tl.minimum(lo + PARTITION, length)
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_gd = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)
-    heads = kv_head * GROUP + offs_g
-    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=mask_gd, other=0.0).to(tl.float32)
-    m, denom, acc = _attend_paged(q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head,
-                                  lo, hi, scale, stride_bt, num_kv_heads, block_size,
-                                  HEAD_DIM, DOT_DTYPE, BLOCK_G, BLOCK_D, BLOCK_N)
-    has = denom > 0  # an empty partition (past the sequence's end) gets weight exp(-inf) = 0
-    out = acc / tl.where(has, denom, 1.0)[:, None]
-    lse = tl.where(has, m + tl.log(tl.where(has, denom, 1.0)), float("-inf"))
-    row_part = (seq * num_splits + split) * (num_kv_heads * GROUP) + heads  # [B, S, Hq]
-    tl.store(part_out_ptr + row_part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask_gd)
-    tl.store(part_lse_ptr + row_part, lse, mask=offs_g < GROUP)
+    # A partition past the sequence's end does nothing: under a CUDA graph the grid is sized for
+    # max_model_len, and the merge reads only the partitions the real context needs.
+    if lo < length:
+        hi = tl.minimum(lo + PARTITION, length)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_gd = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)
+        heads = kv_head * GROUP + offs_g
+        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=mask_gd, other=0.0).to(tl.float32)
+        m, denom, acc = _attend_paged(q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
+                                      kv_head, lo, hi, scale, stride_bt, num_kv_heads,
+                                      block_size, HEAD_DIM, DOT_DTYPE, BLOCK_G, BLOCK_D, BLOCK_N)
+        out = acc / denom[:, None]
+        lse = m + tl.log(denom)
+        row_part = (seq * num_splits + split) * (num_kv_heads * GROUP) + heads  # [B, S, Hq]
+        tl.store(part_out_ptr + row_part[:, None] * HEAD_DIM + offs_d[None, :], out,
+                 mask=mask_gd)
+        tl.store(part_lse_ptr + row_part, lse, mask=offs_g < GROUP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, stride_qb, num_heads, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_out_ptr, part_lse_ptr, context_lens_ptr, out_ptr, stride_qb, num_heads, num_splits,
+    HEAD_DIM: tl.constexpr, PARTITION: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    used = tl.cdiv(tl.load(context_lens_ptr + seq), PARTITION)  # partitions holding context
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < num_splits
+    mask_s = (offs_s < num_splits) & (offs_s < used)
     rows = (seq * num_splits + offs_s) * num_heads + head
     lse = tl.load(part_lse_ptr + rows, mask=mask_s, other=float("-inf"))
     weight = tl.exp(lse - tl.max(lse, axis=0))
@@ -184,7 +191,7 @@ def _decode_merge_kernel(
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
     out_ptr, scale, stride_qt, stride_bt, num_kv_heads, block_size,
@@ -222,13 +229,15 @@ def _prefill_kernel(
         mask_nd = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
-        s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(tl.float32).to(DOT_DTYPE))) * scale
+        s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(tl.float32).to(DOT_DTYPE)),
+                   input_precision=DOT_PRECISION) * scale
         s = tl.where(mask_n[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(tl.float32).to(DOT_DTYPE))
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(tl.float32).to(DOT_DTYPE),
+                                            input_precision=DOT_PRECISION)
         m = m_new
     out = acc / denom[:, None]
     tl.store(out_ptr + q_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -253,12 +262,16 @@ def decode_splits(batch: int, num_kv_heads: int, max_context_len: int | None,
 def paged_decode_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, max_context_len: int | None = None,
-    partition: int | None = None,
+    partition: int | None = None, parts: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Decode attention; split-KV over ``partition``-token pieces when ``decode_splits`` says so.
 
     ``max_context_len`` is an upper bound on ``context_lens`` known on the host (the longest
-    context of the batch, or ``max_model_len`` when a CUDA graph is captured)."""
+    context of the batch, or ``max_model_len`` when a CUDA graph is captured). The grid covers
+    that bound, but partitions past a sequence's own length neither compute nor store, and the
+    merge reads only the ones its length fills, so a graph sized for ``max_model_len`` moves
+    the bytes of the real contexts. ``parts``: the partial-result buffers (out [B, S, Hq, D] and
+    lse [B, S, Hq], fp32) to use instead of fresh ones."""
     q = q.contiguous()
     out = torch.empty_like(q)
     consts = _shape_constexprs(q, k_cache)
@@ -274,17 +287,20 @@ def paged_decode_attention_triton(
             block_tables.stride(0), num_kv_heads, k_cache.shape[1], BLOCK_G=block_g, **consts,
         )
         return out
-    part_out = torch.empty(batch, splits, num_heads, q.shape[2], device=q.device,
-                           dtype=torch.float32)
-    part_lse = torch.empty(batch, splits, num_heads, device=q.device, dtype=torch.float32)
+    if parts is None:
+        parts = (torch.empty(batch, splits, num_heads, q.shape[2], device=q.device,
+                             dtype=torch.float32),
+                 torch.empty(batch, splits, num_heads, device=q.device, dtype=torch.float32))
+    part_out, part_lse = parts
     launcher(_decode_split_kernel, q)[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, scale, q.stride(0),
         block_tables.stride(0), num_kv_heads, k_cache.shape[1], splits, PARTITION=partition,
         BLOCK_G=block_g, **consts,
     )
     launcher(_decode_merge_kernel, q)[(batch, num_heads)](
-        part_out, part_lse, out, q.stride(0), num_heads, splits, HEAD_DIM=consts["HEAD_DIM"],
-        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=consts["BLOCK_D"],
+        part_out, part_lse, context_lens, out, q.stride(0), num_heads, splits,
+        HEAD_DIM=consts["HEAD_DIM"], PARTITION=partition, BLOCK_S=triton.next_power_of_2(splits),
+        BLOCK_D=consts["BLOCK_D"],
     )
     return out
 

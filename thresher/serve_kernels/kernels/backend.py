@@ -82,6 +82,13 @@ def launcher(kernel: Any, x: torch.Tensor) -> Any:
     return _interpreted[kernel.fn]
 
 
+# fp32 operands of ``tl.dot`` in IEEE precision. Triton's NVIDIA backend otherwise rounds them to
+# TF32 (10-bit mantissa) on tensor cores, while the interpreter that tests the kernels on the CPU
+# computes true fp32: fp32 serving (parity runs, small models) would then differ on a GPU from
+# what the tests pinned. 16-bit operands, the GPU default, ignore the setting and keep the MMA path.
+DOT_PRECISION = tl.constexpr("ieee")
+
+
 def dot_dtype(x: torch.Tensor) -> tl.dtype:
     """Operand type for ``tl.dot`` on activations ``x``: their own 16-bit type, else fp32.
 

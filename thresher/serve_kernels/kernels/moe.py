@@ -25,7 +25,13 @@ import triton
 import triton.language as tl
 
 from thresher.serve_kernels.kernels.activation import silu_and_mul_triton
-from thresher.serve_kernels.kernels.backend import TileConfig, dot_dtype, launcher, use_triton
+from thresher.serve_kernels.kernels.backend import (
+    DOT_PRECISION,
+    TileConfig,
+    dot_dtype,
+    launcher,
+    use_triton,
+)
 from thresher.serve_kernels.kernels.w4a16 import awq_dequantize, gptq_dequantize
 
 FORMATS = {"dense": 0, "gptq": 1, "awq": 2}
@@ -114,7 +120,7 @@ def moe_align(
     return sorted_ids, expert_ids
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_matmul_kernel(
     a_ptr, b_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr,
     sorted_ids_ptr, expert_ids_ptr, topk_weights_ptr,
@@ -165,7 +171,8 @@ def _moe_matmul_kernel(
             s = tl.load(scales_ptr + expert * stride_se + g[:, None] * N + offs_n[None, :],
                         mask=mask_kn, other=0.0)
             w = (q - z).to(tl.float32) * s.to(tl.float32)
-        acc += tl.dot(a.to(tl.float32).to(DOT_DTYPE), w.to(DOT_DTYPE))
+        acc += tl.dot(a.to(tl.float32).to(DOT_DTYPE), w.to(DOT_DTYPE),
+                      input_precision=DOT_PRECISION)
     if MUL_WEIGHT:
         routed = tl.load(topk_weights_ptr + pairs, mask=mask_m, other=0.0).to(tl.float32)
         acc = acc * routed[:, None]

@@ -19,11 +19,25 @@ import triton
 import triton.language as tl
 
 from thresher.formats.nf4 import NF4Weight
-from thresher.serve_kernels.kernels.backend import TileConfig, dot_dtype, launcher, use_triton
+from thresher.serve_kernels.kernels import tuning
+from thresher.serve_kernels.kernels.backend import (
+    DOT_PRECISION,
+    TileConfig,
+    dot_dtype,
+    launcher,
+    use_triton,
+)
 
 DECODE = TileConfig(block_m=16, block_n=64, block_k=64, split_k=4, num_warps=4, num_stages=3)
 PREFILL = TileConfig(block_m=64, block_n=64, block_k=64, split_k=1, num_warps=4, num_stages=3)
 CONFIGS = {"decode": DECODE, "prefill": PREFILL}
+
+
+def tile_candidates(default: TileConfig) -> list[TileConfig]:
+    """The tiles a GPU times against ``default`` for one shape (``tuning``)."""
+    if default.block_m > 16:
+        return tuning.variants(default, block_n=(64, 128), num_warps=(4, 8), num_stages=(2, 3))
+    return tuning.variants(default, block_n=(32, 64, 128), split_k=(2, 4, 8), num_warps=(4, 8))
 
 
 def nf4_dequantize(weight: NF4Weight) -> torch.Tensor:
@@ -36,7 +50,7 @@ def nf4_matmul_ref(x: torch.Tensor, weight: NF4Weight) -> torch.Tensor:
     return (x.float() @ nf4_dequantize(weight).T).to(x.dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _nf4_matmul_kernel(
     x_ptr, packed_ptr, absmax_ptr, quant_map_ptr, out_ptr,
     M, N, K, blocksize,
@@ -61,7 +75,8 @@ def _nf4_matmul_kernel(
         value = tl.load(quant_map_ptr + code, mask=mask_kn, other=0.0)
         scale = tl.load(absmax_ptr + flat // blocksize, mask=mask_kn, other=0.0)
         w = value * scale
-        acc += tl.dot(a.to(tl.float32).to(DOT_DTYPE), w.to(DOT_DTYPE))
+        acc += tl.dot(a.to(tl.float32).to(DOT_DTYPE), w.to(DOT_DTYPE),
+                      input_precision=DOT_PRECISION)
     out = out_ptr + offs_m[:, None] * N + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
@@ -73,22 +88,30 @@ def _nf4_matmul_kernel(
 def nf4_matmul_triton(
     x: torch.Tensor, weight: NF4Weight, config: TileConfig | None = None
 ) -> torch.Tensor:
-    """x @ W.T with the Triton kernel."""
+    """x @ W.T with the Triton kernel; the tile is ``config``, or per shape (``tuning``)."""
     n, k = weight.shape
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
-    cfg = config or (DECODE if m <= 16 else PREFILL)
-    if cfg.split_k > 1:
-        y = torch.zeros(m, n, device=x.device, dtype=torch.float32)
-    else:
-        y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
-    launcher(_nf4_matmul_kernel, x)[grid](
-        x2, weight.packed.contiguous(), weight.absmax_fp32().contiguous(),
-        weight.quant_map.float().contiguous(), y, m, n, k, weight.blocksize,
-        DOT_DTYPE=dot_dtype(x), SPLIT_K=cfg.split_k, **cfg.launch,
-    )
-    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+    packed, absmax = weight.packed.contiguous(), weight.absmax_fp32().contiguous()
+    quant_map = weight.quant_map.float().contiguous()
+
+    def run(cfg: TileConfig) -> torch.Tensor:
+        if cfg.split_k > 1:
+            y = torch.zeros(m, n, device=x.device, dtype=torch.float32)
+        else:
+            y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+        grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
+        launcher(_nf4_matmul_kernel, x)[grid](
+            x2, packed, absmax, quant_map, y, m, n, k, weight.blocksize,
+            DOT_DTYPE=dot_dtype(x), SPLIT_K=cfg.split_k, **cfg.launch,
+        )
+        return y
+
+    if config is None:
+        default = DECODE if m <= 16 else PREFILL
+        config = tuning.tuner("_nf4_matmul_kernel").pick(
+            (tuning.m_bucket(m), n, k, x.dtype), x, default, tile_candidates(default), run)
+    return run(config).to(x.dtype).reshape(*x.shape[:-1], n)
 
 
 def nf4_matmul(x: torch.Tensor, weight: NF4Weight) -> torch.Tensor:

@@ -24,7 +24,14 @@ import torch
 import triton
 import triton.language as tl
 
-from thresher.serve_kernels.kernels.backend import TileConfig, dot_dtype, launcher, use_triton
+from thresher.serve_kernels.kernels import tuning
+from thresher.serve_kernels.kernels.backend import (
+    DOT_PRECISION,
+    TileConfig,
+    dot_dtype,
+    launcher,
+    use_triton,
+)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column (within 8) held by nibble i of an AWQ word
 DECODE = TileConfig(block_m=16, block_n=64, block_k=64, split_k=4, num_warps=4, num_stages=3)
@@ -34,19 +41,23 @@ CONFIGS = {"decode": DECODE, "prefill": PREFILL}
 GEMV = TileConfig(block_m=1, block_n=128, block_k=128, split_k=4, num_warps=4, num_stages=3)
 GROUPED_DECODE = TileConfig(block_m=16, block_n=64, block_k=128, split_k=4, num_warps=4,
                             num_stages=3)
-GROUPED_CONFIGS = {"gemv": GEMV, "decode": GROUPED_DECODE}
+GROUPED_PREFILL = TileConfig(block_m=64, block_n=64, block_k=128, split_k=1, num_warps=4,
+                             num_stages=3)
+GROUPED_CONFIGS = {"gemv": GEMV, "decode": GROUPED_DECODE, "prefill": GROUPED_PREFILL}
 
 
 def grouped_config(m: int, k: int, group_size: int) -> TileConfig | None:
-    """The grouped kernel's tiles for ``m`` rows, or None where it does not apply (prefill-sized
-    batches, or a group size that no power-of-two K tile of 16..128 divides)."""
-    if m > 16:
-        return None
+    """The grouped kernel's tiles for ``m`` rows, or None where it does not apply (a group size
+    that no power-of-two K tile of 16..128 divides).
+
+    Prefill-sized batches of contiguous groups take it too: it multiplies the exact codes and
+    applies the scale in fp32, where the general kernel rounds each dequantized weight to the
+    16-bit dot type, so decode and prefill of one weight would otherwise round it differently."""
     group = k if group_size == -1 else group_size
     block_k = next((b for b in (128, 64, 32, 16) if group % b == 0), None)
     if block_k is None:
         return None
-    cfg = GEMV if m == 1 else GROUPED_DECODE
+    cfg = GEMV if m == 1 else GROUPED_DECODE if m <= 16 else GROUPED_PREFILL
     return TileConfig(cfg.block_m, cfg.block_n, block_k, cfg.split_k, cfg.num_warps,
                       cfg.num_stages)
 
@@ -125,7 +136,7 @@ def awq_matmul_ref(
 
 # ---------------------------------------------------------------- Triton kernels
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _gptq_matmul_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, out_ptr,
     M, N, K,
@@ -153,7 +164,8 @@ def _gptq_matmul_kernel(
         z = ((packed_z >> zero_shift[None, :]) & 0xF) + 1
         s = tl.load(scales_ptr + g[:, None] * N + offs_n[None, :], mask=mask_kn, other=0.0)
         w = (q - z).to(tl.float32) * s.to(tl.float32)
-        acc += tl.dot(a.to(tl.float32).to(DOT_DTYPE), w.to(DOT_DTYPE))
+        acc += tl.dot(a.to(tl.float32).to(DOT_DTYPE), w.to(DOT_DTYPE),
+                      input_precision=DOT_PRECISION)
     out = out_ptr + offs_m[:, None] * N + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
@@ -162,7 +174,7 @@ def _gptq_matmul_kernel(
         tl.atomic_add(out, acc, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _awq_matmul_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, out_ptr,
     M, N, K, group_size,
@@ -191,7 +203,8 @@ def _awq_matmul_kernel(
         z = (packed_z >> shift[None, :]) & 0xF
         s = tl.load(scales_ptr + g[:, None] * N + offs_n[None, :], mask=mask_kn, other=0.0)
         w = (q - z).to(tl.float32) * s.to(tl.float32)
-        acc += tl.dot(a.to(tl.float32).to(DOT_DTYPE), w.to(DOT_DTYPE))
+        acc += tl.dot(a.to(tl.float32).to(DOT_DTYPE), w.to(DOT_DTYPE),
+                      input_precision=DOT_PRECISION)
     out = out_ptr + offs_m[:, None] * N + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
@@ -200,7 +213,7 @@ def _awq_matmul_kernel(
         tl.atomic_add(out, acc, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _grouped_matmul_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, out_ptr,
     M, N, K, group_size,
@@ -251,7 +264,8 @@ def _grouped_matmul_kernel(
         else:
             a = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :],
                         mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
-            acc += tl.dot(a.to(tl.float32).to(DOT_DTYPE), w.to(DOT_DTYPE)) * s[None, :]
+            acc += tl.dot(a.to(tl.float32).to(DOT_DTYPE), w.to(DOT_DTYPE),
+                          input_precision=DOT_PRECISION) * s[None, :]
     if BLOCK_M == 1:
         out = out_ptr + tl.program_id(0) * N + offs_n
         mask = mask_n
@@ -264,21 +278,41 @@ def _grouped_matmul_kernel(
         tl.atomic_add(out, acc, mask=mask)
 
 
+def tile_candidates(default: TileConfig) -> list[TileConfig]:
+    """The tiles a GPU times against ``default`` for one shape (``tuning``): column width,
+    split-K and warps around it, the K tile kept (the grouped kernel's must divide the group)."""
+    if default.block_m > 16:
+        return tuning.variants(default, block_n=(64, 128), num_warps=(4, 8), num_stages=(2, 3))
+    return tuning.variants(default, block_n=(64, 128), split_k=(2, 4, 8), num_warps=(4, 8))
+
+
 def _launch(kernel, x: torch.Tensor, n: int, tensors: tuple, extra: tuple,
-            config: TileConfig | None, **constexprs) -> torch.Tensor:
+            config: TileConfig | None, default: TileConfig | None = None,
+            **constexprs) -> torch.Tensor:
+    """Launch ``kernel`` over x [..., K] -> [..., N] with ``config``, or (None) the tile
+    ``tuning`` picks for the shape, starting from ``default`` (``pick_config`` if None)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
-    cfg = config or pick_config(m)
-    out_dtype = torch.float32 if cfg.split_k > 1 else x.dtype
-    out = torch.zeros if cfg.split_k > 1 else torch.empty
-    y = out((m, n), device=x.device, dtype=out_dtype)
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
-    launcher(kernel, x)[grid](
-        x2, *(t.contiguous() for t in tensors), y, m, n, k, *extra,
-        DOT_DTYPE=dot_dtype(x), SPLIT_K=cfg.split_k, **cfg.launch, **constexprs,
-    )
-    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+    args = tuple(t.contiguous() for t in tensors)
+
+    def run(cfg: TileConfig) -> torch.Tensor:
+        out_dtype = torch.float32 if cfg.split_k > 1 else x.dtype
+        out = torch.zeros if cfg.split_k > 1 else torch.empty
+        y = out((m, n), device=x.device, dtype=out_dtype)
+        grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
+        launcher(kernel, x)[grid](
+            x2, *args, y, m, n, k, *extra,
+            DOT_DTYPE=dot_dtype(x), SPLIT_K=cfg.split_k, **cfg.launch, **constexprs,
+        )
+        return y
+
+    if config is None:
+        default = default or pick_config(m)
+        key = (tuning.m_bucket(m), n, k, x.dtype, *constexprs.values())
+        config = tuning.tuner(getattr(kernel, "fn", kernel).__name__).pick(
+            key, x, default, tile_candidates(default), run)
+    return run(config).to(x.dtype).reshape(*x.shape[:-1], n)
 
 
 def grouped_matmul_triton(
@@ -287,14 +321,14 @@ def grouped_matmul_triton(
 ) -> torch.Tensor:
     """x @ W with the grouped kernel (contiguous groups only: AWQ, GPTQ without act-order)."""
     k = x.shape[-1]
-    cfg = config or grouped_config(x.numel() // k, k, group_size)
-    if cfg is None:
-        raise ValueError(f"group_size={group_size}: the grouped kernel needs up to 16 rows and a "
-                         "group size divisible by 16")
+    default = grouped_config(x.numel() // k, k, group_size)
+    if config is None and default is None:
+        raise ValueError(f"group_size={group_size}: the grouped kernel needs a group size "
+                         "divisible by 16")
     n = qweight.shape[1] * (8 if awq else 1)
     group_size = k if group_size == -1 else group_size
-    return _launch(_grouped_matmul_kernel, x, n, (qweight, qzeros, scales), (group_size,), cfg,
-                   AWQ=awq)
+    return _launch(_grouped_matmul_kernel, x, n, (qweight, qzeros, scales), (group_size,), config,
+                   default, AWQ=awq)
 
 
 def gptq_matmul_triton(
@@ -304,8 +338,8 @@ def gptq_matmul_triton(
     """x @ W for a GPTQ v1 weight with the Triton kernel.
 
     ``group_size`` says that ``g_idx`` is the contiguous ``arange(K) // group_size`` (no
-    act-order): then up to 16 rows run the grouped kernel (each word read once, one scale row
-    per tile), unless ``config`` picks a tile of the general kernel."""
+    act-order): then the grouped kernel runs (each word read once, one scale row per tile),
+    unless ``config`` picks a tile of the general kernel."""
     k = x.shape[-1]
     if config is None and group_size is not None and grouped_config(x.numel() // k, k,
                                                                     group_size) is not None:
@@ -318,7 +352,8 @@ def awq_matmul_triton(
     x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     group_size: int, config: TileConfig | None = None,
 ) -> torch.Tensor:
-    """x @ W for an AWQ gemm weight with the Triton kernel (the grouped one up to 16 rows)."""
+    """x @ W for an AWQ gemm weight with the Triton kernel (the grouped one where the group size
+    allows)."""
     n = qweight.shape[1] * 8
     if config is None and grouped_config(x.numel() // x.shape[-1], x.shape[-1],
                                          group_size) is not None:

@@ -1,0 +1,67 @@
+"""Per-shape tile choice: the fastest candidate on a GPU, the default on the CPU."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from thresher.serve_kernels.kernels import nf4, tuning, w4a16
+from thresher.serve_kernels.kernels.backend import TileConfig
+
+A = TileConfig(16, 64, 64, 4)
+B = TileConfig(16, 128, 64, 4)
+C = TileConfig(16, 128, 64, 8)
+
+
+def test_fastest_skips_failures_and_takes_the_minimum():
+    times = {A: 3.0, B: 1.0, C: 2.0}
+
+    def run(cfg):
+        if cfg == B:
+            raise RuntimeError("out of resources: shared memory")
+        return cfg
+
+    assert tuning.fastest([A, B, C], run, lambda fn: times[fn()]) == C
+    assert tuning.fastest([B], run, lambda fn: times[fn()]) is None
+
+
+def test_cpu_calls_take_the_default():
+    t = tuning.Tuner("test")
+    assert t.pick(("k",), torch.zeros(1), A, [B, C], lambda cfg: pytest.fail("timed")) == A
+    assert not t.chosen
+
+
+def test_a_gpu_times_each_shape_once(monkeypatch):
+    runs: list[TileConfig] = []
+    speed = {A: 3.0, B: 1.0, C: 2.0}
+    monkeypatch.setattr(tuning, "cuda_seconds", lambda fn: speed[fn()])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    on_gpu = SimpleNamespace(is_cuda=True)
+    t = tuning.Tuner("test")
+
+    def run(cfg):
+        runs.append(cfg)
+        return cfg
+
+    assert t.pick(("shape", 1), on_gpu, A, [B, C], run) == B
+    assert sorted(runs, key=str) == sorted([A, B, C], key=str)
+    assert t.pick(("shape", 1), on_gpu, A, [B, C], run) == B and len(runs) == 3  # cached
+    monkeypatch.setenv(tuning.ENV_VAR, "0")
+    assert t.pick(("shape", 2), on_gpu, A, [B, C], run) == A and len(runs) == 3
+    monkeypatch.delenv(tuning.ENV_VAR)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert t.pick(("shape", 3), on_gpu, A, [B, C], run) == A and len(runs) == 3  # in a capture
+    assert ("shape", 3) not in t.chosen
+
+
+def test_candidates_vary_around_the_default():
+    for module in (w4a16, nf4):
+        for default in module.CONFIGS.values():
+            cands = module.tile_candidates(default)
+            assert cands[0] == default and len(set(cands)) == len(cands) > 4
+            assert all(c.block_m == default.block_m and c.block_k == default.block_k
+                       for c in cands)
+    assert tuning.m_bucket(7) == 7 and tuning.m_bucket(17) == 32 and tuning.m_bucket(64) == 64
+    assert tuning.describe(A) == "16x64x64/s4/w4/st3"

@@ -1,0 +1,71 @@
+"""The GPU suite's test section runs with only what the GPU machine's image has.
+
+That image (shared/reference/gpu.md) has torch, Triton, transformers and the engine's few
+dependencies, but no bitsandbytes, Prefect, MLflow, lm-eval or datasets. A module-level import of
+any of them in a test file the suite runs stops pytest at collection, and then no ``cuda`` test
+runs at all. Here the suite's files are collected, and the NF4 kernel tests run, by a Python that
+does not see those packages.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ABSENT = ("bitsandbytes", "prefect", "mlflow", "lm_eval", "datasets")
+SUITE_FILES = ["tests/serve_kernels/test_cuda.py", "tests/serve_kernels/kernels"]  # gpu_suite.py
+
+
+def _absent(entry: str) -> bool:
+    """A site-packages entry (package, module or dist-info) of one of the ABSENT distributions."""
+    name = entry.lower().replace("-", "_")
+    return any(name == a or name.startswith((f"{a}.", f"{a}_")) for a in ABSENT)
+
+
+@pytest.fixture(scope="module")
+def image_site(tmp_path_factory) -> Path:
+    """This environment's site-packages as links, less the ABSENT distributions: importing or
+    looking up one of them there behaves as on a machine that never had it installed."""
+    site = tmp_path_factory.mktemp("gpu-image-site")
+    for source in {Path(p) for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()}:
+        for entry in source.iterdir():
+            if not _absent(entry.name) and not entry.name.endswith(".pth") \
+                    and not (site / entry.name).exists():
+                (site / entry.name).symlink_to(entry)
+    return site
+
+
+def run_on_image(site: Path, args: list[str]) -> subprocess.CompletedProcess:
+    """pytest in a Python that sees ``site`` and the checkout only (``-S``: no site-packages)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(site)])}
+    cmd = [sys.executable, "-S", "-m", "pytest", "-p", "no:cacheprovider", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_the_image_lacks_them(image_site):
+    probe = f"import importlib.util as u; print([u.find_spec(m) is None for m in {ABSENT!r}])"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(image_site)])}
+    out = subprocess.run([sys.executable, "-S", "-c", probe], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == str([True] * len(ABSENT))
+
+
+def test_suite_collects_without_packages_the_gpu_image_lacks(image_site):
+    proc = run_on_image(image_site, ["--collect-only", "-q", *SUITE_FILES])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    collected = [line for line in proc.stdout.splitlines() if "::" in line]
+    assert any("test_nf4.py::test_triton_matches_ref" in line for line in collected)
+    assert any("test_cuda.py::" in line for line in collected)
+
+
+def test_nf4_kernel_tests_run_without_bitsandbytes(image_site):
+    proc = run_on_image(image_site, ["-q", "-rs", "tests/serve_kernels/kernels/test_nf4.py",
+                                     "-k", "not aot"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert "passed" in summary and "skipped" in summary, summary  # bitsandbytes' own tests skip
