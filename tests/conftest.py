@@ -1,4 +1,5 @@
-"""Shared fixtures: offline environment, the trained demo model, random-init family models."""
+"""Shared fixtures: offline environment, a temporary THRESHER_HOME, per-test timeouts, the
+trained demo model, random-init family models."""
 
 from __future__ import annotations
 
@@ -14,10 +15,36 @@ for _k, _v in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_
 os.environ.setdefault("THRESHER_CPU_DENSE_MAX", "0")
 
 import json.decoder  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from thresher.paths import demo_models_dir  # noqa: E402
+
+# Every test's state (store, MLflow, compiled kernels, task files) goes to a temporary
+# THRESHER_HOME, never the user's; the demo models stay where the user keeps them, since training
+# `tiny` takes minutes. Set at import: test modules build the C kernels while they are collected.
+os.environ.setdefault("THRESHER_DEMO_MODELS", str(demo_models_dir()))
+TEST_HOME = tempfile.mkdtemp(prefix="thresher-test-home-")
+os.environ["THRESHER_HOME"] = TEST_HOME
+# A C kernel that fails to compile fails the tests with the compiler's message (for users the
+# engine warns and keeps torch's operators); only a machine without a C compiler skips them.
+os.environ.setdefault("THRESHER_REQUIRE_C_KERNELS", "1")
+SLOW_TIMEOUT_S = 900  # per test marked slow or distributed; the others get pyproject's `timeout`
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        slow = item.get_closest_marker("slow") or item.get_closest_marker("distributed")
+        if slow and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+
+
+def pytest_sessionfinish(session):
+    shutil.rmtree(TEST_HOME, ignore_errors=True)
 
 # Without a GPU, every Triton kernel in the session runs in Triton's interpreter. This must hold
 # before any test imports the kernel modules: a kernel decorated in compiled mode and launched
