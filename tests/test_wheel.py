@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-IN_WHEEL = ["thresher/configs/demo.yaml", "thresher/py.typed", "thresher/evaluate/tasks/utils.py",
-            "thresher/evaluate/tasks/stdlib_next_line.yaml",
-            "thresher/serve_kernels/kernels/cpu_q4.c", "thresher/serve_kernels/kernels/cpu_common.h"]
+IN_WHEEL = ["thresher/configs/demo.yaml", "thresher/py.typed",
+            "thresher/evaluate/tasks/utils.py", "thresher/evaluate/tasks/stdlib_next_line.yaml",
+            "thresher/serve_kernels/kernels/cpu_q4.c",
+            "thresher/serve_kernels/kernels/cpu_common.h"]
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> str:
@@ -72,11 +73,11 @@ def test_the_installed_wheel_runs_outside_the_checkout(tmp_path):
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], tmp_path, env)
     python = venv / "bin" / "python"
-    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                     tmp_path, env).strip())
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(_run([str(python), "-c", purelib], tmp_path, env).strip())
     (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    _run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed",
-          str(wheel)], tmp_path, env)
+    _run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+          "--ignore-installed", str(wheel)], tmp_path, env)
 
     outside = tmp_path / "elsewhere"
     outside.mkdir()

@@ -667,7 +667,7 @@ DEMO_RECIPE = Path(__file__).parent / "configs" / "demo.yaml"  # inside the pack
 def demo(
     recipe: Annotated[Path, typer.Option(help="Recipe to run.")] = DEMO_RECIPE,
     print_recipe: Annotated[bool, typer.Option(
-        "--print-recipe", help="Print the recipe (a starting point for your own) and exit.")] = False,
+        "--print-recipe", help="Print the recipe (a start for your own) and exit.")] = False,
 ) -> None:
     """Run the embedded default end to end: the demo model through the compress flow."""
     from thresher.flows.compress import compress

@@ -205,7 +205,7 @@ def stop_stack(root: Path | None = None, grace_s: float = 20) -> list[str]:
             order.append(name)
         elif identity is not None:
             log.warning("stack: pid %d is no longer the %s it started (now %s); left alone",
-                        pid, name, " ".join(identity[1:]) or "a kernel thread")
+                        pid, name, " ".join(identity[1:]) or "a process without a command line")
     for name in order:
         _signal_group(stack.pids[name], signal.SIGTERM)
     deadline = time.time() + grace_s
