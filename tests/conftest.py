@@ -33,14 +33,18 @@ os.environ["THRESHER_HOME"] = TEST_HOME
 # A C kernel that fails to compile fails the tests with the compiler's message (for users the
 # engine warns and keeps torch's operators); only a machine without a C compiler skips them.
 os.environ.setdefault("THRESHER_REQUIRE_C_KERNELS", "1")
-SLOW_TIMEOUT_S = 900  # per test marked slow or distributed; the others get pyproject's `timeout`
+# Per-test timeouts: pyproject's `timeout` for most tests; more for the marked ones (a distributed
+# sweep takes about 9 minutes on 2 idle cores, most of it heartbeat grace and a retry).
+MARKED_TIMEOUT_S = {"distributed": 1800, "slow": 900}
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        slow = item.get_closest_marker("slow") or item.get_closest_marker("distributed")
-        if slow and not item.get_closest_marker("timeout"):
-            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+        if item.get_closest_marker("timeout"):
+            continue
+        marked = [s for name, s in MARKED_TIMEOUT_S.items() if item.get_closest_marker(name)]
+        if marked:
+            item.add_marker(pytest.mark.timeout(marked[0]))
 
 
 def pytest_sessionfinish(session):
