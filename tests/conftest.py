@@ -14,6 +14,7 @@ for _k, _v in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_
 # test, unless a test asks for the default (tests/serve_kernels/engine/test_cpu_dense.py).
 os.environ.setdefault("THRESHER_CPU_DENSE_MAX", "0")
 
+import atexit  # noqa: E402
 import json.decoder  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
@@ -29,6 +30,7 @@ from thresher.paths import demo_models_dir  # noqa: E402
 # `tiny` takes minutes. Set at import: test modules build the C kernels while they are collected.
 os.environ.setdefault("THRESHER_DEMO_MODELS", str(demo_models_dir()))
 TEST_HOME = tempfile.mkdtemp(prefix="thresher-test-home-")
+atexit.register(shutil.rmtree, TEST_HOME, ignore_errors=True)  # after every fixture's teardown
 os.environ["THRESHER_HOME"] = TEST_HOME
 # A C kernel that fails to compile fails the tests with the compiler's message (for users the
 # engine warns and keeps torch's operators); only a machine without a C compiler skips them.
@@ -46,9 +48,6 @@ def pytest_collection_modifyitems(items):
         if marked:
             item.add_marker(pytest.mark.timeout(marked[0]))
 
-
-def pytest_sessionfinish(session):
-    shutil.rmtree(TEST_HOME, ignore_errors=True)
 
 # Without a GPU, every Triton kernel in the session runs in Triton's interpreter. This must hold
 # before any test imports the kernel modules: a kernel decorated in compiled mode and launched
