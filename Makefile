@@ -30,7 +30,8 @@ setup: $(VENV)/.installed
 demo: setup
 	$(VENV)/bin/thresher demo
 
-test: setup
+# lint first: a ruff finding or a broken import layer fails before the (longer) tests run
+test: setup lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # llama.cpp for the GGUF tests and benchmark: pip builds it from source (about 18 min on 2 cores).

@@ -1,4 +1,5 @@
-"""Shared fixtures: offline environment, the trained demo model, random-init family models."""
+"""Shared fixtures: offline environment, a temporary THRESHER_HOME, per-test timeouts, the
+trained demo model, random-init family models."""
 
 from __future__ import annotations
 
@@ -13,11 +14,40 @@ for _k, _v in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_
 # test, unless a test asks for the default (tests/serve_kernels/engine/test_cpu_dense.py).
 os.environ.setdefault("THRESHER_CPU_DENSE_MAX", "0")
 
+import atexit  # noqa: E402
 import json.decoder  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from thresher.paths import demo_models_dir  # noqa: E402
+
+# Every test's state (store, MLflow, compiled kernels, task files) goes to a temporary
+# THRESHER_HOME, never the user's; the demo models stay where the user keeps them, since training
+# `tiny` takes minutes. Set at import: test modules build the C kernels while they are collected.
+os.environ.setdefault("THRESHER_DEMO_MODELS", str(demo_models_dir()))
+TEST_HOME = tempfile.mkdtemp(prefix="thresher-test-home-")
+atexit.register(shutil.rmtree, TEST_HOME, ignore_errors=True)  # after every fixture's teardown
+os.environ["THRESHER_HOME"] = TEST_HOME
+# A C kernel that fails to compile fails the tests with the compiler's message (for users the
+# engine warns and keeps torch's operators); only a machine without a C compiler skips them.
+os.environ.setdefault("THRESHER_REQUIRE_C_KERNELS", "1")
+# Per-test timeouts: pyproject's `timeout` for most tests; more for the marked ones (a distributed
+# sweep takes about 9 minutes on 2 idle cores, most of it heartbeat grace and a retry).
+MARKED_TIMEOUT_S = {"distributed": 1800, "slow": 900}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("timeout"):
+            continue
+        marked = [s for name, s in MARKED_TIMEOUT_S.items() if item.get_closest_marker(name)]
+        if marked:
+            item.add_marker(pytest.mark.timeout(marked[0]))
+
 
 # Without a GPU, every Triton kernel in the session runs in Triton's interpreter. This must hold
 # before any test imports the kernel modules: a kernel decorated in compiled mode and launched

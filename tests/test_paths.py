@@ -1,5 +1,7 @@
 """Building a state directory atomically: a failed build leaves the old one, never a partial one."""
 
+import os
+
 import pytest
 
 from thresher.paths import build_dir_atomically
@@ -27,3 +29,35 @@ def test_write_text_atomically_replaces_the_file_and_leaves_no_temporary(tmp_pat
     write_text_atomically(final, "second")
     assert final.read_text() == "second"
     assert [p.name for p in final.parent.iterdir()] == ["result.json"]
+
+
+def test_code_dir_is_private_and_an_open_one_is_replaced(tmp_path, monkeypatch, caplog):
+    """Where thresher keeps code it will load: created 0700 under the state directory; one that
+    the group or others can write to is not used, a private directory of this process is."""
+    from thresher.paths import code_dir, is_private
+
+    monkeypatch.setenv("THRESHER_HOME", str(tmp_path))
+    before = os.umask(0o002)
+    try:
+        mine = code_dir("kernels-test")
+    finally:
+        os.umask(before)
+    assert mine == tmp_path / "kernels-test" and mine.stat().st_mode & 0o777 == 0o700
+    assert code_dir("kernels-test") == mine and is_private(mine)
+
+    shared = tmp_path / "tasks-test"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with caplog.at_level("WARNING", logger="thresher.paths"):
+        other = code_dir("tasks-test")
+    assert other != shared and not other.is_relative_to(tmp_path) and is_private(other)
+    assert other.stat().st_mode & 0o777 == 0o700
+    assert str(shared) in caplog.text
+
+
+def test_a_symlink_is_never_private(tmp_path):
+    from thresher.paths import is_private
+
+    (tmp_path / "real").write_text("")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    assert is_private(tmp_path / "real") and not is_private(tmp_path / "link")

@@ -682,13 +682,15 @@ def serve(
 # --- the embedded default -----------------------------------------------------------------------
 
 
-DEMO_RECIPE = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+DEMO_RECIPE = Path(__file__).parent / "configs" / "demo.yaml"  # inside the package: wheels have it
 
 
 @app.command()
 @handles_errors
 def demo(
     recipe: Annotated[Path, typer.Option(help="Recipe to run.")] = DEMO_RECIPE,
+    print_recipe: Annotated[bool, typer.Option(
+        "--print-recipe", help="Print the recipe (a start for your own) and exit.")] = False,
 ) -> None:
     """Run the embedded default end to end: the demo model through the compress flow."""
     from thresher.flows.compress import compress
@@ -697,6 +699,9 @@ def demo(
     from thresher.tracking import resolve_tracking_uri
 
     r = load_recipe(recipe)
+    if print_recipe:
+        print(recipe.read_text(), end="")
+        return
     path = resolve_model(r.model)  # a demo model is trained here, before the flow starts
     if (path / DEMO_MODEL_META).is_file():
         meta = json.loads((path / DEMO_MODEL_META).read_text())

@@ -1,17 +1,29 @@
 """Where thresher keeps its state: the demo models, the artifact store, the embedded MLflow store.
 
 Everything sits under one directory, ``$THRESHER_HOME`` or the user cache directory
-(``$XDG_CACHE_HOME/thresher``, by default ``~/.cache/thresher``).
+(``$XDG_CACHE_HOME/thresher``, by default ``~/.cache/thresher``); ``$THRESHER_DEMO_MODELS`` may
+put the demo models elsewhere (the test suite keeps them in the user's cache while its state is
+temporary).
+
+Files that thresher runs as code (compiled C kernels, lm-eval task code) are taken from the state
+directory only when nobody else could have written them: the state directory may be shared
+(docs/operations.md), and a predictable file name there must not become someone else's code.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
+import logging
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def state_dir() -> Path:
@@ -27,8 +39,54 @@ def state_dir() -> Path:
 
 
 def demo_models_dir() -> Path:
-    path = state_dir() / "demo-models"
+    """Where the demo models are trained and found: ``$THRESHER_DEMO_MODELS`` or
+    ``<state dir>/demo-models``."""
+    override = os.environ.get("THRESHER_DEMO_MODELS")
+    path = Path(override) if override else state_dir() / "demo-models"
     path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def is_private(path: Path) -> bool:
+    """Whether ``path`` (not a symlink) belongs to the current user and no group or other user
+    can write to it: the condition for loading it, or what it holds, as code."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    return (not stat.S_ISLNK(st.st_mode) and st.st_uid == os.getuid()
+            and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+def code_dir(name: str) -> Path:
+    """``<state dir>/<name>`` for files thresher loads as code, created private (0700); if it
+    exists but is not private (``is_private``), a fresh private directory of this process's
+    instead (removed at exit), with a warning."""
+    path = state_dir() / name
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    return path if is_private(path) else fallback_code_dir(name, path)
+
+
+def fallback_code_dir(name: str, untrusted: Path) -> Path:
+    """A private directory (0700, this process's, removed at exit) to build ``name`` in, when
+    ``untrusted`` (a directory or a file in it) is not ``is_private``; warns once per path."""
+    path = _private_tmp(name)
+    if untrusted not in _warned:
+        _warned.add(untrusted)
+        log.warning("%s is not private (owned by another user, or writable by group or others); "
+                    "thresher does not load code from it and builds %s in %s for this process "
+                    "instead (docs/operations.md, 'A shared THRESHER_HOME')", untrusted, name, path)
+    return path
+
+
+_warned: set[Path] = set()
+
+
+@functools.cache
+def _private_tmp(name: str) -> Path:
+    path = Path(tempfile.mkdtemp(prefix=f"thresher-{name}-"))  # mode 0700
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
     return path
 
 

@@ -94,10 +94,17 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
 
 
 def git_sha() -> str | None:
+    """The commit of the thresher source that is running, when it runs from a git checkout; None
+    for an installed wheel (even one installed in a virtualenv inside some other repository)."""
+    package = str(Path(__file__).resolve().parent)
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", package, *args], capture_output=True, text=True,
+                              timeout=5, check=True).stdout.strip()
+
     try:
-        root = Path(__file__).resolve().parents[1]
-        return subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
-                              text=True, timeout=5, check=True).stdout.strip() or None
+        git("ls-files", "--error-unmatch", "tracking.py")  # this file is tracked: a checkout
+        return git("rev-parse", "HEAD") or None
     except (OSError, subprocess.SubprocessError):
         return None
 

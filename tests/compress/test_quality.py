@@ -1,8 +1,11 @@
 """Quality on the trained tiny demo MoE: held-out perplexity, same calibration for every method.
 
-The orderings the GPTQ and AWQ papers report at low bit widths, asserted at 3 bits per row and at
-2 bits per row and g64. At 3 bits g64 RTN itself is within noise of the float model on this
-model, so that setting is reported (docs/benchmarks.md) and not asserted.
+Only what holds across training runs of the demo recipe is asserted: at low bit widths every
+method stays within a bound of the float model, and at 2 bits g64 GPTQ at most halves RTN's
+increase (18 of 18 training runs). The finer orderings at 3 bits per row (GPTQ at most half of
+RTN: 9 of 14 runs; AWQ below RTN: 10 of 14) are measured, not asserted:
+`benchmarks/tiny_recipes.py` across training runs, `benchmarks/awq_paired.py` on one model with
+paired intervals (docs/benchmarks.md).
 """
 
 import pytest
@@ -34,20 +37,22 @@ def ppl(model, windows):
     return perplexity(model, windows, show_progress=False).perplexity
 
 
-@pytest.mark.parametrize(("bits", "group_size"), [(3, -1), (2, -1), (2, GROUP)])
-def test_low_bit_gptq_and_awq_beat_rtn(tiny_demo, windows, float_ppl, bits, group_size):
+# the largest increase measured over the demo recipe's training runs was 2.1% at 3 bits per row
+# and 5.4% at 2 bits g64 (RTN); a quantizer that breaks costs far more
+@pytest.mark.parametrize(("bits", "group_size", "bound"), [(3, -1, 0.04), (2, -1, 0.10),
+                                                           (2, GROUP, 0.10)])
+def test_low_bit_quantization_stays_near_the_float_model(tiny_demo, windows, float_ppl, bits,
+                                                         group_size, bound):
     def increase(**kw):
         stage = QuantizeStage(method="rtn").model_copy(
             update={"bits": bits, "group_size": group_size, **kw})
         model, records = quantize_in_memory(tiny_demo, stage, CAL)
         return ppl(model, windows) - float_ppl
 
-    rtn = increase(method="rtn")
-    gptq = increase(method="gptq")
-    awq = increase(method="awq")  # with clipping, the default
-    assert rtn > 0
-    assert gptq <= 0.5 * rtn, (gptq, rtn)
-    assert awq < rtn, (awq, rtn)
+    increases = {m: increase(method=m) for m in ("rtn", "gptq", "awq")}  # AWQ with clipping
+    assert all(abs(v) < bound * float_ppl for v in increases.values()), (increases, float_ppl)
+    if (bits, group_size) == (2, GROUP):
+        assert increases["gptq"] <= 0.5 * increases["rtn"], increases
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq", "awq", "nf4"])

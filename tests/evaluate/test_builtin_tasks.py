@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import yaml
@@ -120,3 +121,32 @@ def test_include_dir_is_an_lm_eval_task_directory(tmp_path, monkeypatch):
     doc = next(iter(task.test_docs()))
     assert task.doc_to_text(doc) == doc["context"] and task.doc_to_target(doc) == doc["target"]
     assert task.process_results(doc, [doc["target"].strip()])["exact_match"] == 1.0
+
+
+def test_task_code_others_could_write_is_not_run(tmp_path, monkeypatch, caplog):
+    """lm-eval runs the include directory's ``utils.py``: one that another user could have
+    written (here: world-writable, with code planted in it) is not used; the tasks are generated
+    again in a private directory, with a warning."""
+    monkeypatch.setenv("THRESHER_HOME", str(tmp_path))
+    root = prepare_builtin_tasks()
+    planted = root / "utils.py"
+    planted.write_text("raise SystemExit('planted code ran')\n")
+    planted.chmod(0o666)
+    with caplog.at_level("WARNING", logger="thresher.paths"):
+        again = prepare_builtin_tasks()
+    assert again != root and not again.is_relative_to(tmp_path)
+    assert (again / "utils.py").read_bytes() == (CONFIG_DIR / "utils.py").read_bytes()
+    assert str(root) in caplog.text
+    config = load_task_yaml((again / "stdlib_next_line.yaml").read_text())
+    assert config["dataset_kwargs"]["data_files"]["test"] == str(again / "stdlib_next_line.jsonl")
+
+
+def test_files_are_written_private_whatever_the_umask(tmp_path, monkeypatch):
+    monkeypatch.setenv("THRESHER_HOME", str(tmp_path))
+    before = os.umask(0o002)  # group-writable by default, as on many shared machines
+    try:
+        root = prepare_builtin_tasks()
+    finally:
+        os.umask(before)
+    assert prepare_builtin_tasks() == root  # reused: nothing in it is writable by others
+    assert all(not f.stat().st_mode & 0o022 for f in [root, *root.iterdir()])

@@ -80,11 +80,13 @@ def test_ui_edited_run_executes_the_edit(tmp_path, tiny_demo, prefect_server):
     prefect = str(Path(sys.executable).parent / "prefect")
     subprocess.run([prefect, "work-pool", "create", "thresher-test", "--type", "process"],
                    env=env, check=True, capture_output=True, timeout=120)
+    # the deployment's entrypoint is a module path: neither command needs the checkout as cwd
     out = subprocess.run(thresher_cmd("deploy", str(schedules), "--work-pool", "thresher-test"),
-                         env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+                         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
 
     deployment = httpx.get(f"{api}/deployments/name/compress/dep-test").json()
+    assert deployment["entrypoint"] == "thresher.flows.compress.compress"
     prefilled = deployment["parameters"]["recipe"]
     assert prefilled == load_recipe(recipe).model_dump(mode="json", by_alias=True)
     schema = deployment["parameter_openapi_schema"]
@@ -108,7 +110,7 @@ def test_ui_edited_run_executes_the_edit(tmp_path, tiny_demo, prefect_server):
     assert created.status_code == 201, created.text
     worker = subprocess.Popen([prefect, "worker", "start", "--pool", "thresher-test"],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
+                              start_new_session=True, cwd=tmp_path)
     try:
         run = _wait_for_run(api, created.json()["id"], 420)
     finally:

@@ -11,7 +11,10 @@ The task configs are lm-eval YAML files shipped in ``thresher/evaluate/tasks/``.
 generated deterministically at run time (the questions depend on the running Python's stdlib, so
 it cannot ship inside the package) into ``<state dir>/tasks/<key>/``, beside a copy of each YAML
 whose ``data_files`` now name the generated files. That directory is an ordinary lm-eval include
-path: ``lm_eval --include_path DIR --tasks stdlib_next_line`` runs the same task.
+path: ``lm_eval --include_path DIR --tasks stdlib_next_line`` runs the same task. lm-eval runs
+the configs' ``!function`` code (``utils.py``) from it, so it is used only if it and every file
+in it are the current user's and nobody else can write to them (``paths.is_private``); otherwise
+the tasks are generated again in a private directory.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from thresher.data.sources import stdlib_files, stdlib_root
-from thresher.paths import build_dir_atomically, state_dir
+from thresher.paths import build_dir_atomically, code_dir, fallback_code_dir, is_private
 
 log = logging.getLogger(__name__)
 
@@ -301,8 +304,9 @@ def data_key(seed: int = 0) -> str:
 
 def prepare_builtin_tasks(seed: int = 0) -> Path:
     """Generate (once) the data and the include-path directory of every built-in task."""
-    final = state_dir() / "tasks" / f"stdlib-{data_key(seed)}"
-    final.parent.mkdir(parents=True, exist_ok=True)
+    final = code_dir("tasks") / f"stdlib-{data_key(seed)}"
+    if final.exists() and not _all_private(final):
+        final = fallback_code_dir("tasks", final) / final.name
     with open(final.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (final / "complete").is_file():
@@ -316,7 +320,14 @@ def prepare_builtin_tasks(seed: int = 0) -> Path:
                 log.info("built-in task %s: %d questions", task.name, len(docs))
             shutil.copy(CONFIG_DIR / "utils.py", tmp / "utils.py")  # the configs' !function
             (tmp / "complete").write_text("")
+            for f in tmp.iterdir():
+                f.chmod(0o644)  # not the umask's mode, which may let the group write
     return final
+
+
+def _all_private(directory: Path) -> bool:
+    """``directory`` and everything in it are ``is_private``."""
+    return is_private(directory) and all(is_private(f) for f in directory.iterdir())
 
 
 def _with_data_file(name: str, data: Path) -> str:

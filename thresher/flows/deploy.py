@@ -10,7 +10,9 @@ runs that recipe. Edit the file, deploy again. Two ways to run them:
   executes their runs itself, as they are triggered from the UI, ``prefect deployment run`` or the
   schedule.
 - a work pool (many machines): the deployments are registered against a Prefect work pool, and
-  ``prefect worker start --pool NAME`` on any machine with thresher installed picks the runs up.
+  ``prefect worker start --pool NAME`` on any machine with thresher installed picks the runs up;
+  the entrypoint is the module path ``thresher.flows.compress.compress``, imported from the
+  installed package, so workers need no source checkout.
 """
 
 from __future__ import annotations
@@ -22,9 +24,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from thresher.errors import RecipeError
 from thresher.recipe import load_recipe
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-ENTRYPOINT = "thresher/flows/compress.py:compress"
 
 
 class DeploymentSpec(BaseModel):
@@ -55,11 +54,7 @@ def load_schedules(path: str | Path) -> list[DeploymentSpec]:
         raise RecipeError(f"{path}: invalid schedules file:\n{err}") from None
     specs = []
     for spec in parsed.deployments:
-        recipe = Path(spec.recipe)
-        if not recipe.is_absolute():
-            recipe = (path.parent / recipe).resolve()
-            if not recipe.is_file():  # paths may also be relative to the repository root
-                recipe = (REPO_ROOT / spec.recipe).resolve()
+        recipe = (path.parent / spec.recipe).resolve()  # an absolute path stays as it is
         load_recipe(recipe)  # refuse a broken recipe now, not at 3 am
         specs.append(spec.model_copy(update={"recipe": str(recipe)}))
     return specs
@@ -100,16 +95,18 @@ def serve_deployments(specs: list[DeploymentSpec]) -> None:
     serve(*deployments)
 
 
-def deploy_to_work_pool(specs: list[DeploymentSpec], work_pool: str, source: str | None = None
-                        ) -> list[str]:
-    """Register the deployments against ``work_pool``; workers run them. Returns deployment ids."""
-    from prefect import flow
+def deploy_to_work_pool(specs: list[DeploymentSpec], work_pool: str) -> list[str]:
+    """Register the deployments against ``work_pool``; workers run them from their installed
+    thresher. Returns deployment ids."""
+    from prefect.deployments.runner import EntrypointType
+
+    from thresher.flows.compress import compress
 
     ids = []
     for s in specs:
-        remote = flow.from_source(source=source or str(REPO_ROOT), entrypoint=ENTRYPOINT)
-        ids.append(str(remote.deploy(
-            name=s.name, work_pool_name=work_pool, parameters=deployment_parameters(s),
+        ids.append(str(compress.deploy(
+            name=s.name, work_pool_name=work_pool, entrypoint_type=EntrypointType.MODULE_PATH,
+            parameters=deployment_parameters(s),
             schedules=_schedules(s), paused=s.paused, tags=["thresher"],
             description=_description(s),
             print_next_steps=False,

@@ -26,6 +26,7 @@ from typing import Any
 from uuid import UUID
 
 from prefect import flow, get_run_logger
+from prefect.deployments.runner import EntrypointType
 
 from thresher.errors import ExecutionError
 from thresher.evaluate.report import VariantRecord, record_from_run
@@ -37,8 +38,6 @@ from thresher.tracking import Tracker
 log = logging.getLogger(__name__)
 
 FLOW_NAME = "compress-variant"
-ENTRYPOINT = "thresher/flows/fanout.py:compress_variant"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 CRASH_AUTOMATION = "thresher: crash flow runs without heartbeats"
 FLOW_RUN_TAG = "thresher.prefect_flow_run"  # on a variant's MLflow run: which flow run made it
 HOST_TAG = "thresher.host"
@@ -60,12 +59,13 @@ def deployment_name(pool: str) -> str:
     return f"{FLOW_NAME}/{pool}"
 
 
-def deploy_variant_flow(pool: str, source: str | None = None) -> str:
-    """Register (or update) ``compress-variant/<pool>``: workers run it from ``source`` (default:
-    this checkout, which must then exist at the same path on every worker)."""
-    remote = flow.from_source(source=source or str(REPO_ROOT), entrypoint=ENTRYPOINT)
-    deployment_id = remote.deploy(
-        name=pool, work_pool_name=pool, tags=["thresher", VARIANT_TAG], print_next_steps=False,
+def deploy_variant_flow(pool: str) -> str:
+    """Register (or update) ``compress-variant/<pool>``. Its entrypoint is the module path
+    ``thresher.flows.fanout.compress_variant``: workers import it from the thresher installed
+    where they run (the same version everywhere), with no source checkout to copy or mount."""
+    deployment_id = compress_variant.deploy(
+        name=pool, work_pool_name=pool, entrypoint_type=EntrypointType.MODULE_PATH,
+        tags=["thresher", VARIANT_TAG], print_next_steps=False,
         description="thresher: a group of a recipe's variants, under the sweep's MLflow run",
         job_variables={"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_SECONDS)}},
         ignore_warnings=True,

@@ -4,7 +4,10 @@ It is the single-machine twin of the multi-machine set-up in docs/operations.md:
 servers, the same work pool, the same ``compress-variant`` deployment, so the distributed path
 can be tried with one command before renting machines. Every process starts in its own session
 (process group), its log and its pid go under ``$THRESHER_HOME/stack``, and ``stop_stack`` ends
-exactly those process groups.
+exactly those process groups: a recorded pid is signalled only while its process is still the
+one started (same start time and command line in ``/proc``), since after a reboot or a crash the
+pid may belong to anything. The workers run the ``compress-variant`` flow from the installed
+thresher package, so the stack needs no source checkout.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from pathlib import Path
 import httpx
 
 from thresher.errors import ExecutionError
-from thresher.flows.fanout import HEARTBEAT_SECONDS, REPO_ROOT, deploy_variant_flow
-from thresher.paths import state_dir
+from thresher.flows.fanout import HEARTBEAT_SECONDS, deploy_variant_flow
+from thresher.paths import state_dir, write_text_atomically
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +37,15 @@ STATE_FILE = "stack.json"
 
 @dataclass
 class Stack:
-    """What ``start_stack`` started: URLs, the pool, and one pid (= process group) per process."""
+    """What ``start_stack`` started: URLs, the pool, one pid (= process group) per process and
+    each process's identity (``process_identity``) when it was started."""
 
     root: str
     prefect_url: str
     mlflow_url: str
     pool: str
     pids: dict[str, int] = field(default_factory=dict)
+    identities: dict[str, list[str]] = field(default_factory=dict)
 
     def env(self) -> dict[str, str]:
         """The variables a client exports to use the stack."""
@@ -58,13 +63,34 @@ def _bin(name: str) -> str:
     return str(Path(sys.executable).parent / name)
 
 
-def _spawn(name: str, cmd: list[str], root: Path, env: dict[str, str]) -> int:
+def process_identity(pid: int) -> list[str] | None:
+    """What tells a process from a later one with the same pid: its start time (clock ticks since
+    boot, ``/proc/PID/stat`` field 22) and its command line; None if there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    start = stat.rpartition(")")[2].split()[19]  # the fields after the command name start at 3
+    return [start, *cmdline.decode(errors="replace").split("\0")[:-1]]
+
+
+def _spawn(name: str, cmd: list[str], stack: Stack, env: dict[str, str]) -> None:
+    root = Path(stack.root)
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     with open(logs / f"{name}.log", "ab") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, cwd=str(REPO_ROOT))
-    return proc.pid
+                                start_new_session=True, cwd=str(root))
+    stack.pids[name] = proc.pid
+    identity = process_identity(proc.pid)
+    deadline = time.time() + 5
+    while identity is not None and len(identity) == 1 and time.time() < deadline:
+        time.sleep(0.01)  # the new program's command line appears a moment after the exec
+        identity = process_identity(proc.pid)
+    if identity is not None:
+        stack.identities[name] = identity
+    _write(stack)  # recorded before anything can fail, so that `stop_stack` finds it
 
 
 def _wait_healthy(url: str, name: str, pid: int, root: Path, timeout: float = 240) -> None:
@@ -121,25 +147,23 @@ def start_stack(workers: int = 2, pool: str = "thresher", prefect_port: int = 42
            "MLFLOW_TRACKING_URI": mlflow_url,
            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_SECONDS)}
     try:
-        stack.pids["prefect-server"] = _spawn("prefect-server", [
+        _spawn("prefect-server", [
             _bin("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)],
-            root, env)
+            stack, env)
         (root / "mlflow" / "artifacts").mkdir(parents=True, exist_ok=True)
-        stack.pids["mlflow-server"] = _spawn("mlflow-server", [
+        _spawn("mlflow-server", [
             _bin("mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
             "--workers", "1",
             "--backend-store-uri", f"sqlite:///{root / 'mlflow' / 'mlflow.db'}",
             "--artifacts-destination", str(root / "mlflow" / "artifacts"), "--serve-artifacts"],
-            root, env)
-        _write(stack)
+            stack, env)
         _wait_healthy(f"{prefect_url}/health", "prefect-server", stack.pids["prefect-server"], root)
         _wait_healthy(f"{mlflow_url}/health", "mlflow-server", stack.pids["mlflow-server"], root)
         _create_pool_and_deployment(pool, prefect_url)
         for i in range(1, workers + 1):
-            stack.pids[f"worker-{i}"] = _spawn(f"worker-{i}", [
+            _spawn(f"worker-{i}", [
                 _bin("prefect"), "worker", "start", "--pool", pool, "--type", "process",
-                "--name", f"worker-{i}", "--limit", "1"], root, env)
-        _write(stack)
+                "--name", f"worker-{i}", "--limit", "1"], stack, env)
     except BaseException:
         stop_stack(root)
         raise
@@ -159,7 +183,7 @@ def _create_pool_and_deployment(pool: str, prefect_url: str) -> None:
 
 
 def _write(stack: Stack) -> None:
-    (Path(stack.root) / STATE_FILE).write_text(json.dumps(asdict(stack), indent=1))
+    write_text_atomically(Path(stack.root) / STATE_FILE, json.dumps(asdict(stack), indent=1))
 
 
 def read_stack(root: Path | None = None) -> Stack | None:
@@ -168,11 +192,20 @@ def read_stack(root: Path | None = None) -> Stack | None:
 
 
 def stop_stack(root: Path | None = None, grace_s: float = 20) -> list[str]:
-    """End the recorded process groups (workers first), SIGTERM then SIGKILL; names stopped."""
+    """End the recorded process groups (workers first), SIGTERM then SIGKILL; names stopped. A
+    process that is gone, or whose pid now belongs to another process, is left alone."""
     stack = read_stack(root)
     if stack is None:
         return []
-    order = sorted(stack.pids, key=lambda n: not n.startswith("worker-"))
+    order = []
+    for name in sorted(stack.pids, key=lambda n: not n.startswith("worker-")):
+        pid = stack.pids[name]
+        identity = process_identity(pid) if _alive(pid) else None  # _alive reaps a zombie child
+        if identity is not None and identity == stack.identities.get(name):
+            order.append(name)
+        elif identity is not None:
+            log.warning("stack: pid %d is no longer the %s it started (now %s); left alone",
+                        pid, name, " ".join(identity[1:]) or "a process without a command line")
     for name in order:
         _signal_group(stack.pids[name], signal.SIGTERM)
     deadline = time.time() + grace_s

@@ -9,6 +9,8 @@ code paths are tested here.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -134,3 +136,43 @@ def test_a_compiler_error_is_reported(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="compiling cpu_q4.c cpu_norm.c cpu_attention.c failed"):
         cpu_native.build("native", tmp_path)
     assert not list(tmp_path.glob("*.so"))  # nothing half-written left to load
+
+
+def test_a_library_others_could_write_is_rebuilt_privately(tmp_path, caplog):
+    """A file of the expected name that another user could have written (here: group- and
+    world-writable, holding garbage) is not loaded: the library is built again in a private
+    directory, with a warning."""
+    built = cpu_native.build("haswell", tmp_path)
+    built.write_bytes(b"not a library")
+    built.chmod(0o666)
+    with caplog.at_level("WARNING", logger="thresher.paths"):
+        rebuilt = cpu_native.build("haswell", tmp_path)
+    assert rebuilt != built and rebuilt.name == built.name
+    assert rebuilt.parent.stat().st_mode & 0o777 == 0o700
+    assert cpu_native.load(rebuilt).thr_q4_isa() == b"avx2"
+    assert str(built) in caplog.text and "not private" in caplog.text
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="making a file another user's needs root")
+def test_a_library_owned_by_another_user_is_not_loaded(tmp_path):
+    built = cpu_native.build("haswell", tmp_path)
+    os.chown(built, 65534, 65534)  # nobody
+    assert cpu_native.build("haswell", tmp_path) != built
+
+
+def test_a_compile_error_fails_loudly_when_the_kernels_are_required(monkeypatch, caplog):
+    """For users a compiler error is a warning with the compiler's message and torch's operators;
+    with THRESHER_REQUIRE_C_KERNELS=1 (the suite's setting) it raises; no compiler is not an
+    error either way."""
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv(cpu_native.REQUIRE_ENV, "1")
+    with pytest.raises(RuntimeError, match="compiling cpu_q4.c"):
+        cpu_native._library.__wrapped__("native")
+    monkeypatch.setenv(cpu_native.REQUIRE_ENV, "0")
+    with caplog.at_level("WARNING", logger=cpu_native.__name__):
+        assert cpu_native._library.__wrapped__("native") is None
+    assert "compiling cpu_q4.c" in caplog.text
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.setenv(cpu_native.REQUIRE_ENV, "1")
+    assert cpu_native._library.__wrapped__("native") is None

@@ -48,7 +48,7 @@ def test_rms_norm_ref_is_bit_equal_to_unfused_formula(dtype, w_shape, w_fp32):
     assert torch.equal(out, _rms_norm_unfused(res, w, 1e-6))
 
 
-@pytest.mark.skipif(cpu_native.library() is None, reason="thresher's C kernels do not build here")
+@pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler here, or no AVX2 and FMA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("w_shape", [(256,), (6, 256)])  # one weight, or one row per head
 @pytest.mark.parametrize("w_fp32", [False, True])
@@ -78,7 +78,7 @@ def test_rms_norm_c_matches_ref(dtype, w_shape, w_fp32, fused):
 def test_rms_norm_c_declines_what_it_cannot_hold():
     """fp16, a non-contiguous input or a weight in another 16-bit dtype go to the reference."""
     if cpu_native.library() is None:
-        pytest.skip("thresher's C kernels do not build here")
+        pytest.skip("no C compiler here, or no AVX2 and FMA")
     w = torch.rand(64) + 0.5
     assert norm.rms_norm_c(torch.randn(3, 64).half(), w, 1e-6) is None
     assert norm.rms_norm_c(torch.randn(64, 3).T, w, 1e-6) is None

@@ -88,7 +88,7 @@ def _decode_path(path: str, monkeypatch) -> None:
     if path == "operators":
         monkeypatch.setattr(attention, "paged_decode_c", lambda *args: None)
     elif cpu_native.library() is None:
-        pytest.skip("thresher's C kernels do not build here")
+        pytest.skip("no C compiler here, or no AVX2 and FMA")
 
 
 @pytest.mark.parametrize("lens,host_exact", [([9], True), ([9, 9, 9], True),
@@ -113,7 +113,7 @@ def test_decode_attention_with_or_without_mask_matches_each_row(lens, host_exact
         assert torch.allclose(out[b], ref[:, 0], atol=1e-5)
 
 
-@pytest.mark.skipif(cpu_native.library() is None, reason="thresher's C kernels do not build here")
+@pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler here, or no AVX2 and FMA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [32, 20, 136])  # vector widths, a scalar tail, two register passes
 def test_decode_attention_c_matches_the_operators(dtype, d):
@@ -177,7 +177,7 @@ def test_packed_expert_loop_one_token_matches_its_row_of_a_batch(dtype):
         assert torch.allclose(one.float(), batch[t : t + 1].float(), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.skipif(cpu_native.library() is None, reason="thresher's C kernels do not build here")
+@pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler here, or no AVX2 and FMA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group_size", [32, 128])
 def test_one_token_expert_call_matches_the_operator_path(dtype, group_size):

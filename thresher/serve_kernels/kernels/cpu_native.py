@@ -6,10 +6,14 @@ microseconds for a [1, 1024] row (its bf16 RMSNorm is half a dozen dispatched op
 bound by arithmetic (its int4 matmul), a C function called through ctypes takes a few. The C
 files are compiled together with the host's ``-march`` into the state directory
 (``$THRESHER_HOME/kernels``, about a second with gcc) and loaded with ctypes; their OpenMP
-threads are torch's (the libgomp torch loaded is the one the library binds to).
+threads are torch's (the libgomp torch loaded is the one the library binds to). A library there
+is loaded only if it is the current user's and nobody else can write to it (``paths.is_private``);
+otherwise it is rebuilt in a private directory.
 
 Where there is no C compiler, the CPU is not x86-64 with AVX2 and FMA, or ``THRESHER_CPU_NATIVE=off``,
-``library()`` is None and the engine keeps torch's operators (``cpu_int4``, ``norm``).
+``library()`` is None and the engine keeps torch's operators (``cpu_int4``, ``norm``). A compiler
+error does the same, with a warning that carries the compiler's message, so that a user's server
+still starts; with ``THRESHER_REQUIRE_C_KERNELS=1`` (the test suite sets it) it raises instead.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pathlib import Path
 
 import torch  # noqa: F401  # loaded before any library here, so they bind to its libgomp
 
-from thresher.paths import state_dir
+from thresher.paths import code_dir, fallback_code_dir, is_private
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +39,11 @@ SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_q4.c", "cpu_norm.c", "cpu_attention.c"))
 HEADERS = (Path(__file__).with_name("cpu_common.h"),)  # included by the sources
 ENV = "THRESHER_CPU_NATIVE"  # "off" keeps torch's operators; a -march value overrides "native"
+REQUIRE_ENV = "THRESHER_REQUIRE_C_KERNELS"  # "1": a build failure raises instead of falling back
+
+
+class NoCompilerError(RuntimeError):
+    """No C compiler on this machine: the one build failure that is never an error."""
 
 
 def _cpu_flags() -> set[str]:
@@ -48,10 +57,11 @@ def _cpu_flags() -> set[str]:
 
 def build(march: str = "native", out_dir: Path | None = None) -> Path:
     """Compile the C files for ``march`` and return the shared library; reused when the sources,
-    the flags, the compiler and the CPU are the same. Raises on a compiler error."""
+    the flags, the compiler and the CPU are the same and the file is private. Raises on a compiler
+    error, with the compiler's message."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+        raise NoCompilerError("no C compiler (cc or gcc) on PATH")
     # no contraction of a * b + c into fma: plain C sums round as torch's elementwise ops do
     flags = ["-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
              "-std=c11"]
@@ -59,12 +69,14 @@ def build(march: str = "native", out_dir: Path | None = None) -> Path:
     text = [src.read_text() for src in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\0".join([*text, *flags, version,
                                     " ".join(sorted(_cpu_flags()))]).encode()).hexdigest()[:16]
-    out_dir = out_dir or state_dir() / "kernels"
+    out_dir = out_dir or code_dir("kernels")
     out_dir.mkdir(parents=True, exist_ok=True)
     lib = out_dir / f"thresher_cpu-{march}-{key}.so"
+    if lib.exists() and not is_private(lib):
+        lib = fallback_code_dir("kernels", lib) / lib.name
     if lib.exists():
         return lib
-    fd, tmp = tempfile.mkstemp(prefix=".thresher_cpu-", suffix=".so", dir=out_dir)
+    fd, tmp = tempfile.mkstemp(prefix=".thresher_cpu-", suffix=".so", dir=lib.parent)
     os.close(fd)
     try:
         proc = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"],
@@ -72,6 +84,7 @@ def build(march: str = "native", out_dir: Path | None = None) -> Path:
         if proc.returncode:
             names = " ".join(src.name for src in SOURCES)
             raise RuntimeError(f"compiling {names} failed:\n{proc.stderr.strip()}")
+        os.chmod(tmp, 0o755)  # the linker's mode follows the umask, which may let the group write
         os.replace(tmp, lib)  # atomic: a concurrent build of the same key writes the same bytes
     finally:
         if os.path.exists(tmp):
@@ -117,7 +130,12 @@ def _library(march: str) -> ctypes.CDLL | None:
         return None
     try:
         _loaded = load(build(march))
+    except NoCompilerError as e:
+        log.info("thresher's C kernels need a C compiler (%s); using torch's", e)
+        return None
     except (RuntimeError, OSError) as e:
+        if os.environ.get(REQUIRE_ENV) == "1":
+            raise
         log.warning("thresher's C kernels unavailable (%s); using torch's", e)
         return None
     return _loaded
