@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from thresher.errors import ArtifactError
 from thresher.formats.awq import unpack_awq
@@ -29,6 +29,7 @@ from thresher.formats.gptq import unpack_gptq
 from thresher.formats.nf4 import STATE_KEY, unpack_nf4
 from thresher.models.adapters import EXPERT_ROLES, get_adapter
 from thresher.models.checkpoint import CheckpointReader
+from thresher.models.layerwise import load_config
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ def _check_shape(key: str, fmt: PackedFormat, t: dict[str, torch.Tensor], n: int
 def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
     """An eval-mode causal LM from a GPTQ / AWQ / NF4 artifact, dequantizing on the fly."""
     path = Path(path)
-    config = AutoConfig.from_pretrained(path)
+    config = load_config(path)
     fmt = packed_format(config, path)
     if fmt is None:
         raise ArtifactError(f"{path}: config.json has no quantization_config")
@@ -135,6 +136,7 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     reader = CheckpointReader(path)
+    reader.check_against_config(config)
     quantized = _quantized_modules(reader, fmt)
     packed_keys = {f"{m}.{n}" for m, ts in quantized.items() for n in ts}
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from thresher.errors import ArtifactError
 from thresher.formats.config import PackedFormat, packed_format
@@ -29,6 +29,7 @@ from thresher.models.adapters import (
     get_adapter,
 )
 from thresher.models.checkpoint import CheckpointReader
+from thresher.models.layerwise import load_config
 from thresher.models.manifest import verify_artifact
 from thresher.models.source import resolve_model
 from thresher.serve_kernels.kernels import cpu_native, rotary_cos_sin
@@ -124,13 +125,14 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
     path = resolve_model(str(source))
     manifest = verify_artifact(path)
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    config = AutoConfig.from_pretrained(path)
+    config = load_config(path)
     adapter = get_adapter(config)
     quant = packed_format(config, path)
     if quant is not None:
         del config.quantization_config
     spec = _spec(config)
     reader = CheckpointReader(path)
+    reader.check_against_config(config)
     b = _Builder(reader, quant, dtype)
 
     layers = []
