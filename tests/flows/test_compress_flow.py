@@ -277,7 +277,7 @@ def test_damage_budget_prune_then_gptq_runs_validates_and_says_what_loads_it(tmp
                                                                               prefect_server):
     """A damage-budget prune followed by GPTQ: quantized, evaluated, published with a model card
     that says standard runtimes cannot load it, and validated in the serving engine."""
-    import json.decoder
+    import json.encoder
 
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -285,8 +285,9 @@ def test_damage_budget_prune_then_gptq_runs_validates_and_says_what_loads_it(tmp
 
     data = {
         "name": "dmg", "model": str(tiny_demo),
-        # a file outside this repository, so that editing thresher does not change the split
-        "calibration": {"source": {"files": [json.decoder.__file__]}, "samples": 8, "seq_len": 64},
+        # a file outside this repository, so that editing thresher does not change the split, and
+        # of the stdlib train split, so that the held-out perplexity does not score it
+        "calibration": {"source": {"files": [json.encoder.__file__]}, "samples": 8, "seq_len": 64},
         "eval": {"perplexity": {"seq_len": 64, "max_windows": 4}},
         "variants": [{"name": "dmg-gptq4", "stages": [
             {"prune": {"method": "reap", "ratio": 0.5, "budget": "damage"}},
