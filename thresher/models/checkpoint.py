@@ -173,14 +173,14 @@ class CheckpointReader:
     def with_prefix(self, prefix: str) -> list[str]:
         return [k for k in self.weight_map if k.startswith(prefix)]
 
-    def check_against_config(self, config) -> None:
+    def check_against_config(self, config,
+                             expected: dict[str, tuple[int, ...]] | None = None) -> None:
         """Refuse a tensor whose shape or dtype differs from what ``config`` makes of it.
 
-        Each tensor is compared with its parameter in a weightless (meta) model built from the
-        config, with per-expert tensors against one slice of the fused experts; packed modules
-        (GPTQ, AWQ, NF4) are the formats' to check. Only headers are read.
+        Each tensor is compared with ``expected_tensors(config)`` (pass it when already made);
+        packed modules (GPTQ, AWQ, NF4) are their readers' to check. Only headers are read.
         """
-        expected = _expected_tensors(config)
+        expected = expected_tensors(config) if expected is None else expected
         packed = {k.rsplit(".", 1)[0] for k in self.weight_map if k.endswith(".qweight")}
         packed |= {k.split(".weight.", 1)[0] for k in self.weight_map if ".weight." in k}
         for key in self.weight_map:
@@ -196,8 +196,10 @@ class CheckpointReader:
                                       "floating-point dtype")
 
 
-def _expected_tensors(config) -> dict[str, tuple[int, ...]]:
-    """On-disk tensor name -> shape, for the unquantized model that ``config`` describes."""
+def expected_tensors(config) -> dict[str, tuple[int, ...]]:
+    """On-disk tensor name -> shape, for the unquantized model that ``config`` describes: each
+    parameter of a weightless (meta) model built from it, per-expert tensors as one slice of the
+    fused experts."""
     config = copy.deepcopy(config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
