@@ -4,6 +4,7 @@ directory thresher did not make. The tasks run as plain functions (``.fn``), on 
 import errno
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -57,23 +58,23 @@ def test_a_full_disk_during_a_stage_is_named_and_leaves_no_entry(tiny_demo, tmp_
 
 def test_a_cache_hit_whose_files_changed_is_recomputed(tiny_demo, tmp_path, monkeypatch):
     first = _stage(tiny_demo, tmp_path / "store")
-    weights = os.path.join(first["path"], "model.safetensors")
-    good = open(weights, "rb").read()
+    weights = Path(first["path"]) / "model.safetensors"
+    good = weights.read_bytes()
     assert _stage(tiny_demo, tmp_path / "store")["cache_hit"] is True
 
     with open(weights, "ab") as f:  # a size change: always caught
         f.write(b"\0" * 64)
     again = _stage(tiny_demo, tmp_path / "store")
-    assert again["cache_hit"] is False and open(weights, "rb").read() == good
+    assert again["cache_hit"] is False and weights.read_bytes() == good
 
     flipped = bytearray(good)  # same size, other bytes: caught by the full re-hash only
     flipped[-1] ^= 0xFF
-    open(weights, "wb").write(bytes(flipped))
+    weights.write_bytes(bytes(flipped))
     monkeypatch.delenv(VERIFY_ENV, raising=False)
     assert _stage(tiny_demo, tmp_path / "store")["cache_hit"] is True
     monkeypatch.setenv(VERIFY_ENV, "hash")
     assert _stage(tiny_demo, tmp_path / "store")["cache_hit"] is False
-    assert open(weights, "rb").read() == good
+    assert weights.read_bytes() == good
 
 
 def _fields(recipe="r", variant="v"):
