@@ -146,17 +146,22 @@ FAULTS = {"corrupt": "corrupt safetensors header", "truncated": "truncated",
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_every_reader_names_the_bad_file_and_its_fault(fault, tiny_demo, tmp_path):
     from thresher.errors import CheckpointError
+    from thresher.export import export_gguf
     from thresher.models import load_model
     from thresher.models.layerwise import LayerwiseModel
     from thresher.serve_kernels.loader import load_engine_model
 
+    def export(path):
+        return export_gguf(path, tmp_path / "out.gguf", "f16", show_progress=False)
+
     path = _broken_copy(tiny_demo, tmp_path, fault)
-    for read in (LayerwiseModel, load_model, load_engine_model):
+    for read in (LayerwiseModel, load_model, load_engine_model, export):
         with pytest.raises(CheckpointError) as err:
             read(path)
         message = str(err.value)
         assert message.startswith(f"{path / 'model.safetensors'}: "), (read, message)
         assert FAULTS[fault] in message and "\n" not in message
+    assert not (tmp_path / "out.gguf").exists()
 
 
 def test_a_packed_weight_of_the_wrong_shape_is_named_by_the_engine_loader(tiny_demo, tmp_path):
