@@ -70,3 +70,13 @@ def test_store_commit_fsyncs_every_file_and_the_entry_before_it_is_visible(tmp_p
     assert len(before_rename) == 4  # three files and the entry's directory
     assert synced[-1] == (str(entry.path.parent), True)  # then the parent that names it
     assert entry.record()["files"] == {"config.json": 2, "model.safetensors": 10}
+
+
+def test_a_corrupt_or_unreadable_manifest_is_named(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "thresher.json").write_text('["not", "a", "manifest"]')
+    with pytest.raises(ArtifactError, match=rf"^{tmp_path / 'thresher.json'}: corrupt manifest"):
+        verify_artifact(tmp_path)
+    (tmp_path / "thresher.json").write_bytes(b'{"files": {"config.json": "\xff')
+    with pytest.raises(ArtifactError, match="corrupt manifest"):
+        verify_artifact(tmp_path)
