@@ -61,3 +61,71 @@ def test_a_symlink_is_never_private(tmp_path):
     (tmp_path / "real").write_text("")
     (tmp_path / "link").symlink_to(tmp_path / "real")
     assert is_private(tmp_path / "real") and not is_private(tmp_path / "link")
+def _recording_fsync(monkeypatch) -> list[str]:
+    """Record the path of every file and directory os.fsync flushes (the real fsync still runs)."""
+    import os
+
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return synced
+
+
+def test_build_is_fsynced_file_by_file_then_renamed_then_its_parent_fsynced(tmp_path,
+                                                                            monkeypatch):
+    synced = _recording_fsync(monkeypatch)
+    final = tmp_path / "entry"
+    with build_dir_atomically(final) as tmp:
+        (tmp / "a.bin").write_bytes(b"a")
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "b.bin").write_bytes(b"b")
+    names = [s.removeprefix(str(tmp)) for s in synced]
+    assert sorted(names[:2]) == ["/a.bin", "/sub/b.bin"]  # every file, before any directory
+    assert names[2:4] == ["/sub", ""]  # then the directories, deepest first
+    assert synced[4:] == [str(tmp_path)]  # after the rename: the parent that now names it
+    assert (final / "sub" / "b.bin").read_bytes() == b"b"
+
+
+def test_write_text_atomically_fsyncs_the_file_and_its_directory(tmp_path, monkeypatch):
+    from thresher.paths import write_text_atomically
+
+    synced = _recording_fsync(monkeypatch)
+    write_text_atomically(tmp_path / "result.json", "{}")
+    assert len(synced) == 2 and synced[0].startswith(str(tmp_path / ".result.json-"))
+    assert synced[1] == str(tmp_path)
+
+
+def test_a_refused_replacement_leaves_the_directory_as_it_was(tmp_path):
+    from thresher.errors import ArtifactError
+
+    final = tmp_path / "theirs"
+    final.mkdir()
+    (final / "keep.txt").write_text("theirs")
+
+    def refuse(path):
+        raise ArtifactError(f"{path}: not ours")
+
+    with pytest.raises(ArtifactError, match="not ours"), \
+            build_dir_atomically(final, check_replace=refuse) as tmp:
+        (tmp / "new").write_text("new")
+    assert [p.name for p in final.iterdir()] == ["keep.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["theirs"]
+
+
+def test_a_write_error_in_the_build_is_a_storage_error_naming_the_file(tmp_path):
+    import errno
+    import os
+
+    from thresher.errors import StorageError
+
+    final = tmp_path / "entry"
+    with pytest.raises(StorageError) as err, build_dir_atomically(final) as tmp:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / "model.safetensors"))
+    assert str(err.value).startswith(f"{tmp / 'model.safetensors'}: No space left on device")
+    assert f"while writing {final}; nothing partial was left there" in str(err.value)
+    assert list(tmp_path.iterdir()) == []

@@ -259,3 +259,80 @@ def test_damage_budget_before_quantize_is_accepted_but_not_published_as_gguf():
     data["publish"] = {"formats": ["hf", "gguf"]}
     with pytest.raises(RecipeError, match="gguf holds one expert count per model, and v prune"):
         parse_recipe(data)
+
+
+# --- calibration apart from evaluation -----------------------------------------------------------
+
+
+def _with_sources(calibration, evaluation, **flags) -> dict:
+    data = base_recipe()
+    data["calibration"] = {"source": calibration, **flags}
+    data["eval"] = {"perplexity": {"source": evaluation}}
+    return data
+
+
+def _refusal(data) -> str:
+    with pytest.raises(RecipeError) as err:
+        parse_recipe(data)
+    message = str(err.value)
+    assert "calibration.source and eval.perplexity.source" in message
+    assert "calibration.allow_eval_overlap: true" in message  # says how to accept it
+    return message
+
+
+def test_calibrating_on_the_evaluation_files_is_refused_and_accepted_with_the_flag(tmp_path):
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text("def f():\n    return 1\n" * 50)
+    a, b = str(tmp_path / "a.txt"), str(tmp_path / "b.txt")
+    same = _with_sources({"files": [a]}, {"files": [str(tmp_path / "*.txt")]})  # a glob of it
+    assert a in _refusal(same)
+    same["calibration"]["allow_eval_overlap"] = True
+    assert parse_recipe(same).calibration.allow_eval_overlap is True
+    assert parse_recipe(_with_sources({"files": [a]}, {"files": [b]}))  # different files
+    missing = str(tmp_path / "later" / "*.txt")  # a pattern naming nothing yet is itself
+    _refusal(_with_sources({"files": [missing]}, {"files": [missing]}))
+
+
+def test_the_same_dataset_split_is_refused_and_another_split_accepted():
+    wiki = {"hf": "wikitext", "config": "wikitext-2-raw-v1", "split": "test"}
+    assert "dataset 'wikitext' (config 'wikitext-2-raw-v1', split 'test')" in _refusal(
+        _with_sources(wiki, dict(wiki)))
+    assert parse_recipe(_with_sources({**wiki, "split": "train"}, wiki))
+    assert parse_recipe(_with_sources(wiki, dict(wiki), allow_eval_overlap=True))
+
+
+def test_stdlib_keeps_its_split_and_its_held_out_files_count_as_evaluation_text():
+    """json/decoder.py is in the stdlib held-out split that evaluation scores; json/encoder.py
+    is in the train split."""
+    import json.decoder
+    import json.encoder
+
+    from thresher.recipe import stdlib_split_of
+
+    assert (stdlib_split_of("json/decoder.py"), stdlib_split_of("json/encoder.py")) == (
+        "heldout", "train")
+    assert parse_recipe(_with_sources("stdlib", "stdlib"))
+    message = _refusal(_with_sources({"files": [json.decoder.__file__]}, "stdlib"))
+    assert "decoder.py (of the stdlib held-out split)" in message
+    assert parse_recipe(_with_sources({"files": [json.encoder.__file__]}, "stdlib"))
+    _refusal(_with_sources("stdlib", {"files": [json.encoder.__file__]}))
+
+
+def test_check_refuses_the_overlap_on_the_command_line(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("x = 1\n" * 100)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(_with_sources({"files": [str(text)]},
+                                                   {"files": [str(text)]})))
+    result = CliRunner().invoke(app, ["check", str(recipe)])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "calibration.source and eval.perplexity.source" in result.output
+
+
+def test_the_overlap_flag_is_not_part_of_the_store_key():
+    from thresher.flows.store import stage_key
+    from thresher.recipe import CalibrationConfig, Stage
+
+    stage = Stage.model_validate({"quantize": {"method": "rtn", "bits": 4}})
+    assert stage_key("h", stage, CalibrationConfig()) == stage_key(
+        "h", stage, CalibrationConfig(allow_eval_overlap=True))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.table import Table
 
 from thresher.errors import ThresherError
@@ -72,7 +73,9 @@ def handles_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except ThresherError as err:
             if _state["debug"]:
                 raise
-            err_console.print(f"[bold red]error:[/] {err}", highlight=False)
+            # not wrapped at the terminal's width, and a path's brackets are not markup
+            err_console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False,
+                              soft_wrap=True)
             raise typer.Exit(2) from None
 
     return wrapper

@@ -20,12 +20,22 @@ class UnsupportedArchitectureError(ModelError):
     """A model family without an adapter."""
 
 
+class CheckpointError(ModelError):
+    """A weights file that is corrupt, truncated, or holds a tensor its config does not describe;
+    the message names the file (and the tensor)."""
+
+
 class DataError(ThresherError):
     """A text source that cannot be read or yields too little text."""
 
 
 class ArtifactError(ThresherError):
     """A published artifact that is missing, incomplete or fails its hash check."""
+
+
+class StorageError(ThresherError):
+    """A write that failed (disk full, read-only, no permission); the message names the path, and
+    nothing partial was left in its place."""
 
 
 class CompressionError(ThresherError):

@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import functools
 import logging
 import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from thresher.errors import StorageError
 
 log = logging.getLogger(__name__)
 
@@ -90,30 +93,90 @@ def _private_tmp(name: str) -> Path:
     return path
 
 
-@contextlib.contextmanager
-def build_dir_atomically(final: Path) -> Iterator[Path]:
-    """A fresh directory beside ``final`` to build into; when the block succeeds it replaces
-    ``final`` by a rename, and it is removed whatever happens, so ``final`` is never partial."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+def fsync_path(path: Path) -> None:
+    """Flush one file or directory to disk (a directory: its entries, i.e. renames into it)."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
     try:
-        yield tmp
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+        os.fsync(fd)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            shutil.rmtree(tmp)
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """Flush every file under ``root``, then every directory from the deepest up to ``root``, so a
+    rename that publishes ``root`` can never expose a file whose bytes are not on disk yet."""
+    dirs = [root]
+    for path in sorted(root.rglob("*")):
+        if path.is_symlink():
+            continue
+        if path.is_dir():
+            dirs.append(path)
+        else:
+            fsync_path(path)
+    for directory in reversed(dirs):
+        fsync_path(directory)
+
+
+def storage_error(err: OSError, where: Path) -> StorageError:
+    """A failed write as the error the CLI prints: the file that failed, why, and what is left."""
+    target = err.filename or where
+    reason = err.strerror or str(err)
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        reason += "; free some space and run again"
+    return StorageError(f"{target}: {reason} (while writing {where}; nothing partial was left "
+                        "there)")
+
+
+@contextlib.contextmanager
+def build_dir_atomically(final: Path, check_replace: Callable[[Path], None] | None = None
+                         ) -> Iterator[Path]:
+    """A fresh directory beside ``final`` to build into; when the block succeeds it replaces
+    ``final`` by a rename, and it is removed whatever happens, so ``final`` is never partial.
+
+    The build is fsynced (files, directories) before the rename and the parent after it, so a
+    power loss leaves the old ``final`` or the whole new one. An existing ``final`` is replaced
+    only if ``check_replace(final)`` returns (it raises to refuse, and ``final`` stays as it was).
+    An OSError (a full disk) becomes a StorageError naming the file.
+    """
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    old = final.with_name(f"{tmp.name}-old")
+    try:
+        try:
+            yield tmp
+            fsync_tree(tmp)
+            if final.exists():
+                if check_replace is not None:
+                    check_replace(final)
+                final.rename(old)  # kept whole until the new one is in place
+            try:
+                tmp.rename(final)
+            except OSError:
+                if old.exists():
+                    old.rename(final)
+                raise
+            fsync_path(final.parent)
+        except OSError as err:
+            raise storage_error(err, final) from err
+    finally:
+        for leftover in (tmp, old):
+            with contextlib.suppress(FileNotFoundError):
+                shutil.rmtree(leftover)
 
 
 def write_text_atomically(final: Path, text: str) -> None:
-    """Write ``text`` to a temporary file beside ``final`` and rename it into place, so a reader
-    (or a run killed halfway) never sees a partial file."""
+    """Write ``text`` to a temporary file beside ``final``, flush it to disk and rename it into
+    place, so a reader (or a run killed halfway, or a power loss) never sees a partial file."""
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}-", dir=final.parent)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, final)
+        fsync_path(final.parent)
+    except OSError as err:
+        raise storage_error(err, final) from err
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)

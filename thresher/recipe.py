@@ -8,8 +8,12 @@ field path (``variants.1.stages.0.quantize.bits``) and what is wrong with it. A 
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import itertools
+import os
 import re
+import sysconfig
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -53,6 +57,39 @@ class FilesSource(StrictModel):
     field: str = Field("text", description="key that holds the text in .jsonl records")
 
 
+Split = Literal["train", "heldout"]
+
+# Tests, IDLE and bundled third-party code are not "the standard library's source" in any useful
+# sense and would make the corpus depend on how Python was packaged.
+STDLIB_EXCLUDE = ("test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3",
+                  "__pycache__")
+HELDOUT_PERCENT = 10
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_split_of(relpath: str) -> Split:
+    """The split a standard-library file belongs to: a stable hash of its relative path.
+
+    It lives beside the schema because it is what ``stdlib`` means (calibration reads the train
+    split, evaluation the held-out one) and what the overlap check below compares files against."""
+    bucket = int(hashlib.sha256(relpath.encode()).hexdigest(), 16) % 100
+    return "heldout" if bucket < HELDOUT_PERCENT else "train"
+
+
+def _stdlib_split_of_file(path: Path) -> Split | None:
+    """The ``stdlib`` split that reads ``path``; None when the corpus does not hold it."""
+    root = stdlib_root().resolve()
+    if path.suffix != ".py" or not path.is_relative_to(root):
+        return None
+    rel = path.relative_to(root).as_posix()
+    if any(part in STDLIB_EXCLUDE for part in rel.split("/")[:-1]):
+        return None
+    return stdlib_split_of(rel)
+
+
 TextSource = Annotated[
     Literal["stdlib"] | HFDatasetSource | FilesSource,
     Field(
@@ -69,6 +106,11 @@ class CalibrationConfig(StrictModel):
     samples: int = Field(128, gt=0, description="number of calibration windows")
     seq_len: int = Field(256, gt=0, description="tokens per window")
     seed: int = 0
+    allow_eval_overlap: bool = Field(
+        False, description="accept calibration text that evaluation also scores (the same local "
+        "files, the same dataset split, or files of the stdlib held-out split): the recipe is "
+        "refused without it, because every variant's perplexity would flatter it. Not part of "
+        "a stage's store key: it changes no artifact")
 
 
 class PerplexityConfig(StrictModel):
@@ -757,6 +799,19 @@ class Recipe(StrictModel):
                              f"{', '.join(uneven)} prune with a 'damage' budget")
         return self
 
+    @model_validator(mode="after")
+    def _calibration_apart_from_evaluation(self) -> Recipe:
+        if self.calibration.allow_eval_overlap:
+            return self
+        shared = shared_text(self.calibration.source, self.eval.perplexity.source)
+        if shared is not None:
+            raise ValueError(
+                f"calibration.source and eval.perplexity.source both draw from {shared}, so the "
+                "variants would be scored on text they were calibrated on; calibrate and evaluate "
+                "on different files or dataset splits, or set calibration.allow_eval_overlap: "
+                "true to accept it")
+        return self
+
     def plan(self) -> list[PlanStep]:
         """The stages to compute, with equal prefixes shared across variants."""
         steps: dict[tuple[str, ...], PlanStep] = {}
@@ -771,6 +826,44 @@ class Recipe(StrictModel):
                     steps[prefix] = step
                 step.variants.append(variant.name)
         return list(steps.values())
+
+
+def shared_text(calibration: Any, evaluation: Any) -> str | None:
+    """What a calibration source and an evaluation source both read, described (None: nothing).
+
+    ``stdlib`` against itself is apart by its hash split; local files are compared by their
+    resolved paths (and against the stdlib split the other side reads); datasets by name,
+    configuration and split.
+    """
+    if isinstance(calibration, HFDatasetSource) and isinstance(evaluation, HFDatasetSource):
+        same = (calibration.hf, calibration.config, calibration.split) == (
+            evaluation.hf, evaluation.config, evaluation.split)
+        return (f"dataset {calibration.hf!r} (config {calibration.config!r}, split "
+                f"{calibration.split!r})") if same else None
+    cal_files, eval_files = _named_files(calibration), _named_files(evaluation)
+    both = sorted(cal_files & eval_files)
+    if evaluation == "stdlib":
+        both = [f for f in sorted(cal_files) if _stdlib_split_of_file(Path(f)) == "heldout"]
+    elif calibration == "stdlib":
+        both = [f for f in sorted(eval_files) if _stdlib_split_of_file(Path(f)) == "train"]
+    if not both:
+        return None
+    split = (" (of the stdlib held-out split)" if evaluation == "stdlib" else
+             " (of the stdlib train split)" if calibration == "stdlib" else "")
+    more = f" and {len(both) - 3} more" if len(both) > 3 else ""
+    return f"the local file{'s' if len(both) > 1 else ''} {', '.join(both[:3])}{more}{split}"
+
+
+def _named_files(source: Any) -> set[str]:
+    """The resolved paths a files source names (a pattern that matches nothing yet stands for
+    itself, so two equal patterns still count as the same files)."""
+    if not isinstance(source, FilesSource):
+        return set()
+    out: set[str] = set()
+    for pattern in source.files:
+        matched = glob.glob(os.path.expanduser(pattern), recursive=True)
+        out.update(str(Path(p).resolve()) for p in matched or [pattern])
+    return out
 
 
 class PlanStep(BaseModel):

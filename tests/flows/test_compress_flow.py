@@ -196,6 +196,13 @@ def _write(tmp_path: Path, data: dict, name: str) -> Path:
     return path
 
 
+def _committed(store: Path) -> list[Path]:
+    """The store's finished entries; not an entry still being flushed beside its final name
+    (``.KEY-*``), whose completion record is written before the rename that commits it."""
+    return [m.parent for m in store.glob("*/*/.thresher-complete.json")
+            if not m.parent.name.startswith(".")]
+
+
 def test_sigkill_mid_stage_then_resume(tmp_path, tiny_demo, prefect_server):
     """Kill -9 while the second stage runs; the rerun keeps the first and recomputes the second."""
     data = recipe_dict(tiny_demo, name="kill")
@@ -215,7 +222,7 @@ def test_sigkill_mid_stage_then_resume(tmp_path, tiny_demo, prefect_server):
     deadline = time.time() + 300
     killed = False
     while time.time() < deadline and proc.poll() is None:
-        complete = list(store.glob("*/*/.thresher-complete.json"))
+        complete = _committed(store)
         partial = list((store / ".scratch").glob("*")) if (store / ".scratch").exists() else []
         if len(complete) == 1 and partial:  # the GPTQ stage has started
             os.killpg(proc.pid, signal.SIGKILL)
@@ -224,12 +231,12 @@ def test_sigkill_mid_stage_then_resume(tmp_path, tiny_demo, prefect_server):
         time.sleep(0.2)
     proc.wait(30)
     assert killed, "the flow finished before it could be killed; the test needs a slower stage"
-    prune_entry = next(store.glob("*/*/.thresher-complete.json")).parent
+    prune_entry = _committed(store)[0]
     prune_mtime = prune_entry.stat().st_mtime_ns
     rerun = subprocess.run(thresher_cmd(*args), env=env, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert prune_entry.stat().st_mtime_ns == prune_mtime, "the finished stage was not recomputed"
-    assert len(list(store.glob("*/*/.thresher-complete.json"))) == 2
+    assert len(_committed(store)) == 2
     assert not list((store / ".scratch").glob("*")), "partial output of the killed run removed"
     # Same artifacts as an uninterrupted run in a fresh store.
     clean_store = tmp_path / "clean-store"
@@ -277,7 +284,7 @@ def test_damage_budget_prune_then_gptq_runs_validates_and_says_what_loads_it(tmp
                                                                               prefect_server):
     """A damage-budget prune followed by GPTQ: quantized, evaluated, published with a model card
     that says standard runtimes cannot load it, and validated in the serving engine."""
-    import json.decoder
+    import json.encoder
 
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -285,8 +292,9 @@ def test_damage_budget_prune_then_gptq_runs_validates_and_says_what_loads_it(tmp
 
     data = {
         "name": "dmg", "model": str(tiny_demo),
-        # a file outside this repository, so that editing thresher does not change the split
-        "calibration": {"source": {"files": [json.decoder.__file__]}, "samples": 8, "seq_len": 64},
+        # a file outside this repository, so that editing thresher does not change the split, and
+        # of the stdlib train split, so that the held-out perplexity does not score it
+        "calibration": {"source": {"files": [json.encoder.__file__]}, "samples": 8, "seq_len": 64},
         "eval": {"perplexity": {"seq_len": 64, "max_windows": 4}},
         "variants": [{"name": "dmg-gptq4", "stages": [
             {"prune": {"method": "reap", "ratio": 0.5, "budget": "damage"}},

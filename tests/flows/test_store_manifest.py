@@ -46,3 +46,37 @@ def test_tampered_artifact_is_refused(tmp_path):
     os.remove(tmp_path / "config.json")
     with pytest.raises(ArtifactError, match="missing: config.json"):
         verify_artifact(tmp_path)
+
+
+def test_store_commit_fsyncs_every_file_and_the_entry_before_it_is_visible(tmp_path,
+                                                                          monkeypatch):
+    store = ArtifactStore(tmp_path)
+    synced = []  # (path flushed, whether the entry was visible yet)
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append((os.readlink(f"/proc/self/fd/{fd}"), store.entry("k3").path.exists()))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    out = store.scratch_dir("k3")
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"w" * 10)
+    (out / "config.json").write_text("{}")
+    entry = store.commit("k3", out, {})
+    names = {os.path.basename(p) for p, _ in synced}
+    assert {"model.safetensors", "config.json", ".thresher-complete.json"} <= names
+    before_rename = [p for p, visible in synced if not visible]
+    assert len(before_rename) == 4  # three files and the entry's directory
+    assert synced[-1] == (str(entry.path.parent), True)  # then the parent that names it
+    assert entry.record()["files"] == {"config.json": 2, "model.safetensors": 10}
+
+
+def test_a_corrupt_or_unreadable_manifest_is_named(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "thresher.json").write_text('["not", "a", "manifest"]')
+    with pytest.raises(ArtifactError, match=rf"^{tmp_path / 'thresher.json'}: corrupt manifest"):
+        verify_artifact(tmp_path)
+    (tmp_path / "thresher.json").write_bytes(b'{"files": {"config.json": "\xff')
+    with pytest.raises(ArtifactError, match="corrupt manifest"):
+        verify_artifact(tmp_path)

@@ -1,4 +1,8 @@
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,3 +106,107 @@ def test_streamed_shards_read_back_exactly_in_every_dtype(tmp_path):
     assert set(back) == set(tensors) and not list(tmp_path.glob("*.data"))
     for k, t in tensors.items():
         assert back[k].dtype == t.dtype and torch.equal(back[k], t), k
+
+
+# --- bad files: each is named, with what is wrong with it -------------------------------------
+
+
+def _broken_copy(tiny_demo, tmp_path, fault: str):
+    """A copy of demo:tiny whose model.safetensors has one fault."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / fault
+    shutil.copytree(tiny_demo, out)
+    weights = out / "model.safetensors"
+    if fault == "corrupt":  # a header length no real file has (safetensors: "header too large")
+        data = bytearray(weights.read_bytes())
+        data[:8] = (10**12).to_bytes(8, "little")
+        weights.write_bytes(bytes(data))
+    elif fault == "truncated":  # a copy cut short
+        data = weights.read_bytes()
+        weights.write_bytes(data[: len(data) * 2 // 3])
+    else:
+        tensors = load_file(weights)
+        key = "model.layers.0.self_attn.q_proj.weight"
+        if fault == "misshapen":
+            tensors[key] = tensors[key][:, :100].contiguous()
+        else:  # "wrong-dtype"
+            tensors[key] = tensors[key].to(torch.int32)
+        save_file(tensors, weights, metadata={"format": "pt"})
+    return out
+
+
+FAULTS = {"corrupt": "corrupt safetensors header", "truncated": "truncated",
+          "misshapen": "has shape [128, 100], config.json makes it [128, 128]",
+          "wrong-dtype": "has dtype I32, not a floating-point dtype"}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_every_reader_names_the_bad_file_and_its_fault(fault, tiny_demo, tmp_path):
+    from thresher.errors import CheckpointError
+    from thresher.export import export_gguf
+    from thresher.models import load_model
+    from thresher.models.layerwise import LayerwiseModel
+    from thresher.serve_kernels.loader import load_engine_model
+
+    def export(path):
+        return export_gguf(path, tmp_path / "out.gguf", "f16", show_progress=False)
+
+    path = _broken_copy(tiny_demo, tmp_path, fault)
+    for read in (LayerwiseModel, load_model, load_engine_model, export):
+        with pytest.raises(CheckpointError) as err:
+            read(path)
+        message = str(err.value)
+        assert message.startswith(f"{path / 'model.safetensors'}: "), (read, message)
+        assert FAULTS[fault] in message and "\n" not in message
+    assert not (tmp_path / "out.gguf").exists()
+
+
+def test_a_packed_weight_of_the_wrong_shape_is_named_by_the_engine_loader(tiny_demo, tmp_path):
+    """A GPTQ module whose packed tensors hold another width than config.json's: the engine
+    names the artifact and the module instead of failing in a kernel."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.conftest import CALIBRATION_FILE
+    from thresher.compress.api import quantize_model
+    from thresher.errors import ModelError
+    from thresher.recipe import CalibrationConfig, FilesSource, QuantizeStage
+    from thresher.serve_kernels.loader import load_engine_model
+
+    out = tmp_path / "gptq"
+    quantize_model(tiny_demo, QuantizeStage(method="rtn", bits=4, group_size=-1),
+                   CalibrationConfig(source=FilesSource(files=[CALIBRATION_FILE]), samples=2,
+                                     seq_len=16), out, show_progress=False)
+    tensors = load_file(out / "model.safetensors")
+    key = "model.layers.1.self_attn.o_proj"
+    for name, width in (("qweight", 8), ("scales", 8), ("qzeros", 1)):  # 8 outputs, not 128
+        tensors[f"{key}.{name}"] = tensors[f"{key}.{name}"][:, :width].contiguous()
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=rf"^{out}: {key} holds a \[8, 128\] weight"):
+        load_engine_model(out)
+
+
+def _thresher(*args: str) -> subprocess.CompletedProcess:
+    """The CLI as a user runs it: its own process, output not a terminal."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    return subprocess.run([sys.executable, "-m", "thresher", *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize(("fault", "command"), [
+    ("corrupt", ["perplexity", "--max-windows", "1", "--seq-len", "16", "--model"]),
+    ("truncated", ["quantize", "--method", "rtn", "--group-size", "-1", "--samples", "2",
+                   "--seq-len", "16", "--out", "{out}", "--model"]),
+    ("misshapen", ["serve", "--port", "9", "--max-num-seqs", "1"]),
+])
+def test_cli_prints_one_line_naming_the_file_and_exits_2(fault, command, tiny_demo, tmp_path):
+    path = _broken_copy(tiny_demo, tmp_path, fault)
+    result = _thresher(*[a.replace("{out}", str(tmp_path / "out")) for a in command], str(path))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr  # not wrapped, no traceback
+    assert lines[0].startswith(f"error: {path / 'model.safetensors'}: ")
+    assert FAULTS[fault] in lines[0]
+    assert not (tmp_path / "out").exists()

@@ -8,32 +8,20 @@ every machine with the same Python gets the same split without downloading anyth
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
-import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
 
 from thresher.errors import DataError
-from thresher.recipe import FilesSource, HFDatasetSource, TextSource
-
-Split = Literal["train", "heldout"]
-
-# Tests, IDLE and bundled third-party code are not "the standard library's source" in any useful
-# sense and would make the corpus depend on how Python was packaged.
-_STDLIB_EXCLUDE = ("test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "__pycache__")
-HELDOUT_PERCENT = 10
-
-
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def stdlib_split_of(relpath: str) -> Split:
-    """The split a standard-library file belongs to: a stable hash of its relative path."""
-    bucket = int(hashlib.sha256(relpath.encode()).hexdigest(), 16) % 100
-    return "heldout" if bucket < HELDOUT_PERCENT else "train"
+from thresher.recipe import (
+    STDLIB_EXCLUDE,
+    FilesSource,
+    HFDatasetSource,
+    Split,
+    TextSource,
+    stdlib_root,
+    stdlib_split_of,
+)
 
 
 def stdlib_files(split: Split) -> list[Path]:
@@ -41,7 +29,7 @@ def stdlib_files(split: Split) -> list[Path]:
     out = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
-        if any(part in _STDLIB_EXCLUDE for part in rel.split("/")[:-1]):
+        if any(part in STDLIB_EXCLUDE for part in rel.split("/")[:-1]):
             continue
         if stdlib_split_of(rel) == split:
             out.append(path)

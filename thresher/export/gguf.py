@@ -43,6 +43,7 @@ from thresher.formats.gptq import unpack_gptq
 from thresher.models.adapters import Adapter, get_adapter
 from thresher.models.checkpoint import CheckpointReader, CheckpointWriter
 from thresher.models.layerwise import load_config
+from thresher.paths import storage_error
 from thresher.resources import measure
 
 log = logging.getLogger(__name__)
@@ -247,6 +248,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", 
     if out.exists():
         raise ExportError(f"{out} already exists; choose a new output file or remove it")
     reader = CheckpointReader(model_dir)
+    reader.check_against_config(config)
     plan = _plan(reader, adapter, config, arch, gtype, fmt)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
@@ -270,6 +272,8 @@ def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", 
             finally:
                 writer.close()
         os.replace(tmp, out)
+    except OSError as err:  # a full disk: named, and the partial file removed below
+        raise storage_error(err, out) from err
     finally:
         reader.close()
         tmp.unlink(missing_ok=True)

@@ -20,14 +20,14 @@ from typing import Any
 from prefect import task
 
 from thresher import __version__
-from thresher.errors import ThresherError
+from thresher.errors import ArtifactError, ThresherError
 from thresher.flows.store import ArtifactStore, stage_key
-from thresher.formats.artifact import STORE_COMPLETE
+from thresher.formats.artifact import MANIFEST, STORE_COMPLETE
 from thresher.models.card import runtime_note, write_model_card
 from thresher.models.layerwise import load_config
-from thresher.models.manifest import read_manifest, write_manifest
+from thresher.models.manifest import read_manifest, verify_artifact, write_manifest
 from thresher.models.source import hash_directory, resolve_model
-from thresher.paths import build_dir_atomically, write_text_atomically
+from thresher.paths import build_dir_atomically, storage_error, write_text_atomically
 from thresher.recipe import (
     CalibrationConfig,
     EvalConfig,
@@ -88,15 +88,26 @@ def run_stage(input_dir: str, input_hash: str, stage: Stage, calibration: Calibr
     key = stage_key(input_hash, stage, calibration)
     with store.locked(key) as entry:
         if entry.complete:
-            record = entry.record()
-            log.info("%s: found in the store (%s), not recomputed", label, key[:12])
-            return {"path": str(entry.path), "content_hash": record["content_hash"], "key": key,
-                    "cache_hit": True, "metrics": record.get("metrics", {})}
+            damage = entry.damage()
+            if damage is None:
+                record = entry.record()
+                log.info("%s: found in the store (%s), not recomputed", label, key[:12])
+                return {"path": str(entry.path), "content_hash": record["content_hash"],
+                        "key": key, "cache_hit": True, "metrics": record.get("metrics", {})}
+            log.warning("%s: store entry %s is damaged (%s); computing it again", label,
+                        entry.path, damage)
+            store.discard(key)
         out = store.scratch_dir(key)
         log.info("%s: computing (store key %s)", label, key[:12])
-        metrics = execute_stage(Path(input_dir), stage, calibration, out, execution).metrics()
-        entry = store.commit(key, out, {"stage": stage.model_dump(mode="json", exclude_none=True),
-                                        "input_hash": input_hash, "metrics": metrics})
+        try:
+            metrics = execute_stage(Path(input_dir), stage, calibration, out, execution).metrics()
+            entry = store.commit(key, out, {"stage": stage.model_dump(mode="json",
+                                                                      exclude_none=True),
+                                            "input_hash": input_hash, "metrics": metrics})
+        except OSError as err:  # a full disk while writing the stage's output
+            raise storage_error(err, entry.path) from err
+        finally:
+            shutil.rmtree(out.parent, ignore_errors=True)  # the scratch folder, whatever happened
     return {"path": str(entry.path), "content_hash": entry.content_hash, "key": key,
             "cache_hit": False, "metrics": metrics}
 
@@ -134,25 +145,69 @@ def evaluate_artifact(path: str, content_hash: str, eval_cfg: EvalConfig, store_
     return metrics
 
 
-@task(name="publish", retries=2, retry_delay_seconds=5, task_run_name="publish-{variant}")
+def _refuse_foreign(dest: Path, recipe: str, variant: str) -> None:
+    """Raise unless ``dest`` is a publish of ``recipe``'s ``variant`` (its thresher.json says so):
+    publishing replaces its own earlier output and nothing else."""
+    try:
+        manifest = read_manifest(dest) if dest.is_dir() else None
+    except ArtifactError:
+        manifest = None
+    mine = (isinstance(manifest, dict) and manifest.get("variant") == variant
+            and isinstance(manifest.get("recipe"), dict) and manifest["recipe"].get("name") == recipe)
+    if not mine:
+        raise ArtifactError(f"{dest}: exists and is not a thresher publish of recipe {recipe!r}, "
+                            f"variant {variant!r} (no matching {MANIFEST}); refusing to replace "
+                            "it. Move it away or choose another publish.dir")
+
+
+@task(name="publish", retries=2, retry_delay_seconds=5, retry_condition_fn=_retry_unless_user_error,
+      task_run_name="publish-{variant}")
 def publish_artifact(path: str, content_hash: str, dest_root: str, variant: str,
                      manifest_fields: dict[str, Any]) -> str:
     """Copy the artifact to ``dest_root/variant`` atomically, with its ``thresher.json`` manifest
     and, when standard runtimes cannot load it (per-layer expert counts), a README.md that says
-    so."""
+    so.
+
+    The copy is re-hashed against ``content_hash`` before it is published (a store entry damaged
+    since its stage ran is refused), and fsynced before the rename. An existing ``dest`` is
+    replaced only when it is an earlier publish of the same recipe and variant.
+    """
     dest = Path(dest_root) / variant
-    existing = read_manifest(dest) if dest.is_dir() else None
-    if existing and existing.get("content_hash") == content_hash:
-        return str(dest)
+    recipe = str(manifest_fields["recipe"]["name"])
+    if dest.exists():
+        _refuse_foreign(dest, recipe, variant)
+        existing = read_manifest(dest)
+        if existing.get("content_hash") == content_hash:
+            try:
+                verify_artifact(dest)
+                return str(dest)
+            except ArtifactError as err:
+                log.warning("%s: republishing it: %s", dest, err)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with build_dir_atomically(dest) as building:
+    with build_dir_atomically(dest, lambda d: _refuse_foreign(d, recipe, variant)) as building:
         shutil.copytree(path, building, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns(STORE_COMPLETE))
+        copied = hash_directory(building)
+        if copied != content_hash:
+            raise ArtifactError(f"{path}: its files no longer match the content hash recorded "
+                                f"when it was computed ({content_hash[:12]}, now {copied[:12]}); "
+                                "not published. Run the flow again to recompute it")
         note = runtime_note(load_config(path))
         if note is not None:
             write_model_card(building, variant, note)
         write_manifest(building, content_hash=content_hash, **manifest_fields)
     return str(dest)
+
+
+def _refuse_foreign_gguf(dest: Path) -> None:
+    """Raise unless ``dest`` holds thresher's GGUF stamp (source.json)."""
+    try:
+        stamp = json.loads((dest / "source.json").read_text())
+    except (OSError, ValueError):
+        stamp = None
+    if not (isinstance(stamp, dict) and "content_hash" in stamp):
+        raise ArtifactError(f"{dest}: exists and is not thresher's GGUF output (no source.json); "
+                            "refusing to replace it. Move it away or choose another publish.dir")
 
 
 @task(name="publish-gguf", retries=1, retry_delay_seconds=5,
@@ -178,8 +233,10 @@ def publish_gguf(artifact: str, content_hash: str, dest_root: str, variant: str,
     types = ["q4_1"] if packed else types
     importance = (compute_importance(artifact, calibration, show_progress=False, hessians=gptq)
                   if calibration is not None and not packed else None)
+    if dest.exists():
+        _refuse_foreign_gguf(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with build_dir_atomically(dest) as building:
+    with build_dir_atomically(dest, _refuse_foreign_gguf) as building:
         for gguf_type in types:
             try:
                 export_gguf(artifact, building / f"{variant}-{gguf_type}.gguf", gguf_type,

@@ -15,6 +15,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -28,6 +29,18 @@ from thresher.paths import build_dir_atomically, state_dir
 from thresher.recipe import CalibrationConfig, Stage
 
 log = logging.getLogger(__name__)
+
+
+VERIFY_ENV = "THRESHER_STORE_VERIFY"
+"""Set to ``hash`` to re-hash a store entry's files on every cache hit (sizes are always checked)."""
+
+
+def file_sizes(path: Path) -> dict[str, int]:
+    """Relative path -> size of every file an entry's content hash covers (as ``hash_directory``
+    does: not the top-level dot files, such as the completion record)."""
+    files = (f for f in sorted(path.rglob("*")) if f.is_file())
+    return {rel: f.stat().st_size for f in files
+            if not (rel := f.relative_to(path).as_posix()).startswith(".")}
 
 
 @dataclass(frozen=True)
@@ -46,6 +59,29 @@ class StoreEntry:
     def content_hash(self) -> str:
         return self.record()["content_hash"]
 
+    def damage(self, rehash: bool | None = None) -> str | None:
+        """What no longer matches the entry's record (None: it is intact).
+
+        File sizes are always compared (cheap: a truncated or replaced file is caught); the
+        content is re-hashed with ``rehash``, by default when $THRESHER_STORE_VERIFY is ``hash``,
+        and for a record too old to list its sizes.
+        """
+        try:
+            record = self.record()
+        except (OSError, json.JSONDecodeError) as err:
+            return f"unreadable record ({err})"
+        sizes = record.get("files")
+        if sizes is not None:
+            actual = file_sizes(self.path)
+            changed = sorted(k for k in set(sizes) | set(actual) if sizes.get(k) != actual.get(k))
+            if changed:
+                return f"files changed since it was committed: {', '.join(changed[:5])}"
+        if rehash is None:
+            rehash = os.environ.get(VERIFY_ENV, "").lower() == "hash"
+        if (rehash or sizes is None) and hash_directory(self.path) != record["content_hash"]:
+            return "its content no longer matches its recorded hash"
+        return None
+
 
 def stage_key(input_hash: str, stage: Stage, calibration: CalibrationConfig) -> str:
     """The store key of ``stage`` applied to the artifact whose content hash is ``input_hash``."""
@@ -53,7 +89,7 @@ def stage_key(input_hash: str, stage: Stage, calibration: CalibrationConfig) -> 
         {
             "input": input_hash,
             "stage": stage.model_dump(mode="json", exclude_none=True),
-            "calibration": calibration.model_dump(mode="json"),
+            "calibration": calibration.model_dump(mode="json", exclude={"allow_eval_overlap"}),
             "thresher": __version__,
         },
         sort_keys=True,
@@ -80,6 +116,10 @@ class ArtifactStore:
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield entry
 
+    def discard(self, key: str) -> None:
+        """Remove the entry under ``key`` (a damaged one, to be recomputed). Call under ``locked``."""
+        shutil.rmtree(self.entry(key).path, ignore_errors=True)
+
     def scratch_dir(self, key: str) -> Path:
         """A path (not yet created) for a stage to write into before it is committed.
 
@@ -98,10 +138,11 @@ class ArtifactStore:
         return folder / "out"
 
     def commit(self, key: str, produced: Path, meta: dict) -> StoreEntry:
-        """Move a stage's finished output into the store under ``key``."""
+        """Move a stage's finished output into the store under ``key`` (fsynced, then renamed:
+        whole or not at all, even across a power loss), with its content hash and file sizes."""
         entry = self.entry(key)
         record = {**meta, "key": key, "content_hash": hash_directory(produced),
-                  "thresher": __version__, "created": time.time()}
+                  "files": file_sizes(produced), "thresher": __version__, "created": time.time()}
         entry.path.parent.mkdir(parents=True, exist_ok=True)
         with build_dir_atomically(entry.path) as building:
             for item in produced.iterdir():  # same filesystem: renames, not copies

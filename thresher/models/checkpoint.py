@@ -8,35 +8,122 @@ memory can be streamed through calibration and written back shard by shard.
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+from transformers import AutoModelForCausalLM
 
-from thresher.errors import ModelError
+from thresher.errors import CheckpointError, ModelError
 from thresher.formats.dtypes import SAFETENSORS_DTYPES
-from thresher.models.adapters import EXPERT_ROLES, MEMORY_DOWN, MEMORY_GATE_UP, Adapter
+from thresher.models.adapters import (
+    DISK_LAYERS,
+    EXPERT_ROLES,
+    MEMORY_DOWN,
+    MEMORY_GATE_UP,
+    Adapter,
+    get_adapter,
+)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 
+# Bytes per element of the safetensors dtypes (the names the header spells).
+_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+               "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+_MAX_HEADER = 100 << 20  # the safetensors library's own cap on the JSON header
+
+
+def read_safetensors_header(file: Path) -> dict[str, dict]:
+    """The tensor table of one safetensors file, after checking that it describes the file.
+
+    Reads the header only (no tensor data). A header that is not a safetensors header, or tensor
+    data that runs past the end of the file (a truncated copy), raises a CheckpointError naming
+    the file, instead of the safetensors library's bare "header too large".
+    """
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            prefix = f.read(8)
+            length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            raw = f.read(length) if 0 < length <= min(size - 8, _MAX_HEADER) else b""
+    except OSError as err:
+        raise CheckpointError(f"{file}: cannot read it ({err.strerror or err})") from None
+    if length < 0:
+        raise CheckpointError(f"{file}: truncated: {size} bytes, too short for a safetensors "
+                              "header")
+    if not raw:
+        raise CheckpointError(f"{file}: corrupt safetensors header (it claims {length} bytes; the "
+                              f"file has {size}); replace the file with a good copy")
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{file}: corrupt safetensors header (not JSON: {err})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: corrupt safetensors header (not a table of tensors)")
+    header.pop("__metadata__", None)
+    end = 0
+    for key, entry in header.items():
+        try:
+            start, stop = entry["data_offsets"]
+            shape = [int(n) for n in entry["shape"]]
+            dtype = entry["dtype"]
+        except (TypeError, KeyError, ValueError):
+            raise CheckpointError(f"{file}: corrupt safetensors header (entry {key!r})") from None
+        item = _ITEM_BYTES.get(dtype)
+        if item is not None and stop - start != item * math.prod(shape):
+            raise CheckpointError(f"{file}: corrupt safetensors header: tensor {key!r} ({dtype} "
+                                  f"{shape}) spans {stop - start} bytes")
+        end = max(end, stop)
+    available = size - 8 - length
+    if end > available:
+        raise CheckpointError(f"{file}: truncated: its tensors need {end} bytes of data, the file "
+                              f"holds {max(available, 0)}; replace the file with a complete copy")
+    return header
+
+
 class CheckpointReader:
-    """Random access to the tensors of a (possibly sharded) safetensors checkpoint."""
+    """Random access to the tensors of a (possibly sharded) safetensors checkpoint.
+
+    Every file's header is checked when the reader opens (corrupt, truncated), so a bad file is
+    named before any computation starts; ``check_against_config`` compares the tensors' shapes
+    and dtypes with what config.json makes of them.
+    """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         index = self.path / INDEX_NAME
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                weight_map = {str(k): str(v) for k, v in weight_map.items()}
+            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
+                    AttributeError) as err:
+                raise CheckpointError(f"{index}: corrupt index file ({type(err).__name__}: {err})"
+                                      ) from None
         elif (self.path / SINGLE_NAME).is_file():
-            with safe_open(self.path / SINGLE_NAME, framework="pt") as f:
-                weight_map = dict.fromkeys(f.keys(), SINGLE_NAME)
+            weight_map = None
         else:
             raise ModelError(f"{self.path}: no {SINGLE_NAME} or {INDEX_NAME}")
+        files = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE_NAME]
+        self.headers: dict[str, dict[str, dict]] = {}
+        for name in files:
+            if not (self.path / name).is_file():
+                raise CheckpointError(f"{self.path / name}: missing (listed in {INDEX_NAME})")
+            self.headers[name] = read_safetensors_header(self.path / name)
+        if weight_map is None:
+            weight_map = dict.fromkeys(self.headers[SINGLE_NAME], SINGLE_NAME)
+        for key, name in weight_map.items():
+            if key not in self.headers[name]:
+                raise CheckpointError(f"{self.path / name}: has no tensor {key!r}, which "
+                                      f"{INDEX_NAME} places there")
         self.weight_map: dict[str, str] = weight_map
         self._handles: dict[str, object] = {}
 
@@ -47,7 +134,11 @@ class CheckpointReader:
         return key in self.weight_map
 
     def get(self, key: str) -> torch.Tensor:
-        return self._handle(key).get_tensor(key)  # type: ignore[attr-defined]
+        try:
+            return self._handle(key).get_tensor(key)  # type: ignore[attr-defined]
+        except SafetensorError as err:
+            raise CheckpointError(f"{self.path / self.weight_map[key]}: cannot read tensor "
+                                  f"{key!r} ({err})") from None
 
     def _handle(self, key: str):
         """The open safetensors file that holds ``key``."""
@@ -57,13 +148,22 @@ class CheckpointReader:
             raise ModelError(f"{self.path}: checkpoint has no tensor {key!r}") from None
         handle = self._handles.get(file)
         if handle is None:
-            handle = safe_open(self.path / file, framework="pt")
+            try:
+                handle = safe_open(self.path / file, framework="pt")
+            except (SafetensorError, OSError) as err:
+                raise CheckpointError(f"{self.path / file}: cannot open it ({err})") from None
             self._handles[file] = handle
         return handle
 
+    def entry(self, key: str) -> dict:
+        """The header entry of tensor ``key``: dtype (safetensors' name), shape, offsets."""
+        return self.headers[self.weight_map[key]][key]
+
     def shape(self, key: str) -> tuple[int, ...]:
         """The shape of tensor ``key``, read from the file header without loading its data."""
-        return tuple(self._handle(key).get_slice(key).get_shape())  # type: ignore[attr-defined]
+        if key not in self.weight_map:
+            raise ModelError(f"{self.path}: checkpoint has no tensor {key!r}")
+        return tuple(self.entry(key)["shape"])
 
     def close(self) -> None:
         """Close the open files. Their pages are mapped into this process and count toward its
@@ -72,6 +172,51 @@ class CheckpointReader:
 
     def with_prefix(self, prefix: str) -> list[str]:
         return [k for k in self.weight_map if k.startswith(prefix)]
+
+    def check_against_config(self, config,
+                             expected: dict[str, tuple[int, ...]] | None = None) -> None:
+        """Refuse a tensor whose shape or dtype differs from what ``config`` makes of it.
+
+        Each tensor is compared with ``expected_tensors(config)`` (pass it when already made);
+        packed modules (GPTQ, AWQ, NF4) are their readers' to check. Only headers are read.
+        """
+        expected = expected_tensors(config) if expected is None else expected
+        packed = {k.rsplit(".", 1)[0] for k in self.weight_map if k.endswith(".qweight")}
+        packed |= {k.split(".weight.", 1)[0] for k in self.weight_map if ".weight." in k}
+        for key in self.weight_map:
+            if key not in expected or key.rsplit(".", 1)[0] in packed:
+                continue
+            entry, want = self.entry(key), expected[key]
+            file = self.path / self.weight_map[key]
+            if tuple(entry["shape"]) != want:
+                raise CheckpointError(f"{file}: tensor {key!r} has shape {list(entry['shape'])}, "
+                                      f"config.json makes it {list(want)}")
+            if entry["dtype"] not in _FLOAT_DTYPES:
+                raise CheckpointError(f"{file}: tensor {key!r} has dtype {entry['dtype']}, not a "
+                                      "floating-point dtype")
+
+
+def expected_tensors(config) -> dict[str, tuple[int, ...]]:
+    """On-disk tensor name -> shape, for the unquantized model that ``config`` describes: each
+    parameter of a weightless (meta) model built from it, per-expert tensors as one slice of the
+    fused experts."""
+    config = copy.deepcopy(config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    adapter = get_adapter(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    layers = adapter.layers(model)
+    out: dict[str, tuple[int, ...]] = {}
+    for i, layer in enumerate(layers):
+        count = adapter.layer_num_experts(config, i) if adapter.is_moe else 0
+        if adapter.is_moe_layer(layer) and count != adapter.num_experts(config):
+            adapter.resize_experts(layer, count)
+        state = canonical_layer_state(adapter, i, dict(layer.state_dict()))
+        out.update({k: tuple(t.shape) for k, t in state.items()})
+    outer = {k: t for k, t in model.state_dict().items() if not k.startswith(DISK_LAYERS + ".")}
+    out.update({adapter.disk_key_from_memory(k): tuple(t.shape) for k, t in outer.items()})
+    return out
 
 
 def read_layer_state(reader: CheckpointReader, adapter: Adapter, layer_idx: int, num_experts: int,

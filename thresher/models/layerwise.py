@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from thresher.errors import CheckpointError
 from thresher.models.adapters import Adapter, get_adapter
 from thresher.models.checkpoint import CheckpointReader, read_layer_state
 
@@ -60,7 +61,12 @@ _LIBC = _glibc()
 
 
 def load_config(path: str | Path):
-    config = AutoConfig.from_pretrained(path)
+    """A checkpoint's config.json as transformers reads it; an unreadable one is named."""
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{Path(path) / 'config.json'}: cannot read it "
+                              f"({type(err).__name__}: {err})") from None
     get_adapter(config)  # unsupported families fail here, before any weights are read
     return config
 
@@ -80,6 +86,7 @@ class LayerwiseModel:
             self.model = AutoModelForCausalLM.from_config(self.config, dtype=dtype)
         self.model.eval()
         self.reader = CheckpointReader(self.path)
+        self.reader.check_against_config(self.config)
         with torch.device("cpu"):
             rotary_cls = type(self.adapter.decoder(self.model).rotary_emb)
             self.rotary = rotary_cls(config=self.config)

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from thresher.errors import ModelError
 from thresher.formats.dtypes import DTYPES
+from thresher.models.checkpoint import CheckpointReader
 from thresher.models.layerwise import LayerwiseModel, load_config
 from thresher.models.manifest import verify_artifact
 from thresher.models.quantized import load_quantized_model
@@ -37,6 +38,7 @@ def load_model(source: str | Path, dtype: torch.dtype | str = torch.float32) -> 
         return load_quantized_model(path, dtype)
     if getattr(config, "layer_num_experts", None):
         return _load_per_layer_experts(path, dtype)
+    CheckpointReader(path).check_against_config(config)  # a bad file named, not a traceback
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
     return model

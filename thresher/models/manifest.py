@@ -53,9 +53,12 @@ def read_manifest(path: str | Path) -> dict | None:
     if not file.is_file():
         return None
     try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as err:
+        manifest = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ArtifactError(f"{file}: corrupt manifest ({err})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files", {}), dict):
+        raise ArtifactError(f"{file}: corrupt manifest (not a thresher manifest)")
+    return manifest
 
 
 def verify_artifact(path: str | Path) -> dict | None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from thresher.errors import ArtifactError
 from thresher.formats.awq import unpack_awq
@@ -29,6 +29,7 @@ from thresher.formats.gptq import unpack_gptq
 from thresher.formats.nf4 import STATE_KEY, unpack_nf4
 from thresher.models.adapters import EXPERT_ROLES, get_adapter
 from thresher.models.checkpoint import CheckpointReader
+from thresher.models.layerwise import load_config
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,8 @@ def _quantized_modules(reader: CheckpointReader, fmt: PackedFormat
                 if k.rsplit(".", 1)[0] == m and k.rsplit(".", 1)[1] != "bias"} for m in modules}
 
 
-def _check_shape(key: str, fmt: PackedFormat, t: dict[str, torch.Tensor], n: int, k: int) -> None:
+def _check_shape(path: Path, key: str, fmt: PackedFormat, t: dict[str, torch.Tensor], n: int,
+                 k: int) -> None:
     """Refuse packed tensors that do not describe an [n, k] weight."""
     if fmt.kind == "gptq":
         ok = tuple(t["qweight"].shape) == (k * fmt.bits // 32, n) and t["g_idx"].numel() == k
@@ -118,15 +120,16 @@ def _check_shape(key: str, fmt: PackedFormat, t: dict[str, torch.Tensor], n: int
     else:
         ok = tuple(unpack_nf4(t).shape) == (n, k)
     if not ok:
-        raise ArtifactError(f"{key}: packed tensors {({a: tuple(b.shape) for a, b in t.items()})} "
-                            f"do not hold a [{n}, {k}] weight; the artifact is corrupt")
+        raise ArtifactError(f"{path}: {key}: packed tensors "
+                            f"{({a: tuple(b.shape) for a, b in t.items()})} do not hold a [{n}, {k}] "
+                            "weight; the artifact is corrupt")
 
 
 @torch.no_grad()
 def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
     """An eval-mode causal LM from a GPTQ / AWQ / NF4 artifact, dequantizing on the fly."""
     path = Path(path)
-    config = AutoConfig.from_pretrained(path)
+    config = load_config(path)
     fmt = packed_format(config, path)
     if fmt is None:
         raise ArtifactError(f"{path}: config.json has no quantization_config")
@@ -135,6 +138,7 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     reader = CheckpointReader(path)
+    reader.check_against_config(config)
     quantized = _quantized_modules(reader, fmt)
     packed_keys = {f"{m}.{n}" for m, ts in quantized.items() for n in ts}
 
@@ -155,7 +159,7 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -
             target = model.get_submodule(name)
         except AttributeError:
             raise ArtifactError(f"{path}: quantized module {key} has no place in the model") from None
-        _check_shape(key, mfmt, tensors, target.out_features, target.in_features)
+        _check_shape(path, key, mfmt, tensors, target.out_features, target.in_features)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, module)
 
@@ -172,7 +176,7 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -
         for (e, r), mod in mods.items():
             n, k = (hidden, inter) if r == "down" else (inter, hidden)
             key = adapter.disk_expert_key(i, e, r)
-            _check_shape(key, _module_format(fmt, key, path), mod.packed(), n, k)
+            _check_shape(path, key, _module_format(fmt, key, path), mod.packed(), n, k)
         adapter.mlp(layers[i]).experts = QuantizedExperts(
             [mods[(e, "gate")] for e in range(n_exp)], [mods[(e, "up")] for e in range(n_exp)],
             [mods[(e, "down")] for e in range(n_exp)], fused.act_fn)

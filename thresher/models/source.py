@@ -95,7 +95,10 @@ def hash_directory(path: str | Path, exclude: tuple[str, ...] = (MANIFEST,)) -> 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(chunk):
+                h.update(block)
+    except OSError as err:  # unreadable (permissions, an I/O error): named, not a traceback
+        raise ModelError(f"{path}: cannot read it ({err.strerror or err})") from None
     return h.hexdigest()

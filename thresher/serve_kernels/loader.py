@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
-from thresher.errors import ArtifactError
+from thresher.errors import ArtifactError, CheckpointError
 from thresher.formats.config import PackedFormat, packed_format
 from thresher.formats.dtypes import DTYPES
 from thresher.models.adapters import (
@@ -28,7 +28,8 @@ from thresher.models.adapters import (
     Adapter,
     get_adapter,
 )
-from thresher.models.checkpoint import CheckpointReader
+from thresher.models.checkpoint import CheckpointReader, expected_tensors
+from thresher.models.layerwise import load_config
 from thresher.models.manifest import verify_artifact
 from thresher.models.source import resolve_model
 from thresher.serve_kernels.kernels import cpu_native, rotary_cos_sin
@@ -65,12 +66,19 @@ class LoadedModel:
 class _Builder:
     """Reads one artifact's tensors into engine modules, counting parameters as it goes."""
 
-    def __init__(self, reader: CheckpointReader, quant: PackedFormat | None, dtype: torch.dtype):
+    def __init__(self, reader: CheckpointReader, quant: PackedFormat | None, dtype: torch.dtype,
+                 expected: dict[str, tuple[int, ...]]):
         self.reader, self.quant, self.dtype = reader, quant, dtype
+        self.expected = expected  # disk name -> the shape config.json gives it
         self.params = 0
 
     def linear(self, prefix: str) -> Linear:
         module = load_linear(self.reader, prefix, self.quant, self.dtype)
+        want = self.expected.get(f"{prefix}.weight")
+        if want is not None and (module.out_features, module.in_features) != want:
+            raise CheckpointError(
+                f"{self.reader.path}: {prefix} holds a [{module.out_features}, "
+                f"{module.in_features}] weight, config.json makes it {list(want)}")
         self.params += module.in_features * module.out_features
         self.params += 0 if module.bias is None else module.bias.numel()
         return module
@@ -124,14 +132,16 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
     path = resolve_model(str(source))
     manifest = verify_artifact(path)
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    config = AutoConfig.from_pretrained(path)
+    config = load_config(path)
     adapter = get_adapter(config)
     quant = packed_format(config, path)
     if quant is not None:
         del config.quantization_config
     spec = _spec(config)
     reader = CheckpointReader(path)
-    b = _Builder(reader, quant, dtype)
+    expected = expected_tensors(config)
+    reader.check_against_config(config, expected)
+    b = _Builder(reader, quant, dtype, expected)
 
     layers = []
     for i in tqdm(range(spec.num_layers), desc="loading layers", disable=not show_progress):
