@@ -479,15 +479,17 @@ def section_quantized_decode(ctx: MoEContext, log: Path) -> str:
 
     s = ctx.sizes
     dev = "cuda" if not DRY else "cpu"
-    arts = {"GPTQ-4 g128": (ctx.path.parent / "gptq4-0", 4 + 32 / 128)}
-    for name, method, bits in (("AWQ-4 g128", "awq", 4 + 32 / 128), ("NF4", "nf4", 4 + 32 / 64)):
+    group = 128 if not DRY else 32  # as section 6 quantized GPTQ-4
+    arts = {f"GPTQ-4 g{group}": (ctx.path.parent / "gptq4-0", 4 + 32 / group)}
+    for name, method, bits in ((f"AWQ-4 g{group}", "awq", 4 + 32 / group),
+                               ("NF4", "nf4", 4 + 32 / 64)):
         out = ctx.path.parent / method
         if not (out / "config.json").is_file():
             cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(ctx.path), "--out",
                    str(out), "--method", method, "--samples", str(s.gptq_samples), "--seq-len",
                    "128" if not DRY else "16", "--device", dev]
             if method == "awq":
-                cmd += ["--bits", "4", "--group-size", "128" if not DRY else "32"]
+                cmd += ["--bits", "4", "--group-size", str(group)]
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                                   env={**os.environ, "PYTHONPATH": str(ROOT)})
             with log.open("a") as f:
