@@ -144,7 +144,10 @@ def schema() -> None:
 @demo_model_app.command("build")
 @handles_errors
 def demo_model_build(
-    size: Annotated[str, typer.Argument(help="tiny (tests, ~1 min) or small (the demo default).")] = "small",
+    size: Annotated[str, typer.Argument(
+        help="tiny (for tests) or small (the demo default). Measured on a 2-core x86 machine: "
+        "tiny 58 s with the cores idle and 9.5 min with them shared; small 4.4 min idle, 7.5 "
+        "min under load.")] = "small",
     force: Annotated[bool, typer.Option(help="Retrain even if a cached model exists.")] = False,
 ) -> None:
     """Train the demo tokenizer and Qwen3-MoE on the stdlib train split (cached)."""
