@@ -255,7 +255,7 @@ def quality_vs_size_data(records: list[VariantRecord], task_metric: str = "acc")
     if missing:
         log.warning("no size_bytes for %s: left out of the quality-vs-size plot", ", ".join(missing))
     panels = []
-    measures = [("perplexity", "held-out perplexity (lower is better)", True,
+    measures = [("perplexity", "perplexity on the evaluation text (lower is better)", True,
                  lambda r: r.perplexity),
                 (f"mean task {task_metric}", f"mean task {task_metric} (higher is better)", False,
                  lambda r: mean_task_score(r, task_metric))]
