@@ -204,9 +204,10 @@ def print_summary_table(summary: dict[str, Any]) -> None:
 
     console.print(terminal_table(_flow_records(summary)), markup=False, highlight=False,
                   soft_wrap=True, end="")
-    console.print(f"full table: {Path(summary['report_dir']) / COMPARISON_MD} (also in MLflow "
-                  "and on the flow run's page; `thresher compare RUN_ID` prints it)",
-                  highlight=False, soft_wrap=True)
+    console.print(f"full table: {Path(summary['report_dir']) / COMPARISON_MD}", highlight=False,
+                  soft_wrap=True)
+    console.print("  (also in MLflow and on the flow run's page; `thresher compare RUN_ID` "
+                  "prints it)")
 
 
 def _flow_records(summary: dict[str, Any]) -> list[VariantRecord]:
