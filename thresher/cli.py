@@ -113,9 +113,14 @@ def check(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")]) -> 
     if not any(not v.stages for v in r.variants):
         console.print("reference: the base model, evaluated as the variants are (no variant "
                       "without stages is listed); every variant's change is taken from it")
-    for name, files in found.gguf.items():
-        console.print(f"  GGUF of {name}: " + "; ".join(
-            f"{f.file} ({_GGUF_HOW[f.how]})" for f in files), highlight=False)
+    if found.gguf:
+        gguf_table = Table(title="GGUF files the run writes")
+        for col in ("variant", "file", "how"):
+            gguf_table.add_column(col)
+        for name, files in found.gguf.items():
+            for f in files:
+                gguf_table.add_row(name, f.file, _GGUF_HOW[f.how])
+        console.print(gguf_table)
     pool = r.execution.work_pool
     console.print(f"{len(r.variants)} variants; runs " + (
         f"on work pool {pool!r} (retries {r.execution.retries})" if pool else "in this process"))
@@ -123,10 +128,9 @@ def check(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")]) -> 
 
 
 _GGUF_HOW = {
-    "hand-off": "hand-off: the variant's 4-bit codes as Q4_1 blocks, no rounding",
-    "quantized": "quantized from the variant's 16/32-bit weights; its perplexity is measured",
-    "requantized": "requantized: a second rounding of the variant's dequantized weights; its "
-                   "perplexity is measured",
+    "hand-off": "hand-off: its 4-bit codes as the Q4_1 blocks, no rounding",
+    "quantized": "quantized from its 16/32-bit weights; perplexity measured",
+    "requantized": "requantized: a second rounding; perplexity measured",
 }
 
 

@@ -114,10 +114,12 @@ def test_check_prints_files_reference_and_sources(tmp_path):
         ["q4_k_m"], eval={"perplexity": {"source": {"files": [str(tmp_path / "eval.jsonl")]}}})))
     result = runner.invoke(app, ["check", str(path)])
     assert result.exit_code == 0, result.output
+    rows = [" ".join(line.strip("│ ").split()) for line in result.output.splitlines()]
+    assert "reap25-gptq4 │ reap25-gptq4-q4_k_m.gguf │ requantized: a second rounding; " \
+           "perplexity measured" in rows
+    assert "awq4 │ awq4-q4_k_m.gguf │ requantized: a second rounding; perplexity measured" in rows
     out = " ".join(result.output.split())  # rich wraps long lines
     assert f"shapes checked against {model}/config.json" in out
-    assert "GGUF of reap25-gptq4: reap25-gptq4-q4_k_m.gguf (requantized: a second rounding" in out
-    assert "GGUF of awq4: awq4-q4_k_m.gguf (requantized" in out
     assert "reference: the base model" in out
     assert "(held-out)" not in out and "as you chose them" in out
 

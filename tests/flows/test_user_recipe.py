@@ -84,9 +84,11 @@ def summary(user_recipe, prefect_server) -> dict:
 def test_check_lists_the_gguf_files_before_compute(user_recipe):
     result = CliRunner().invoke(app, ["check", str(user_recipe)])
     assert result.exit_code == 0, result.output
+    rows = [" ".join(line.strip("│ ").split()) for line in result.output.splitlines()]
+    gguf_rows = [r for r in rows if ".gguf" in r]
+    assert gguf_rows == [f"{name} │ {name}-q4_k_m.gguf │ requantized: a second rounding; "
+                         "perplexity measured" for name in VARIANTS]
     out = " ".join(result.output.split())
-    for name in VARIANTS:
-        assert f"GGUF of {name}: {name}-q4_k_m.gguf (requantized: a second rounding" in out
     assert "eval.jsonl, as you chose them" in out and "(held-out)" not in out
 
 
