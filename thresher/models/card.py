@@ -45,8 +45,8 @@ def write_gguf_card(path: str | Path, variant: str, files: list[dict],
     with ``how`` one of thresher.export's HANDOFF, QUANTIZED, REQUANTIZED."""
     own = f"{variant_perplexity:.3f}" if variant_perplexity is not None else "not measured"
     lines = [f"# {variant} (GGUF)", "", "GGUF files of the thresher variant "
-             f"`{variant}` for llama.cpp and Ollama. The variant's own held-out perplexity: "
-             f"{own}.", ""]
+             f"`{variant}` for llama.cpp and Ollama. The variant's own perplexity on the recipe's "
+             f"evaluation text: {own}.", ""]
     for f in files:
         weighted = " weighted by an importance matrix from the recipe's calibration windows" \
             if f.get("imatrix") else ""
@@ -56,11 +56,11 @@ def write_gguf_card(path: str | Path, variant: str, files: list[dict],
         elif f["how"] == "requantized":
             text = (f"**a second rounding**: the variant's quantized weights were dequantized and "
                     f"rounded again into {f['type']} blocks{weighted}, so these are not the "
-                    "variant's weights; they were evaluated by thresher: held-out perplexity "
-                    f"{f['perplexity']:.3f} (the variant: {own})")
+                    "variant's weights; they were evaluated by thresher: perplexity "
+                    f"{f['perplexity']:.3f} on the same text (the variant: {own})")
         else:
             text = (f"the variant's 16/32-bit weights rounded into {f['type']} blocks{weighted}; "
-                    f"held-out perplexity of these weights {f['perplexity']:.3f} (the variant: "
+                    f"perplexity of these weights {f['perplexity']:.3f} on the same text (the variant: "
                     f"{own})")
         lines.append(f"- `{f['file']}` ({f['how']}): {text}.")
     card = Path(path) / MODEL_CARD
