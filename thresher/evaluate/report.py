@@ -676,7 +676,7 @@ def terminal_table(records: list[VariantRecord], width: int = TERMINAL_WIDTH) ->
     lines = [line(header), line(["-" * w for w in widths]), *(line(row) for row in rows), ""]
     ref = f"the base model ({base.name})" if base is not None else "none (no base row)"
     lines += [f"reference: {ref}", "ppl vs base: the perplexity change from the reference, "
-              "95% interval paired over the held-out windows (* beyond noise)"]
+              "95% interval paired over the evaluation windows (* beyond noise)"]
     kept = [tasks[c - 5] for c in cols[5:-1]]
     for c in cols[5:-1]:
         lines.append(f"{header[c]}: {tasks[c - 5]} (* differs from the reference beyond noise)")
