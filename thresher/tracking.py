@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 ARTIFACT_DIR_TAG = "thresher.artifact_dir"
 ARTIFACT_HASH_TAG = "thresher.artifact_hash"
 MODEL_URI_TAG = "thresher.model_uri"
+REFERENCE_TAG = "thresher.reference"  # the base evaluated for a recipe without a base variant
 _MAX_PARAM = 500
 
 

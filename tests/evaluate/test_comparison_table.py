@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from thresher.evaluate.report import (
     VariantRecord,
     build_report,
@@ -37,7 +39,7 @@ def test_validation_columns_pick_highest_throughput_and_lowest_ttft():
 def test_no_validation_no_columns():
     rows = [row("base", "base", 10.0), row("p25", "prune frequency ratio=0.25", 12.0)]
     assert validation_columns(rows) == {}
-    assert comparison_markdown(rows).splitlines()[0].endswith("| perplexity | vs base |")
+    assert comparison_markdown(rows).splitlines()[0].endswith("| perplexity | vs base (95% CI) |")
 
 
 def test_task_cells_show_the_paired_difference_from_the_base(tmp_path):
@@ -65,3 +67,61 @@ def test_task_cells_show_the_paired_difference_from_the_base(tmp_path):
     assert [p["beyond_noise"] for p in deltas["points"][0]] == [True, False]
     assert report.files["paired_deltas"].stat().st_size > 0
     assert "paired by document" in report.files["html"].read_text()
+
+
+def _windows(shift: float, n: int = 64) -> list[float]:
+    """Per-window NLLs: the base's pattern moved by ``shift`` nats, with a little noise."""
+    return [3.0 + 0.2 * ((i * 7) % 5) + shift + 0.001 * ((i * 13) % 3) for i in range(n)]
+
+
+def test_demo_recipe_terminal_table_fits_120_columns():
+    """Every variant of the demo recipe on one line each, task names in the key, the base row
+    marked as the reference and every other row's perplexity change with its interval."""
+    from thresher.cli import DEMO_RECIPE
+    from thresher.evaluate.report import terminal_table
+    from thresher.recipe import load_recipe
+
+    demo = load_recipe(DEMO_RECIPE)
+    metrics = [f"{t}/{m}" for t in demo.eval.tasks for m in ("exact_match", "char_similarity")]
+    records = []
+    for i, v in enumerate(demo.variants):
+        stages = " -> ".join(s.describe() for s in v.stages) or "base"
+        extra = {f"task/{k}": 0.4 - 0.01 * i for k in metrics}
+        extra.update({f"task/{k}_stderr": 0.02 for k in metrics})
+        extra.update(validated(0.9, 300.0 - i, 40.0))
+        r = row(v.name, stages, 10.0 + i, **extra)
+        r.window_nll = {"perplexity": _windows(0.01 * i)}
+        records.append(r)
+    text = terminal_table(records)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 120, text
+    table = lines[2:2 + len(records)]
+    for line, v in zip(table, demo.variants, strict=True):
+        assert line.startswith(v.name + " ")
+    assert "reference" in table[0]
+    assert all(re.search(r"\+\d+\.\d\d% \[\+\d+\.\d\d, \+\d+\.\d\d\]\*", line)
+               for line in table[1:]), text
+    for i, k in enumerate(sorted(metrics)):
+        assert f"T{i + 1}: {k}" in text
+    assert "reference: the base model (base)" in text
+
+
+def test_gguf_rows_and_a_reference_from_windows():
+    """A variant's evaluated GGUF file gets its own row with its change from the base."""
+    from thresher.evaluate.report import comparison_table, terminal_table
+
+    base = row("base", "base", 20.0)
+    base.window_nll = {"perplexity": _windows(0.0)}
+    awq = row("awq4", "quantize awq 4-bit g64", 21.0, parameters=1e6,
+              **{"gguf/q4_k_m/perplexity": 22.0, "gguf/q4_k_m/size_bytes": 7e5,
+                 "gguf/q4_k_m/requantized": 1.0})
+    awq.window_nll = {"perplexity": _windows(0.05), "gguf/q4_k_m": _windows(0.1)}
+    header, rows = comparison_table([base, awq])
+    assert [r[0] for r in rows] == ["base", "awq4", "awq4-q4_k_m.gguf"]
+    assert rows[0][header.index("vs base (95% CI)")] == "reference"
+    gguf_row = rows[2]
+    assert gguf_row[1] == "GGUF q4_k_m (requantized: second rounding)"
+    assert gguf_row[header.index("bits/param")] == "5.60"
+    assert gguf_row[header.index("vs base (95% CI)")].startswith("+10.52% [+10.")
+    text = terminal_table([base, awq])
+    assert " └ q4_k_m.gguf" in text and "22.00" in text

@@ -13,6 +13,7 @@ from thresher.export.block_gptq import GPTQ_TYPES, gptq_quantize, output_error
 from thresher.export.block_quants import code_range, quantize
 from thresher.export.llama_runtime import INSTALL_HINT, LLAMA_CPP_AVAILABLE
 from thresher.models.checkpoint import CheckpointReader
+from thresher.recipe import PerplexityConfig
 
 QType = gguf.GGMLQuantizationType
 KEYS = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.o_proj.weight",
@@ -139,7 +140,8 @@ def test_publish_gguf_rounds_by_gptq_and_rebuilds_when_it_changes(tiny_demo, imp
 
     def publish(gptq: bool) -> gguf.GGUFReader:
         files = publish_gguf.fn(str(tiny_demo), "h0", str(tmp_path), "v", ["q4_0"], CAL,
-                                gptq=gptq)
+                                PerplexityConfig(seq_len=64, max_windows=2),
+                                str(tmp_path / "work"), gptq=gptq)["files"]
         assert len(files) == 1
         return {t.name: np.asarray(t.data) for t in gguf.GGUFReader(files[0]).tensors}
 

@@ -244,3 +244,45 @@ def test_recipe_names_the_exporters_types():
         PublishConfig(formats=["gguf"])
     with pytest.raises(ValidationError, match="gguf_types"):
         PublishConfig(formats=["hf", "gguf"], gguf_types=["q2_k"])
+
+
+@pytest.mark.slow
+def test_publish_hands_off_q4_1_and_requantizes_other_types(packed, tmp_path):
+    """A GPTQ-4 g32 variant asked for q4_1 and q4_k_m: q4_1 is its codes as they are, q4_k_m is
+    rounded from its dequantized weights (a second rounding, measured and said in the card);
+    both files and nothing else land in the variant's .gguf directory."""
+    from thresher.export.llama_runtime import LLAMA_CPP_AVAILABLE, LlamaCppModel
+    from thresher.flows.stages import publish_gguf
+    from thresher.recipe import PerplexityConfig
+
+    artifact, work = packed / "gptq", tmp_path / "work"
+    args = (str(artifact), "h1", str(tmp_path / "pub"), "g", ["q4_1", "q4_k_m"], None,
+            PerplexityConfig(seq_len=64, max_windows=4), str(work))
+    result = publish_gguf.fn(*args, variant_perplexity=100.0)
+    dest = tmp_path / "pub" / "g.gguf"
+    assert sorted(p.name for p in dest.iterdir()) == ["README.md", "g-q4_1.gguf",
+                                                      "g-q4_k_m.gguf", "source.json"]
+    assert result["files"] == [str(dest / "g-q4_1.gguf"), str(dest / "g-q4_k_m.gguf")]
+    assert list(work.iterdir()) == []  # the dequantized weights were temporary
+    m = result["metrics"]
+    assert "gguf/q4_1/perplexity" not in m and m["gguf/q4_1/size_bytes"] > 0
+    assert m["gguf/q4_k_m/requantized"] == 1.0 and 1 < m["gguf/q4_k_m/perplexity"] < 1e4
+    assert len(result["window_nll"]["gguf/q4_k_m"]) == 4
+    assert _tensors(dest / "g-q4_1.gguf")["blk.0.ffn_up_exps.weight"].tensor_type == QType.Q4_1
+    # q4_k_m's blocks are the variant's own dequantized weights rounded (rows of 128: Q5_0)
+    module = "model.layers.0.self_attn.o_proj"
+    reader = CheckpointReader(artifact)
+    weights = unpack_gptq({n: reader.get(f"{module}.{n}") for n in
+                           ("qweight", "qzeros", "scales", "g_idx")}, 4, 32).dequantize()
+    out = _tensors(dest / "g-q4_k_m.gguf")["blk.0.attn_output.weight"]
+    assert out.tensor_type == QType.Q5_0
+    np.testing.assert_array_equal(np.asarray(out.data), quantize(weights.numpy(), QType.Q5_0))
+    card = (dest / "README.md").read_text()
+    assert "`g-q4_1.gguf` (hand-off)" in card and "`g-q4_k_m.gguf` (requantized)" in card
+    assert "second rounding" in card and f"{m['gguf/q4_k_m/perplexity']:.3f}" in card
+    before = (dest / "g-q4_k_m.gguf").stat().st_mtime_ns
+    assert publish_gguf.fn(*args, variant_perplexity=100.0) == result  # not rebuilt
+    assert (dest / "g-q4_k_m.gguf").stat().st_mtime_ns == before
+    if LLAMA_CPP_AVAILABLE:
+        for path in result["files"]:
+            LlamaCppModel(path, n_ctx=64).close()

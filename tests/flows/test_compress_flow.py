@@ -94,11 +94,14 @@ def test_runs_metrics_and_registry(first_run, flow_env, prefect_server):
     assert by_name["rtn4"].data.metrics["compression_ratio"] > 2
     assert "quantize.wall_seconds" in by_name["rtn4"].data.metrics
     assert "prune_report.json" in {a.path for a in client.list_artifacts(by_name["p25"].info.run_id)}
-    # GGUF files beside the published checkpoints: both types of the pruned 16-bit variant; the
-    # RTN variants' groups of 64 are not Q4_1 blocks, so they get none
-    gguf_files = {a.path for a in client.list_artifacts(by_name["p25"].info.run_id, "gguf")}
-    assert gguf_files == {"gguf/p25-q8_0.gguf", "gguf/p25-q4_k_m.gguf"}
-    assert not client.list_artifacts(by_name["rtn4"].info.run_id, "gguf")
+    # GGUF files beside the published checkpoints: both types for every published variant (the
+    # RTN ones requantized from their dequantized weights), each file's weights evaluated
+    for name in ("p25", "rtn4"):
+        gguf_files = {a.path for a in client.list_artifacts(by_name[name].info.run_id, "gguf")}
+        assert gguf_files == {f"gguf/{name}-q8_0.gguf", f"gguf/{name}-q4_k_m.gguf"}
+        m = by_name[name].data.metrics
+        assert m["gguf/q4_k_m/requantized"] == float(name == "rtn4")
+        assert m["gguf/q8_0/perplexity"] == pytest.approx(m["perplexity"], rel=0.05)
     # the shared prefix (frequency-25%) was computed once: p25-rtn4 found it in the store
     assert by_name["p25-rtn4"].data.metrics["stage_cache_hits"] == 1
     report = {a.path for a in client.list_artifacts(parent.info.run_id, "comparison")}

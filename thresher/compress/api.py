@@ -19,8 +19,10 @@ import math
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
+from torch import nn
 
 from thresher.compress.driver import LayerCallback, SequentialQuantizer
 from thresher.compress.methods import method_for
@@ -33,6 +35,7 @@ from thresher.errors import ArtifactError, CompressionError
 from thresher.formats import gptq as gptq_format
 from thresher.formats.artifact import QUANTIZE_REPORT, STAGE_REPORTS
 from thresher.formats.registry import PACKERS
+from thresher.models.adapters import Adapter
 from thresher.models.checkpoint import INDEX_NAME, CheckpointWriter, canonical_layer_state
 from thresher.models.device import Compute
 from thresher.models.layerwise import (
@@ -98,7 +101,20 @@ class QuantizeReport:
         return json.dumps({**asdict(self), "metrics": self.metrics()}, indent=2)
 
 
-def check_stage(stage: QuantizeStage, method: QuantMethod, lw: LayerwiseModel) -> None:
+class ModelShapes(Protocol):
+    """What ``check_stage`` reads of a model: its layers' modules (on the meta device is enough)
+    and where it is; a ``LayerwiseModel`` is one, and ``thresher check`` builds one from a config."""
+
+    path: Path
+    adapter: Adapter
+
+    @property
+    def num_layers(self) -> int: ...
+
+    def layer(self, i: int) -> nn.Module: ...
+
+
+def check_stage(stage: QuantizeStage, method: QuantMethod, lw: ModelShapes) -> None:
     """Refuse options that do not fit the method, the model or the format, before any compute."""
     where = f"{lw.path}"
     foreign = sorted(stage.model_fields_set - set(type(stage).model_fields))

@@ -207,8 +207,36 @@ def train_tokenizer(vocab_size: int):
     )
 
 
+def spec_config(spec: DemoSpec, vocab_size: int | None = None, eos_id: int | None = None):
+    """The Qwen3-MoE config a demo model is trained with: its shapes are known from the spec
+    alone, so ``thresher check`` reads them without training it (the tokenizer's vocabulary is
+    the spec's size)."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=vocab_size or spec.vocab_size, hidden_size=spec.hidden_size,
+        intermediate_size=spec.moe_intermediate_size * spec.top_k,
+        moe_intermediate_size=spec.moe_intermediate_size, num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim, num_experts=spec.num_experts, num_experts_per_tok=spec.top_k,
+        norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=spec.aux_loss_coef,
+        max_position_embeddings=1024, tie_word_embeddings=True, rope_theta=10000.0,
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+    )
+
+
+def demo_config(size: str):
+    """The config of ``demo:size``: the built model's when it is cached, else its spec's."""
+    path = demo_model_dir(size)
+    if (path / "config.json").is_file():
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(path)
+    return spec_config(_spec(size))
+
+
 def _train(spec: DemoSpec, out: Path, progress: Callable[[int, int, float], None] | None) -> None:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeForCausalLM
 
     start = time.perf_counter()
     torch.manual_seed(spec.seed)
@@ -224,16 +252,7 @@ def _train(spec: DemoSpec, out: Path, progress: Callable[[int, int, float], None
     log.info("demo model: tokenizer and %d training tokens ready in %.1f s", data.numel(),
              time.perf_counter() - start)
 
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=spec.hidden_size,
-        intermediate_size=spec.moe_intermediate_size * spec.top_k,
-        moe_intermediate_size=spec.moe_intermediate_size, num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim, num_experts=spec.num_experts, num_experts_per_tok=spec.top_k,
-        norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=spec.aux_loss_coef,
-        max_position_embeddings=1024, tie_word_embeddings=True, rope_theta=10000.0,
-        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
-    )
+    config = spec_config(spec, len(tokenizer), eos_id)
     config._experts_implementation = "grouped_mm"  # ~15% faster than the eager loop on a CPU
     model = Qwen3MoeForCausalLM(config)
     model.train()

@@ -10,9 +10,11 @@ from MLflow runs logged under the flow's naming contract: metrics ``perplexity``
 ``bits_per_param``, ``compression_ratio``, ``experts_kept``, ``task/<task>/<metric>`` (and
 ``..._stderr``), ``validate/<measure>``; params ``variant`` and ``stages``; tags
 ``thresher.artifact_dir`` and ``thresher.model_uri``; the artifact ``prune_report.json`` holding
-``{"layers": [{"layer": i, "saliency": [...], "removed": [...]}]}``. This module is the one table
-builder: the console (``thresher run``, ``thresher compare``), markdown and HTML tables all come
-from ``comparison_table``.
+``{"layers": [{"layer": i, "saliency": [...], "removed": [...]}]}``; ``window_nll.json`` (the
+per-window NLLs the perplexity change from the base is paired on); ``gguf/<type>/<measure>`` for
+each published GGUF file whose weights were evaluated. The full table (``thresher compare``,
+markdown, HTML, the flow run's summary) comes from ``comparison_table``; the compact one that
+``thresher run`` and ``thresher demo`` print in a terminal from ``terminal_table``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,12 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from thresher.errors import ArtifactError
-from thresher.evaluate.significance import PairedDifference, paired_difference
+from thresher.evaluate.significance import (
+    PairedDifference,
+    PairedPerplexity,
+    paired_difference,
+    paired_perplexity,
+)
 from thresher.formats.artifact import (
     COMPARISON_HTML,
     COMPARISON_MD,
@@ -42,6 +49,7 @@ from thresher.formats.artifact import (
     REPORT_DATA,
     REPORT_HTML,
     TASK_SAMPLES,
+    WINDOW_NLL,
 )
 from thresher.tracking import ARTIFACT_DIR_TAG, MODEL_URI_TAG, Tracker
 
@@ -50,6 +58,9 @@ log = logging.getLogger(__name__)
 VALIDATE_PREFIX = "validate/"
 THROUGHPUT_METRIC = "validate/throughput_c16_tok_s"
 BASE_STAGES = "base"  # the stage chain of a variant without stages
+GGUF_PREFIX = "gguf/"  # gguf/<type>/<measure>: a published GGUF file of the variant
+OWN_NLL = "perplexity"  # window_nll key of the variant's own weights (gguf/<type>: its GGUF's)
+TERMINAL_WIDTH = 120
 _TYPED_METRICS = ("size_bytes", "bits_per_param", "compression_ratio", "experts_kept",
                   "perplexity")
 HIGHER_IS_BETTER_TASK_METRICS = ("acc", "acc_norm", "exact_match", "f1", "mcc")
@@ -92,12 +103,15 @@ class VariantRecord:
     # "<task>/<metric>" -> per-document scores by doc id (TaskResults.per_sample), for the paired
     # comparison with the base; the flow logs them as the run's TASK_SAMPLES artifact
     task_samples: dict[str, list[float]] = field(default_factory=dict)
+    # OWN_NLL or "gguf/<type>" -> mean NLL per held-out window, paired with the base's
+    window_nll: dict[str, list[float]] = field(default_factory=dict)
 
     @classmethod
     def from_metrics(cls, name: str, metrics: dict[str, float], params: dict[str, str] | None = None,
                      prune_report: dict[str, Any] | None = None, run_id: str | None = None,
                      artifact: str | None = None, model_uri: str | None = None,
-                     task_samples: dict[str, list[float]] | None = None) -> VariantRecord:
+                     task_samples: dict[str, list[float]] | None = None,
+                     window_nll: dict[str, list[float]] | None = None) -> VariantRecord:
         """A record from flat MLflow-style metrics and params (the flow's naming contract)."""
         params = params or {}
         tasks, stderr, validation, other = {}, {}, {}, {}
@@ -121,7 +135,7 @@ class VariantRecord:
             stages=params.get("stages", ""), run_id=run_id,
             saliency=parse_prune_report(prune_report) if prune_report else None,
             validation=validation, other_metrics=other, artifact=artifact, model_uri=model_uri,
-            task_samples=dict(task_samples or {}),
+            task_samples=dict(task_samples or {}), window_nll=dict(window_nll or {}),
         )
 
     def metrics(self) -> dict[str, float]:
@@ -143,17 +157,60 @@ class VariantRecord:
         """Plain data (the flow's result): identity fields beside the flat metrics; a field
         that is unknown (no registry, no artifact) is left out."""
         ids = {"variant": self.name, "stages": self.stages, "run_id": self.run_id,
-               "artifact": self.artifact, "model_uri": self.model_uri}
+               "artifact": self.artifact, "model_uri": self.model_uri,
+               "task_samples": self.task_samples or None, "window_nll": self.window_nll or None}
         return {**{k: v for k, v in ids.items() if v is not None}, **self.metrics()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> VariantRecord:
         """The inverse of ``to_dict`` (the saliency stays with the artifact's prune report)."""
-        ids = ("variant", "stages", "run_id", "artifact", "model_uri")
+        ids = ("variant", "stages", "run_id", "artifact", "model_uri", "task_samples",
+               "window_nll")
         return cls.from_metrics(data["variant"], {k: v for k, v in data.items() if k not in ids},
                                 {"variant": data["variant"], "stages": data.get("stages", "")},
                                 run_id=data.get("run_id"), artifact=data.get("artifact"),
-                                model_uri=data.get("model_uri"))
+                                model_uri=data.get("model_uri"),
+                                task_samples=data.get("task_samples"),
+                                window_nll=data.get("window_nll"))
+
+    def gguf_files(self) -> list[GGUFMeasure]:
+        """The variant's published GGUF files whose weights were evaluated, by type."""
+        by_type: dict[str, dict[str, float]] = {}
+        for key, value in self.other_metrics.items():
+            if key.startswith(GGUF_PREFIX) and key.count("/") == 2:
+                gguf_type, measure = key.removeprefix(GGUF_PREFIX).split("/")
+                by_type.setdefault(gguf_type, {})[measure] = value
+        params = self.other_metrics.get("parameters")
+        return [GGUFMeasure(self.name, t, m["perplexity"], m.get("size_bytes"),
+                            8.0 * m["size_bytes"] / params if params and "size_bytes" in m
+                            else None, bool(m.get("requantized", 0.0)))
+                for t, m in sorted(by_type.items()) if "perplexity" in m]
+
+
+@dataclass(frozen=True)
+class GGUFMeasure:
+    """One published GGUF file of a variant, its weights dequantized and evaluated by thresher:
+    ``requantized`` when the variant was already quantized (the file is a second rounding)."""
+
+    variant: str
+    type: str
+    perplexity: float
+    size_bytes: float | None
+    bits_per_param: float | None
+    requantized: bool
+
+    @property
+    def nll_key(self) -> str:
+        return f"{GGUF_PREFIX}{self.type}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.variant}-{self.type}.gguf"
+
+    @property
+    def stages(self) -> str:
+        how = "requantized: second rounding" if self.requantized else "quantized from 16-bit"
+        return f"GGUF {self.type} ({how})"
 
 
 def parse_prune_report(data: dict[str, Any]) -> list[LayerSaliency]:
@@ -198,7 +255,7 @@ def quality_vs_size_data(records: list[VariantRecord], task_metric: str = "acc")
     if missing:
         log.warning("no size_bytes for %s: left out of the quality-vs-size plot", ", ".join(missing))
     panels = []
-    measures = [("perplexity", "held-out perplexity (lower is better)", True,
+    measures = [("perplexity", "perplexity on the evaluation text (lower is better)", True,
                  lambda r: r.perplexity),
                 (f"mean task {task_metric}", f"mean task {task_metric} (higher is better)", False,
                  lambda r: mean_task_score(r, task_metric))]
@@ -452,7 +509,7 @@ def validation_columns(records: list[VariantRecord]) -> dict[str, list[str]]:
 def paired_deltas(records: list[VariantRecord]) -> dict[str, dict[str, PairedDifference]]:
     """Per variant and ``<task>/<metric>``: the paired difference from the base variant (the
     one whose stages are ``base``), where both kept per-document scores on the same documents."""
-    base = next((r for r in records if r.stages == BASE_STAGES), None)
+    base = reference_record(records)
     if base is None:
         return {}
     out: dict[str, dict[str, PairedDifference]] = {}
@@ -502,25 +559,61 @@ def plot_paired_deltas(data: dict[str, Any], path: Path) -> Path:
     return _save(fig, path)
 
 
-def comparison_table(records: list[VariantRecord]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the comparison table: size, quality against the base variant (the one
-    whose stages are ``base``), task scores (the union over the variants) and validation.
+def reference_record(records: list[VariantRecord]) -> VariantRecord | None:
+    """The base model's record (stages ``base``): the row every difference is taken from."""
+    return next((r for r in records if r.stages == BASE_STAGES), None)
 
+
+def perplexity_change(base: VariantRecord | None, record: VariantRecord,
+                      key: str = OWN_NLL) -> PairedPerplexity | None:
+    """The perplexity change of ``record``'s weights (``key``: its own, or a GGUF file's) from
+    the base's, paired window by window; None unless both were scored on the same windows."""
+    if base is None:
+        return None
+    ours, theirs = record.window_nll.get(key), base.window_nll.get(OWN_NLL)
+    if not ours or not theirs or len(ours) != len(theirs):
+        return None
+    return paired_perplexity(theirs, ours)
+
+
+def _vs_base(base: VariantRecord | None, record: VariantRecord, perplexity: float | None,
+             key: str = OWN_NLL, is_base: bool = False) -> str:
+    """``+1.23% [+0.50, +2.01]*``: the change with its 95% paired interval (* beyond noise); the
+    plain ratio where no windows pair up; ``reference`` on the base's own row."""
+    if is_base:
+        return "reference"
+    paired = perplexity_change(base, record, key)
+    if paired is not None:
+        d, lo, hi = (100 * x for x in paired.ratio)
+        return f"{d:+.2f}% [{lo:+.2f}, {hi:+.2f}]" + ("*" if paired.nll.beyond_noise else "")
+    if base is None or not base.perplexity or perplexity is None:
+        return "-"
+    return f"{100 * (perplexity / base.perplexity - 1):+.2f}%"
+
+
+def _mb(size: float | None) -> float | None:
+    return size / 1e6 if size is not None else None
+
+
+def comparison_table(records: list[VariantRecord]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the full comparison table: size, quality against the base (the record
+    whose stages are ``base``, marked ``reference``), task scores (the union over the variants),
+    validation, and a row under each variant for every GGUF file whose weights were evaluated.
+
+    ``vs base`` is the perplexity change with its 95% interval paired over the held-out windows.
     A task cell is ``score ± stderr``; where the variant and the base kept per-document scores,
     it adds ``Δ vs base [95% CI]`` of the paired difference, starred when beyond noise."""
-    base_ppl = next((r.perplexity for r in records if r.stages == BASE_STAGES), None)
+    base = reference_record(records)
     paired = paired_deltas(records)
     tasks = sorted({k for r in records for k in r.tasks})
     extra = validation_columns(records)
-    header = ["variant", "stages", "size (MB)", "bits/param", "experts", "perplexity", "vs base",
-              *tasks, *extra]
+    header = ["variant", "stages", "size (MB)", "bits/param", "experts", "perplexity",
+              "vs base (95% CI)", *tasks, *extra]
     rows = []
     for i, r in enumerate(records):
-        delta = (f"{100 * (r.perplexity / base_ppl - 1):+.2f}%"
-                 if base_ppl and r.perplexity is not None else "-")
-        cells = [r.name, r.stages or "-",
-                 _fmt(r.size_bytes / 1e6 if r.size_bytes is not None else None, 2),
-                 _fmt(r.bits_per_param, 2), _fmt(r.experts_kept, 0), _fmt(r.perplexity), delta]
+        cells = [r.name, r.stages or "-", _fmt(_mb(r.size_bytes), 2),
+                 _fmt(r.bits_per_param, 2), _fmt(r.experts_kept, 0), _fmt(r.perplexity),
+                 _vs_base(base, r, r.perplexity, is_base=r is base)]
         for k in tasks:
             value = r.tasks.get(k)
             err = r.task_stderr.get(k)
@@ -530,7 +623,70 @@ def comparison_table(records: list[VariantRecord]) -> tuple[list[str], list[list
             cells.append(cell)
         cells += [column[i] for column in extra.values()]
         rows.append(cells)
+        for g in r.gguf_files():
+            rows.append([g.label, g.stages, _fmt(_mb(g.size_bytes), 2), _fmt(g.bits_per_param, 2),
+                         _fmt(r.experts_kept, 0), _fmt(g.perplexity),
+                         _vs_base(base, r, g.perplexity, g.nll_key),
+                         *["-"] * (len(tasks) + len(extra))])
     return header, rows
+
+
+def terminal_table(records: list[VariantRecord], width: int = TERMINAL_WIDTH) -> str:
+    """The comparison as a compact text table that fits ``width`` columns: variant, size,
+    bits/param, perplexity with its change from the base and interval, one short column per task
+    score (full names in the key below it) and engine tokens/s. The full table is
+    ``comparison_table`` (``thresher compare``, the flow run's summary, MLflow)."""
+    base = reference_record(records)
+    paired = paired_deltas(records)
+    tasks = sorted({k for r in records for k in r.tasks})
+    speed = sorted(k for r in records for k in r.validation if k.startswith("throughput_c"))
+    speed_key = max(speed, key=lambda k: int(k.removeprefix("throughput_c").removesuffix(
+        "_tok_s")), default=None)
+    rows: list[list[str]] = []
+    for r in records:
+        cells = [r.name, _fmt(_mb(r.size_bytes), 2), _fmt(r.bits_per_param, 2),
+                 _fmt(r.perplexity, 2), _vs_base(base, r, r.perplexity, is_base=r is base)]
+        for k in tasks:
+            d = paired.get(r.name, {}).get(k)
+            cells.append(_fmt(r.tasks.get(k)) + ("*" if d is not None and d.beyond_noise else ""))
+        rows.append(cells + [_fmt(r.validation.get(speed_key) if speed_key else None, 0)])
+        for g in r.gguf_files():
+            rows.append([f" └ {g.type}.gguf", _fmt(_mb(g.size_bytes), 2),
+                         _fmt(g.bits_per_param, 2), _fmt(g.perplexity, 2),
+                         _vs_base(base, r, g.perplexity, g.nll_key),
+                         *["-"] * len(tasks), "-"])
+    header = ["variant", "MB", "bits", "ppl", "ppl vs base (95% CI)",
+              *[f"T{i + 1}" for i in range(len(tasks))], "tok/s"]
+    left = {0}  # the variant column reads from the left, the numbers from the right
+    widths = [max(len(row[c]) for row in [header, *rows]) for c in range(len(header))]
+    spare = width - (sum(widths) + 2 * (len(widths) - 1))
+    if spare < 0:  # long variant names give way first
+        widths[0] = max(12, widths[0] + spare)
+    cols = list(range(len(header)))
+    while len(cols) > 6 and sum(widths[c] for c in cols) + 2 * (len(cols) - 1) > width:
+        cols.pop(-2)  # then the last task columns (still in the full table)
+
+    def line(cells: list[str]) -> str:
+        out = []
+        for c in cols:
+            text = cells[c] if len(cells[c]) <= widths[c] else cells[c][:widths[c] - 1] + "…"
+            out.append(text.ljust(widths[c]) if c in left else text.rjust(widths[c]))
+        return "  ".join(out)
+
+    lines = [line(header), line(["-" * w for w in widths]), *(line(row) for row in rows), ""]
+    ref = f"the base model ({base.name})" if base is not None else "none (no base row)"
+    lines += [f"reference: {ref}", "ppl vs base: the perplexity change from the reference, "
+              "95% interval paired over the evaluation windows (* beyond noise)"]
+    kept = [tasks[c - 5] for c in cols[5:-1]]
+    for c in cols[5:-1]:
+        lines.append(f"{header[c]}: {tasks[c - 5]} (* differs from the reference beyond noise)")
+    if len(kept) < len(tasks):
+        lines.append(f"{len(tasks) - len(kept)} more task scores: in the full table "
+                     "(`thresher compare`, the run's comparison.md)")
+    if speed_key:
+        level = speed_key.removeprefix("throughput_c").removesuffix("_tok_s")
+        lines.append(f"tok/s: the serving engine's throughput at {level} concurrent requests")
+    return "\n".join(line_.rstrip() for line_ in lines) + "\n"
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -635,7 +791,8 @@ def record_from_run(tracker: Tracker, run) -> VariantRecord:
         prune_report=tracker.find_json_artifact(run.info.run_id, PRUNE_REPORT),
         run_id=run.info.run_id, artifact=tags.get(ARTIFACT_DIR_TAG),
         model_uri=tags.get(MODEL_URI_TAG),
-        task_samples=tracker.find_json_artifact(run.info.run_id, TASK_SAMPLES))
+        task_samples=tracker.find_json_artifact(run.info.run_id, TASK_SAMPLES),
+        window_nll=tracker.find_json_artifact(run.info.run_id, WINDOW_NLL))
 
 
 def log_report(report: Report, run_id: str, tracking_uri: str | None = None,

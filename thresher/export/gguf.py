@@ -334,6 +334,51 @@ def dequantize_gguf(gguf_path: str | Path, model_dir: str | Path, out_dir: str |
     return out_dir
 
 
+HANDOFF = "hand-off"  # GPTQ/AWQ codes become the Q4_1 blocks as they are
+QUANTIZED = "quantized"  # a 16/32-bit checkpoint rounded into the type
+REQUANTIZED = "requantized"  # a quantized checkpoint's dequantized weights rounded again
+
+
+def gguf_route(fmt: PackedFormat | None, gguf_type: str, groups_in_order: bool = True) -> str:
+    """How a checkpoint whose weights have the layout ``fmt`` (None: 16/32-bit) becomes a GGUF
+    file of ``gguf_type``: ``HANDOFF`` where the type is what its codes already are (4-bit
+    GPTQ/AWQ in groups of 32, in column order, to q4_1), else ``REQUANTIZED`` from its dequantized
+    weights (a second rounding), or ``QUANTIZED`` from a plain checkpoint."""
+    if fmt is None:
+        return QUANTIZED
+    if (fmt.kind in ("gptq", "awq") and fmt.bits == 4 and fmt.group_size == HANDOFF_GROUP
+            and not fmt.mixed and groups_in_order and gguf_type.lower() == "q4_1"):
+        return HANDOFF
+    return REQUANTIZED
+
+
+def check_gguf_architecture(config, where: str) -> None:
+    """Refuse, from the config alone, a model llama.cpp's graphs would compute differently or
+    cannot build (the checks ``export_gguf`` makes before it reads a weight)."""
+    if getattr(config, "layer_num_experts", None):
+        raise ExportError(f"{where}: its layers keep different numbers of experts (a 'damage' "
+                          "budget prune); GGUF holds one expert count per model")
+    _architecture(get_adapter(config), config, Path(where))
+
+
+def check_gguf_widths(gguf_type: str, widths: dict[str, int]) -> None:
+    """Refuse a type whose blocks some weight matrix's rows cannot hold: ``widths`` maps each
+    matrix to its row width (inputs). K-quant rows that are not whole super-blocks fall back as
+    llama.cpp's quantizer does, so only the fallback's block must divide them."""
+    gtype = _gguf_type(gguf_type.lower())
+    types = {t for t in (gtype.default, gtype.embeddings, gtype.output, gtype.more_bits,
+                         gtype.lifted) if t is not None and t not in _PLAIN_NUMPY}
+    for name, cols in widths.items():
+        for qtype in types:
+            if qtype in _K_FALLBACK and cols % QK_K:
+                qtype = _K_FALLBACK[qtype]
+            block = gguf.GGML_QUANT_SIZES[qtype][0]
+            if cols % block:
+                raise ExportError(f"GGUF {gguf_type}: {name} has rows of {cols} values, not a "
+                                  f"multiple of the {qtype.name} block of {block}; choose f16 "
+                                  "or bf16")
+
+
 def _handoff_format(fmt: PackedFormat | None, model_dir: Path, gguf_type: str,
                     importance: ImportanceMatrix | None) -> PackedFormat | None:
     """The packed format of an artifact that exports to Q4_1 as it is; refuses the others."""

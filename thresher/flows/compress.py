@@ -26,6 +26,7 @@ from prefect.context import get_run_context
 from thresher import __version__
 from thresher.evaluate.report import (
     BASE_STAGES,
+    OWN_NLL,
     VariantRecord,
     build_report,
     log_report,
@@ -33,6 +34,7 @@ from thresher.evaluate.report import (
 from thresher.flows.pareto import alias_pareto_front
 from thresher.flows.stages import (
     TASK_SAMPLES_KEY,
+    WINDOW_NLL_KEY,
     evaluate_artifact,
     publish_artifact,
     publish_gguf,
@@ -41,14 +43,21 @@ from thresher.flows.stages import (
     validate_variant,
 )
 from thresher.flows.summary import publish_summary
-from thresher.formats.artifact import PRUNE_REPORT, STAGE_REPORTS, TASK_SAMPLES
+from thresher.formats.artifact import PRUNE_REPORT, STAGE_REPORTS, TASK_SAMPLES, WINDOW_NLL
 from thresher.models.adapters import get_adapter
 from thresher.models.card import runtime_note
 from thresher.models.inspect import parameter_count, weight_bytes
 from thresher.models.layerwise import load_config
 from thresher.paths import state_dir
 from thresher.recipe import Recipe, Variant, parse_recipe
-from thresher.tracking import ARTIFACT_DIR_TAG, ARTIFACT_HASH_TAG, MODEL_URI_TAG, Tracker, git_sha
+from thresher.tracking import (
+    ARTIFACT_DIR_TAG,
+    ARTIFACT_HASH_TAG,
+    MODEL_URI_TAG,
+    REFERENCE_TAG,
+    Tracker,
+    git_sha,
+)
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +108,10 @@ def run_recipe(recipe: Recipe, tracking_uri: str | None = None, store_dir: str |
                publish_dir: str | None = None, work_pool: str | None = None) -> dict[str, Any]:
     """The flow body: the variants, the comparison report, the flow run's summary. With a work
     pool (argument or ``execution.work_pool``) the variants run on its workers (``fanout``)."""
+    from thresher.flows.preflight import preflight
+
     logger = get_run_logger()
+    preflight(recipe)  # what `thresher check` refuses fails here too, before any compute
     # Fail before any compute if tracking is unusable.
     tracker = Tracker(tracking_uri or recipe.tracking.mlflow_uri,
                       experiment=recipe.tracking.experiment or recipe.name)
@@ -131,6 +143,11 @@ def run_recipe(recipe: Recipe, tracking_uri: str | None = None, store_dir: str |
                 records.append(_run_variant(recipe, variant, base_path, base_hash, base_facts,
                                             tracker, parent, store_root, publish_root))
                 logger.info("variant %s: perplexity %.3f", variant.name, records[-1].perplexity)
+        if not any(v.stages == [] for v in recipe.variants):
+            records.insert(0, _reference_record(recipe, base_path, base_hash, base_facts, tracker,
+                                                parent, store_root,
+                                                {v.name for v in recipe.variants}))
+            logger.info("reference (base model): perplexity %.3f", records[0].perplexity)
         report = build_report(records, Path(store_root) / "reports" / parent)
         if recipe.publish.registry_name:
             alias_pareto_front(tracker, records)
@@ -181,6 +198,7 @@ def _run_variant(recipe: Recipe, variant: Variant, base_path: str, base_hash: st
         evaluation = evaluate_artifact(path, content_hash, recipe.eval, store_root,
                                        label=variant.name)
         task_samples = evaluation.pop(TASK_SAMPLES_KEY, {})
+        window_nll = {OWN_NLL: evaluation.pop(WINDOW_NLL_KEY)}
         metrics.update(evaluation)
         if task_samples:
             tracker.log_text(run_id, json.dumps(task_samples), TASK_SAMPLES)
@@ -198,11 +216,15 @@ def _run_variant(recipe: Recipe, variant: Variant, base_path: str, base_hash: st
                 get_run_logger().warning("variant %s: %s", variant.name, note)
             if "gguf" in recipe.publish.formats:
                 gguf_cal = recipe.publish.gguf_imatrix or recipe.publish.gguf_gptq
-                calibration = recipe.calibration if gguf_cal else None
-                for gguf_file in publish_gguf(artifact, content_hash, str(publish_root),
-                                              variant.name, recipe.publish.gguf_types, calibration,
-                                              gptq=recipe.publish.gguf_gptq):
+                published = publish_gguf(
+                    artifact, content_hash, str(publish_root), variant.name,
+                    recipe.publish.gguf_types, recipe.calibration if gguf_cal else None,
+                    recipe.eval.perplexity, str(Path(store_root) / "work"),
+                    gptq=recipe.publish.gguf_gptq, variant_perplexity=metrics["perplexity"])
+                for gguf_file in published["files"]:
                     tracker.log_artifact(run_id, gguf_file, artifact_path="gguf")
+                metrics.update(published["metrics"])
+                window_nll.update(published["window_nll"])
             if recipe.publish.registry_name:
                 name = f"{recipe.publish.registry_name}-{variant.name}"
                 version = tracker.register(
@@ -217,13 +239,43 @@ def _run_variant(recipe: Recipe, variant: Variant, base_path: str, base_hash: st
             metrics.update(validate_variant(artifact, base_path, recipe.eval.perplexity,
                                             recipe.validate_, recipe.dtype, label=variant.name))
         tracker.log_metrics(run_id, metrics)
+        tracker.log_text(run_id, json.dumps(window_nll), WINDOW_NLL)
         prune_report = Path(artifact) / PRUNE_REPORT
         record = VariantRecord.from_metrics(
             variant.name, metrics, {"variant": variant.name, "stages": chain},
             prune_report=json.loads(prune_report.read_text()) if prune_report.is_file() else None,
-            run_id=run_id, artifact=artifact, model_uri=model_uri, task_samples=task_samples)
+            run_id=run_id, artifact=artifact, model_uri=model_uri, task_samples=task_samples,
+            window_nll=window_nll)
         status = "FINISHED"
         return record
+    finally:
+        tracker.end_run(run_id, status)
+
+
+def _reference_record(recipe: Recipe, base_path: str, base_hash: str,
+                      base_facts: dict[str, float], tracker: Tracker, parent: str,
+                      store_root: str, taken: set[str]) -> VariantRecord:
+    """The base model evaluated as every variant is (cached by its content hash like any
+    evaluation), for a recipe that lists no base variant: the reference row every difference is
+    taken from. Nothing is published or served for it."""
+    name = next(n for n in ("base", "base-reference", f"base-{base_hash[:8]}") if n not in taken)
+    run_id = tracker.start_run(name, parent_id=parent,
+                               tags={"thresher.variant": name, REFERENCE_TAG: "true"})
+    status = "FAILED"
+    try:
+        tracker.log_params(run_id, {"variant": name, "stages": BASE_STAGES})
+        evaluation = evaluate_artifact(base_path, base_hash, recipe.eval, store_root, label=name)
+        task_samples = evaluation.pop(TASK_SAMPLES_KEY, {})
+        window_nll = {OWN_NLL: evaluation.pop(WINDOW_NLL_KEY)}
+        metrics = {**base_facts, "compression_ratio": 1.0, **evaluation}
+        tracker.log_metrics(run_id, metrics)
+        tracker.log_text(run_id, json.dumps(window_nll), WINDOW_NLL)
+        if task_samples:
+            tracker.log_text(run_id, json.dumps(task_samples), TASK_SAMPLES)
+        status = "FINISHED"
+        return VariantRecord.from_metrics(name, metrics, {"variant": name, "stages": BASE_STAGES},
+                                          run_id=run_id, artifact=base_path,
+                                          task_samples=task_samples, window_nll=window_nll)
     finally:
         tracker.end_run(run_id, status)
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -22,8 +24,8 @@ from prefect import task
 from thresher import __version__
 from thresher.errors import ArtifactError, ThresherError
 from thresher.flows.store import ArtifactStore, stage_key
-from thresher.formats.artifact import MANIFEST, STORE_COMPLETE
-from thresher.models.card import runtime_note, write_model_card
+from thresher.formats.artifact import GGUF_SOURCE, MANIFEST, STORE_COMPLETE
+from thresher.models.card import runtime_note, write_gguf_card, write_model_card
 from thresher.models.layerwise import load_config
 from thresher.models.manifest import read_manifest, verify_artifact, write_manifest
 from thresher.models.source import hash_directory, resolve_model
@@ -38,6 +40,7 @@ from thresher.recipe import (
 )
 
 TASK_SAMPLES_KEY = "task_samples"  # evaluate_artifact's per-document scores, beside the metrics
+WINDOW_NLL_KEY = "window_nll"  # evaluate_artifact's per-window NLLs, beside the metrics
 
 log = logging.getLogger(__name__)
 
@@ -118,22 +121,30 @@ def evaluate_artifact(path: str, content_hash: str, eval_cfg: EvalConfig, store_
                       label: str) -> dict[str, Any]:
     """Perplexity (and tasks, when the recipe lists them) of an artifact, cached by content hash.
 
-    Flat metrics, plus the per-document task scores under ``TASK_SAMPLES_KEY``."""
+    Flat metrics, plus the per-document task scores under ``TASK_SAMPLES_KEY`` and the
+    per-window NLLs (what a change from the base is paired on) under ``WINDOW_NLL_KEY``."""
     blob = json.dumps({"artifact": content_hash, "eval": eval_cfg.model_dump(mode="json"),
                        "thresher": __version__}, sort_keys=True)
     cache = Path(store_root) / "evals" / f"{hashlib.sha256(blob.encode()).hexdigest()}.json"
     if cache.is_file():
-        log.info("%s: evaluation found in the store, not recomputed", label)
-        return json.loads(cache.read_text())
-    from thresher.evaluate.perplexity import heldout_perplexity
+        cached = json.loads(cache.read_text())
+        if WINDOW_NLL_KEY in cached:  # older entries lack the windows: measured again
+            log.info("%s: evaluation found in the store, not recomputed", label)
+            return cached
+    from thresher.data.windows import eval_windows
+    from thresher.evaluate.perplexity import window_nlls
     from thresher.models import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(path)
     model = load_model(path)  # loaded once: perplexity and tasks both run on it
     start = time.perf_counter()
-    ppl = heldout_perplexity(model, eval_cfg.perplexity, tokenizer=tokenizer)
-    metrics = {"perplexity": ppl.perplexity, "nll": ppl.nll, "eval_tokens": float(ppl.tokens),
-               "eval_seconds": time.perf_counter() - start}
+    cfg = eval_cfg.perplexity
+    windows = eval_windows(tokenizer, cfg)
+    nlls = window_nlls(model, windows, batch_size=cfg.batch_size, show_progress=False)
+    nll = float(nlls.mean())
+    metrics = {"perplexity": math.exp(nll), "nll": nll,
+               "eval_tokens": float(windows.shape[0] * (windows.shape[1] - 1)),
+               "eval_seconds": time.perf_counter() - start, WINDOW_NLL_KEY: nlls.tolist()}
     if eval_cfg.tasks:
         from thresher.evaluate.tasks import run_tasks
 
@@ -200,12 +211,13 @@ def publish_artifact(path: str, content_hash: str, dest_root: str, variant: str,
 
 
 def _refuse_foreign_gguf(dest: Path) -> None:
-    """Raise unless ``dest`` holds thresher's GGUF stamp (source.json)."""
+    """Raise unless ``dest`` holds thresher's GGUF stamp (``GGUF_SOURCE``)."""
     try:
-        stamp = json.loads((dest / "source.json").read_text())
+        stamp = json.loads((dest / GGUF_SOURCE).read_text())
     except (OSError, ValueError):
         stamp = None
-    if not (isinstance(stamp, dict) and "content_hash" in stamp):
+    source = stamp.get("source", stamp) if isinstance(stamp, dict) else None
+    if not (isinstance(source, dict) and "content_hash" in source):
         raise ArtifactError(f"{dest}: exists and is not thresher's GGUF output (no source.json); "
                             "refusing to replace it. Move it away or choose another publish.dir")
 
@@ -214,40 +226,95 @@ def _refuse_foreign_gguf(dest: Path) -> None:
       retry_condition_fn=_retry_unless_user_error, task_run_name="publish-gguf-{variant}")
 def publish_gguf(artifact: str, content_hash: str, dest_root: str, variant: str,
                  types: list[str], calibration: CalibrationConfig | None,
-                 gptq: bool = False) -> list[str]:
-    """GGUF files of a published variant in ``dest_root/variant.gguf/`` (one per type, with an
-    importance matrix from ``calibration`` when given, and blocks rounded by GPTQ against its
-    Hessians with ``gptq``); rebuilt only when the artifact or ``gptq`` changed.
-    A GPTQ/AWQ artifact is handed to q4_1 as it is, or skipped with a warning if its groups are
-    not Q4_1's 32."""
-    from thresher.errors import ExportError
-    from thresher.export import compute_importance, export_gguf
+                 perplexity: PerplexityConfig, work_root: str, gptq: bool = False,
+                 variant_perplexity: float | None = None) -> dict[str, Any]:
+    """One GGUF file per asked type in ``dest_root/variant.gguf/``, with a README.md that says
+    how each was made; rebuilt only when the artifact or the options changed.
+
+    A type that the variant's codes already are (4-bit GPTQ/AWQ in groups of 32 -> q4_1) is handed
+    over as it is; any other type is rounded from the variant's weights (dequantized first when
+    the variant is quantized: a second rounding), with an importance matrix from
+    ``calibration`` when given and GPTQ rounding with ``gptq``. The weights of every file that was
+    rounded are dequantized from the file and evaluated on the ``perplexity`` windows, so the
+    comparison shows what llama.cpp runs. Returns ``{"files", "metrics", "window_nll"}``
+    (metrics ``gguf/<type>/<measure>``)."""
+    from thresher.export import (
+        HANDOFF,
+        REQUANTIZED,
+        compute_importance,
+        dequantize_gguf,
+        export_gguf,
+        gguf_route,
+    )
     from thresher.formats.config import packed_format
+    from thresher.models.quantized import write_dequantized
 
     dest = Path(dest_root) / f"{variant}.gguf"
-    stamp = dest / "source.json"
-    source = {"content_hash": content_hash, **({"gptq": True} if gptq else {})}
-    if stamp.is_file() and json.loads(stamp.read_text()) == source:
-        return sorted(str(p) for p in dest.glob("*.gguf"))
-    packed = packed_format(load_config(artifact), artifact) is not None
-    types = ["q4_1"] if packed else types
-    importance = (compute_importance(artifact, calibration, show_progress=False, hessians=gptq)
-                  if calibration is not None and not packed else None)
+    stamp = dest / GGUF_SOURCE
+    source = {"content_hash": content_hash, "types": list(types), "gptq": gptq,
+              "calibration": calibration.model_dump(mode="json") if calibration else None,
+              "perplexity": perplexity.model_dump(mode="json")}
+    if stamp.is_file():
+        recorded = json.loads(stamp.read_text())
+        if recorded.get("source") == source:
+            return recorded["result"]
+    config = load_config(artifact)
+    fmt = packed_format(config, artifact)
+    qc = getattr(config, "quantization_config", None) or {}
+    in_order = not (qc if isinstance(qc, dict) else qc.to_dict()).get("desc_act", False)
+    routes = {t: gguf_route(fmt, t, in_order) for t in types}
+    result: dict[str, Any] = {"files": [], "metrics": {}, "window_nll": {}}
+    described = []
+    Path(work_root).mkdir(parents=True, exist_ok=True)
     if dest.exists():
         _refuse_foreign_gguf(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with build_dir_atomically(dest, _refuse_foreign_gguf) as building:
-        for gguf_type in types:
-            try:
-                export_gguf(artifact, building / f"{variant}-{gguf_type}.gguf", gguf_type,
-                            importance=importance, gptq=gptq and importance is not None,
-                            show_progress=False)
-            except ExportError as err:
-                if not packed:
-                    raise
-                log.warning("%s: no GGUF file: %s", variant, err)
-        (building / "source.json").write_text(json.dumps(source))
-    return sorted(str(p) for p in dest.glob("*.gguf"))
+    with tempfile.TemporaryDirectory(dir=work_root, prefix="gguf-") as work, \
+            build_dir_atomically(dest, _refuse_foreign_gguf) as building:
+        plain = Path(artifact)
+        if REQUANTIZED in routes.values():
+            plain = write_dequantized(artifact, Path(work) / "dequantized")
+        importance = None
+        if calibration is not None and set(routes.values()) != {HANDOFF}:
+            importance = compute_importance(plain, calibration, show_progress=False,
+                                            hessians=gptq)
+        for gguf_type, how in routes.items():
+            name = f"{variant}-{gguf_type}.gguf"
+            key = f"gguf/{gguf_type}"
+            entry: dict[str, Any] = {"file": name, "type": gguf_type, "how": how}
+            if how == HANDOFF:
+                export_gguf(artifact, building / name, "q4_1", show_progress=False)
+            else:
+                export_gguf(plain, building / name, gguf_type, importance=importance,
+                            gptq=gptq and importance is not None, show_progress=False)
+                weights = dequantize_gguf(building / name, plain, Path(work) / gguf_type)
+                nlls = heldout_window_nlls(weights, perplexity)
+                shutil.rmtree(weights)
+                entry.update(perplexity=math.exp(sum(nlls) / len(nlls)),
+                             imatrix=importance is not None)
+                result["window_nll"][key] = nlls
+                result["metrics"].update({f"{key}/perplexity": entry["perplexity"],
+                                          f"{key}/requantized": float(how == REQUANTIZED)})
+                log.info("%s: %s (%s), perplexity %.3f", variant, name, how,
+                         entry["perplexity"])
+            result["metrics"][f"{key}/size_bytes"] = float((building / name).stat().st_size)
+            described.append(entry)
+        write_gguf_card(building, variant, described, variant_perplexity)
+        result["files"] = [str(dest / e["file"]) for e in described]
+        (building / GGUF_SOURCE).write_text(json.dumps({"source": source, "files": described,
+                                                        "result": result}))
+    return result
+
+
+def heldout_window_nlls(path: str | Path, cfg: PerplexityConfig) -> list[float]:
+    """Mean NLL per held-out window of the checkpoint at ``path`` (the windows ``cfg`` names)."""
+    from thresher.data.windows import eval_windows
+    from thresher.evaluate.perplexity import window_nlls
+    from thresher.models import load_model, load_tokenizer
+
+    windows = eval_windows(load_tokenizer(path), cfg)
+    return window_nlls(load_model(path), windows, batch_size=cfg.batch_size,
+                       show_progress=False).tolist()
 
 
 @task(name="validate", retries=1, retry_delay_seconds=5, retry_condition_fn=_retry_unless_user_error,

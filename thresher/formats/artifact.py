@@ -27,6 +27,15 @@ TASK_SAMPLES = "task_samples.json"
 """Per-document task scores of a variant, ``{"<task>/<metric>": [score by doc id]}`` (a run
 artifact the comparison report pairs with the base's)."""
 
+WINDOW_NLL = "window_nll.json"
+"""Per-window mean NLL of a variant on the held-out windows, ``{"perplexity": [...],
+"gguf/<type>": [...]}`` (its own and its GGUF files'): the comparison report pairs them with the
+base's for the interval of the perplexity change."""
+
+GGUF_SOURCE = "source.json"
+"""In a published ``<variant>.gguf/`` directory: what its files were made from (the artifact's
+content hash, the GGUF options) and how each file was written and measured."""
+
 STORE_COMPLETE = ".thresher-complete.json"
 """Marks a finished entry of the artifact store; holds its key, content hash and stage metrics."""
 

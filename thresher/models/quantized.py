@@ -14,7 +14,9 @@ the same routed loop as transformers' experts forward. A checkpoint pruned with 
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,12 +25,13 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from thresher.errors import ArtifactError
+from thresher.formats.artifact import MANIFEST, STAGE_REPORTS
 from thresher.formats.awq import unpack_awq
 from thresher.formats.config import PackedFormat, packed_format
 from thresher.formats.gptq import unpack_gptq
 from thresher.formats.nf4 import STATE_KEY, unpack_nf4
 from thresher.models.adapters import EXPERT_ROLES, get_adapter
-from thresher.models.checkpoint import CheckpointReader
+from thresher.models.checkpoint import CheckpointReader, CheckpointWriter
 from thresher.models.layerwise import load_config
 
 log = logging.getLogger(__name__)
@@ -197,3 +200,39 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -
         raise ArtifactError(f"{path}: the artifact lacks {still_meta[:5]}")
     model.eval()
     return model
+
+
+_NOT_COPIED = (MANIFEST, *STAGE_REPORTS, "config.json")
+
+
+@torch.no_grad()
+def write_dequantized(path: str | Path, out_dir: str | Path) -> Path:
+    """The GPTQ / AWQ / NF4 artifact at ``path`` as a plain float32 checkpoint in ``out_dir``
+    (config without quantization_config, tokenizer copied): the weights the artifact computes
+    with, exactly, for a tool that takes 16/32-bit checkpoints only (GGUF requantization).
+    Streams one packed module at a time."""
+    path, out_dir = Path(path), Path(out_dir)
+    config = json.loads((path / "config.json").read_text())
+    fmt = packed_format(load_config(path), path)
+    if fmt is None:
+        raise ArtifactError(f"{path}: config.json has no quantization_config; the checkpoint is "
+                            "plain already")
+    reader = CheckpointReader(path)
+    writer = CheckpointWriter(out_dir)
+    try:
+        quantized = _quantized_modules(reader, fmt)
+        packed_keys = {f"{m}.{n}" for m, ts in quantized.items() for n in ts}
+        for key, tensors in quantized.items():
+            weight = _dequantizer(_module_format(fmt, key, path))(tensors)
+            writer.add({f"{key}.weight": weight.float().contiguous()})
+            reader.close()
+        writer.add((k, reader.get(k)) for k in reader.tensor_names() if k not in packed_keys)
+        writer.close()
+    finally:
+        reader.close()
+    del config["quantization_config"]
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for f in path.iterdir():
+        if f.is_file() and ".safetensors" not in f.name and f.name not in _NOT_COPIED:
+            shutil.copy2(f, out_dir / f.name)
+    return out_dir

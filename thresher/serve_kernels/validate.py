@@ -101,7 +101,7 @@ def validate_artifact(artifact_dir: str | Path, base_dir: str | Path, eval_cfg: 
             metrics[f"validate/{key}"] = float(info[key])
 
     windows = eval_windows(llm.engine.tokenizer, eval_cfg).tolist()
-    log.info("validation of %s: perplexity on %d held-out windows", artifact_dir.name, len(windows))
+    log.info("validation of %s: perplexity on %d evaluation windows", artifact_dir.name, len(windows))
     start = time.perf_counter()
     ppl, nll, tokens = engine_perplexity(llm, windows)
     metrics.update({"validate/perplexity": ppl, "validate/nll": nll,
