@@ -36,6 +36,7 @@ from thresher.serve_kernels.engine.llm_engine import LLMEngine
 
 BLOCK_SIZE = 16
 VOCAB = 4096  # the demo tokenizer's
+ROOM = 8 * BLOCK_SIZE  # tokens each sequence may generate: none finishes while it is measured
 
 
 def build_checkpoint(out: Path, max_len: int) -> None:
@@ -75,12 +76,12 @@ def decoding_engine(path: Path, seqs: int, blocks: int) -> LLMEngine:
     prompt_len = blocks * BLOCK_SIZE - 1
     engine = LLMEngine(path, dtype="bfloat16", max_num_seqs=seqs, block_size=BLOCK_SIZE,
                        max_num_batched_tokens=1 << 16, num_kv_blocks=seqs * (blocks + 8),
-                       max_model_len=prompt_len + 4 * BLOCK_SIZE, enable_prefix_caching=False)
+                       max_model_len=prompt_len + ROOM, enable_prefix_caching=False)
     stub_model(engine)
     gen = torch.Generator().manual_seed(1)
     for i in range(seqs):
         prompt = torch.randint(1, VOCAB, (prompt_len,), generator=gen).tolist()
-        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=3 * BLOCK_SIZE,
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=ROOM,
                                                            ignore_eos=True))
     while len(engine.scheduler.running) < seqs or any(
             s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running):
@@ -110,9 +111,10 @@ def main() -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model"
-        build_checkpoint(path, args.blocks * BLOCK_SIZE + 4 * BLOCK_SIZE)
+        build_checkpoint(path, args.blocks * BLOCK_SIZE + ROOM)
         engine = decoding_engine(path, args.seqs, args.blocks)
-        wall_ms, cpu_ms = measure(engine, min(args.steps, 3 * BLOCK_SIZE - 4))
+        room = min(s.max_tokens - s.num_output_tokens for s in engine.scheduler.running)
+        wall_ms, cpu_ms = measure(engine, min(args.steps, room - 3))
     print(f"torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}")
     print(f"{args.seqs} sequences x {args.blocks} blocks: host step {wall_ms:.2f} ms wall, "
           f"{cpu_ms:.2f} ms process CPU")

@@ -42,12 +42,11 @@ def test_top_k_and_top_p_restrict_the_support():
     top5 = set(logits[0].topk(5).indices.tolist())
     probs = logits[0].softmax(-1).sort(descending=True)
     nucleus = set(probs.indices[: int((probs.values.cumsum(0) < 0.6).sum()) + 1].tolist())
-    gen = torch.Generator().manual_seed(0)
     seen_k, seen_p, seen_all = set(), set(), set()
     for _ in range(300):
-        seen_k.add(sampler(logits, [SamplingParams(top_k=5)], [gen]).token_ids[0])
-        seen_p.add(sampler(logits, [SamplingParams(top_p=0.6)], [gen]).token_ids[0])
-        seen_all.add(sampler(logits, [SamplingParams()], [gen]).token_ids[0])
+        seen_k.add(sampler(logits, [SamplingParams(top_k=5)], [0]).token_ids[0])
+        seen_p.add(sampler(logits, [SamplingParams(top_p=0.6)], [0]).token_ids[0])
+        seen_all.add(sampler(logits, [SamplingParams()], [0]).token_ids[0])
     assert seen_k <= top5 and len(seen_k) >= 4
     assert seen_p <= nucleus and len(seen_p) >= len(nucleus) - 1
     assert not seen_all <= top5 | nucleus
@@ -123,17 +122,16 @@ def test_logit_bias_penalties_and_min_p():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
     sampler = Sampler()
     greedy = SamplingParams(temperature=0)
-    assert sampler(logits, [greedy], [None]).token_ids == [0]
+    assert sampler(logits, [greedy], [0]).token_ids == [0]
     biased = SamplingParams(temperature=0, logit_bias={3: 100.0})
-    assert sampler(logits, [biased], [None]).token_ids == [3]
+    assert sampler(logits, [biased], [0]).token_ids == [3]
     # token 0 generated twice: 3 - 2 x 0.8 - 0.5 = 0.9 < 2, so token 1 wins
     penalized = SamplingParams(temperature=0, frequency_penalty=0.8, presence_penalty=0.5)
-    assert sampler(logits, [penalized], [None], [[0, 0]]).token_ids == [1]
+    assert sampler(logits, [penalized], [0], [[0, 0]]).token_ids == [1]
     # min_p 1 keeps only the most likely token, whatever the temperature
-    gen = torch.Generator().manual_seed(0)
     top_only = SamplingParams(temperature=2.0, min_p=1.0)
-    assert {sampler(logits, [top_only], [gen]).token_ids[0] for _ in range(50)} == {0}
+    assert {sampler(logits, [top_only], [0]).token_ids[0] for _ in range(50)} == {0}
     # the log-probs stay the model's own
     out = sampler(logits, [SamplingParams(temperature=0, logit_bias={3: 100.0}, logprobs=0)],
-                  [None])
+                  [0])
     assert out.logprobs[0] == pytest.approx(torch.log_softmax(logits, -1)[0, 3].item())
