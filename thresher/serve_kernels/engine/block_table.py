@@ -44,13 +44,20 @@ class BlockTables:
             return
         end = start + len(blocks)
         if end > self.tables.shape[1]:
-            raise RuntimeError(f"{seq.request_id!r} holds {end} blocks, more than a row's "
-                               f"{self.tables.shape[1]}")
+            self._widen(end)
         if self._host is not None:
             self._host[seq.table_row, start:end] = blocks
         else:
             src = torch.tensor(blocks, dtype=torch.int32).pin_memory()
             self.tables[seq.table_row, start:end].copy_(src, non_blocking=True)
+
+    def _widen(self, width: int) -> None:
+        """Make rows ``width`` entries long. The engine sizes rows for ``max_model_len``, so only
+        a caller that bypasses admission (a probe of a longer prompt) gets here."""
+        wider = self.tables.new_zeros(self.tables.shape[0], width)
+        wider[:, : self.tables.shape[1]] = self.tables
+        self.tables = wider
+        self._host = wider.numpy() if wider.device.type == "cpu" else None
 
     def release(self, seq: Sequence) -> None:
         """Zero the sequence's row and give it back."""
