@@ -75,3 +75,13 @@ class BlockTables:
                ) -> torch.Tensor:
         """The tables of ``rows`` (a device index tensor), ``width`` entries each: [len, width]."""
         return torch.index_select(self.tables[:, :width], 0, rows, out=out)
+
+    def batch_tables(self, rows: list[int], row_idx: torch.Tensor, width: int) -> torch.Tensor:
+        """A step's tables, at least ``width`` entries each. On a CPU, rows that are consecutive
+        and in order (a steady decode batch: rows go out lowest first, in admission order) are
+        a view of whole rows, with no copy (a 64 x 2,048 gather cost 0.1-0.3 ms); the kernels
+        read each row only up to its length. Otherwise a gather."""
+        if (self._host is not None and rows[-1] - rows[0] == len(rows) - 1
+                and rows == list(range(rows[0], rows[0] + len(rows)))):
+            return self.tables[rows[0] : rows[0] + len(rows)]
+        return self.gather(row_idx, width)

@@ -166,7 +166,7 @@ class ModelRunner:
             return self._replay(graphs, bs_, ids, pos, slots, ctx, row_idx), cu_list
         width = max(len(s.block_table) for s in seqs)
         meta = AttentionMetadata(
-            slot_mapping=slots, block_tables=self.tables.gather(row_idx, width),
+            slot_mapping=slots, block_tables=self.tables.batch_tables(rows, row_idx, width),
             context_lens=ctx.to(torch.int32), cu_seqlens_q=cu.to(torch.int32),
             num_decodes=sum(1 for n in query_lens if n == 1),
             query_lens=list(query_lens), context_lens_list=context_lens,
