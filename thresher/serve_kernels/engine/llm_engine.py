@@ -11,6 +11,7 @@ blocks freed) and the step goes on for the others; see ``LLMEngine.step`` for wh
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -330,6 +331,17 @@ def _snapshot(items: list | None) -> Snapshot | None:
     return None if items is None else Snapshot(items)
 
 
+def _as_lists(out: RequestOutput) -> RequestOutput:
+    """A final output with plain lists in place of snapshots, for offline callers that keep,
+    serialise or extend it."""
+    def as_list(items):
+        return None if items is None else list(items)
+
+    return dataclasses.replace(
+        out, token_ids=list(out.token_ids), logprobs=as_list(out.logprobs),
+        top_logprobs=as_list(out.top_logprobs), prompt_logprobs=as_list(out.prompt_logprobs))
+
+
 def profile_forward(model, num_tokens: int, block_size: int, dtype: torch.dtype,
                     device: torch.device) -> None:
     """One prompt of ``num_tokens`` through ``model`` over a cache just big enough for it: the
@@ -368,7 +380,7 @@ class LLM:
         if failed:  # offline callers (evaluation) must not read a cut-short output as complete
             raise RequestFailed(f"{len(failed)} of {len(ids)} requests failed; the first: "
                                 f"{failed[0].error}")
-        return [final[i] for i in ids]
+        return [_as_lists(final[i]) for i in ids]
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | None = None, use_tqdm: bool = False

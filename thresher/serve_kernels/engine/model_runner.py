@@ -1,10 +1,11 @@
 """Runs one scheduled batch through the model: the paged-KV inputs, the forward, the logits.
 
 Owns the KV cache tensors (one K and one V cache per layer, [num_blocks, block_size, kv_heads,
-head_dim]). For a batch it packs each sequence's new tokens, their positions and cache slots,
-the block tables and context lengths, runs the model once, and computes logits only where they
-are needed: the last position of every sequence that samples, and every prompt position of a
-sequence that asked for prompt log-probs.
+head_dim]). For a batch it packs each sequence's new tokens, their positions and cache slots and
+the context lengths (one upload, pinned and asynchronous on CUDA), takes the block tables from
+the persistent ``BlockTables`` rows the block manager keeps current, runs the model once, and
+computes logits only where they are needed: the last position of every sequence that samples,
+and every prompt position of a sequence that asked for prompt log-probs.
 
 On CUDA, decode batches replay CUDA graphs (as nano-vllm does): one graph per batch-size bucket,
 captured at start over static input buffers, so a decode step is a few host-to-device copies and
