@@ -202,11 +202,10 @@ class LLMEngine:
         request each: if the batched sampling raises, the rows are sampled again one by one
         (a seeded row's noise depends only on its seed and position, so the others draw exactly
         what they would have), and a row or an update that still raises fails its request
-        alone. The forward pass is
-        not retried: its inputs were checked at admission (token ids inside the vocabulary,
-        lengths inside the context, blocks from the block manager), so a forward that raises
-        means the device or a kernel failed, and it propagates as an engine failure. A device
-        error (``is_device_error``) propagates from anywhere.
+        alone. The forward pass is not retried: its inputs were checked at admission (token ids
+        inside the vocabulary, lengths inside the context, blocks from the block manager), so a
+        forward that raises means the device or a kernel failed, and it propagates as an engine
+        failure. A device error (``is_device_error``) propagates from anywhere.
         """
         outputs = [self._output(seq, []) for seq in self._aborted]
         self._aborted = []

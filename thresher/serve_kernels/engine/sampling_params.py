@@ -44,7 +44,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None = up to the context limit; 0 only with prompt_logprobs
     stop: list[str] = field(default_factory=list)  # stop strings, cut from the text
     stop_token_ids: list[int] = field(default_factory=list)
-    seed: int | None = None  # per-request generator: same seed, same sample, whatever the batch
+    seed: int | None = None  # same seed, same sample, whatever the batch (``sampler``'s noise)
     ignore_eos: bool = False
     logprobs: int | None = None  # log-prob of each sampled token, plus the top-N alternatives
     prompt_logprobs: bool = False  # log-prob of every prompt token (the first is None)
