@@ -40,6 +40,10 @@ def check(engine: LLMEngine, *extra: Sequence) -> None:
         idx = torch.tensor([s.table_row for s in batch])
         width = max(len(s.block_table) for s in batch)
         assert torch.equal(tables.gather(idx, width), rebuilt(batch))
+        rows = sorted(s.table_row for s in live)
+        view = tables.batch_tables(rows, torch.tensor(rows), width)
+        by_row = sorted(live, key=lambda s: s.table_row)
+        assert torch.equal(view[:, :width], rebuilt(by_row))
 
 
 def test_tables_follow_admission_growth_preemption_abort_and_finish(tiny_demo):
