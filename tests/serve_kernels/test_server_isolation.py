@@ -107,9 +107,9 @@ def test_one_requests_sampling_failure_reaches_its_client_alone(server, client, 
               "ignore_eos": True}
 
     class SeedFailing(FailingSampler):  # the victim's params are built by the server: by seed
-        def __call__(self, logits, params, generators, output_ids=None):
+        def __call__(self, logits, params, positions, output_ids=None):
             self.victim = next((p for p in params if p.seed == 4242), None)
-            return super().__call__(logits, params, generators, output_ids)
+            return super().__call__(logits, params, positions, output_ids)
 
     engine = server.engine
     monkeypatch.setattr(engine, "sampler", SeedFailing(engine.sampler, None, after=3))

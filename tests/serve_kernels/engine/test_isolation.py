@@ -17,7 +17,7 @@ def engine(tiny_demo):
 
 
 def params() -> list[SamplingParams]:
-    """Seeded sampling: a failed batched draw must rewind the generators before retrying."""
+    """Seeded sampling: a row drawn again after a failed batch must draw what it drew before."""
     return [SamplingParams(temperature=0.9, seed=10 + i, max_tokens=12, ignore_eos=True)
             for i in range(len(PROMPTS))]
 
@@ -32,14 +32,14 @@ def run(engine: LLMEngine, ps: list[SamplingParams]) -> dict[str, object]:
 
 
 class FailingSampler:
-    """The engine's own sampler, raising (after drawing, so the seeded generators have moved)
-    whenever ``victim`` is among the rows from its ``after``-th step on."""
+    """The engine's own sampler, raising (after drawing) whenever ``victim`` is among the rows
+    from its ``after``-th step on."""
 
     def __init__(self, sampler, victim: SamplingParams, after: int):
         self.sampler, self.victim, self.after, self.seen = sampler, victim, after, 0
 
-    def __call__(self, logits, params, generators, output_ids=None):
-        result = self.sampler(logits, params, generators, output_ids)
+    def __call__(self, logits, params, positions, output_ids=None):
+        result = self.sampler(logits, params, positions, output_ids)
         if any(p is self.victim for p in params):
             self.seen += 1
             if self.seen > self.after:

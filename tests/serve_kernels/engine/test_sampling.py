@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from thresher.serve_kernels import LLM, SamplingParams
-from thresher.serve_kernels.engine.sampler import Sampler
+from thresher.serve_kernels.engine.sampler import Sampler, exponential_noise, row_key
 from thresher.serve_kernels.engine.sampling_params import InvalidSamplingParam
 
 
@@ -42,12 +42,11 @@ def test_top_k_and_top_p_restrict_the_support():
     top5 = set(logits[0].topk(5).indices.tolist())
     probs = logits[0].softmax(-1).sort(descending=True)
     nucleus = set(probs.indices[: int((probs.values.cumsum(0) < 0.6).sum()) + 1].tolist())
-    gen = torch.Generator().manual_seed(0)
     seen_k, seen_p, seen_all = set(), set(), set()
     for _ in range(300):
-        seen_k.add(sampler(logits, [SamplingParams(top_k=5)], [gen]).token_ids[0])
-        seen_p.add(sampler(logits, [SamplingParams(top_p=0.6)], [gen]).token_ids[0])
-        seen_all.add(sampler(logits, [SamplingParams()], [gen]).token_ids[0])
+        seen_k.add(sampler(logits, [SamplingParams(top_k=5)], [0]).token_ids[0])
+        seen_p.add(sampler(logits, [SamplingParams(top_p=0.6)], [0]).token_ids[0])
+        seen_all.add(sampler(logits, [SamplingParams()], [0]).token_ids[0])
     assert seen_k <= top5 and len(seen_k) >= 4
     assert seen_p <= nucleus and len(seen_p) >= len(nucleus) - 1
     assert not seen_all <= top5 | nucleus
@@ -123,17 +122,63 @@ def test_logit_bias_penalties_and_min_p():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
     sampler = Sampler()
     greedy = SamplingParams(temperature=0)
-    assert sampler(logits, [greedy], [None]).token_ids == [0]
+    assert sampler(logits, [greedy], [0]).token_ids == [0]
     biased = SamplingParams(temperature=0, logit_bias={3: 100.0})
-    assert sampler(logits, [biased], [None]).token_ids == [3]
+    assert sampler(logits, [biased], [0]).token_ids == [3]
     # token 0 generated twice: 3 - 2 x 0.8 - 0.5 = 0.9 < 2, so token 1 wins
     penalized = SamplingParams(temperature=0, frequency_penalty=0.8, presence_penalty=0.5)
-    assert sampler(logits, [penalized], [None], [[0, 0]]).token_ids == [1]
+    assert sampler(logits, [penalized], [0], [[0, 0]]).token_ids == [1]
     # min_p 1 keeps only the most likely token, whatever the temperature
-    gen = torch.Generator().manual_seed(0)
     top_only = SamplingParams(temperature=2.0, min_p=1.0)
-    assert {sampler(logits, [top_only], [gen]).token_ids[0] for _ in range(50)} == {0}
+    assert {sampler(logits, [top_only], [0]).token_ids[0] for _ in range(50)} == {0}
     # the log-probs stay the model's own
     out = sampler(logits, [SamplingParams(temperature=0, logit_bias={3: 100.0}, logprobs=0)],
-                  [None])
+                  [0])
     assert out.logprobs[0] == pytest.approx(torch.log_softmax(logits, -1)[0, 3].item())
+
+
+def test_seeded_rows_draw_the_same_tokens_in_any_batch_company():
+    """A seeded row's token depends on its seed, position and probabilities only: alone, or at
+    another index among greedy, unseeded and other seeded rows, it draws the same token."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 300) * 2
+    sampler = Sampler()
+    seeded = SamplingParams(temperature=0.8, top_k=50, seed=1234)
+    company = [SamplingParams(temperature=0), SamplingParams(temperature=1.0),
+               SamplingParams(temperature=1.2, seed=99), SamplingParams(top_p=0.5, seed=7),
+               SamplingParams(temperature=0, logprobs=2)]
+    for position in range(40):
+        alone = sampler(logits[2:3], [seeded], [position]).token_ids[0]
+        params = [*company[:2], seeded, *company[2:]]
+        positions = [position + 3 * i for i in range(len(params))]
+        positions[2] = position
+        crowd = sampler(logits, params, positions).token_ids
+        assert crowd[2] == alone, position
+        greedy = logits.argmax(-1).tolist()
+        assert crowd[0] == greedy[0] and crowd[5] == greedy[5]  # greedy rows unchanged
+
+
+def test_different_seeds_differ_and_a_seed_samples_the_distribution():
+    """Over positions, one seed's draws follow the softmax (and respect top-k); another seed
+    draws a different sequence."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    sampler = Sampler()
+    n = 3000
+    draws = {seed: [sampler(logits, [SamplingParams(seed=seed)], [k]).token_ids[0]
+                    for k in range(n)] for seed in (11, 12)}
+    assert draws[11] != draws[12]
+    freq = torch.bincount(torch.tensor(draws[11]), minlength=6).float() / n
+    assert (freq - logits[0].softmax(-1)).abs().max() < 0.03
+    top2 = {sampler(logits, [SamplingParams(top_k=2, seed=5)], [k]).token_ids[0]
+            for k in range(200)}
+    assert top2 == {0, 1}
+
+
+def test_seeded_noise_is_a_pure_function_of_seed_and_position():
+    keys = [row_key(7, 0), row_key(7, 1), row_key(8, 0), row_key(-1, 0), row_key(2**64 - 1, 0)]
+    a = exponential_noise(keys, 5000, torch.device("cpu"))
+    b = exponential_noise(keys[::-1], 5000, torch.device("cpu")).flip(0)
+    assert torch.equal(a, b)
+    assert row_key(-1, 0) == row_key(2**64 - 1, 0)  # the same 64 bits, as manual_seed reads them
+    assert len({tuple(r[:8].tolist()) for r in a[:3]}) == 3
+    assert (a > 0).all() and abs(a.mean().item() - 1.0) < 0.02  # Exp(1): mean 1

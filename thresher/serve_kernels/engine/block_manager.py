@@ -11,6 +11,9 @@ until the first miss. A block whose count drops to 0 keeps its content and hash 
 LRU list of cached free blocks; it is reused on a later hit, or evicted (its hash forgotten) only
 when a fresh block is needed and no never-used block is left. Blocks are released tail first, so
 the tail of a finished sequence is evicted before the prefix it may share with others.
+
+Every change to a sequence's block table is written to its row of the persistent
+``BlockTables`` at once, so a step never rebuilds the tables from these lists.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import hashlib
 from array import array
 from collections import OrderedDict, deque
 
+from thresher.serve_kernels.engine.block_table import BlockTables
 from thresher.serve_kernels.engine.sequence import Sequence
 
 
@@ -30,8 +34,10 @@ def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
 class BlockManager:
     """Allocation, sharing and eviction of KV-cache blocks."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, tables: BlockTables,
+                 enable_prefix_caching: bool = True):
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.tables = tables
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.hashes: list[bytes | None] = [None] * num_blocks
@@ -86,6 +92,8 @@ class BlockManager:
             if i == len(seq.block_hashes):
                 seq.block_hashes.append(h)
             parent = h
+        if seq.block_table:
+            self.tables.write(seq, 0)
         seq.num_computed_tokens = len(seq.block_table) * bs
         return seq.num_computed_tokens
 
@@ -95,10 +103,13 @@ class BlockManager:
         missing = needed - len(seq.block_table)
         if missing > self.num_free_blocks:
             return False
-        for _ in range(missing):
-            block = self._take_free_block()
-            self.ref_counts[block] = 1
-            seq.block_table.append(block)
+        if missing > 0:
+            start = len(seq.block_table)
+            for _ in range(missing):
+                block = self._take_free_block()
+                self.ref_counts[block] = 1
+                seq.block_table.append(block)
+            self.tables.write(seq, start)
         return True
 
     def commit(self, seq: Sequence) -> None:
@@ -124,5 +135,6 @@ class BlockManager:
                     self.fresh.append(block)
                 else:
                     self.cached[block] = None
+        self.tables.release(seq)
         seq.block_table = []
         seq.num_computed_tokens = 0

@@ -11,6 +11,7 @@ blocks freed) and the step goes on for the others; see ``LLMEngine.step`` for wh
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -23,7 +24,8 @@ from thresher.models.inspect import weight_bytes
 from thresher.models.loading import load_tokenizer
 from thresher.models.source import resolve_model
 from thresher.serve_kernels.engine.block_manager import BlockManager
-from thresher.serve_kernels.engine.detokenizer import append_text, find_stop, visible_text
+from thresher.serve_kernels.engine.block_table import BlockTables
+from thresher.serve_kernels.engine.detokenizer import Detokenizer, find_stop, visible_text
 from thresher.serve_kernels.engine.kv_budget import KVCacheConfig, free_gpu_bytes, size_kv_cache
 from thresher.serve_kernels.engine.model_runner import ModelRunner
 from thresher.serve_kernels.engine.sampler import Sampler, SampleResult
@@ -33,7 +35,7 @@ from thresher.serve_kernels.engine.sampling_params import (
     SamplingParams,
 )
 from thresher.serve_kernels.engine.scheduler import ScheduledBatch, Scheduler
-from thresher.serve_kernels.engine.sequence import Sequence
+from thresher.serve_kernels.engine.sequence import Sequence, Snapshot
 from thresher.serve_kernels.kernels.cpu_blocked import blocked_supported
 from thresher.serve_kernels.loader import load_engine_model
 
@@ -133,13 +135,16 @@ class LLMEngine:
                              f"max_model_len={self.max_model_len} ({blocks_per_seq} blocks of "
                              f"{block_size}); raise the KV cache (num_kv_blocks, kv_cache_gb, "
                              "gpu_memory_utilization) or lower max_model_len")
-        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
+        tables = BlockTables(max_num_seqs, blocks_per_seq, self.device)
+        self.block_manager = BlockManager(num_kv_blocks, block_size, tables,
+                                          enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(loaded.model, num_kv_blocks, block_size, torch_dtype,
-                                  self.device)
+                                  self.device, tables)
         if self.device.type == "cuda" and not enforce_eager:
             self.runner.capture_decode_graphs(max_num_seqs, self.max_model_len)
         self.sampler = Sampler()
+        self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer, loaded.path)
         self.vocab_size = spec.vocab_size
         self.model_info = {**loaded.info, "kv_cache_bytes": num_kv_blocks * per_block,
@@ -195,12 +200,12 @@ class LLMEngine:
 
         Sampling and the per-sequence update (detokenizing, stop conditions) belong to one
         request each: if the batched sampling raises, the rows are sampled again one by one
-        (each seeded generator rewound first, so the others draw exactly what they would have),
-        and a row or an update that still raises fails its request alone. The forward pass is
-        not retried: its inputs were checked at admission (token ids inside the vocabulary,
-        lengths inside the context, blocks from the block manager), so a forward that raises
-        means the device or a kernel failed, and it propagates as an engine failure. A device
-        error (``is_device_error``) propagates from anywhere.
+        (a seeded row's noise depends only on its seed and position, so the others draw exactly
+        what they would have), and a row or an update that still raises fails its request
+        alone. The forward pass is not retried: its inputs were checked at admission (token ids
+        inside the vocabulary, lengths inside the context, blocks from the block manager), so a
+        forward that raises means the device or a kernel failed, and it propagates as an engine
+        failure. A device error (``is_device_error``) propagates from anywhere.
         """
         outputs = [self._output(seq, []) for seq in self._aborted]
         self._aborted = []
@@ -237,12 +242,11 @@ class LLMEngine:
                 ) -> tuple[SampleResult, dict[int, Exception]]:
         """One batched draw; if it raises, one draw per row, and the rows that still raise."""
         params = [s.params for s in seqs]
-        generators = [s.generator for s in seqs]
+        positions = [len(s.token_ids) - s.num_prompt_tokens for s in seqs]
         output_ids = [s.output_token_ids for s in seqs] if any(
             p.adjusts_logits for p in params) else None
-        states = [g.get_state() if g is not None else None for g in generators]
         try:
-            return self.sampler(logits, params, generators, output_ids), {}
+            return self.sampler(logits, params, positions, output_ids), {}
         except Exception as err:
             if is_device_error(err):
                 raise
@@ -250,11 +254,9 @@ class LLMEngine:
                         type(err).__name__, err, len(seqs))
         merged = SampleResult([0] * len(seqs), [0.0] * len(seqs), [None] * len(seqs))
         failed: dict[int, Exception] = {}
-        for r, (p, g, state) in enumerate(zip(params, generators, states, strict=True)):
-            if g is not None:
-                g.set_state(state)
+        for r, (p, position) in enumerate(zip(params, positions, strict=True)):
             try:
-                one = self.sampler(logits[r:r + 1], [p], [g],
+                one = self.sampler(logits[r:r + 1], [p], [position],
                                    None if output_ids is None else [output_ids[r]])
             except Exception as err:
                 if is_device_error(err):
@@ -284,7 +286,7 @@ class LLMEngine:
             if seq.top_logprobs is not None:
                 seq.top_logprobs.append(sampled.top_logprobs[row])
         before = len(seq.text)
-        append_text(self.tokenizer, seq)
+        self.detokenizer.append_text(seq)
         p = seq.params
         reason = None
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
@@ -303,15 +305,14 @@ class LLMEngine:
         self._seqs.pop(seq.request_id, None)
 
     def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
+        """The request's state now; its growing lists are handed out as snapshots, not copies."""
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids, text=visible_text(seq), finished=seq.is_finished,
             finish_reason=seq.finish_reason, new_token_ids=new_token_ids,
-            prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
-            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            prompt_logprobs=_snapshot(seq.prompt_logprobs), logprobs=_snapshot(seq.logprobs),
             num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
-            top_logprobs=list(seq.top_logprobs) if seq.top_logprobs is not None else None,
-            error=seq.error,
+            top_logprobs=_snapshot(seq.top_logprobs), error=seq.error,
         )
 
     def stats(self) -> EngineStats:
@@ -325,13 +326,30 @@ class LLMEngine:
         )
 
 
+def _snapshot(items: list | None) -> Snapshot | None:
+    return None if items is None else Snapshot(items)
+
+
+def _as_lists(out: RequestOutput) -> RequestOutput:
+    """A final output with plain lists in place of snapshots, for offline callers that keep,
+    serialise or extend it."""
+    def as_list(items):
+        return None if items is None else list(items)
+
+    return dataclasses.replace(
+        out, token_ids=list(out.token_ids), logprobs=as_list(out.logprobs),
+        top_logprobs=as_list(out.top_logprobs), prompt_logprobs=as_list(out.prompt_logprobs))
+
+
 def profile_forward(model, num_tokens: int, block_size: int, dtype: torch.dtype,
                     device: torch.device) -> None:
     """One prompt of ``num_tokens`` through ``model`` over a cache just big enough for it: the
     largest step the scheduler can send, to measure the activations' peak memory."""
-    runner = ModelRunner(model, -(-num_tokens // block_size), block_size, dtype, device)
+    num_blocks = -(-num_tokens // block_size)
+    tables = BlockTables(1, num_blocks, device)
+    runner = ModelRunner(model, num_blocks, block_size, dtype, device, tables)
     seq = Sequence("profile", [0] * num_tokens, SamplingParams(max_tokens=1), 1)
-    seq.block_table = list(range(len(runner.kv_caches[0][0])))
+    BlockManager(num_blocks, block_size, tables).allocate(seq, num_tokens)
     runner.run(ScheduledBatch([seq], [num_tokens]))
 
 
@@ -361,7 +379,7 @@ class LLM:
         if failed:  # offline callers (evaluation) must not read a cut-short output as complete
             raise RequestFailed(f"{len(failed)} of {len(ids)} requests failed; the first: "
                                 f"{failed[0].error}")
-        return [final[i] for i in ids]
+        return [_as_lists(final[i]) for i in ids]
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | None = None, use_tqdm: bool = False

@@ -1,10 +1,11 @@
 """Runs one scheduled batch through the model: the paged-KV inputs, the forward, the logits.
 
 Owns the KV cache tensors (one K and one V cache per layer, [num_blocks, block_size, kv_heads,
-head_dim]). For a batch it packs each sequence's new tokens, their positions and cache slots,
-the block tables and context lengths, runs the model once, and computes logits only where they
-are needed: the last position of every sequence that samples, and every prompt position of a
-sequence that asked for prompt log-probs.
+head_dim]). For a batch it packs each sequence's new tokens, their positions and cache slots and
+the context lengths (one upload, pinned and asynchronous on CUDA), takes the block tables from
+the persistent ``BlockTables`` rows the block manager keeps current, runs the model once, and
+computes logits only where they are needed: the last position of every sequence that samples,
+and every prompt position of a sequence that asked for prompt log-probs.
 
 On CUDA, decode batches replay CUDA graphs (as nano-vllm does): one graph per batch-size bucket,
 captured at start over static input buffers, so a decode step is a few host-to-device copies and
@@ -17,10 +18,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, chain
 
 import torch
 
+from thresher.serve_kernels.engine.block_table import BlockTables
 from thresher.serve_kernels.engine.scheduler import ScheduledBatch
 from thresher.serve_kernels.modeling.attention import AttentionMetadata
 from thresher.serve_kernels.modeling.decoder import CausalLM
@@ -71,8 +73,9 @@ class ModelRunner:
     """The model plus its paged KV cache."""
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, tables: BlockTables):
         self.model, self.block_size, self.device = model, block_size, device
+        self.tables = tables  # the block manager writes them; a step gathers its rows
         spec = model.spec
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
@@ -135,56 +138,64 @@ class ModelRunner:
         return 2 * s.num_layers * block_size * s.num_kv_heads * s.head_dim * dtype.itemsize
 
     def hidden_states(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        """Run the batch's new tokens: final hidden states [T, H] and new-token offsets [B + 1]."""
+        """Run the batch's new tokens: final hidden states [T, H] and new-token offsets [B + 1].
+
+        The per-token inputs come from host lists (O(new tokens)); the block tables are the
+        sequences' rows of the persistent ``BlockTables``, gathered where they live."""
         bs = self.block_size
+        seqs, query_lens = batch.seqs, batch.num_new_tokens
         input_ids: list[int] = []
         positions: list[int] = []
         slot_list: list[int] = []
         context_lens: list[int] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            start = seq.num_computed_tokens
-            table = seq.block_table
-            input_ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            slot_list.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+        for seq, n in zip(seqs, query_lens, strict=True):
+            start, table = seq.num_computed_tokens, seq.block_table
+            if n == 1:
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slot_list.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(seq.token_ids[start : start + n])
+                positions.extend(range(start, start + n))
+                slot_list.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             context_lens.append(start + n)
-        # slots and offsets come from host lists (tensor arithmetic was a dozen small ops a step)
-        query_lens = batch.num_new_tokens
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table))
-                               for s in batch.seqs], dtype=torch.int32)
-        pos = torch.tensor(positions, dtype=torch.long)
-        slots = torch.tensor(slot_list, dtype=torch.long)
         cu_list = [0, *accumulate(query_lens)]
-        cu = torch.tensor(cu_list, dtype=torch.int32)
+        rows = [s.table_row for s in seqs]
+        ids, pos, slots, ctx, cu, row_idx = self._upload(
+            input_ids, positions, slot_list, context_lens, cu_list, rows)
         graphs = self.decode_graphs
         if graphs is not None and max(query_lens) == 1 and (bs_ := graphs.bucket(len(batch))):
-            return self._replay(graphs, bs_, input_ids, pos, slots, context_lens, tables), \
-                cu_list
-        dev = self.device
+            return self._replay(graphs, bs_, ids, pos, slots, ctx, row_idx), cu_list
+        width = max(len(s.block_table) for s in seqs)
         meta = AttentionMetadata(
-            slot_mapping=slots.to(dev), block_tables=tables.to(dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            cu_seqlens_q=cu.to(dev), num_decodes=sum(1 for n in query_lens if n == 1),
+            slot_mapping=slots, block_tables=self.tables.batch_tables(rows, row_idx, width),
+            context_lens=ctx.to(torch.int32), cu_seqlens_q=cu.to(torch.int32),
+            num_decodes=sum(1 for n in query_lens if n == 1),
             query_lens=list(query_lens), context_lens_list=context_lens,
             max_query_len=max(query_lens), max_context_len=max(context_lens),
         )
-        hidden = self.model(torch.tensor(input_ids, device=dev), pos.to(dev), self.kv_caches, meta)
-        return hidden, cu_list
+        return self.model(ids, pos, self.kv_caches, meta), cu_list
 
-    def _replay(self, g: DecodeGraphs, bucket: int, input_ids: list[int], pos: torch.Tensor,
-                slots: torch.Tensor, context_lens: list[int], tables: torch.Tensor
-                ) -> torch.Tensor:
-        """Copy a decode batch into the static buffers, replay its bucket's graph."""
-        n = len(input_ids)
-        g.input_ids[:n].copy_(torch.tensor(input_ids), non_blocking=True)
-        g.positions[:n].copy_(pos, non_blocking=True)
-        g.slot_mapping.fill_(-1)
-        g.slot_mapping[:n].copy_(slots, non_blocking=True)
-        g.context_lens.fill_(1)
-        g.context_lens[:n].copy_(torch.tensor(context_lens, dtype=torch.int32), non_blocking=True)
-        g.block_tables.zero_()
-        g.block_tables[:n, : tables.shape[1]].copy_(tables, non_blocking=True)
+    def _upload(self, *lists: list[int]) -> list[torch.Tensor]:
+        """Host int lists -> int64 tensors on the device: one tensor, and on CUDA one
+        asynchronous copy from pinned memory."""
+        flat = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.long)
+        if self.device.type == "cuda":
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        return list(flat.split([len(x) for x in lists]))
+
+    def _replay(self, g: DecodeGraphs, bucket: int, ids: torch.Tensor, pos: torch.Tensor,
+                slots: torch.Tensor, ctx: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Copy a decode batch into the static buffers, replay its bucket's graph. Padding rows
+        keep slot -1 (they store nothing) and context 1 over a stale but valid table row."""
+        n = len(ids)
+        g.input_ids[:n].copy_(ids)
+        g.positions[:n].copy_(pos)
+        g.slot_mapping[n:].fill_(-1)
+        g.slot_mapping[:n].copy_(slots)
+        g.context_lens[n:].fill_(1)
+        g.context_lens[:n].copy_(ctx)
+        self.tables.gather(rows, g.block_tables.shape[1], out=g.block_tables[:n])
         g.graphs[bucket].replay()
         return g.hidden[:n]
 

@@ -4,19 +4,69 @@ Rows with a ``logit_bias`` or a presence/frequency penalty first have their logi
 (OpenAI's formula: minus ``frequency x count + presence x [count > 0]`` over the tokens generated
 so far). Greedy rows then take the argmax. The others divide by their temperature, mask
 everything outside their top-k and their top-p nucleus (one sort for the rows that ask for
-either) and below their min-p share of the most likely token, and draw from the softmax: rows
-with a seed from their own generator (so a seeded request samples the same tokens whatever else
-is in the batch), the rest in one batched draw. Log-probs are those of the model's own
-distribution (log-softmax of the raw logits), as vLLM returns them.
+either) and below their min-p share of the most likely token, and draw from the softmax.
+
+Unseeded rows draw in one batched ``torch.multinomial``. Seeded rows draw on the device too, by
+an exponential race (the token maximising p / E with E ~ Exp(1) per token is a sample of p), with
+the noise a hash of (seed, the row's output position, token id) rather than a generator's
+stream: the same seed gives the same tokens whatever else is in the batch, on any device, and a
+row sampled again (after a failed batch) draws exactly what it drew before, with no generator
+state to save or rewind. Log-probs are those of the model's own distribution (log-softmax of
+the raw logits), as vLLM returns them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from thresher.serve_kernels.engine.sampling_params import SamplingParams
+
+MASK32 = 0xFFFFFFFF
+MASK64 = 2**64 - 1
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def row_key(seed: int, position: int) -> int:
+    """The 64-bit key of a seeded row's noise at one output position."""
+    return _splitmix64(_splitmix64(seed & MASK64) ^ position)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for int64 ``x`` in [0, 2**32), in halves so nothing overflows int64."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & MASK32
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's finaliser: every input bit flips about half the output bits."""
+    x = _mul32(x ^ (x >> 16), 0x85EBCA6B)
+    x = _mul32(x ^ (x >> 13), 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def exponential_noise(keys: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """Exp(1) noise [len(keys), vocab] (fp32), a pure function of each row's key and token id."""
+    k = torch.tensor([[key & MASK32, key >> 32] for key in keys], device=device)
+    token = _mul32(torch.arange(vocab, device=device), 0x9E3779B1)[None, :]
+    h = _fmix32(_fmix32(token ^ k[:, :1]) ^ k[:, 1:])
+    u = (h.double() + 0.5) / 2.0**32  # in (0, 1)
+    return (-torch.log(u)).float()
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum. On a CPU NumPy's vectorised argmax ran 7-17x faster than
+    torch's (38 vs 270-630 us at 64 x 4,096 fp32 on one thread of a 2-core machine)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad:
+        return torch.from_numpy(x.numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
 
 
 @dataclass
@@ -39,7 +89,7 @@ def _restrict(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
 
 
 def _adjust(logits: torch.Tensor, params: list[SamplingParams],
-            output_ids: list[list[int]] | None) -> torch.Tensor:
+            output_ids: Sequence[Sequence[int]] | None) -> torch.Tensor:
     """The logits with each row's logit_bias added and its penalties subtracted (a copy)."""
     logits = logits.clone()
     vocab = logits.shape[-1]
@@ -50,7 +100,7 @@ def _adjust(logits: torch.Tensor, params: list[SamplingParams],
                                 dtype=logits.dtype)
             logits[i].index_add_(0, ids, bias)
         if (p.presence_penalty or p.frequency_penalty) and output_ids and output_ids[i]:
-            counts = torch.bincount(torch.tensor(output_ids[i], device=logits.device),
+            counts = torch.bincount(torch.tensor(list(output_ids[i]), device=logits.device),
                                     minlength=vocab)[:vocab].to(logits.dtype)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
     return logits
@@ -60,29 +110,34 @@ class Sampler:
     """Samples one token per row of fp32 logits [R, V]."""
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None],
-                 output_ids: list[list[int]] | None = None) -> SampleResult:
-        """``output_ids``: each row's generated tokens so far (needed only for penalties)."""
+                 positions: list[int], output_ids: Sequence[Sequence[int]] | None = None
+                 ) -> SampleResult:
+        """``positions``: each row's number of generated tokens so far (a seeded row's noise
+        depends on it); ``output_ids``: those tokens (needed only for penalties)."""
         rows = logits.shape[0]
         raw = logits
-        if any(p.adjusts_logits for p in params):
+        greedy: list[int] = []
+        random: list[int] = []
+        adjusts = wants_logprobs = False
+        for i, p in enumerate(params):  # one pass: this runs for every row of every step
+            (greedy if p.greedy else random).append(i)
+            adjusts = adjusts or p.adjusts_logits
+            wants_logprobs = wants_logprobs or p.logprobs is not None
+        if adjusts:
             logits = _adjust(logits, params, output_ids)
-        greedy = [i for i, p in enumerate(params) if p.greedy]
-        random = [i for i, p in enumerate(params) if not p.greedy]
         if not random:  # the common all-greedy batch: one argmax, no gathers or scatters
-            chosen = logits.argmax(dim=-1)
+            chosen = _argmax(logits)
         else:
             chosen = torch.empty(rows, dtype=torch.long, device=logits.device)
             if greedy:
                 idx = torch.tensor(greedy, device=logits.device)
-                chosen[idx] = logits[idx].argmax(dim=-1)
+                chosen[idx] = _argmax(logits[idx])
             chosen[torch.tensor(random, device=logits.device)] = self._sample(
-                logits, [params[i] for i in random], [generators[i] for i in random], random)
+                logits, [params[i] for i in random], [positions[i] for i in random], random)
         token_ids = chosen.tolist()
-
-        want = [p.logprobs for p in params]
-        if all(w is None for w in want):
+        if not wants_logprobs:
             return SampleResult(token_ids, None, None)
+        want = [p.logprobs for p in params]
         logprobs = torch.log_softmax(raw, dim=-1)
         chosen_lp = logprobs.gather(-1, chosen[:, None]).squeeze(-1).tolist()
         top: list[dict[int, float] | None] = [None] * rows
@@ -95,7 +150,7 @@ class Sampler:
         return SampleResult(token_ids, chosen_lp, top)
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None], rows: list[int]) -> torch.Tensor:
+                positions: list[int], rows: list[int]) -> torch.Tensor:
         device = logits.device
         x = logits[torch.tensor(rows, device=device)]
         temps = torch.tensor([p.temperature for p in params], device=device)
@@ -111,12 +166,13 @@ class Sampler:
             floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
         out = torch.empty(len(rows), dtype=torch.long, device=device)
-        seeded = [i for i, g in enumerate(generators) if g is not None]
-        for i in seeded:
-            gen = generators[i]
-            row = probs[i] if gen.device == probs.device else probs[i].to(gen.device)
-            out[i] = torch.multinomial(row, 1, generator=gen)[0]
-        unseeded = [i for i, g in enumerate(generators) if g is None]
+        seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        if seeded:
+            idx = torch.tensor(seeded, device=device)
+            noise = exponential_noise([row_key(params[i].seed, positions[i]) for i in seeded],
+                                      probs.shape[-1], device)
+            out[idx] = _argmax(probs[idx] / noise)
+        unseeded = [i for i, p in enumerate(params) if p.seed is None]
         if unseeded:
             idx = torch.tensor(unseeded, device=device)
             out[idx] = torch.multinomial(probs[idx], 1).squeeze(-1)

@@ -8,6 +8,7 @@ failure there would cost every other sequence in the batch its step.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 GREEDY_EPS = 1e-5  # a temperature below this samples greedily (as vLLM): dividing by it overflows
@@ -43,7 +44,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None = up to the context limit; 0 only with prompt_logprobs
     stop: list[str] = field(default_factory=list)  # stop strings, cut from the text
     stop_token_ids: list[int] = field(default_factory=list)
-    seed: int | None = None  # per-request generator: same seed, same sample, whatever the batch
+    seed: int | None = None  # same seed, same sample, whatever the batch (``sampler``'s noise)
     ignore_eos: bool = False
     logprobs: int | None = None  # log-prob of each sampled token, plus the top-N alternatives
     prompt_logprobs: bool = False  # log-prob of every prompt token (the first is None)
@@ -105,19 +106,22 @@ class SamplingParams:
 
 @dataclass
 class RequestOutput:
-    """A request's state after a step; ``text`` only grows until the request finishes."""
+    """A request's state after a step; ``text`` only grows until the request finishes.
+
+    From ``LLMEngine.step`` the token and log-prob fields are read-only ``Snapshot`` views of the
+    engine's growing lists (no per-step copy); ``LLM``'s final outputs hold plain lists."""
 
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]  # all generated so far
+    token_ids: Sequence[int]  # all generated so far
     text: str  # detokenized generated text so far (stop strings cut)
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     new_token_ids: list[int]  # generated in this step (for streaming)
-    prompt_logprobs: list[float | None] | None
-    logprobs: list[float] | None  # per generated token
+    prompt_logprobs: Sequence[float | None] | None
+    logprobs: Sequence[float] | None  # per generated token
     num_cached_prompt_tokens: int  # prompt tokens served from the prefix cache
-    top_logprobs: list[dict[int, float]] | None = None  # per generated token, with logprobs=N
+    top_logprobs: Sequence[dict[int, float]] | None = None  # per generated token, with logprobs=N
     error: str | None = None  # why the engine failed this request alone (finish_reason "error")
 
 
