@@ -32,7 +32,7 @@ def test_key_follows_spec_code_and_text(monkeypatch):
 
 
 def test_pinned_models_are_used_as_they_are(tmp_path, monkeypatch):
-    monkeypatch.setenv("THRESHER_HOME", str(tmp_path))
+    monkeypatch.setenv("THRESHER_DEMO_MODELS", str(tmp_path / "demo-models"))
     own = demo_model.demo_model_dir("tiny")
     assert own.name == f"tiny-{demo_model.demo_key(demo_model.SPECS['tiny'])}"
     (tmp_path / "demo-models" / demo_model.PINNED).write_text(json.dumps({"tiny": "tiny-carried"}))

@@ -111,7 +111,7 @@ def test_decode_replay_bookkeeping_matches_eager(tiny_demo):
     assert set(replays) == {4, 1}
 
 
-def test_a_kernel_that_cannot_compile_leaves_decode_eager(tiny_demo, caplog):
+def test_a_kernel_that_cannot_compile_leaves_decode_eager(tiny_demo, caplog, monkeypatch):
     """Triton's own errors (out of shared memory, a compile error) during the capture's warm-up
     leave the runner eager and serving, as a capture error does, instead of aborting start-up."""
     from triton.runtime.errors import OutOfResources
@@ -123,10 +123,9 @@ def test_a_kernel_that_cannot_compile_leaves_decode_eager(tiny_demo, caplog):
     def fails(*args):
         raise OutOfResources(232448, 101376, "shared memory")
 
-    model, runner.model = runner.model, fails
-    with caplog.at_level("WARNING"):
+    with monkeypatch.context() as patch, caplog.at_level("WARNING"):
+        patch.setattr(runner.model, "forward", fails)
         runner.capture_decode_graphs(4, 64)
-    runner.model = model
     assert runner.decode_graphs is None and "decode stays eager" in caplog.text
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     assert len(llm.generate(PROMPTS[:1], params)[0].token_ids) == 3
