@@ -47,6 +47,7 @@ for _k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_k, "1")
 
 import gc  # noqa: E402
+import importlib.util  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
@@ -484,6 +485,9 @@ def section_quantized_decode(ctx: MoEContext, log: Path) -> str:
     for name, method, bits in ((f"AWQ-4 g{group}", "awq", 4 + 32 / group),
                                ("NF4", "nf4", 4 + 32 / 64)):
         out = ctx.path.parent / method
+        if method == "nf4" and importlib.util.find_spec("bitsandbytes") is None:
+            arts[name] = (out, bits)  # quantizing NF4 needs bitsandbytes; the row says so
+            continue
         if not (out / "config.json").is_file():
             cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(ctx.path), "--out",
                    str(out), "--method", method, "--samples", str(s.gptq_samples), "--seq-len",
@@ -503,7 +507,9 @@ def section_quantized_decode(ctx: MoEContext, log: Path) -> str:
     one = _prompts(1, s.prompt_len)
     for name, (path, bits) in arts.items():
         if not (path / "config.json").is_file():
-            rows.append(f"| {name} | missing: {path.name} (section 6 failed?) | | | | | |")
+            why = ("bitsandbytes is not installed" if name == "NF4" else
+                   f"{path.name} missing (section 6 failed?)")
+            rows.append(f"| {name} | not run: {why} | | | | | |")
             continue
         llm = LLM(path, dtype="bfloat16" if not DRY else "float32", max_model_len=1024,
                   max_num_seqs=1)
