@@ -80,15 +80,16 @@ def test_merged_checkpoint_loads_in_transformers_and_serves_like_it(family, meth
         torch.testing.assert_close(adapter.router(layer).weight.data,
                                    adapter.router(orig).weight.data[[g[0] for g in groups]])
         assert adapter.experts(layer).gate_up_proj.shape[0] == 4
+        experts = adapter.experts(orig)
         for pos, g in enumerate(groups):
-            if method == "hc_smoe":  # no alignment: the plain frequency-weighted average
-                w = torch.tensor([counts[e] for e in g], dtype=torch.float64)
-                w = w / w.sum() if w.sum() > 0 else torch.full_like(w, 1 / len(g))
-                want = sum(wj * expert_matrices(model, i, e).double() for wj, e in zip(w, g, strict=True))
-                torch.testing.assert_close(expert_matrices(merged, i, pos), want.float())
-            elif len(g) == 1:
-                torch.testing.assert_close(expert_matrices(merged, i, pos),
-                                           expert_matrices(model, i, g[0]))
+            w = torch.tensor([counts[e] for e in g], dtype=torch.float64)
+            w = w / w.sum() if w.sum() > 0 else torch.full_like(w, 1 / len(g))
+            parts = [(experts.gate_up_proj.data[e], experts.down_proj.data[e]) for e in g]
+            if method == "m_smoe":  # members' neurons aligned to the leader's, then averaged
+                parts = [parts[0]] + [align_to_leader(parts[0], p) for p in parts[1:]]
+            want = sum(wj * torch.cat([gu.flatten(), d.flatten()]).double()
+                       for wj, (gu, d) in zip(w, parts, strict=True))
+            torch.testing.assert_close(expert_matrices(merged, i, pos), want.float())
     saved = json.loads((out / MERGE_REPORT).read_text())
     assert saved["method"] == method and saved["metrics"]["experts_kept"] == 4.0
     llm = LLM(out)

@@ -173,6 +173,8 @@ def _merge_into(build: Path, model_dir: Path, out_dir: Path, config: PretrainedC
                 stage: MergeStage, calibration: CalibrationConfig,
                 observed: list[MergeStats] | None, show_progress: bool,
                 compute: Compute) -> MergeReport:
+    """Observe (unless ``observed``), group each MoE layer's experts, and write the merged
+    checkpoint, config and tokenizer files into ``build``; the report lacks only the totals."""
     lw = LayerwiseModel(model_dir, device=compute.device)
     adapter = lw.adapter
     num_experts, top_k = adapter.num_experts(config), adapter.top_k(config)
