@@ -80,8 +80,8 @@ SPECS: dict[str, DemoSpec] = {
     # expert: the model it mimics (Qwen3-30B-A3B, in the REAP paper's set) has none, an always-on
     # shared expert would carry part of the function pruning and merging are measured on, and
     # it keeps the layout of the other demo models and their benchmarks.
-    # small's tokens (640 x 8 x 256); a training step costs 1.5-3.4 times small's (measured
-    # side by side on a loaded machine), about 16-25 min on 2 idle cores (docs/pruning.md).
+    # small's tokens (640 x 8 x 256); a training step costs 1.74 times small's (alternating
+    # steps), about 13 min on 2 idle cores; 16 min on the shared machine (docs/pruning.md).
     # For benchmarks (``--model demo:fine``); the tests and ``make demo`` do not train it.
     "fine": DemoSpec(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
                      head_dim=32, moe_intermediate_size=32, num_experts=64, top_k=8,
