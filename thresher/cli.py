@@ -153,9 +153,10 @@ def schema() -> None:
 @handles_errors
 def demo_model_build(
     size: Annotated[str, typer.Argument(
-        help="tiny (for tests) or small (the demo default). Measured on a 2-core x86 machine: "
+        help="tiny (for tests), small (the demo default) or fine (64 experts, top-8, for the "
+        "pruning and merging comparisons; docs/pruning.md). Measured on a 2-core x86 machine: "
         "tiny 58 s with the cores idle and 9.5 min with them shared; small 4.4 min idle, 7.5 "
-        "min under load.")] = "small",
+        "min under load; fine 16 min under load (about 13 min idle, estimated).")] = "small",
     force: Annotated[bool, typer.Option(help="Retrain even if a cached model exists.")] = False,
 ) -> None:
     """Train the demo tokenizer and Qwen3-MoE on the stdlib train split (cached)."""
@@ -403,6 +404,62 @@ def prune_cmd(
                   + (f"; the refit left {m['refit_error_left']:.1%} of the pruned blocks' output "
                      "error on the calibration tokens" if "refit_error_left" in m else ""))
     _print_runtime_note(out)
+
+
+@app.command("merge")
+@handles_errors
+def merge_cmd(
+    model: Annotated[str, typer.Option(help="Hub id, local dir, models:/name/version or demo:size.")],
+    out: Annotated[Path, typer.Option(help="Output directory for the merged checkpoint (new).")],
+    method: Annotated[str, typer.Option(help="hc_smoe or m_smoe.")] = "hc_smoe",
+    ratio: Annotated[float | None, typer.Option(
+        help="Fraction of experts merged away in every MoE layer, in (0, 1); 0.5 unless --keep "
+        "is given.")] = None,
+    keep: Annotated[int | None, typer.Option(help="Experts kept (groups) per MoE layer.")] = None,
+    router: Annotated[str, typer.Option(
+        help="Merged expert's router row: 'leader' (its most used member's) or 'average'.")
+    ] = "leader",
+    permute: Annotated[bool | None, typer.Option(
+        help="Align members' neurons to their leader's before averaging (default: m_smoe on, "
+        "hc_smoe off).")] = None,
+    calibration: Annotated[str, typer.Option(
+        help="'stdlib' or comma-separated local text files / globs.")] = "stdlib",
+    samples: Annotated[int, typer.Option(help="Calibration windows.")] = 128,
+    seq_len: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 256,
+    seed: Annotated[int, typer.Option(help="Seed of the calibration sample.")] = 0,
+    device: Annotated[str, typer.Option(help=DEVICE_OPTION_HELP)] = "auto",
+    offload_budget_gb: Annotated[float | None, typer.Option(help=BUDGET_OPTION_HELP)] = None,
+) -> None:
+    """Merge groups of experts of every MoE layer into frequency-weighted averages (M-SMoE or
+    HC-SMoE) and write a complete checkpoint with fewer experts and merge_report.json."""
+    from pydantic import ValidationError
+
+    from thresher.errors import CompressionError
+    from thresher.models import resolve_model
+    from thresher.prune.merge_api import merge_model
+    from thresher.recipe import CalibrationConfig, MergeStage, format_validation_error
+
+    try:
+        stage = MergeStage(method=method, ratio=0.5 if ratio is None and keep is None else ratio,
+                           keep=keep, router=router, permute=permute)
+        cal = CalibrationConfig(source=_calibration_source(calibration), samples=samples,
+                                seq_len=seq_len, seed=seed)
+    except ValidationError as err:
+        raise CompressionError(format_validation_error(err, "merge", as_options=True)) from None
+    report = merge_model(resolve_model(model), stage, cal, out, device=device,
+                         offload_budget_gb=offload_budget_gb)
+    table = Table(title=f"{stage.describe()}: {report.experts_kept} of {report.num_experts} "
+                        "experts per MoE layer")
+    for col in ("layer", "merged groups (leader first)"):
+        table.add_column(col)
+    for layer in report.layers:
+        table.add_row(str(layer.layer), "  ".join(
+            "+".join(map(str, g)) for g in layer.groups if len(g) > 1))
+    console.print(table)
+    m = report.metrics()
+    console.print(f"merged checkpoint: {out} (merge_report.json beside it); "
+                  f"{m['wall_seconds']:.1f} s {_memory_note(report)}, merged-away experts had "
+                  f"{m['merged_routed_share']:.1%} of routed tokens")
 
 
 # --- quantization -------------------------------------------------------------------------------

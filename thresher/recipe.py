@@ -225,6 +225,50 @@ class PruneStage(StrictModel):
         return f"prune {self.method} {amount}{extra}"
 
 
+class MergeStage(StrictModel):
+    """Expert merging: replace each MoE layer's experts by fewer, frequency-weighted averages of
+    groups of them (the REAP paper's merging baselines; docs/pruning.md, "Merging")."""
+
+    method: Literal["m_smoe", "hc_smoe"] = Field(
+        "hc_smoe", description="'m_smoe': the most used experts lead groups, every other expert "
+        "joins the leader whose router logits it resembles most; 'hc_smoe': hierarchical "
+        "clustering of the experts' mean outputs on the calibration tokens")
+    ratio: float | None = Field(None, gt=0.0, lt=1.0,
+                                description="fraction of experts merged away per layer, in (0, 1)")
+    keep: int | None = Field(None, gt=0, description="experts (groups) kept per layer; the expert "
+                             "count itself merges every expert with itself (a no-op)")
+    router: Literal["leader", "average"] = Field(
+        "leader", description="the merged expert's router row: its most used member's "
+        "('leader') or the frequency-weighted average of its members' rows ('average')")
+    permute: bool | None = Field(
+        None, description="align each member's intermediate neurons to its leader's (weight "
+        "matching) before averaging; default: on for m_smoe, off for hc_smoe, as in the papers")
+    linkage: Literal["average", "single", "complete"] = Field(
+        "average", description="hc_smoe: how the distance between two clusters of experts is "
+        "measured")
+
+    @model_validator(mode="after")
+    def _ratio_or_keep(self) -> MergeStage:
+        if (self.ratio is None) == (self.keep is None):
+            raise ValueError("give exactly one of 'ratio' and 'keep'")
+        if self.method != "hc_smoe" and self.linkage != "average":
+            raise ValueError(f"linkage is hc_smoe's clustering; method {self.method!r} groups "
+                             "experts around their leaders")
+        return self
+
+    @property
+    def aligns(self) -> bool:
+        """Whether members are permuted onto their leader before averaging."""
+        return self.method == "m_smoe" if self.permute is None else self.permute
+
+    def describe(self) -> str:
+        amount = f"ratio={self.ratio}" if self.ratio is not None else f"keep={self.keep}"
+        extra = "" if self.router == "leader" else f" router={self.router}"
+        extra += "" if self.permute is None else f" permute={self.permute}"
+        extra += "" if self.linkage == "average" else f" linkage={self.linkage}"
+        return f"merge {self.method} {amount}{extra}"
+
+
 class QuantizeStage(StrictModel):
     """Weight quantization of the decoder layers' linear and expert weights: the shared knobs.
 
@@ -457,26 +501,27 @@ def _quantize_choices(schema: dict[str, Any]) -> None:
 
 
 class Stage(StrictModel):
-    """One step of a variant: exactly one of ``prune`` or ``quantize`` (leave the other empty)."""
+    """One step of a variant: exactly one of ``prune``, ``merge`` or ``quantize``."""
 
     model_config = ConfigDict(json_schema_extra=_quantize_choices)
 
     prune: PruneStage | None = None
+    merge: MergeStage | None = None
     quantize: AnyQuantizeStage | None = None
 
     @model_validator(mode="after")
     def _exactly_one(self) -> Stage:
-        if (self.prune is None) == (self.quantize is None):
-            raise ValueError("a stage holds exactly one of 'prune' or 'quantize'")
+        if sum(s is not None for s in (self.prune, self.merge, self.quantize)) != 1:
+            raise ValueError("a stage holds exactly one of 'prune', 'merge' or 'quantize'")
         return self
 
     @property
     def kind(self) -> str:
-        return "prune" if self.prune is not None else "quantize"
+        return next(k for k in ("prune", "merge", "quantize") if getattr(self, k) is not None)
 
     @property
-    def options(self) -> PruneStage | QuantizeStage:
-        return self.prune if self.prune is not None else self.quantize  # type: ignore[return-value]
+    def options(self) -> PruneStage | MergeStage | QuantizeStage:
+        return getattr(self, self.kind)
 
     def describe(self) -> str:
         return self.options.describe()
@@ -494,8 +539,8 @@ class Variant(StrictModel):
         kinds = [s.kind for s in stages]
         if kinds.count("quantize") > 1:
             raise ValueError("a variant has at most one quantize stage")
-        if "quantize" in kinds and "prune" in kinds[kinds.index("quantize") :]:
-            raise ValueError("prune stages come before the quantize stage")
+        if "quantize" in kinds and {"prune", "merge"} & set(kinds[kinds.index("quantize") :]):
+            raise ValueError("prune and merge stages come before the quantize stage")
         return stages
 
     @property

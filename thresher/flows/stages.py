@@ -73,6 +73,10 @@ def execute_stage(input_dir: Path, stage: Stage, calibration: CalibrationConfig,
         from thresher.prune.api import prune_model
 
         return prune_model(input_dir, stage.prune, calibration, out_dir, **compute)
+    if stage.merge is not None:
+        from thresher.prune.merge_api import merge_model
+
+        return merge_model(input_dir, stage.merge, calibration, out_dir, **compute)
     from thresher.compress.api import quantize_model
 
     return quantize_model(input_dir, stage.quantize, calibration, out_dir, **compute)

@@ -21,7 +21,10 @@ PRUNE_REPORT = "prune_report.json"
 QUANTIZE_REPORT = "quantize_report.json"
 """Per-matrix quantization errors and timings (written beside a quantized checkpoint)."""
 
-STAGE_REPORTS = (PRUNE_REPORT, QUANTIZE_REPORT)
+MERGE_REPORT = "merge_report.json"
+"""Per-layer expert groups, their leaders and routed-token counts (beside a merged checkpoint)."""
+
+STAGE_REPORTS = (PRUNE_REPORT, MERGE_REPORT, QUANTIZE_REPORT)
 
 TASK_SAMPLES = "task_samples.json"
 """Per-document task scores of a variant, ``{"<task>/<metric>": [score by doc id]}`` (a run
