@@ -307,7 +307,9 @@ def test_damage_budget_prune_then_gptq_runs_validates_and_says_what_loads_it(tmp
     with temporary_settings(updates={PREFECT_API_URL: prefect_server["url"]}):
         summary = compress(parse_recipe(data), tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
                            store_dir=str(tmp_path / "store"), publish_dir=str(tmp_path / "pub"))
-    (row,) = summary["variants"]
+    rows = {row["variant"]: row for row in summary["variants"]}
+    assert set(rows) == {"base", "dmg-gptq4"}  # the base is evaluated as the reference
+    row = rows["dmg-gptq4"]
     artifact = Path(row["artifact"])
     config = json.loads((artifact / "config.json").read_text())
     counts = config["layer_num_experts"]

@@ -67,6 +67,22 @@ def test_prune_leaving_fewer_experts_than_top_k_is_refused(tmp_path):
         preflight(parse_recipe(bad))
 
 
+def test_merge_counts_like_a_prune_and_is_checked_too(tmp_path):
+    """A merge stage leaves its groups as the expert count later stages see (8 -> 4 -> 1), and a
+    merge then quantize variant passes."""
+    model = local_model(tmp_path, num_experts=8, top_k=2)
+    merge = {"merge": {"method": "hc_smoe", "ratio": 0.5}}
+    assert preflight(parse_recipe(recipe(model, [{"name": "m", "stages": [merge, GPTQ4_G32]}])))
+    bad = recipe(model, [{"name": "m", "stages": [
+        merge, {"prune": {"method": "frequency", "ratio": 0.75}}]}])
+    with pytest.raises(RecipeError, match=r"^variants\.0\.stages\.1\.prune\.ratio: the model "
+                                          r"\(4 experts per layer, top-2\)"):
+        preflight(parse_recipe(bad))
+    bad = recipe(model, [{"name": "m", "stages": [{"merge": {"method": "m_smoe", "keep": 1}}]}])
+    with pytest.raises(RecipeError, match=r"^variants\.0\.stages\.0\.merge\.keep: "):
+        preflight(parse_recipe(bad))
+
+
 def test_gguf_type_the_rows_cannot_hold_is_refused(tmp_path):
     """Rows of 48 values fit no block of 32: no quantized GGUF type can hold them."""
     model = local_model(tmp_path, hidden_size=64, intermediate_size=48)

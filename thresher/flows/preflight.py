@@ -27,9 +27,11 @@ from thresher.formats.config import PackedFormat
 from thresher.models.adapters import Adapter, get_adapter
 from thresher.models.source import parse_model_source
 from thresher.prune.mask import experts_to_keep
+from thresher.prune.merge_api import experts_after_merge
 from thresher.recipe import (
     FilesSource,
     HFDatasetSource,
+    MergeStage,
     QuantizeStage,
     Recipe,
     TextSource,
@@ -170,6 +172,9 @@ def preflight(recipe: Recipe) -> Preflight:
             if stage.prune is not None:
                 experts = _check_prune(stage.prune, adapter, config, experts, f"{at}.prune")
                 continue
+            if stage.merge is not None:
+                experts = _check_merge(stage.merge, adapter, config, experts, f"{at}.merge")
+                continue
             key = stage.model_dump_json()
             if key not in seen:
                 seen.add(key)
@@ -187,6 +192,18 @@ def _check_prune(prune, adapter: Adapter, config, experts: int, at: str) -> int:
                                f"the model ({experts} experts per layer, top-{adapter.top_k(config)})")
     except CompressionError as err:
         field_ = "ratio" if prune.ratio is not None else "keep"
+        raise RecipeError(f"{at}.{field_}: {err}") from None
+
+
+def _check_merge(merge: MergeStage, adapter: Adapter, config, experts: int, at: str) -> int:
+    if not adapter.is_moe:
+        raise RecipeError(f"{at}: {config.model_type} is a dense model with no experts to merge")
+    top_k = adapter.top_k(config)
+    try:
+        return experts_after_merge(experts, top_k, merge,
+                                   f"the model ({experts} experts per layer, top-{top_k})")
+    except CompressionError as err:
+        field_ = "ratio" if merge.ratio is not None else "keep"
         raise RecipeError(f"{at}.{field_}: {err}") from None
 
 
