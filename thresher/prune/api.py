@@ -19,8 +19,10 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from tqdm.auto import tqdm
@@ -50,6 +52,7 @@ from thresher.recipe import CalibrationConfig, PruneStage
 from thresher.resources import measure
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")  # a stage report with wall_seconds, peak_rss_mb, device, peak_device_mb, to_json
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
@@ -178,19 +181,30 @@ def prune_model(model_dir: Path, stage: PruneStage, calibration: CalibrationConf
     if out_dir.exists():
         raise ArtifactError(f"{out_dir} already exists; choose a new output directory or remove it")
     config, n_keep = check_prune(model_dir, stage)
-    compute = Compute.resolve(device, offload_budget_gb)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with build_dir_atomically(out_dir) as build:
-        with measure(compute.device) as usage:
-            report = _prune_into(build, model_dir, out_dir, config, n_keep, stage, calibration,
-                                 observed, show_progress, compute)
-        report.wall_seconds, report.peak_rss_mb = usage.wall_seconds, usage.peak_rss_mb
-        report.device, report.peak_device_mb = compute.name, usage.peak_device_mb
-        (build / PRUNE_REPORT).write_text(report.to_json())
-        if out_dir.exists():
-            raise ArtifactError(f"{out_dir} appeared while pruning; refusing to overwrite it")
+    report = build_measured(
+        out_dir, PRUNE_REPORT, "pruning", Compute.resolve(device, offload_budget_gb),
+        lambda build, compute: _prune_into(build, model_dir, out_dir, config, n_keep, stage,
+                                           calibration, observed, show_progress, compute))
     log.info("pruned %s -> %s: %d of %d experts kept in %d layers (%.1f s)", model_dir, out_dir,
              n_keep, report.num_experts, len(report.layers), report.wall_seconds)
+    return report
+
+
+def build_measured(out_dir: Path, report_file: str, doing: str, compute: Compute,
+                   build: Callable[[Path, Compute], R]) -> R:
+    """Run a stage's ``build`` into a directory that replaces ``out_dir`` only when it succeeds,
+    and write the report it returns, completed with time and memory, beside the checkpoint as
+    ``report_file``; pruning and merging share it. ``doing`` names the stage in the error raised
+    when ``out_dir`` appears meanwhile."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with build_dir_atomically(out_dir) as build_dir:
+        with measure(compute.device) as usage:
+            report = build(build_dir, compute)
+        report.wall_seconds, report.peak_rss_mb = usage.wall_seconds, usage.peak_rss_mb
+        report.device, report.peak_device_mb = compute.name, usage.peak_device_mb
+        (build_dir / report_file).write_text(report.to_json())
+        if out_dir.exists():
+            raise ArtifactError(f"{out_dir} appeared while {doing}; refusing to overwrite it")
     return report
 
 

@@ -31,14 +31,12 @@ from thresher.models.checkpoint import CheckpointWriter, canonical_layer_state, 
 from thresher.models.device import Compute
 from thresher.models.layerwise import LayerwiseModel, load_config
 from thresher.models.loading import load_tokenizer
-from thresher.paths import build_dir_atomically
-from thresher.prune.api import TOKENIZER_FILES
+from thresher.prune.api import TOKENIZER_FILES, build_measured
 from thresher.prune.hcsmoe import agglomerate, lead_by_frequency
 from thresher.prune.merge import merge_layer_state
 from thresher.prune.merge_observer import MergeStats, observe_for_merge
 from thresher.prune.msmoe import group_around_leaders
 from thresher.recipe import CalibrationConfig, MergeStage
-from thresher.resources import measure
 
 log = logging.getLogger(__name__)
 
@@ -153,17 +151,10 @@ def merge_model(model_dir: Path, stage: MergeStage, calibration: CalibrationConf
     if out_dir.exists():
         raise ArtifactError(f"{out_dir} already exists; choose a new output directory or remove it")
     config, n = check_merge(model_dir, stage)
-    compute = Compute.resolve(device, offload_budget_gb)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with build_dir_atomically(out_dir) as build:
-        with measure(compute.device) as usage:
-            report = _merge_into(build, model_dir, out_dir, config, n, stage, calibration,
-                                 observed, show_progress, compute)
-        report.wall_seconds, report.peak_rss_mb = usage.wall_seconds, usage.peak_rss_mb
-        report.device, report.peak_device_mb = compute.name, usage.peak_device_mb
-        (build / MERGE_REPORT).write_text(report.to_json())
-        if out_dir.exists():
-            raise ArtifactError(f"{out_dir} appeared while merging; refusing to overwrite it")
+    report = build_measured(
+        out_dir, MERGE_REPORT, "merging", Compute.resolve(device, offload_budget_gb),
+        lambda build, compute: _merge_into(build, model_dir, out_dir, config, n, stage,
+                                           calibration, observed, show_progress, compute))
     log.info("merged %s -> %s: %d of %d experts per layer (%s, %.1f s)", model_dir, out_dir, n,
              report.num_experts, stage.method, report.wall_seconds)
     return report
