@@ -16,7 +16,8 @@ import argparse
 import torch
 
 from thresher.compress.gptq import GPTQ
-from thresher.compress.quantizer import GridSpec, quantize_grouped
+from thresher.compress.rtn import rtn_quantize
+from thresher.quant.grid import GridSpec
 
 CONSTANTS = (0.0, 0.1, 0.3, 1.0)
 TOKENS = (8, 32, 128, 512, 1024, 4096)
@@ -47,7 +48,7 @@ def main() -> None:
         def error(q: torch.Tensor, w: torch.Tensor = w, x: torch.Tensor = held_out) -> float:
             return float(((x @ (q - w).T) ** 2).mean())
 
-        rtn = error(quantize_grouped(w, spec, 128).dequantize())
+        rtn = error(rtn_quantize(w, spec, 128).dequantize())
         for n in TOKENS:
             x = sample(n)
             ratios = []

@@ -5,9 +5,10 @@ import torch
 
 from tests.conftest import build_random_model
 from thresher.compress.awq import search_clip, search_scale
-from thresher.compress.quantizer import GridSpec, quantize_grouped
+from thresher.compress.rtn import rtn_quantize
 from thresher.compress.targets import LayerParts, apply_scale, scaling_groups
 from thresher.models.adapters import get_adapter
+from thresher.quant.grid import GridSpec
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "llama"])
@@ -53,7 +54,7 @@ def test_scale_search_prefers_scaling_salient_channels():
     reference = x @ w.T
 
     def loss(s):
-        q = quantize_grouped(w * s, spec, 32).dequantize() / s
+        q = rtn_quantize(w * s, spec, 32).dequantize() / s
         return float((x @ q.T - reference).pow(2).mean())
 
     best = search_scale(x.abs().mean(0), w.abs().mean(0), loss, duo_scaling=False)
@@ -71,7 +72,7 @@ def test_clip_search_never_increases_the_partial_output_error():
     max_val = search_clip(w, x, spec, 32)
     assert max_val.shape == (16, 2)
     clipped = torch.clamp(w.reshape(16, 2, 32), -max_val.unsqueeze(2), max_val.unsqueeze(2))
-    q_clip = quantize_grouped(clipped.reshape(16, 64), spec, 32).dequantize()
-    q_plain = quantize_grouped(w, spec, 32).dequantize()
+    q_clip = rtn_quantize(clipped.reshape(16, 64), spec, 32).dequantize()
+    q_plain = rtn_quantize(w, spec, 32).dequantize()
     err = lambda q: float((x @ (q - w).T).pow(2).sum())  # noqa: E731
     assert err(q_clip) < err(q_plain)

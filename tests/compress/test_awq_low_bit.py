@@ -10,11 +10,12 @@ import torch
 from tests.serve_kernels.conftest import prompt_logits
 from thresher.compress.api import quantize_model
 from thresher.compress.awq import search_clip
-from thresher.compress.quantizer import GridSpec, quantize_grouped
+from thresher.compress.rtn import rtn_quantize
 from thresher.data.windows import eval_windows
 from thresher.evaluate.perplexity import perplexity
 from thresher.models import get_adapter, load_model
 from thresher.models.quantized import load_quantized_model
+from thresher.quant.grid import GridSpec
 from thresher.recipe import CalibrationConfig, PerplexityConfig, QuantizeStage
 from thresher.serve_kernels import LLM
 
@@ -71,8 +72,8 @@ def test_clip_lowers_the_partial_output_error_on_real_activations(tiny_demo, tin
         d = (q - w).reshape(w.shape[0], 1, -1, gs)
         return (d * x.reshape(1, x.shape[0], -1, gs)).sum(-1).pow(2).mean(1)
 
-    plain = errors(quantize_grouped(w, spec, gs).dequantize())
-    clip = errors(quantize_grouped(clipped, spec, gs).dequantize())
+    plain = errors(rtn_quantize(w, spec, gs).dequantize())
+    clip = errors(rtn_quantize(clipped, spec, gs).dequantize())
     assert (clip <= plain * (1 + 1e-5)).all()
     assert clip.sum() < 0.9 * plain.sum()
 
@@ -158,7 +159,7 @@ def test_heldout_check_undoes_clipping_that_only_fits_the_search_tokens():
 
     def errors(m: torch.Tensor) -> torch.Tensor:  # [rows, groups] on the check tokens
         c = torch.clamp(w.reshape(16, 2, gs), -m.unsqueeze(2), m.unsqueeze(2)).reshape(16, 64)
-        d = (quantize_grouped(c, spec, gs).dequantize() - w).reshape(16, 1, 2, gs)
+        d = (rtn_quantize(c, spec, gs).dequantize() - w).reshape(16, 1, 2, gs)
         return (d * other.reshape(1, -1, 2, gs)).sum(-1).pow(2).mean(1)
 
     assert (errors(checked) <= errors(org) * (1 + 1e-5)).all()

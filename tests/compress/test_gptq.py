@@ -1,33 +1,21 @@
-"""GPTQ against its own claims: lower output error than RTN, dead columns, act-order groups,
-dampening retries and a clear error when the Hessian cannot be factored."""
+"""GPTQ on uniform grids against its own claims: lower output error than RTN, dead columns,
+act-order groups, dampening retries and a clear error naming the layer when the Hessian cannot
+be factored."""
 
 import logging
 
 import pytest
 import torch
 
+from tests.quant.helpers import correlated_inputs
 from thresher.compress.gptq import GPTQ
-from thresher.compress.quantizer import GridSpec, fit_grid, quantize_grouped
+from thresher.compress.rtn import rtn_quantize
 from thresher.errors import CompressionError
-
-
-def correlated_inputs(n: int, k: int, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    mix = torch.randn(k, k, generator=gen) / k**0.5 + torch.eye(k)
-    return torch.randn(n, k, generator=gen) @ mix * torch.linspace(0.2, 2.0, k)
+from thresher.quant.grid import GridSpec
 
 
 def output_error(w, w_hat, x):
     return float(((w - w_hat) @ x.T).pow(2).sum())
-
-
-def test_grid_asymmetric_range_includes_zero_and_symmetric_zero_is_mid():
-    w = torch.tensor([[0.5, 1.0, 2.0], [-3.0, -1.0, -0.5]])
-    scale, zero = fit_grid(w, GridSpec(4, sym=False))
-    assert torch.allclose(scale[:, 0], torch.tensor([2.0 / 15, 3.0 / 15]).half().float())
-    assert zero[0, 0] == 0 and zero[1, 0] == 15  # min 0 and max 0 both representable
-    _, zero = fit_grid(w, GridSpec(4, sym=True))
-    assert (zero == 8).all()
 
 
 @pytest.mark.parametrize("bits,group_size", [(4, -1), (3, 32), (2, 32)])
@@ -39,17 +27,9 @@ def test_gptq_beats_rtn_on_output_error(bits, group_size):
         gptq.add_batch(chunk)
     spec = GridSpec(bits, sym=True, min_zero=1)
     qw, loss = gptq.quantize(w, spec, group_size)
-    rtn = quantize_grouped(w, spec, group_size)
+    rtn = rtn_quantize(w, spec, group_size)
     assert loss > 0
     assert output_error(w, qw.dequantize(), x) < 0.9 * output_error(w, rtn.dequantize(), x)
-
-
-def test_token_weights_scale_the_hessian_like_repeated_tokens():
-    x = correlated_inputs(64, 16)
-    weighted, repeated = GPTQ(16, "a"), GPTQ(16, "b")
-    weighted.add_batch(x, torch.full((64,), 2.0))
-    repeated.add_batch(torch.cat([x, x]))
-    torch.testing.assert_close(weighted.H, repeated.H)
 
 
 def test_dead_input_columns_are_zeroed():
@@ -76,7 +56,7 @@ def test_act_order_with_static_groups_keeps_g_idx_monotonic():
     assert torch.equal(dynamic.g_idx, expected)
     for qw in (static, dynamic):
         assert output_error(w, qw.dequantize(), x) < output_error(
-            w, quantize_grouped(w, spec, 16).dequantize(), x)
+            w, rtn_quantize(w, spec, 16).dequantize(), x)
 
 
 def test_indefinite_hessian_is_retried_with_more_dampening(caplog):
@@ -97,15 +77,6 @@ def test_unfactorable_hessian_names_the_layer():
         gptq.quantize(torch.randn(8, 16), GridSpec(4, sym=True, min_zero=1))
 
 
-def test_effective_tokens_is_kish_of_the_token_weights():
-    gptq = GPTQ(8, "test")
-    gptq.add_batch(torch.randn(10, 8))
-    assert gptq.effective_tokens == pytest.approx(10)
-    skewed = GPTQ(8, "test")
-    skewed.add_batch(torch.randn(10, 8), torch.tensor([1.0] + [0.01] * 9))
-    assert skewed.effective_tokens == pytest.approx(1.09**2 / 1.0009)
-
-
 def test_full_diagonal_shrink_is_rtn_on_the_same_grid():
     x = correlated_inputs(256, 64)
     w = torch.randn(48, 64)
@@ -113,7 +84,7 @@ def test_full_diagonal_shrink_is_rtn_on_the_same_grid():
     gptq.add_batch(x)
     spec = GridSpec(3, sym=True, min_zero=1)
     q, _ = gptq.quantize(w, spec, group_size=32, act_order=True, diag_shrink=1.0)
-    assert torch.equal(q.dequantize(), quantize_grouped(w, spec, 32).dequantize())
+    assert torch.equal(q.dequantize(), rtn_quantize(w, spec, 32).dequantize())
 
 
 def test_rare_expert_shrink_keeps_few_token_gptq_from_losing_to_rtn():
@@ -127,7 +98,7 @@ def test_rare_expert_shrink_keeps_few_token_gptq_from_losing_to_rtn():
     w = torch.randn(64, cols, generator=gen)
     held_out = torch.randn(2048, cols, generator=gen)
     spec = GridSpec(3, sym=True, min_zero=1)
-    rtn = output_error(w, quantize_grouped(w, spec, 64).dequantize(), held_out)
+    rtn = output_error(w, rtn_quantize(w, spec, 64).dequantize(), held_out)
     gptq = GPTQ(cols, "test")
     gptq.add_batch(torch.randn(16, cols, generator=gen))
     plain, _ = gptq.quantize(w, spec, 64)

@@ -7,11 +7,12 @@ import math
 import pytest
 import torch
 
-from thresher.compress.quantizer import GridSpec, quantize_grouped
+from thresher.compress.rtn import rtn_quantize
 from thresher.data.windows import eval_windows
 from thresher.evaluate.perplexity import perplexity, window_nlls
 from thresher.evaluate.significance import paired_perplexity
 from thresher.models import load_model
+from thresher.quant.grid import GridSpec
 from thresher.recipe import PerplexityConfig
 
 
@@ -38,7 +39,7 @@ def test_a_damaged_model_is_worse_beyond_noise_and_a_model_against_itself_is_not
         for name, p in model.named_parameters():
             if ".layers." in name and p.dim() >= 2:
                 w = p.reshape(-1, p.shape[-1])
-                p.copy_(quantize_grouped(w, GridSpec(bits=2, sym=False), 64).dequantize()
+                p.copy_(rtn_quantize(w, GridSpec(bits=2, sym=False), 64).dequantize()
                         .reshape(p.shape))
     worse = window_nlls(model, windows, show_progress=False)
     d = paired_perplexity(base.tolist(), worse.tolist())

@@ -5,11 +5,12 @@ import torch
 
 from thresher.compress.gptq import GPTQ
 from thresher.compress.nf4 import nf4_quantize
-from thresher.compress.quantizer import GridSpec, quantize_grouped
+from thresher.compress.rtn import rtn_quantize
 from thresher.formats.awq import pack_awq, unpack_awq
 from thresher.formats.gptq import pack_gptq, unpack_gptq
 from thresher.formats.nf4 import STATE_KEY, pack_nf4, unpack_nf4
 from thresher.formats.quantized import QuantizedWeight
+from thresher.quant.grid import GridSpec
 
 
 def random_quantized(n: int, k: int, bits: int, group_size: int, shuffle_groups: bool = False,
@@ -86,7 +87,7 @@ def test_gptq_layout_matches_an_independent_unpacker_with_act_order(bits):
 
 
 def test_gptq_symmetric_4bit_zeros_are_0x77777777():
-    qw = quantize_grouped(torch.randn(16, 64), GridSpec(4, sym=True, min_zero=1), 32)
+    qw = rtn_quantize(torch.randn(16, 64), GridSpec(4, sym=True, min_zero=1), 32)
     words = pack_gptq(qw)["qzeros"]
     assert (words == 0x77777777).all()
 
@@ -104,7 +105,7 @@ def test_awq_packing_is_bit_identical_to_autoawq():
     from awq.modules.linear.gemm import WQLinear_GEMM
 
     torch.manual_seed(0)
-    qw = quantize_grouped(torch.randn(64, 256), GridSpec(4, sym=False), 128)
+    qw = rtn_quantize(torch.randn(64, 256), GridSpec(4, sym=False), 128)
     linear = torch.nn.Linear(256, 64, bias=False)
     linear.weight.data = qw.dequantize()
     oracle = WQLinear_GEMM.from_linear(linear, 4, 128, scales=qw.scales.T.contiguous(),

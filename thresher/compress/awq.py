@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from thresher.compress.quantizer import GridSpec, quantize_grouped
+from thresher.compress.rtn import rtn_quantize
+from thresher.quant.grid import GridSpec
 
 N_GRID = 20
 MAX_SHRINK = 0.5  # clipping search: shrink the max range down to 1 - 0.5 + 1/20 = 55 %
@@ -32,7 +33,7 @@ class ScaleChoice:
 
 def pseudo_quantize(w: torch.Tensor, spec: GridSpec, group_size: int) -> torch.Tensor:
     """Quantize-dequantize ``w`` on the min-max grid (the error a scale candidate is judged by)."""
-    return quantize_grouped(w, spec, group_size).dequantize()
+    return rtn_quantize(w, spec, group_size).dequantize()
 
 
 def weight_mean(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:

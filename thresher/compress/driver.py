@@ -30,10 +30,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from thresher.compress.methods.protocol import LayerJob, LayerPass, LayerRecord, Quantized, Sink
-from thresher.compress.quantizer import relative_error
 from thresher.compress.targets import InputSite, LayerParts, Target
 from thresher.models.device import ActivationStore, activation_budget
 from thresher.models.layerwise import LayerwiseModel
+from thresher.quant.grid import relative_error
 from thresher.resources import device_peak_mb, peak_rss_mb
 
 log = logging.getLogger(__name__)

@@ -10,16 +10,13 @@ float weights that ``block_quants`` makes, then GPTQ's column loop rounds column
 the nearest value of that row's block grid and spreads the error over the later columns with the
 upper Cholesky factor of H^-1 (dampened as thresher's GPTQ dampens it, lazy batches of 128
 columns). The chosen codes replace the fit's codes in the blocks, so the file dequantizes to
-exactly the weights the loop produced.
-
-``thresher.compress`` has the same loop for its own grids; the import layers keep ``export``
-beside ``compress``, not above it, so this module has its own copy of the few lines it needs.
+exactly the weights the loop produced. The loop is ``quant.gptq_loop``'s, the one
+``compress.gptq`` runs on its own grids.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Literal
 
@@ -28,9 +25,8 @@ import numpy as np
 import torch
 
 from thresher.export.block_quants import QType, code_range, quantize, replace_codes
-from thresher.models.hessian import DAMP_RETRIES, damped_inverse_cholesky
-
-log = logging.getLogger(__name__)
+from thresher.quant.gptq_loop import gptq_sweep
+from thresher.quant.hessian import inverse_factor, unit_dead_columns
 
 GPTQ_TYPES = frozenset({QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q3_K, QType.Q4_K, QType.Q6_K})
 DAMP_PERCENT = 0.01  # thresher's GPTQ default (recipe ``damp_percent``)
@@ -59,7 +55,7 @@ def gptq_quantize(weights: np.ndarray, qtype: QType, hessian: np.ndarray, *,
     step, base = block_grid(blocks, qtype)
     levels, offset = code_range(qtype)
     with _threads_for(rows * cols):
-        codes, values = _column_loop(torch.from_numpy(weights), torch.from_numpy(hessian).float(),
+        codes, values = column_loop(torch.from_numpy(weights), torch.from_numpy(hessian).float(),
                                      torch.from_numpy(step.reshape(rows, cols)),
                                      torch.from_numpy(base.reshape(rows, cols)), -offset,
                                      levels - 1 - offset, damp_percent, block_size)
@@ -97,39 +93,37 @@ def output_error(weights: np.ndarray, quantized: np.ndarray, hessian: np.ndarray
     return float(((diff @ torch.from_numpy(hessian).double()) * diff).sum())
 
 
-def _column_loop(W: torch.Tensor, H: torch.Tensor, step: torch.Tensor, base: torch.Tensor,
+def column_loop(W: torch.Tensor, H: torch.Tensor, step: torch.Tensor, base: torch.Tensor,
                  lo: int, hi: int, damp_percent: float,
                  block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """GPTQ's loop over columns with every value's grid fixed: returns the integers (lo..hi) and
     the values step * int + base (fp32, rounded as ggml rounds them)."""
-    W = W.clone()
-    rows, cols = W.shape
     H = H.clone()
-    dead = torch.diag(H) == 0  # a column no calibration input touched: its error costs nothing
-    H[dead, dead] = 1
-    Hinv = _inverse_cholesky(H, damp_percent)
-    ints = torch.zeros(rows, cols, dtype=torch.int32)
-    values = torch.zeros(rows, cols, dtype=torch.float32)
-    live = step != 0
-    safe = torch.where(live, step, torch.ones_like(step))
-    for i1 in range(0, cols, block_size):
-        i2 = min(i1 + block_size, cols)
-        W1 = W[:, i1:i2].clone()
-        Err1 = torch.zeros_like(W1)
-        Hinv1 = Hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col = i1 + i
-            w = W1[:, i]
-            k = torch.round((w - base[:, col]) / safe[:, col]).clamp_(lo, hi)
-            k = torch.where(live[:, col], k, torch.zeros_like(k))
-            q = step[:, col] * k + base[:, col]
-            ints[:, col] = k.to(torch.int32)
-            values[:, col] = q
-            err = (w - q) / Hinv1[i, i]
-            W1[:, i:] -= err.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)
-            Err1[:, i] = err
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
-    return ints.numpy(), values.numpy()
+    unit_dead_columns(H)  # a column no calibration input touched: its error costs nothing
+    grid = _BlockGrid(step, base, lo, hi)
+    gptq_sweep(W, inverse_factor(H, damp_percent, "GGUF GPTQ"), grid, block_size)
+    return grid.ints.numpy(), grid.values.numpy()
+
+
+class _BlockGrid:
+    """Each value's fixed grid step * k + base, k in lo..hi; a value whose step is 0 (an all-zero
+    block) rounds to k = 0."""
+
+    def __init__(self, step: torch.Tensor, base: torch.Tensor, lo: int, hi: int):
+        self.step, self.base, self.lo, self.hi = step, base, lo, hi
+        self.live = step != 0
+        self.safe = torch.where(self.live, step, torch.ones_like(step))
+        self.ints = torch.zeros(step.shape, dtype=torch.int32)
+        self.values = torch.zeros(step.shape, dtype=torch.float32)
+
+    def round(self, col: int, w: torch.Tensor,
+              ahead: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        k = torch.round((w - self.base[:, col]) / self.safe[:, col]).clamp_(self.lo, self.hi)
+        k = torch.where(self.live[:, col], k, torch.zeros_like(k))
+        q = self.step[:, col] * k + self.base[:, col]
+        self.ints[:, col] = k.to(torch.int32)
+        self.values[:, col] = q
+        return q
 
 
 @contextmanager
@@ -143,15 +137,3 @@ def _threads_for(size: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def _inverse_cholesky(H: torch.Tensor, damp_percent: float) -> torch.Tensor:
-    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1, as thresher's GPTQ factors it."""
-    factored = damped_inverse_cholesky(H, damp_percent)
-    if factored is None:
-        raise ValueError(f"the Hessian is not positive definite even with dampening "
-                         f"{damp_percent * 10**DAMP_RETRIES:.3g}")
-    U, percent = factored
-    if percent != damp_percent:
-        log.warning("GGUF GPTQ: the Hessian needed dampening %.3g to factor", percent)
-    return U

@@ -12,12 +12,10 @@ import pytest
 import torch
 
 from tests.serve_kernels.kernels.helpers import DEVICE, AotSpec, aot_compile_all, rel_err
+from thresher.quant.nf4 import NF4_CODES
 from thresher.serve_kernels.kernels import nf4
 
 N, K = 72, 101  # odd K: bytes and 64-element blocks straddle rows, N*K not a multiple of 64
-# the NF4 code table (QLoRA, Dettmers et al. 2023), as bitsandbytes stores it in quant_map
-NF4_CODES = (-1.0, -0.6961928, -0.5250731, -0.3949175, -0.2844414, -0.1847734, -0.0910500, 0.0,
-             0.0795803, 0.1609302, 0.2461123, 0.3379152, 0.4407098, 0.5626170, 0.7229568, 1.0)
 
 
 @pytest.fixture

@@ -29,10 +29,10 @@ import torch
 
 from thresher.compress.gptq import GPTQ
 from thresher.compress.methods.protocol import LayerJob, LayerRecord, Quantized, grid_spec
-from thresher.compress.quantizer import GridSpec
 from thresher.compress.rtn import rtn_quantize
 from thresher.compress.targets import InputSite, sequential_stages
 from thresher.formats import gptq as gptq_format
+from thresher.quant.grid import GridSpec
 from thresher.recipe import GPTQStage
 
 log = logging.getLogger(__name__)

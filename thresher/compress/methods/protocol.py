@@ -13,10 +13,10 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from thresher.compress.quantizer import GridSpec
 from thresher.compress.targets import InputSite, LayerParts, Target
 from thresher.formats.nf4 import NF4Weight
 from thresher.formats.quantized import QuantizedWeight
+from thresher.quant.grid import GridSpec
 
 Quantized = QuantizedWeight | NF4Weight
 # Receives one site's input for one calibration batch: [tokens, columns] (or [batch, seq,

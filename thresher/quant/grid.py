@@ -17,8 +17,6 @@ from typing import Literal
 
 import torch
 
-from thresher.formats.quantized import QuantizedWeight
-
 
 @dataclass(frozen=True)
 class GridSpec:
@@ -87,28 +85,6 @@ def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     return scale * (q - zero)
-
-
-def group_count(columns: int, group_size: int) -> int:
-    return 1 if group_size == -1 else columns // group_size
-
-
-def quantize_grouped(w: torch.Tensor, spec: GridSpec, group_size: int) -> QuantizedWeight:
-    """Round-to-nearest of ``w`` [out, in] with one grid per row and group of input columns."""
-    rows, cols = w.shape
-    gs = cols if group_size == -1 else group_size
-    groups = w.float().reshape(rows, cols // gs, gs)
-    flat = groups.reshape(-1, gs)
-    scale, zero = fit_grid(flat, spec)
-    codes = quantize(flat, scale, zero, spec.maxq).reshape(rows, cols)
-    return QuantizedWeight(
-        codes=codes.to(torch.uint8),
-        scales=scale.reshape(rows, cols // gs),
-        zeros=zero.reshape(rows, cols // gs).to(torch.int32),
-        g_idx=(torch.arange(cols, device=w.device) // gs).to(torch.int32),
-        bits=spec.bits,
-        group_size=group_size,
-    )
 
 
 def relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:
