@@ -56,9 +56,9 @@ def gptq_quantize(weights: np.ndarray, qtype: QType, hessian: np.ndarray, *,
     levels, offset = code_range(qtype)
     with _threads_for(rows * cols):
         codes, values = column_loop(torch.from_numpy(weights), torch.from_numpy(hessian).float(),
-                                     torch.from_numpy(step.reshape(rows, cols)),
-                                     torch.from_numpy(base.reshape(rows, cols)), -offset,
-                                     levels - 1 - offset, damp_percent, block_size)
+                                    torch.from_numpy(step.reshape(rows, cols)),
+                                    torch.from_numpy(base.reshape(rows, cols)), -offset,
+                                    levels - 1 - offset, damp_percent, block_size)
     blocks = replace_codes(blocks, qtype, (codes + offset).reshape(-1, block))
     return blocks.reshape(rows, -1), values
 
@@ -94,8 +94,8 @@ def output_error(weights: np.ndarray, quantized: np.ndarray, hessian: np.ndarray
 
 
 def column_loop(W: torch.Tensor, H: torch.Tensor, step: torch.Tensor, base: torch.Tensor,
-                 lo: int, hi: int, damp_percent: float,
-                 block_size: int) -> tuple[np.ndarray, np.ndarray]:
+                lo: int, hi: int, damp_percent: float,
+                block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """GPTQ's loop over columns with every value's grid fixed: returns the integers (lo..hi) and
     the values step * int + base (fp32, rounded as ggml rounds them)."""
     H = H.clone()
