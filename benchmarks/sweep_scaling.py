@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from thresher.flows.stack import start_stack, stop_stack
-from thresher.recipe import parse_recipe
+from thresher.flows.sweep import parse_recipe
 
 
 def free_port() -> int:

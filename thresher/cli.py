@@ -90,7 +90,7 @@ def check(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")]) -> 
     """Validate a recipe against its model's shapes and print the resolved plan: stages (shared
     prefixes run once), the reference, the GGUF files each variant gets; nothing is computed."""
     from thresher.flows.preflight import describe_source, preflight
-    from thresher.recipe import load_recipe
+    from thresher.flows.sweep import load_recipe
 
     r = load_recipe(recipe)
     found = preflight(r)
@@ -242,7 +242,7 @@ def run_cmd(
 ) -> None:
     """Run a recipe through the Prefect `compress` flow and print the comparison table."""
     from thresher.flows.compress import compress
-    from thresher.recipe import load_recipe
+    from thresher.flows.sweep import load_recipe
 
     r = load_recipe(recipe)  # validated before Prefect or any compute starts
     summary = compress(r, tracking_uri=tracking_uri, store_dir=store_dir, publish_dir=publish_dir,
@@ -794,8 +794,8 @@ def demo(
 ) -> None:
     """Run the embedded default end to end: the demo model through the compress flow."""
     from thresher.flows.compress import compress
+    from thresher.flows.sweep import load_recipe
     from thresher.models import resolve_model
-    from thresher.recipe import load_recipe
     from thresher.tracking import resolve_tracking_uri
 
     r = load_recipe(recipe)

@@ -34,10 +34,11 @@ from thresher.flows.fanout import fan_out
 from thresher.flows.pareto import alias_pareto_front
 from thresher.flows.stages import TASK_SAMPLES_KEY, WINDOW_NLL_KEY, evaluate_artifact, resolve_base
 from thresher.flows.summary import publish_summary
+from thresher.flows.sweep import expand_sweep, parse_recipe
 from thresher.flows.variant import artifact_facts, run_variant
 from thresher.formats.artifact import TASK_SAMPLES, WINDOW_NLL
 from thresher.paths import state_dir
-from thresher.recipe import Recipe, parse_recipe
+from thresher.recipe import Recipe
 from thresher.tracking import REFERENCE_TAG, Tracker, git_sha
 
 log = logging.getLogger(__name__)
@@ -163,7 +164,8 @@ def compress(recipe: Recipe, tracking_uri: str | None = None, store_dir: str | N
     """Compress a model as the recipe says: stages, evaluation, publishing, comparison.
 
     Prefect draws the run form of a deployment from this signature; the recipe is checked by
-    ``parse_recipe`` (the checks of ``thresher check``), not by Prefect's own validation.
+    ``parse_recipe`` (the checks of ``thresher check``, then the sweep's expansion), not by
+    Prefect's own validation.
 
     Args:
         recipe: the compression job (a recipe YAML's content): model, data, variants
@@ -173,6 +175,8 @@ def compress(recipe: Recipe, tracking_uri: str | None = None, store_dir: str | N
         work_pool: Prefect work pool whose workers run the variants (default: the recipe's
             execution.work_pool; none: every variant runs in this flow run)
     """
-    if not isinstance(recipe, Recipe):  # a run started from the API or the UI's form
+    if isinstance(recipe, Recipe):
+        recipe = expand_sweep(recipe, where="flow parameter 'recipe'")
+    else:  # a run started from the API or the UI's form
         recipe = parse_recipe(recipe, where="flow parameter 'recipe'")
     return run_recipe(recipe, tracking_uri, store_dir, publish_dir, work_pool)
