@@ -82,7 +82,7 @@ class CalibrationConfig(StrictModel):
     source: TextSource = "stdlib"
     samples: int = Field(128, gt=0, description="number of calibration windows")
     seq_len: int = Field(256, gt=0, description="tokens per window")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the calibration sample")
     allow_eval_overlap: bool = Field(
         False, description="accept calibration text that evaluation also scores (the same local "
         "files, the same dataset split, or files of the stdlib held-out split): the recipe is "
@@ -94,9 +94,9 @@ class PerplexityConfig(StrictModel):
     """Token-level perplexity on non-overlapping windows of held-out text."""
 
     source: TextSource = "stdlib"
-    seq_len: int = Field(256, gt=0)
+    seq_len: int = Field(256, gt=0, description="tokens per window")
     max_windows: int | None = Field(64, gt=0, description="cap on windows scored (null: all)")
-    batch_size: int = Field(8, gt=0)
+    batch_size: int = Field(8, gt=0, description="windows per forward pass")
 
 
 class EvalConfig(StrictModel):

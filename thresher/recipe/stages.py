@@ -350,7 +350,8 @@ class NF4Stage(QuantizeStage):
 
     method: Literal["nf4"] = "nf4"
     double_quant: bool = Field(False, description="quantize the absmax constants too")
-    compute_dtype: Literal["float16", "bfloat16", "float32"] = "bfloat16"
+    compute_dtype: Literal["float16", "bfloat16", "float32"] = Field(
+        "bfloat16", description="dtype bitsandbytes dequantizes to and computes in")
 
     @model_validator(mode="after")
     def _four_bits(self) -> NF4Stage:
