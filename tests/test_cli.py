@@ -1,8 +1,18 @@
 from pathlib import Path
 
+import pytest
+import typer
 from typer.testing import CliRunner
 
 from thresher.cli import app
+from thresher.recipe import (
+    QUANTIZE_STAGES,
+    CalibrationConfig,
+    ExecutionConfig,
+    MergeStage,
+    PerplexityConfig,
+    PruneStage,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -49,3 +59,51 @@ def test_run_summary_prints_the_compact_table_and_where_the_full_one_is(tmp_path
     assert max(len(line) for line in table.splitlines()) <= 120
     assert "reference" in table and "+10.52% [+10.52, +10.52]*" in table
     assert where.startswith(str(tmp_path / "comparison.md"))
+
+
+# Which recipe sections each command's options set; an option named like a field of one of them
+# must take that field's default (or, left unset so the recipe decides, name it in its help).
+COMMAND_FIELDS = {
+    ("perplexity",): [PerplexityConfig],
+    ("prune",): [PruneStage, CalibrationConfig, ExecutionConfig],
+    ("merge",): [MergeStage, CalibrationConfig, ExecutionConfig],
+    ("quantize",): [*QUANTIZE_STAGES.values(), CalibrationConfig, ExecutionConfig],
+}
+
+
+def _options(*path: str) -> dict:
+    command = typer.main.get_command(app)
+    for name in path:
+        command = command.commands[name]
+    return {p.name: p for p in command.params if isinstance(p, typer.core.TyperOption)}
+
+
+def _shown(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+@pytest.mark.parametrize("path", list(COMMAND_FIELDS), ids=" ".join)
+def test_cli_defaults_are_the_recipe_fields_defaults(path):
+    checked = 0
+    for name, option in _options(*path).items():
+        for model in COMMAND_FIELDS[path]:
+            field = model.model_fields.get(name)
+            if field is None or (name == "method" and model in QUANTIZE_STAGES.values()):
+                continue  # quantize --method picks the stage class, whose method is its own
+            checked += 1
+            if option.default is None and field.default is not None:
+                stated = option.help.lower().partition("default")[2]
+                assert _shown(field.default) in stated, (
+                    f"{' '.join(path)} --{name}: help does not name {model.__name__}'s default")
+            else:
+                assert str(option.default) == str(field.default), (
+                    f"{' '.join(path)} --{name}: {option.default!r} on the command line, "
+                    f"{field.default!r} in {model.__name__}")
+    assert checked >= 3
+
+
+def test_export_calibration_samples_is_the_recipe_default():
+    option = _options("export", "gguf")["calibration_samples"]
+    assert option.default == CalibrationConfig.model_fields["samples"].default

@@ -1,4 +1,4 @@
-"""benchmarks/peer_quality.py without its peer venv (which CI does not have): the table, the skip
+"""benchmarks/peers/peer_quality.py without its peer venv (which CI does not have): the table, the skip
 and the command line. The comparison itself is run by hand (docs/benchmarks.md)."""
 
 import importlib.util
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "peer_quality.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "peers" / "peer_quality.py"
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 IN_WHEEL = ["thresher/configs/demo.yaml", "thresher/py.typed",
             "thresher/evaluate/tasks/utils.py", "thresher/evaluate/tasks/stdlib_next_line.yaml",
             "thresher/serve_kernels/kernels/cpu_q4.c",
-            "thresher/serve_kernels/kernels/cpu_common.h"]
+            "thresher/serve_kernels/kernels/cpu_common.h",
+            "thresher/recipe/__init__.py", "thresher/recipe/stages.py", "thresher/flows/sweep.py"]
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> str:

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from functools import wraps
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
 
 import typer
 from rich.console import Console
@@ -23,6 +23,16 @@ from rich.table import Table
 
 from thresher.errors import ThresherError
 from thresher.formats.artifact import DEMO_MODEL_META, PRUNE_REPORT
+from thresher.recipe import (
+    QUANTIZE_STAGES,
+    CalibrationConfig,
+    ExecutionConfig,
+    GPTQStage,
+    MergeStage,
+    PerplexityConfig,
+    PruneStage,
+    QuantizeStage,
+)
 
 if TYPE_CHECKING:
     from thresher.evaluate.report import VariantRecord
@@ -81,6 +91,57 @@ def handles_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+# --- options that set recipe fields -------------------------------------------------------------
+# An option that sets a recipe field takes the field's default and its description, so the
+# command line and the recipe cannot drift apart (tests/test_cli.py checks every such option).
+
+CAL = CalibrationConfig.model_fields
+PPL = PerplexityConfig.model_fields
+PRUNE = PruneStage.model_fields
+MERGE = MergeStage.model_fields
+QUANT = QuantizeStage.model_fields
+GPTQ = GPTQStage.model_fields
+EXEC = ExecutionConfig.model_fields
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "none" if value is None else str(value)
+
+
+def field_help(model: type, name: str, more: str = "", default: bool = False) -> str:
+    """An option's help from the recipe field ``name`` of ``model``: its description as a
+    sentence, the values a ``Literal`` allows, ``more``, and, for an option left unset by default
+    (so the recipe decides), the field's default."""
+    field = model.model_fields[name]
+    text = (field.description or name.replace("_", " ")).rstrip(".")
+    text = text[0].upper() + text[1:] + "."
+    choices = get_args(field.annotation) if get_origin(field.annotation) is Literal else ()
+    if choices and not all(f"'{c}'" in text for c in choices):
+        text += f" One of: {', '.join(map(str, choices))}."
+    if more:
+        text += f" {more}"
+    if default:
+        text += f" Default: {_shown(field.default)}."
+    return text
+
+
+def knob_help(name: str) -> str:
+    """Help of a ``quantize`` option that only some methods read: those methods, the field's
+    description and each method's default (the option is unset unless given)."""
+    owners = {m: cls.model_fields[name] for m, cls in QUANTIZE_STAGES.items()
+              if name in cls.model_fields}
+    first = next(iter(owners.values()))
+    defaults: dict[str, list[str]] = {}
+    for method, field in owners.items():
+        defaults.setdefault(_shown(field.default), []).append(method)
+    shown = (next(iter(defaults)) if len(defaults) == 1 else
+             ", ".join(f"{'/'.join(ms)} {d}" for d, ms in defaults.items()))
+    text = (first.description or name.replace("_", " ")).rstrip(".")
+    return f"{'/'.join(owners)}: {text} (default: {shown})."
+
+
 # --- recipes ------------------------------------------------------------------------------------
 
 
@@ -90,7 +151,7 @@ def check(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")]) -> 
     """Validate a recipe against its model's shapes and print the resolved plan: stages (shared
     prefixes run once), the reference, the GGUF files each variant gets; nothing is computed."""
     from thresher.flows.preflight import describe_source, preflight
-    from thresher.recipe import load_recipe
+    from thresher.flows.sweep import load_recipe
 
     r = load_recipe(recipe)
     found = preflight(r)
@@ -176,13 +237,15 @@ def demo_model_build(
 @handles_errors
 def perplexity_cmd(
     model: Annotated[str, typer.Option(help="Hub id, local dir, models:/name/version or demo:size.")],
-    seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 256,
-    max_windows: Annotated[int, typer.Option(help="Cap on windows scored (0 = all).")] = 64,
-    batch_size: Annotated[int, typer.Option(help="Windows per forward pass.")] = 8,
+    seq_len: Annotated[int, typer.Option(help=field_help(PerplexityConfig, "seq_len"))
+                       ] = PPL["seq_len"].default,
+    max_windows: Annotated[int, typer.Option(help=field_help(
+        PerplexityConfig, "max_windows", "0: all."))] = PPL["max_windows"].default,
+    batch_size: Annotated[int, typer.Option(help=field_help(PerplexityConfig, "batch_size"))
+                          ] = PPL["batch_size"].default,
 ) -> None:
     """Held-out perplexity of a model on the stdlib held-out split."""
     from thresher.evaluate.perplexity import heldout_perplexity
-    from thresher.recipe import PerplexityConfig
 
     cfg = PerplexityConfig(seq_len=seq_len, max_windows=max_windows or None, batch_size=batch_size)
     result = heldout_perplexity(model, cfg)
@@ -242,7 +305,7 @@ def run_cmd(
 ) -> None:
     """Run a recipe through the Prefect `compress` flow and print the comparison table."""
     from thresher.flows.compress import compress
-    from thresher.recipe import load_recipe
+    from thresher.flows.sweep import load_recipe
 
     r = load_recipe(recipe)  # validated before Prefect or any compute starts
     summary = compress(r, tracking_uri=tracking_uri, store_dir=store_dir, publish_dir=publish_dir,
@@ -309,11 +372,8 @@ def stack_down() -> None:
 # --- expert pruning -----------------------------------------------------------------------------
 
 
-DEVICE_OPTION_HELP = ("Where to compute: 'auto' (CUDA when available, else the CPU), 'cpu', "
-                      "'cuda' or 'cuda:N'.")
-BUDGET_OPTION_HELP = ("GiB of calibration activations kept on the device; the rest wait in "
-                      "(pinned) host memory. Default: half the free device memory on CUDA; "
-                      "0: all offloaded.")
+DEVICE_OPTION_HELP = field_help(ExecutionConfig, "device")
+BUDGET_OPTION_HELP = field_help(ExecutionConfig, "offload_budget_gb")
 
 
 def _memory_note(report) -> str:
@@ -338,31 +398,33 @@ def _calibration_source(text: str):
 def prune_cmd(
     model: Annotated[str, typer.Option(help="Hub id, local dir, models:/name/version or demo:size.")],
     out: Annotated[Path, typer.Option(help="Output directory for the pruned checkpoint (new).")],
-    method: Annotated[str, typer.Option(
-        help="reap, frequency, ean, weighted_ean, auto or random.")] = "reap",
-    ratio: Annotated[float | None, typer.Option(
-        help="Fraction of experts removed in every MoE layer, in (0, 1); 0.5 unless --keep "
-        "is given.")] = None,
-    keep: Annotated[int | None, typer.Option(
-        help="Experts kept in every MoE layer (instead of --ratio).")] = None,
+    method: Annotated[str, typer.Option(help=field_help(PruneStage, "method"))
+                      ] = PRUNE["method"].default,
+    ratio: Annotated[float | None, typer.Option(help=field_help(
+        PruneStage, "ratio", "0.5 unless --keep is given."))] = PRUNE["ratio"].default,
+    keep: Annotated[int | None, typer.Option(help=field_help(
+        PruneStage, "keep", "Instead of --ratio."))] = PRUNE["keep"].default,
     calibration: Annotated[str, typer.Option(
         help="'stdlib' or comma-separated local text files / globs.")] = "stdlib",
-    samples: Annotated[int, typer.Option(help="Calibration windows.")] = 128,
-    seq_len: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 256,
-    seed: Annotated[int, typer.Option(help="Seed of the calibration sample and of 'random'.")] = 0,
-    budget: Annotated[str, typer.Option(
-        help="'uniform' (every layer loses the same number) or 'damage' (the same total split "
-        "by measured local error).")] = "uniform",
-    protect_super_experts: Annotated[bool, typer.Option(
-        help="Never remove experts whose outputs carry extreme outliers.")] = False,
-    refit: Annotated[bool, typer.Option(
-        help="Refit the kept experts' down projections so the pruned MoE blocks reproduce the "
-        "unpruned ones on the calibration text (same architecture, better quality).")] = False,
-    refit_damp: Annotated[float | None, typer.Option(
-        help="With --refit: ridge strength toward the original weights (default 0.01); raise it "
-        "(0.1-1) when calibrating on a few windows.")] = None,
-    device: Annotated[str, typer.Option(help=DEVICE_OPTION_HELP)] = "auto",
-    offload_budget_gb: Annotated[float | None, typer.Option(help=BUDGET_OPTION_HELP)] = None,
+    samples: Annotated[int, typer.Option(help=field_help(CalibrationConfig, "samples"))
+                       ] = CAL["samples"].default,
+    seq_len: Annotated[int, typer.Option(help=field_help(CalibrationConfig, "seq_len"))
+                       ] = CAL["seq_len"].default,
+    seed: Annotated[int, typer.Option(help=field_help(
+        CalibrationConfig, "seed", f"Also the {PRUNE['seed'].description}."))
+                    ] = CAL["seed"].default,
+    budget: Annotated[str, typer.Option(help=field_help(PruneStage, "budget"))
+                      ] = PRUNE["budget"].default,
+    protect_super_experts: Annotated[bool, typer.Option(help=field_help(
+        PruneStage, "protect_super_experts"))] = PRUNE["protect_super_experts"].default,
+    refit: Annotated[bool, typer.Option(help=field_help(PruneStage, "refit"))
+                     ] = PRUNE["refit"].default,
+    refit_damp: Annotated[float | None, typer.Option(help=field_help(
+        PruneStage, "refit_damp", "Raise it (0.1-1) when calibrating on a few windows.",
+        default=True))] = None,
+    device: Annotated[str, typer.Option(help=DEVICE_OPTION_HELP)] = EXEC["device"].default,
+    offload_budget_gb: Annotated[float | None, typer.Option(help=BUDGET_OPTION_HELP)
+                                 ] = EXEC["offload_budget_gb"].default,
 ) -> None:
     """Remove the lowest-saliency experts of every MoE layer (REAP or a baseline) and write a
     complete pruned checkpoint with prune_report.json."""
@@ -371,7 +433,7 @@ def prune_cmd(
     from thresher.errors import CompressionError
     from thresher.models import resolve_model
     from thresher.prune.api import prune_model
-    from thresher.recipe import CalibrationConfig, PruneStage, format_validation_error
+    from thresher.recipe import format_validation_error
 
     if ratio is None and keep is None:
         ratio = 0.5
@@ -411,24 +473,27 @@ def prune_cmd(
 def merge_cmd(
     model: Annotated[str, typer.Option(help="Hub id, local dir, models:/name/version or demo:size.")],
     out: Annotated[Path, typer.Option(help="Output directory for the merged checkpoint (new).")],
-    method: Annotated[str, typer.Option(help="hc_smoe or m_smoe.")] = "hc_smoe",
-    ratio: Annotated[float | None, typer.Option(
-        help="Fraction of experts merged away in every MoE layer, in (0, 1); 0.5 unless --keep "
-        "is given.")] = None,
-    keep: Annotated[int | None, typer.Option(help="Experts kept (groups) per MoE layer.")] = None,
-    router: Annotated[str, typer.Option(
-        help="Merged expert's router row: 'leader' (its most used member's) or 'average'.")
-    ] = "leader",
-    permute: Annotated[bool | None, typer.Option(
-        help="Align members' neurons to their leader's before averaging (default: m_smoe on, "
-        "hc_smoe off).")] = None,
+    method: Annotated[str, typer.Option(help=field_help(MergeStage, "method"))
+                      ] = MERGE["method"].default,
+    ratio: Annotated[float | None, typer.Option(help=field_help(
+        MergeStage, "ratio", "0.5 unless --keep is given."))] = MERGE["ratio"].default,
+    keep: Annotated[int | None, typer.Option(help=field_help(MergeStage, "keep"))
+                    ] = MERGE["keep"].default,
+    router: Annotated[str, typer.Option(help=field_help(MergeStage, "router"))
+                      ] = MERGE["router"].default,
+    permute: Annotated[bool | None, typer.Option(help=field_help(MergeStage, "permute"))
+                       ] = MERGE["permute"].default,
     calibration: Annotated[str, typer.Option(
         help="'stdlib' or comma-separated local text files / globs.")] = "stdlib",
-    samples: Annotated[int, typer.Option(help="Calibration windows.")] = 128,
-    seq_len: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 256,
-    seed: Annotated[int, typer.Option(help="Seed of the calibration sample.")] = 0,
-    device: Annotated[str, typer.Option(help=DEVICE_OPTION_HELP)] = "auto",
-    offload_budget_gb: Annotated[float | None, typer.Option(help=BUDGET_OPTION_HELP)] = None,
+    samples: Annotated[int, typer.Option(help=field_help(CalibrationConfig, "samples"))
+                       ] = CAL["samples"].default,
+    seq_len: Annotated[int, typer.Option(help=field_help(CalibrationConfig, "seq_len"))
+                       ] = CAL["seq_len"].default,
+    seed: Annotated[int, typer.Option(help=field_help(CalibrationConfig, "seed"))
+                    ] = CAL["seed"].default,
+    device: Annotated[str, typer.Option(help=DEVICE_OPTION_HELP)] = EXEC["device"].default,
+    offload_budget_gb: Annotated[float | None, typer.Option(help=BUDGET_OPTION_HELP)
+                                 ] = EXEC["offload_budget_gb"].default,
 ) -> None:
     """Merge groups of experts of every MoE layer into frequency-weighted averages (M-SMoE or
     HC-SMoE) and write a complete checkpoint with fewer experts and merge_report.json."""
@@ -437,7 +502,7 @@ def merge_cmd(
     from thresher.errors import CompressionError
     from thresher.models import resolve_model
     from thresher.prune.merge_api import merge_model
-    from thresher.recipe import CalibrationConfig, MergeStage, format_validation_error
+    from thresher.recipe import format_validation_error
 
     try:
         stage = MergeStage(method=method, ratio=0.5 if ratio is None and keep is None else ratio,
@@ -470,43 +535,33 @@ def merge_cmd(
 def quantize_cmd(
     model: Annotated[str, typer.Option(help="Hub id, local dir, models:/name/version or demo:size.")],
     out: Annotated[Path, typer.Option(help="Output directory (must not exist).")],
-    method: Annotated[str, typer.Option(help="rtn, gptq, awq or nf4.")] = "gptq",
-    bits: Annotated[str, typer.Option(
-        help="Bit width: 2, 3, 4 or 8 (nf4: 4), or auto (gptq: per-matrix widths under "
-        "--target-bits or --target-mb).")] = "4",
-    target_bits: Annotated[float | None, typer.Option(
-        help="gptq --bits auto: average bits per quantized weight.")] = None,
-    target_mb: Annotated[float | None, typer.Option(
-        help="gptq --bits auto: size of the whole checkpoint in MiB.")] = None,
-    group_size: Annotated[int, typer.Option(help="Inputs per scale group; -1 = per row.")] = 128,
-    sym: Annotated[bool | None, typer.Option(
-        "--sym/--asym", help="rtn/gptq/awq: symmetric grid (default: gptq sym, rtn/awq asym).")
-    ] = None,
-    act_order: Annotated[bool | None, typer.Option(
-        help="gptq: columns by descending Hessian diag (default: off).")] = None,
-    static_groups: Annotated[bool | None, typer.Option(
-        help="gptq act-order: fit groups up front, keeping desc_act false for vLLM (default: on).")
-    ] = None,
-    damp_percent: Annotated[float | None, typer.Option(
-        help="gptq: Hessian dampening (default: 0.01).")] = None,
-    clip: Annotated[bool | None, typer.Option(
-        help="awq: search clipping ranges (default: on).")] = None,
-    scale_search: Annotated[str | None, typer.Option(
-        help="rtn/gptq: group scales 'minmax' or 'mse' (shrink search) (default: minmax).")
-    ] = None,
-    expert_tokens: Annotated[str | None, typer.Option(
-        help="gptq/awq: calibrate experts on their 'routed' tokens or on 'all' (default: routed).")
-    ] = None,
-    double_quant: Annotated[bool | None, typer.Option(
-        help="nf4: quantize the absmax constants (default: off).")] = None,
-    compute_dtype: Annotated[str | None, typer.Option(
-        help="nf4: compute dtype (default: bfloat16).")] = None,
+    method: Annotated[str, typer.Option(help=f"{', '.join(QUANTIZE_STAGES)}.")] = "gptq",
+    bits: Annotated[str, typer.Option(help=field_help(
+        QuantizeStage, "bits", "nf4: 4."))] = str(QUANT["bits"].default),
+    target_bits: Annotated[float | None, typer.Option(help=field_help(GPTQStage, "target_bits"))
+                           ] = GPTQ["target_bits"].default,
+    target_mb: Annotated[float | None, typer.Option(help=field_help(GPTQStage, "target_mb"))
+                         ] = GPTQ["target_mb"].default,
+    group_size: Annotated[int, typer.Option(help=field_help(QuantizeStage, "group_size"))
+                          ] = QUANT["group_size"].default,
+    sym: Annotated[bool | None, typer.Option("--sym/--asym", help=knob_help("sym"))] = None,
+    act_order: Annotated[bool | None, typer.Option(help=knob_help("act_order"))] = None,
+    static_groups: Annotated[bool | None, typer.Option(help=knob_help("static_groups"))] = None,
+    damp_percent: Annotated[float | None, typer.Option(help=knob_help("damp_percent"))] = None,
+    clip: Annotated[bool | None, typer.Option(help=knob_help("clip"))] = None,
+    scale_search: Annotated[str | None, typer.Option(help=knob_help("scale_search"))] = None,
+    expert_tokens: Annotated[str | None, typer.Option(help=knob_help("expert_tokens"))] = None,
+    double_quant: Annotated[bool | None, typer.Option(help=knob_help("double_quant"))] = None,
+    compute_dtype: Annotated[str | None, typer.Option(help=knob_help("compute_dtype"))] = None,
     calibration: Annotated[str, typer.Option(
         help="'stdlib' or a path/glob of local text files.")] = "stdlib",
-    samples: Annotated[int, typer.Option(help="Calibration windows.")] = 128,
-    seq_len: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 256,
-    device: Annotated[str, typer.Option(help=DEVICE_OPTION_HELP)] = "auto",
-    offload_budget_gb: Annotated[float | None, typer.Option(help=BUDGET_OPTION_HELP)] = None,
+    samples: Annotated[int, typer.Option(help=field_help(CalibrationConfig, "samples"))
+                       ] = CAL["samples"].default,
+    seq_len: Annotated[int, typer.Option(help=field_help(CalibrationConfig, "seq_len"))
+                       ] = CAL["seq_len"].default,
+    device: Annotated[str, typer.Option(help=DEVICE_OPTION_HELP)] = EXEC["device"].default,
+    offload_budget_gb: Annotated[float | None, typer.Option(help=BUDGET_OPTION_HELP)
+                                 ] = EXEC["offload_budget_gb"].default,
 ) -> None:
     """Quantize a model into a GPTQ / AWQ / bitsandbytes-NF4 checkpoint, layer by layer."""
     from pydantic import ValidationError
@@ -514,13 +569,7 @@ def quantize_cmd(
     from thresher.compress.api import quantize_model
     from thresher.errors import RecipeError
     from thresher.models import resolve_model
-    from thresher.recipe import (
-        QUANTIZE_STAGES,
-        CalibrationConfig,
-        FilesSource,
-        QuantizeStage,
-        format_validation_error,
-    )
+    from thresher.recipe import FilesSource, format_validation_error
 
     if method not in QUANTIZE_STAGES:
         raise RecipeError(f"--method {method}: choose one of {', '.join(QUANTIZE_STAGES)}")
@@ -595,14 +644,13 @@ def export_gguf_cmd(
         "--gptq", help="Round q4_0, q4_1, q5_0, q4_k(_m), q3_k(_m) and q6_k blocks by GPTQ against "
         "each matrix's Hessian on calibration windows, with the --imatrix fit's block scales "
         "(implies --imatrix).")] = False,
-    calibration_samples: Annotated[int, typer.Option(
-        help="Calibration windows for --imatrix and --gptq (the recipe default).", min=1)] = 128,
+    calibration_samples: Annotated[int, typer.Option(help=field_help(
+        CalibrationConfig, "samples", "For --imatrix and --gptq."), min=1)] = CAL["samples"].default,
 ) -> None:
     """Write a Qwen3-MoE, Qwen2-MoE, Mixtral or OLMoE (base or REAP-pruned), Llama, Qwen3 or
     Qwen2 checkpoint to one GGUF file for llama.cpp and Ollama, tokenizer included."""
     from thresher.export import compute_importance, export_gguf
     from thresher.models import resolve_model
-    from thresher.recipe import CalibrationConfig
 
     model_dir = resolve_model(model)
     importance = (compute_importance(model_dir, CalibrationConfig(samples=calibration_samples),
@@ -794,8 +842,8 @@ def demo(
 ) -> None:
     """Run the embedded default end to end: the demo model through the compress flow."""
     from thresher.flows.compress import compress
+    from thresher.flows.sweep import load_recipe
     from thresher.models import resolve_model
-    from thresher.recipe import load_recipe
     from thresher.tracking import resolve_tracking_uri
 
     r = load_recipe(recipe)

@@ -13,11 +13,12 @@ from tests.conftest import CALIBRATION_FILE
 from thresher.compress.api import quantize_model
 from thresher.compress.mixed import Allocation, Unit, allocate
 from thresher.errors import CompressionError, RecipeError
+from thresher.flows.sweep import parse_recipe
 from thresher.formats.config import packed_format
 from thresher.formats.gptq import dynamic_override, module_pattern, packed_bits
 from thresher.models import get_adapter, load_model
 from thresher.models.quantized import DequantLinear, load_quantized_model
-from thresher.recipe import CalibrationConfig, FilesSource, QuantizeStage, parse_recipe
+from thresher.recipe import CalibrationConfig, FilesSource, QuantizeStage
 from thresher.serve_kernels import LLM, SamplingParams
 from thresher.serve_kernels.kernels.cpu_int4 import Int4Pack
 from thresher.serve_kernels.modeling.linear import GPTQLinear

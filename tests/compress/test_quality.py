@@ -4,7 +4,7 @@ Only what holds across training runs of the demo recipe is asserted: at low bit 
 method stays within a bound of the float model, and at 2 bits g64 GPTQ at most halves RTN's
 increase (18 of 18 training runs). The finer orderings at 3 bits per row (GPTQ at most half of
 RTN: 9 of 14 runs; AWQ below RTN: 10 of 14) are measured, not asserted:
-`benchmarks/tiny_recipes.py` across training runs, `benchmarks/awq_paired.py` on one model with
+`benchmarks/quality/tiny_recipes.py` across training runs, `benchmarks/quality/awq_paired.py` on one model with
 paired intervals (docs/benchmarks.md).
 """
 

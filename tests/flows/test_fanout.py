@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from thresher.flows.fanout import variant_groups
-from thresher.recipe import load_recipe
+from thresher.flows.sweep import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -4,8 +4,8 @@ Every method prunes with statistics from the same observation of the same calibr
 perplexity is measured on held-out windows. Only orderings that hold across training runs of the
 demo recipe are asserted, never absolute values (the demo model's training may be retuned). REAP
 against frequency at 50% is close to a coin flip on models this small (it held in 7 of 18 training
-runs): `benchmarks/tiny_recipes.py` measures it across training runs and
-`benchmarks/prune_quality.py` on one model, with the rates in docs/benchmarks.md.
+runs): `benchmarks/quality/tiny_recipes.py` measures it across training runs and
+`benchmarks/quality/prune_quality.py` on one model, with the rates in docs/benchmarks.md.
 """
 
 import pytest

@@ -1,6 +1,6 @@
 """The engine on a CUDA GPU: decode CUDA graphs against eager steps, no host synchronisation in
 a decode forward, the KV cache sized from GPU memory, greedy parity with the CPU path. Skipped
-without a GPU; ``benchmarks/gpu_suite.py`` runs them on a lent one."""
+without a GPU; ``benchmarks/scale/gpu_suite.py`` runs them on a lent one."""
 
 from __future__ import annotations
 

@@ -23,7 +23,6 @@ import yaml
 from prefect import flow, get_run_logger
 from prefect.context import get_run_context
 
-from thresher import __version__
 from thresher.evaluate.report import (
     BASE_STAGES,
     OWN_NLL,
@@ -31,48 +30,18 @@ from thresher.evaluate.report import (
     build_report,
     log_report,
 )
+from thresher.flows.fanout import fan_out
 from thresher.flows.pareto import alias_pareto_front
-from thresher.flows.stages import (
-    TASK_SAMPLES_KEY,
-    WINDOW_NLL_KEY,
-    evaluate_artifact,
-    publish_artifact,
-    publish_gguf,
-    resolve_base,
-    run_stage,
-    validate_variant,
-)
+from thresher.flows.stages import TASK_SAMPLES_KEY, WINDOW_NLL_KEY, evaluate_artifact, resolve_base
 from thresher.flows.summary import publish_summary
-from thresher.formats.artifact import PRUNE_REPORT, STAGE_REPORTS, TASK_SAMPLES, WINDOW_NLL
-from thresher.models.adapters import get_adapter
-from thresher.models.card import runtime_note
-from thresher.models.inspect import parameter_count, weight_bytes
-from thresher.models.layerwise import load_config
+from thresher.flows.sweep import expand_sweep, parse_recipe
+from thresher.flows.variant import artifact_facts, run_variant
+from thresher.formats.artifact import TASK_SAMPLES, WINDOW_NLL
 from thresher.paths import state_dir
-from thresher.recipe import Recipe, Variant, parse_recipe
-from thresher.tracking import (
-    ARTIFACT_DIR_TAG,
-    ARTIFACT_HASH_TAG,
-    MODEL_URI_TAG,
-    REFERENCE_TAG,
-    Tracker,
-    git_sha,
-)
+from thresher.recipe import Recipe
+from thresher.tracking import REFERENCE_TAG, Tracker, git_sha
 
 log = logging.getLogger(__name__)
-
-
-def _artifact_facts(path: str) -> dict[str, float]:
-    config = load_config(path)
-    size = weight_bytes(path)
-    params = parameter_count(path)
-    facts = {"size_bytes": float(size), "parameters": float(params),
-             "bits_per_param": 8.0 * size / params}
-    adapter = get_adapter(config)
-    if adapter.is_moe:  # per layer after a damage-budget prune: their mean, as the prune report
-        per_layer = getattr(config, "layer_num_experts", None) or [adapter.num_experts(config)]
-        facts["experts_kept"] = sum(per_layer) / len(per_layer)
-    return facts
 
 
 def recipe_hash(recipe: Recipe) -> str:
@@ -131,17 +100,15 @@ def run_recipe(recipe: Recipe, tracking_uri: str | None = None, store_dir: str |
         tracker.log_params(parent, recipe.model_dump(mode="json", by_alias=True))
         tracker.log_text(parent, yaml.safe_dump(recipe.model_dump(mode="json", by_alias=True),
                                                 sort_keys=False), "recipe.yaml")
-        base_facts = _artifact_facts(base_path)
+        base_facts = artifact_facts(base_path)
         records = []
         pool = work_pool or recipe.execution.work_pool
         if pool:
-            from thresher.flows.fanout import fan_out
-
             records = fan_out(recipe, pool, parent, tracker, store_root, publish_root, parent_name)
         else:
             for variant in recipe.variants:
-                records.append(_run_variant(recipe, variant, base_path, base_hash, base_facts,
-                                            tracker, parent, store_root, publish_root))
+                records.append(run_variant(recipe, variant, base_path, base_hash, base_facts,
+                                           tracker, parent, store_root, publish_root))
                 logger.info("variant %s: perplexity %.3f", variant.name, records[-1].perplexity)
         if not any(v.stages == [] for v in recipe.variants):
             records.insert(0, _reference_record(recipe, base_path, base_hash, base_facts, tracker,
@@ -160,96 +127,6 @@ def run_recipe(recipe: Recipe, tracking_uri: str | None = None, store_dir: str |
                 "variants": [r.to_dict() for r in records]}
     finally:
         tracker.end_run(parent, status)
-
-
-def _run_variant(recipe: Recipe, variant: Variant, base_path: str, base_hash: str,
-                 base_facts: dict[str, float], tracker: Tracker, parent: str, store_root: str,
-                 publish_root: Path) -> VariantRecord:
-    run_id = tracker.start_run(variant.name, parent_id=parent,
-                               tags={"thresher.variant": variant.name})
-    status = "FAILED"
-    try:
-        chain = " -> ".join(s.describe() for s in variant.stages) or BASE_STAGES
-        tracker.log_params(run_id, {"variant": variant.name, "stages": chain,
-                                    "calibration": recipe.calibration.model_dump(mode="json")})
-        for i, stage in enumerate(variant.stages):
-            tracker.log_params(run_id, {f"stage{i}.{stage.kind}": stage.options.model_dump(
-                mode="json", exclude_none=True)})
-        path, content_hash = base_path, base_hash
-        metrics: dict[str, float] = {}
-        lineage = []
-        hits = 0
-        for i, stage in enumerate(variant.stages):
-            out = run_stage(path, content_hash, stage, recipe.calibration, store_root,
-                            label=f"{variant.name}/{i}-{stage.kind}", execution=recipe.execution)
-            hits += int(out["cache_hit"])
-            metrics[f"{stage.kind}.cache_hit"] = float(out["cache_hit"])
-            path, content_hash = out["path"], out["content_hash"]
-            lineage.append({"stage": stage.model_dump(mode="json", exclude_none=True),
-                            "store_key": out["key"], "content_hash": content_hash})
-            metrics.update({f"{stage.kind}.{k}": v for k, v in out["metrics"].items()})
-            for name in STAGE_REPORTS:
-                if (Path(path) / name).is_file():
-                    tracker.log_artifact(run_id, Path(path) / name)
-        metrics["stage_cache_hits"] = float(hits)
-        facts = _artifact_facts(path)
-        metrics.update(facts)
-        metrics["compression_ratio"] = base_facts["size_bytes"] / facts["size_bytes"]
-        evaluation = evaluate_artifact(path, content_hash, recipe.eval, store_root,
-                                       label=variant.name)
-        task_samples = evaluation.pop(TASK_SAMPLES_KEY, {})
-        window_nll = {OWN_NLL: evaluation.pop(WINDOW_NLL_KEY)}
-        metrics.update(evaluation)
-        if task_samples:
-            tracker.log_text(run_id, json.dumps(task_samples), TASK_SAMPLES)
-        artifact, model_uri = path, None
-        if variant.stages:
-            artifact = publish_artifact(
-                path, content_hash, str(publish_root), variant.name,
-                {"recipe": recipe.model_dump(mode="json", by_alias=True), "variant": variant.name,
-                 "lineage": {"base_model": recipe.model, "base_hash": base_hash, "stages": lineage},
-                 "metrics": metrics},
-            )
-            tracker.set_tags(run_id, {ARTIFACT_DIR_TAG: artifact, ARTIFACT_HASH_TAG: content_hash})
-            note = runtime_note(load_config(artifact))
-            if note is not None:  # also the lead of the artifact's README.md
-                get_run_logger().warning("variant %s: %s", variant.name, note)
-            if "gguf" in recipe.publish.formats:
-                gguf_cal = recipe.publish.gguf_imatrix or recipe.publish.gguf_gptq
-                published = publish_gguf(
-                    artifact, content_hash, str(publish_root), variant.name,
-                    recipe.publish.gguf_types, recipe.calibration if gguf_cal else None,
-                    recipe.eval.perplexity, str(Path(store_root) / "work"),
-                    gptq=recipe.publish.gguf_gptq, variant_perplexity=metrics["perplexity"])
-                for gguf_file in published["files"]:
-                    tracker.log_artifact(run_id, gguf_file, artifact_path="gguf")
-                metrics.update(published["metrics"])
-                window_nll.update(published["window_nll"])
-            if recipe.publish.registry_name:
-                name = f"{recipe.publish.registry_name}-{variant.name}"
-                version = tracker.register(
-                    name, Path(artifact), content_hash, run_id,
-                    tags={"thresher.variant": variant.name, "thresher.base_model": recipe.model,
-                          "thresher.base_hash": base_hash, "thresher.stages": chain,
-                          "thresher.version": __version__},
-                )
-                model_uri = f"models:/{name}/{version}"
-                tracker.set_tags(run_id, {MODEL_URI_TAG: model_uri})
-        if recipe.validate_.enabled:
-            metrics.update(validate_variant(artifact, base_path, recipe.eval.perplexity,
-                                            recipe.validate_, recipe.dtype, label=variant.name))
-        tracker.log_metrics(run_id, metrics)
-        tracker.log_text(run_id, json.dumps(window_nll), WINDOW_NLL)
-        prune_report = Path(artifact) / PRUNE_REPORT
-        record = VariantRecord.from_metrics(
-            variant.name, metrics, {"variant": variant.name, "stages": chain},
-            prune_report=json.loads(prune_report.read_text()) if prune_report.is_file() else None,
-            run_id=run_id, artifact=artifact, model_uri=model_uri, task_samples=task_samples,
-            window_nll=window_nll)
-        status = "FINISHED"
-        return record
-    finally:
-        tracker.end_run(run_id, status)
 
 
 def _reference_record(recipe: Recipe, base_path: str, base_hash: str,
@@ -287,7 +164,8 @@ def compress(recipe: Recipe, tracking_uri: str | None = None, store_dir: str | N
     """Compress a model as the recipe says: stages, evaluation, publishing, comparison.
 
     Prefect draws the run form of a deployment from this signature; the recipe is checked by
-    ``parse_recipe`` (the checks of ``thresher check``), not by Prefect's own validation.
+    ``parse_recipe`` (the checks of ``thresher check``, then the sweep's expansion), not by
+    Prefect's own validation.
 
     Args:
         recipe: the compression job (a recipe YAML's content): model, data, variants
@@ -297,6 +175,8 @@ def compress(recipe: Recipe, tracking_uri: str | None = None, store_dir: str | N
         work_pool: Prefect work pool whose workers run the variants (default: the recipe's
             execution.work_pool; none: every variant runs in this flow run)
     """
-    if not isinstance(recipe, Recipe):  # a run started from the API or the UI's form
+    if isinstance(recipe, Recipe):
+        recipe = expand_sweep(recipe, where="flow parameter 'recipe'")
+    else:  # a run started from the API or the UI's form
         recipe = parse_recipe(recipe, where="flow parameter 'recipe'")
     return run_recipe(recipe, tracking_uri, store_dir, publish_dir, work_pool)

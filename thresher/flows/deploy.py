@@ -23,7 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from thresher.errors import RecipeError
-from thresher.recipe import load_recipe
+from thresher.flows.sweep import load_recipe
 
 
 class DeploymentSpec(BaseModel):

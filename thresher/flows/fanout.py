@@ -30,8 +30,8 @@ from prefect.deployments.runner import EntrypointType
 
 from thresher.errors import ExecutionError
 from thresher.evaluate.report import VariantRecord, record_from_run
-from thresher.flows.compress import _artifact_facts, _run_variant
 from thresher.flows.stages import resolve_base
+from thresher.flows.variant import artifact_facts, run_variant
 from thresher.recipe import Recipe
 from thresher.tracking import Tracker
 
@@ -197,7 +197,7 @@ def compress_variant(recipe: Recipe, variants: list[str], parent_run_id: str, tr
     logger = get_run_logger()
     tracker = Tracker(tracking_uri, experiment=recipe.tracking.experiment or recipe.name)
     base_path, base_hash = resolve_base(recipe.model)
-    base_facts = _artifact_facts(base_path)
+    base_facts = artifact_facts(base_path)
     by_name = {v.name: v for v in recipe.variants}
     unknown = [n for n in variants if n not in by_name]
     if unknown:
@@ -207,8 +207,8 @@ def compress_variant(recipe: Recipe, variants: list[str], parent_run_id: str, tr
         if _finished_or_cleared(tracker, parent_run_id, name):
             logger.info("variant %s: finished by an earlier try, not rerun", name)
             continue
-        record = _run_variant(recipe, by_name[name], base_path, base_hash, base_facts, tracker,
-                              parent_run_id, store_dir, Path(publish_dir))
+        record = run_variant(recipe, by_name[name], base_path, base_hash, base_facts, tracker,
+                             parent_run_id, store_dir, Path(publish_dir))
         tracker.set_tags(record.run_id, {FLOW_RUN_TAG: str(flow_run.id),
                                          HOST_TAG: socket.gethostname()})
         logger.info("variant %s: perplexity %.3f", name, record.perplexity)

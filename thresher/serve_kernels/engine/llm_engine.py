@@ -62,7 +62,7 @@ def resolve_dtype(dtype: str, device: torch.device, checkpoint_bytes: int = 0) -
     reading: float32 ran the demo models (at most 20 MB) 1.3-1.5x faster than bf16. A large one
     is bound by weight reading, which bf16 halves, and its wide matrices run oneDNN's blocked
     layout (``kernels.cpu_blocked``): bf16 decoded the 0.23 GB and 1.08 GB random MoEs of
-    ``benchmarks/cpu_decode.py`` 1.2-1.25x faster at one sequence and 1.7-1.8x at 16
+    ``benchmarks/engine/cpu_decode.py`` 1.2-1.25x faster at one sequence and 1.7-1.8x at 16
     (docs/benchmarks.md). So a CPU whose oneDNN runs bf16 serves checkpoints of at least
     ``CPU_BF16_MIN_BYTES`` on disk in bf16 (a threshold between the sizes measured), others in
     float32.

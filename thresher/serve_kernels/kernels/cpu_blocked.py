@@ -6,7 +6,7 @@ core of this machine (weights not in cache), while llama.cpp's F16 matvec reache
 weight reordered once into oneDNN's blocked layout (``mkldnn._reorder_linear_weight``, what
 torch's inductor does to CPU linears when it freezes a model) and multiplied with
 ``mkldnn._linear_pointwise`` streams at 10.7 GB/s (1.2-1.5x faster at 1 and 16 rows, level at
-256; ``benchmarks/cpu_small_matrices.py --blocked``). The products are the same oneDNN bf16
+256; ``benchmarks/engine/cpu_small_matrices.py --blocked``). The products are the same oneDNN bf16
 GEMM's, bit for bit in the tests.
 
 So on a CPU whose oneDNN runs the dtype, a 16-bit matrix of at least ``BLOCKED_MIN_ELEMENTS``
@@ -25,7 +25,7 @@ import torch
 
 ENV_VAR = "THRESHER_CPU_BLOCKED_MIN"
 # weights per matrix: 512 x 512 and larger ran 1.2-1.5x faster blocked at 1 and 16 rows, 8 x 1024
-# and 512 x 256 level or slower (benchmarks/cpu_small_matrices.py --blocked)
+# and 512 x 256 level or slower (benchmarks/engine/cpu_small_matrices.py --blocked)
 BLOCKED_MIN_ELEMENTS = 512 * 512
 
 

@@ -7,7 +7,7 @@ it slower than a dense matmul: on the ``small`` demo a decode step is dispatch, 
 reading, and its 4-bit variants ran at 0.74-1.0x their 16-bit parent. So on a CPU, a quantized
 matrix of at most ``DENSE_MAX_ELEMENTS`` weights is dequantized once at load (in fp32 from its
 codes, then cast to the serving dtype) and runs the dense matmul of a 16-bit model. The crossover
-was measured with ``benchmarks/cpu_small_matrices.py`` (docs/benchmarks.md, "Small matrices
+was measured with ``benchmarks/engine/cpu_small_matrices.py`` (docs/benchmarks.md, "Small matrices
 dense on the CPU"); the memory this adds is at most the threshold's dense bytes per matrix, and
 a model whose matrices are larger (the 1 GB benchmark model's smallest 4-bit matrix, a 256 x
 1024 k_proj, has twice the threshold) keeps every matrix on its packed kernel.
@@ -24,7 +24,7 @@ import os
 
 ENV_VAR = "THRESHER_CPU_DENSE_MAX"
 # weights per matrix: 512 x 256 ran 1.4-3.6x faster dense than on either 4-bit kernel at 1 and 16
-# rows, 1024 x 512 about even (benchmarks/cpu_small_matrices.py); the 1 GB model's smallest
+# rows, 1024 x 512 about even (benchmarks/engine/cpu_small_matrices.py); the 1 GB model's smallest
 # 4-bit matrix (k_proj, 256 x 1024) stays above it
 DENSE_MAX_ELEMENTS = 512 * 256
 

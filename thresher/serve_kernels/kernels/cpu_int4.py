@@ -17,7 +17,7 @@ exact but slower than the fp32 dense matmul). Against the 4-bit weight's own err
 small; tests bound it against the fp32 reference.
 
 Where thresher's own kernel compiles (``cpu_q4``: int8 activations on the integer units; from
-memory 1.1-1.3x torch's kernel for one row, 1.1-1.8x for 16, benchmarks/cpu_q4_matmul.py), a pack
+memory 1.1-1.3x torch's kernel for one row, 1.1-1.8x for 16, benchmarks/engine/cpu_q4_matmul.py), a pack
 holds its layout instead (``kernel="q4"``); its groups are the weight's own, so any group of 32
 or a multiple of 64 rows fits, and N needs no multiple of 16.
 """

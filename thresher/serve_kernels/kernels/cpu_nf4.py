@@ -11,7 +11,7 @@ reference.
 The kernel runs in bf16 (activations and absmax rounded to bf16) and its time grows with the
 number of rows like a loop of matvecs: up to 16-64 rows it beats dequantize-then-matmul clearly,
 from 256 rows the bf16 matrix dequantized by bitsandbytes' native routine plus one dense matmul
-is faster (``benchmarks/cpu_nf4.py``, docs/benchmarks.md; at 128 it went both ways), so calls with
+is faster (``benchmarks/engine/cpu_nf4.py``, docs/benchmarks.md; at 128 it went both ways), so calls with
 ``DEQUANTIZE_ROWS`` rows or more take that.
 
 The kernel exists only on CPUs with AVX512-BF16 (bitsandbytes registers it only there); elsewhere

@@ -12,7 +12,7 @@ default, so results there never depend on timing. ``THRESHER_AUTOTUNE=0`` keeps 
 a GPU too.
 
 Unlike ``triton.autotune`` the grid and the split-K output buffer depend on the configuration,
-and the choice must be reportable (``benchmarks/gpu_suite.py`` prints ``chosen()``).
+and the choice must be reportable (``benchmarks/scale/gpu_suite.py`` prints ``chosen()``).
 """
 
 from __future__ import annotations

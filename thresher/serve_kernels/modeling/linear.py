@@ -55,7 +55,7 @@ class DenseLinear(nn.Module):
 
     On a CPU torch's 16-bit GEMM is slow for narrow outputs: a router's [1, 1024] x [1024, 8]
     takes 23 us in bf16 and 9 us in fp32 with both casts, and an MoE has one per layer
-    (``benchmarks/cpu_small_matrices.py --narrow``: up to 16 rows the fp32 copy wins at 1 and 16
+    (``benchmarks/engine/cpu_small_matrices.py --narrow``: up to 16 rows the fp32 copy wins at 1 and 16
     tokens, with 1 and 2 threads; wider, it loses at 16 tokens on one thread). ``pack_for_cpu``
     therefore keeps an fp32 copy of a 16-bit matrix of at most ``NARROW_ROWS`` rows; the product
     is rounded to the activation dtype once, as the 16-bit GEMM (which accumulates in fp32)

@@ -1,0 +1,326 @@
+"""CPU greedy decode speed of one random Qwen3-MoE: 16-bit, 4-bit artifacts and llama.cpp.
+
+A memory-bound random Qwen3-MoE in 16 bits, its 4-bit artifacts, and the same weights in
+llama.cpp, side by side in one run.
+
+    PYTHONPATH=. python benchmarks/engine/cpu_decode.py --threads 2 --formats gptq4 awq4 nf4 \
+        --dtypes float32 bfloat16                      # the whole table: 10 layers, ~1.1 GB bf16
+    PYTHONPATH=. python benchmarks/engine/cpu_decode.py --layers 2 --threads 2   # small, loaded machine
+
+Run it from the repository root with ``PYTHONPATH=.`` when the editable install points at
+another checkout.
+
+Builds the checkpoint of ``quant_scale`` (hidden 1024, 8 experts of 2048, top-2) on disk,
+quantizes it with thresher (RTN: GPTQ's format without the calibration time; AWQ with a few
+calibration samples; NF4 through bitsandbytes), and times greedy decode through the engine for
+each variant at each concurrency: decode tokens per second = new tokens / (time of N+1 tokens -
+time of 1 token), so prefill is left out. The same bf16 checkpoint is exported with thresher's
+GGUF exporter (``--gguf-types``, default f16 q8_0 q4_0) and decoded greedily by llama.cpp
+(llama-cpp-python, ``make llama``) with the same thread count, prompt excluded; at batch 1 only
+(llama-cpp-python's ``Llama`` decodes one sequence; its c=16 cells are left empty). Without
+llama-cpp-python those rows are skipped with a message.
+
+Bandwidth use = weight bytes one decode step reads per sequence (attention, router, top-k of the
+experts, lm_head; the packed bytes a 4-bit layer's kernel reads; for GGUF the tensor bytes with
+expert tensors scaled by top-k / experts, the embedding table left out) x tokens/s at
+concurrency 1, against a 512 MB copy (read + write bytes) timed in the same run. Prints one table
+and the ratios against llama.cpp and the copy bandwidth; the files are deleted at the end unless --keep or --workdir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scale"))
+from quant_scale import build_checkpoint  # the scale group's checkpoint builder
+
+from thresher.export import export_gguf
+from thresher.export.llama_runtime import INSTALL_HINT, LLAMA_CPP_AVAILABLE, LlamaCppModel
+from thresher.serve_kernels import LLM, SamplingParams
+from thresher.serve_kernels.kernels import cpu_native, cpu_q4
+from thresher.serve_kernels.modeling.linear import DenseLinear
+from thresher.serve_kernels.modeling.moe import ExpertLoop, FusedExperts
+
+PROMPT = [5, 17, 300, 42, 9, 77, 1023, 400, 12, 3, 250, 61, 8, 99, 150, 31]
+QUANTIZE = {
+    "gptq4": ["--method", "rtn", "--bits", "4", "--group-size", "128"],
+    "awq4": ["--method", "awq", "--bits", "4", "--group-size", "128", "--samples", "4",
+             "--seq-len", "64"],
+    "nf4": ["--method", "nf4"],  # bitsandbytes' CPU NF4 kernel where the CPU has AVX512-BF16
+}
+NAMES = {"gptq4": "GPTQ-4 (RTN g128)", "awq4": "AWQ-4 g128", "nf4": "NF4"}
+
+
+def copy_bandwidth(mb: int = 512) -> float:
+    """Bytes per second a large tensor copy moves (read + write), best of five."""
+    src = torch.ones(mb << 18)  # fp32: mb MiB
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * 4 / best
+
+
+def bytes_per_token(llm: LLM) -> int | None:
+    """Weight bytes one decode step reads for one sequence (see the module docstring); None when
+    a layer runs a dequantizing reference, whose traffic is not its weight bytes."""
+    model = llm.engine.runner.model
+    return module_bytes(model, model.layers[0].mlp.top_k)
+
+
+def module_bytes(module: torch.nn.Module, top_k: int) -> int | None:
+    """Bytes the linears under ``module`` read per token, top_k of each layer's experts."""
+    dense = getattr(module, "cpu_dense", None)  # small matrices dequantized at load
+    if isinstance(dense, tuple):  # experts: [E, N, K] gate|up and down
+        return sum(t[0].numel() * t.element_size() for t in dense) * top_k
+    if dense is not None:
+        return dense.numel() * dense.element_size()
+    if isinstance(module, FusedExperts):
+        if module.format != "dense" and not module.cpu_packs:
+            return None
+        full = (sum(p.nbytes for p in module.cpu_packs) if module.cpu_packs else
+                sum(b.numel() * b.element_size() for b in module.buffers()))
+        experts = len(module.cpu_gate_up) if module.cpu_gate_up else \
+            module.gate_up_weight.shape[0]
+        return full * top_k // experts
+    if isinstance(module, ExpertLoop) and module.cpu_packs:
+        return sum(p.nbytes for p in module.cpu_packs) * top_k // len(module.gate)
+    if isinstance(module, ExpertLoop):
+        full = [module_bytes(m, top_k) for m in (*module.gate, *module.up, *module.down)]
+        return None if None in full else sum(full) * top_k // len(module.gate)
+    if isinstance(module, DenseLinear):
+        w = module.cpu_blocked.weight if module.cpu_blocked is not None else module.weight
+        return w.numel() * w.element_size()
+    if getattr(module, "cpu_packs", None):
+        return sum(p.nbytes for p in module.cpu_packs)
+    if hasattr(module, "qweight") or hasattr(module, "nf4"):
+        return None
+    parts = [module_bytes(m, top_k) for m in module.children()]
+    return None if None in parts else sum(parts)
+
+
+def gguf_bytes_per_token(path: Path, experts: int, top_k: int) -> int:
+    """Tensor bytes a llama.cpp decode step reads per token: every tensor but the embedding
+    table (one row of it), the expert tensors scaled by top_k / experts."""
+    import gguf
+
+    total = 0
+    for t in gguf.GGUFReader(path).tensors:
+        if t.name.startswith("token_embd"):
+            continue
+        n = int(t.n_bytes)
+        total += n * top_k // experts if "_exps" in t.name else n
+    return total
+
+
+def llama_rate_sample(llm: LlamaCppModel, tokens: int) -> float:
+    """One llama.cpp greedy decode at batch 1: tokens per second, prompt excluded."""
+    return llm.greedy(PROMPT, tokens)[1].tokens_per_second
+
+
+def engine_times(llm: LLM, concurrency: int, new_tokens: int) -> tuple[float, float]:
+    """Seconds to generate 1 and ``new_tokens + 1`` tokens for ``concurrency`` sequences (their
+    difference is the decode time with prefill left out)."""
+    prompts = [[(t + i) % 4000 for t in PROMPT] for i in range(concurrency)]
+
+    def run(n: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        return time.perf_counter() - start
+
+    return run(1), run(new_tokens + 1)
+
+
+def measure(engines: dict[str, LLM], llamas: dict[str, LlamaCppModel],
+            concurrency: list[int], tokens: int, repeats: int) -> dict[str, list[float | None]]:
+    """Decode tokens per second of every variant at every concurrency (llama.cpp: batch 1).
+
+    The variants take turns, one timed run each per round, for ``repeats`` rounds, so a busy
+    spell of a shared machine falls on all of them; each reports its best round (for the
+    engine, the fastest 1-token and N+1-token runs)."""
+    times: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    llama_rates: dict[str, list[float]] = {name: [] for name in llamas}
+    for llm in engines.values():  # warm up
+        for c in concurrency:
+            engine_times(llm, c, 2)
+    for llm in llamas.values():
+        llm.greedy(PROMPT, 4)
+    for _ in range(repeats):
+        for name, llm in engines.items():
+            for c in concurrency:
+                times.setdefault((name, c), []).append(engine_times(llm, c, tokens))
+        for name, llm in llamas.items():
+            llama_rates[name].append(llama_rate_sample(llm, tokens))
+    rates: dict[str, list[float | None]] = {}
+    for name in engines:
+        rates[name] = []
+        for c in concurrency:
+            first, full = zip(*times[(name, c)], strict=True)
+            rates[name].append(c * tokens / (min(full) - min(first)))
+    for name, samples in llama_rates.items():
+        rates[name] = [max(samples) if c == 1 else None for c in concurrency]
+    return rates
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=10)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--intermediate", type=int, default=2048)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=32, help="decode tokens timed per run")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="rounds; every variant is timed once per round, in turn, and its best "
+                         "round is reported (both runtimes)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                    help="engine dtypes of the 16-bit model")
+    ap.add_argument("--formats", nargs="+", default=["gptq4", "awq4", "nf4"],
+                    choices=list(QUANTIZE))
+    ap.add_argument("--quant-dtypes", nargs="+", default=["float32", "bfloat16"],
+                    help="engine dtypes of the 4-bit rows (their kernels compute in bf16 either "
+                         "way; the activations between them are in this dtype)")
+    ap.add_argument("--int4-kernels", nargs="+", default=["q4", "torch"],
+                    choices=["q4", "torch"],
+                    help="GPTQ-4/AWQ-4 rows per CPU kernel: thresher's cpu_q4 (int8 activations) "
+                         "and torch's _weight_int4pack_mm_for_cpu (q4 rows are skipped where it "
+                         "does not build)")
+    ap.add_argument("--gguf-types", nargs="*", default=["f16", "q8_0", "q4_0"],
+                    help="llama.cpp rows (thresher's GGUF export of the same weights); none: skip")
+    ap.add_argument("--dir", type=Path, default=None, help="where to build (default: a temp dir)")
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="build here and keep; a model or artifact already there is reused")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch and llama.cpp threads (default: torch's)")
+    ap.add_argument("--keep", action="store_true")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="thresher-cpu-decode-", dir=args.dir))
+    keep = args.keep or args.workdir is not None
+    try:
+        src = root / "model"
+        if not (src / "config.json").is_file():
+            build_checkpoint(src, args.layers, args.hidden, args.experts, args.intermediate,
+                             args.top_k)
+        size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+        variants = [(f"engine 16-bit ({d})", src, d, None) for d in args.dtypes]
+        for fmt in args.formats:
+            out = root / fmt
+            kernels = args.int4_kernels if fmt in ("gptq4", "awq4") else [None]
+            if cpu_q4.library() is None:  # no compiler or AVX2 here, or THRESHER_CPU_NATIVE=off
+                kernels = [k for k in kernels if k != "q4"] or ["torch"]
+            variants += [(f"engine {NAMES[fmt]} {d}" + (f" {k}" if k else ""), out, d, k)
+                         for d in args.quant_dtypes for k in kernels]
+            if (out / "config.json").is_file():
+                continue
+            cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(src),
+                   "--out", str(out), *QUANTIZE[fmt]]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode:
+                sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-2000:])
+                raise SystemExit(f"quantize {fmt} failed with exit status {proc.returncode}")
+        ggufs = []
+        if args.gguf_types and not LLAMA_CPP_AVAILABLE:
+            print(f"llama.cpp rows skipped: {INSTALL_HINT}")
+        elif args.gguf_types:
+            for gguf_type in args.gguf_types:
+                out = root / f"model-{gguf_type}.gguf"
+                if not out.is_file():
+                    export_gguf(src, out, gguf_type, show_progress=False)
+                ggufs.append((f"llama.cpp {gguf_type.upper()}", out))
+        bandwidth = copy_bandwidth()
+        rows: dict[str, tuple[int | None, list[float | None], str]] = {}
+        engines: dict[str, LLM] = {}
+        setting = os.environ.get(cpu_native.ENV)
+        for name, path, dtype, kernel in variants:
+            if kernel == "torch":  # packs read the setting at load time
+                os.environ[cpu_native.ENV] = "off"
+            try:
+                engines[name] = LLM(path, dtype=dtype, max_num_seqs=max(args.concurrency))
+            except Exception as exc:  # a dtype the engine cannot serve yet is reported, not fatal
+                rows[name] = (None, [], f"{type(exc).__name__}: {str(exc)[:60]}")
+            finally:
+                os.environ.pop(cpu_native.ENV, None)
+                if setting is not None:
+                    os.environ[cpu_native.ENV] = setting
+        max_tokens = len(PROMPT) + args.tokens + 8
+        llamas = {name: LlamaCppModel(path, n_ctx=max_tokens, n_threads=threads)
+                  for name, path in ggufs}
+        try:
+            rates = measure(engines, llamas, args.concurrency, args.tokens, args.repeats)
+        finally:
+            for llm in llamas.values():
+                llm.close()
+        for name, llm in engines.items():
+            per_token = bytes_per_token(llm)
+            rows[name] = (per_token, rates[name], "" if per_token else "dequantizing reference")
+        for name, path in ggufs:
+            rows[name] = (gguf_bytes_per_token(path, args.experts, args.top_k), rates[name],
+                          "batch 1 only")
+        print_table(args, size, bandwidth, threads, rows)
+    finally:
+        if keep:
+            print(f"kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def ratios(rows: list[str]) -> list[tuple[str, str]]:
+    """(numerator row, denominator row): the comparisons issue 14 asks for, among ``rows``."""
+    pairs = [("engine 16-bit (bfloat16)", "llama.cpp F16"),
+             ("engine 16-bit (float32)", "engine 16-bit (bfloat16)")]
+    for row in rows:
+        if row.startswith("engine GPTQ-4") or row.startswith("engine AWQ-4"):
+            pairs.append((row, "llama.cpp Q4_0"))
+    for row in rows:
+        if row.startswith("engine") and "16-bit" not in row:
+            pairs.append((row, "engine 16-bit (bfloat16)"))
+    return pairs
+
+
+def print_table(args: argparse.Namespace, size: int, bandwidth: float, threads: int,
+                rows: dict[str, tuple[int | None, list[float | None], str]]) -> None:
+    """The rates table, then each ratio whose two rows were measured."""
+    print(f"\nrandom-init qwen3_moe, {args.layers} layers, hidden {args.hidden}, "
+          f"{args.experts} experts x {args.intermediate} (top-{args.top_k}): {size / 1e9:.2f} GB "
+          f"in bf16; {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"torch {torch.__version__}, {threads} threads; copy bandwidth "
+          f"{bandwidth / 1e9:.1f} GB/s; load average {os.getloadavg()[0]:.1f}\n")
+    head = " | ".join(f"c={c} tok/s" for c in args.concurrency)
+    print(f"| variant | MB read / token | {head} | bandwidth use (c=1) | note |")
+    print("|---|---|" + "---|" * len(args.concurrency) + "---|---|")
+    for name, (per_token, rates, note) in rows.items():
+        cells = " | ".join("-" if r is None else f"{r:.2f}" for r in rates) if rates else \
+            " | ".join("-" for _ in args.concurrency)
+        use = f"{per_token * rates[0] / bandwidth:.1%}" if rates and rates[0] and per_token else "-"
+        mb = f"{per_token / 2**20:.0f}" if per_token else "-"
+        print(f"| {name} | {mb} | {cells} | {use} | {note} |")
+    print(f"\n| ratio | {' | '.join(f'c={c}' for c in args.concurrency)} |")
+    print("|---|" + "---|" * len(args.concurrency))
+    for num, den in ratios(list(rows)):
+        if not (rows.get(num, (0, []))[1] and rows.get(den, (0, []))[1]):
+            continue
+        cells = [f"{a / b:.2f}x" if a and b else "-"
+                 for a, b in zip(rows[num][1], rows[den][1], strict=True)]
+        print(f"| {num} / {den} | {' | '.join(cells)} |")
+
+
+if __name__ == "__main__":
+    main()

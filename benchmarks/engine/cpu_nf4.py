@@ -1,0 +1,73 @@
+"""NF4 matmul on the CPU: bitsandbytes' native gemv against dequantize-then-matmul and bf16.
+
+    PYTHONPATH=. python benchmarks/engine/cpu_nf4.py --threads 2
+
+For each shape (the random MoE of ``cpu_decode.py``: an expert's gate|up 4096 x 1024 and down
+1024 x 2048, and a 4096 x 4096 matrix) and row count M, the best of ``--repeats`` wall times of
+x [M, K] @ W.T: the bf16 dense matmul, the NF4 gemv on weights repacked at load
+(``kernels.cpu_nf4``), and bitsandbytes' native dequantization to bf16 followed by the dense
+matmul. The row count from which ``nf4_cpu_matmul`` switches from the gemv to dequantizing
+(``DEQUANTIZE_ROWS``) comes from this table. Prints one table, times in ms, ratios to bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from thresher.compress.nf4 import nf4_quantize
+from thresher.serve_kernels.kernels import cpu_nf4
+
+
+def best_ms(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def time_row(x: torch.Tensor, dense: torch.Tensor, pack: cpu_nf4.NF4Pack, repeats: int
+             ) -> tuple[float, float, float]:
+    """(bf16, NF4 gemv, dequantize + bf16) ms of x @ W.T."""
+    bnbf = cpu_nf4.bitsandbytes_functional()
+    return (best_ms(lambda: x @ dense.T, repeats),
+            best_ms(lambda: bnbf.gemv_4bit(x, pack.weight, state=pack.state), repeats),
+            best_ms(lambda: x @ bnbf.dequantize_4bit(pack.published, pack.dense_state).T,
+                    repeats))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", default=["4096x1024", "1024x2048", "4096x4096"])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256, 512])
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not cpu_nf4.cpu_nf4_available():
+        raise SystemExit("bitsandbytes' CPU NF4 kernel needs AVX512-BF16; this CPU lacks it")
+    print(f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}\n")
+    print("| N x K | M | bf16 ms | NF4 gemv ms | gemv / bf16 | dequantize + bf16 ms | "
+          "dequantize / bf16 |")
+    print("|---|---|---|---|---|---|---|")
+    for shape in args.shapes:
+        n, k = (int(v) for v in shape.split("x"))
+        w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
+        dense = w.to(torch.bfloat16)
+        pack = cpu_nf4.pack_nf4_cpu(nf4_quantize(w, False, torch.float32))
+        for m in args.rows:
+            x = torch.randn(m, k).to(torch.bfloat16)
+            bf16, gemv, deq = time_row(x, dense, pack, args.repeats)
+            print(f"| {n} x {k} | {m} | {bf16:.3f} | {gemv:.3f} | {gemv / bf16:.2f}x | {deq:.3f} | "
+                  f"{deq / bf16:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,767 @@
+"""The GPU suite: every GPU measurement the project's goals name, in one command (< 9 min, H100).
+
+    python benchmarks/scale/gpu_suite.py --prepare BUNDLE          # CPU machine: models to carry
+    python benchmarks/scale/gpu_suite.py --bundle BUNDLE --out OUT  # GPU machine: every section
+    python benchmarks/scale/gpu_suite.py --dry-run --out OUT        # CPU: every section at toy sizes
+
+Sections, each a markdown table (printed, and written to OUT/gpu_suite.md; tracebacks and test
+output to OUT/gpu_suite.log; a failing section reports its error and the next one runs):
+
+1. tests: the kernel tests on CUDA tensors and the ``cuda``-marked engine tests.
+2. gemv: W4A16 (grouped GPTQ, AWQ; the act-order GPTQ kernel beside them) and NF4 at M=1 for
+   K, N in {4096, 8192, 14336}, against the device copy bandwidth measured first (bytes read +
+   written). Weights rotate through > 256 MiB of copies, so L2 does not serve them; the calls
+   are captured in a CUDA graph and timed with CUDA events (``device_seconds``), so launch
+   latency is not counted; the tile each shape chose (``kernels/tuning.py``) is printed.
+2b. moe kernel: the fused GPTQ-4 MoE kernel at decode shapes (M = 1..64 tokens, top-8 of 128
+   experts), the bytes of the distinct experts routed to per second against the copy bandwidth.
+3. decode: tokens/s at concurrency 1 on a random 16-layer Qwen3-MoE of >= 4 GB in bf16 against
+   its roofline (copy bandwidth / bytes one token reads: attention weights, the router, top-k
+   experts of each layer, the KV cache), with the step's wall time beside its GPU busy time.
+4. vs_hf: the engine against transformers' ``generate`` (bf16, same prompts, greedy, same new
+   tokens) at concurrency 1, 16 and 64 on that model.
+5. parity: greedy tokens of the engine against transformers on the device for the demo models
+   and their GPTQ/AWQ/NF4 artifacts from the bundle (transformers runs the dequantized weights).
+6. gptq: GPTQ-4 of the random MoE with ``thresher quantize --device cuda``, and the same command
+   with ``--device cpu`` on a one-layer slice of it (the identical first layer; the whole model on
+   the CPU would not fit the time), limited to 2 threads like the 2-core machine and again with
+   every core: seconds per decoder layer from each report, and the CPU / GPU ratio. The dry run
+   runs both on the CPU at toy sizes.
+7. quantized decode: the same model in GPTQ-4 (section 6's artifact), AWQ-4 and NF4, decode at
+   concurrency 1 against the roofline of the bytes a token reads in each format.
+
+``--dry-run`` runs the same code at toy sizes on the CPU (Triton kernels through the
+interpreter), to prove the suite end to end before GPU minutes are spent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DRY = "--dry-run" in sys.argv
+if DRY:  # before triton is imported: kernels on CPU tensors run in the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+for _k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(_k, "1")
+
+import gc  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from thresher.serve_kernels.kernels import tuning  # noqa: E402
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+DEMO_QUANT = {"gptq4": ["--method", "gptq", "--bits", "4", "--group-size", "32"],  # tiny's experts
+              "awq4": ["--method", "awq", "--bits", "4", "--group-size", "32"],  # have 64 inputs
+              "nf4": ["--method", "nf4"]}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Everything that differs between a GPU run and a dry run."""
+
+    gemv_shapes: tuple[int, ...]
+    kernel_experts: int  # E of the fused-MoE kernel section (the decode model has fewer)
+    rotate_bytes: int
+    copy_bytes: int
+    moe: dict
+    concurrency: tuple[int, ...]
+    prompt_len: int
+    new_tokens: int
+    gptq_samples: int
+
+
+# The decode model: Qwen3-30B-A3B's layer shapes and active bytes per token and layer (hidden 2048,
+# experts of 768, top-8, 32 query / 4 KV heads), 32 experts instead of 128 so that 16 layers fit
+# 5.4 GB: deep enough that the 1.8 GB a token reads outlasts the step's host work.
+GPU = Sizes((4096, 8192, 14336), 128, 256 << 20, 1 << 30,
+            dict(hidden=2048, layers=16, experts=32, inter=768, top_k=8, heads=32, kv=4, hd=128),
+            (1, 16, 64), 64, 64, 32)
+TOY = Sizes((256,), 4, 1 << 20, 8 << 20,
+            dict(hidden=64, layers=2, experts=4, inter=32, top_k=2, heads=4, kv=2, hd=16),
+            (1, 4), 8, 4, 2)
+
+
+# ---------------------------------------------------------------- timing helpers
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def median_seconds(fn: Callable[[], object], iters: int) -> float:
+    """Median wall time of ``fn`` over ``iters`` calls after two warm-ups (device synced)."""
+    for _ in range(2):
+        fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def device_seconds(calls: list[Callable[[], object]], repeats: int = 5) -> tuple[float, str]:
+    """Median seconds per call of ``calls`` run back to back, and how they were timed.
+
+    On CUDA the calls are captured once in a CUDA graph and the replay is timed with CUDA events,
+    so neither Python nor launch latency is counted: a 4-bit GEMV at K = N = 4096 reads 8 MiB,
+    ~3 us at H100 bandwidth, less than one launch. A capture that fails (a kernel that
+    synchronises) falls back to events around the eager loop. In a dry run: wall time.
+    """
+    if not torch.cuda.is_available():
+        return median_seconds(lambda: [c() for c in calls], repeats) / len(calls), "wall"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream: kernels compile here
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for call in calls:
+                call()
+        run, how = graph.replay, "graph"
+    except RuntimeError:
+        torch.cuda.synchronize()
+        run, how = (lambda: [c() for c in calls]), "events"
+    run()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2] / len(calls), how
+
+
+_BANDWIDTH: dict[int, float] = {}
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    """Bytes per second a device-to-device copy moves (read + written), measured once a run."""
+    if nbytes not in _BANDWIDTH:
+        src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device())
+        dst = torch.empty_like(src)
+        _BANDWIDTH[nbytes] = 2 * nbytes / device_seconds([lambda: dst.copy_(src)] * 4)[0]
+    return _BANDWIDTH[nbytes]
+
+
+# ---------------------------------------------------------------- section 1: tests
+
+def section_tests(sizes: Sizes, log: Path) -> str:
+    files = ["tests/serve_kernels/test_cuda.py"]
+    if not DRY:
+        files.append("tests/serve_kernels/kernels")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
+    if DRY:
+        cmd += ["-m", "cuda"]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    with log.open("a") as f:
+        f.write(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}\n")
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-300:]
+    return ("| tests | exit status | summary | s |\n|---|---|---|---|\n"
+            f"| {' '.join(files)} {'-m cuda' if DRY else ''} | {proc.returncode} | {summary} | "
+            f"{time.perf_counter() - start:.0f} |")
+
+
+# ---------------------------------------------------------------- section 2: GEMV bandwidth
+
+def _random_gptq(k: int, n: int, group: int, dev, gen) -> tuple:
+    qweight = torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=gen, dtype=torch.int32)
+    qzeros = torch.randint(-2**31, 2**31 - 1, (k // group, n // 8), generator=gen,
+                           dtype=torch.int32)
+    scales = (torch.rand(k // group, n, generator=gen) * 0.01).to(torch.bfloat16)
+    return tuple(t.to(dev) for t in (qweight, qzeros, scales))
+
+
+def _random_nf4(k: int, n: int, dev, gen):
+    from thresher.formats.nf4 import NF4Weight
+
+    packed = torch.randint(0, 256, (k * n // 2, 1), generator=gen, dtype=torch.uint8)
+    absmax = torch.rand(k * n // 64, generator=gen)
+    return NF4Weight(packed.to(dev), absmax.to(dev), torch.linspace(-1, 1, 16).to(dev), (n, k),
+                     dtype=torch.bfloat16)
+
+
+def section_gemv(sizes: Sizes, log: Path) -> str:
+    bw = copy_bandwidth(sizes.copy_bytes)
+    rows = [f"device copy bandwidth (read + write): {bw / 1e9:.0f} GB/s\n",
+            "| kernel | K | N | us | GB/s | % of copy | timed by | config |",
+            "|---|---|---|---|---|---|---|---|"]
+    for k in sizes.gemv_shapes:
+        for n in sizes.gemv_shapes:
+            for name, sec, how, nbytes, config in _gemv_times(k, n, sizes):
+                rate = nbytes / sec
+                rows.append(f"| {name} | {k} | {n} | {sec * 1e6:.1f} | {rate / 1e9:.0f} | "
+                            f"{rate / bw:.0%} | {how} | {config} |")
+            gc.collect()
+    return "\n".join(rows)
+
+
+def _gemv_times(k: int, n: int, sizes: Sizes) -> list[tuple[str, float, str, int, str]]:
+    """(kernel, median seconds, how timed, bytes moved, launch config) of each 4-bit GEMV at
+    one shape, each call on the next copy of the weights (> L2 in all)."""
+    from thresher.serve_kernels.kernels import w4a16
+    from thresher.serve_kernels.kernels.nf4 import nf4_matmul_triton
+
+    dev, gen = device(), torch.Generator().manual_seed(k + n)
+    group = 128 if not DRY else 32
+    x = torch.randn(1, k, device=dev).to(torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    q, z, s = _random_gptq(k, n, group, dev, gen)
+    weight_bytes = q.nbytes + z.nbytes + s.nbytes
+    copies = max(1, sizes.rotate_bytes // weight_bytes)
+    gptq = [(q, z, s)] + [tuple(t.clone() for t in (q, z, s)) for _ in range(copies - 1)]
+    g_idx = torch.arange(k, device=dev, dtype=torch.int32) // group
+    awq_q = torch.randint(-2**31, 2**31 - 1, (k, n // 8), generator=gen,
+                          dtype=torch.int32).to(dev)  # the same bytes as GPTQ's qweight
+    awq = [(awq_q, z, s)] + [tuple(t.clone() for t in (awq_q, z, s)) for _ in range(copies - 1)]
+    nf4 = [_random_nf4(k, n, dev, gen)]
+    nf4_bytes = nf4[0].packed.nbytes + nf4[0].absmax.nbytes
+    nf4 += [_random_nf4(k, n, dev, gen) for _ in range(max(0, sizes.rotate_bytes // nf4_bytes - 1))]
+    io = x.nbytes + n * 4  # activations in, fp32 split-K output
+    cases = {
+        f"gptq-4 g{group} grouped": (weight_bytes, lambda i: w4a16.gptq_matmul_triton(
+            x, *gptq[i % len(gptq)], g_idx, group_size=group)),
+        f"gptq-4 g{group} act-order kernel": (weight_bytes + g_idx.nbytes,
+                                         lambda i: w4a16.gptq_matmul_triton(
+                                             x, *gptq[i % len(gptq)], g_idx)),
+        f"awq-4 g{group} grouped": (weight_bytes, lambda i: w4a16.awq_matmul_triton(
+            x, *awq[i % len(awq)], group)),
+        "nf4 (fp32 absmax)": (nf4_bytes, lambda i: nf4_matmul_triton(x, nf4[i % len(nf4)])),
+    }
+    out = []
+    calls = 4 if DRY else 64
+    for name, (nbytes, fn) in cases.items():
+        before = tile_choices()
+        sec, how = device_seconds([lambda fn=fn, i=i: fn(i) for i in range(calls)])
+        new = [tuning.describe(cfg) for key, cfg in tile_choices().items() if key not in before]
+        out.append((name, sec, how, nbytes + io, ", ".join(new) or "default"))
+    return out
+
+
+def tile_choices() -> dict[tuple, object]:
+    """Every tile ``tuning`` has chosen so far, by (kernel, shape key)."""
+    return {(kernel, key): cfg for kernel, keys in tuning.chosen().items()
+            for key, cfg in keys.items()}
+
+
+def section_moe_kernel(sizes: Sizes, log: Path) -> str:
+    """The fused W4A16 MoE kernel at decode shapes (M tokens, top-k experts of E, GPTQ-4), where a
+    quantized MoE spends its decode time: bytes it must read (the distinct experts the M tokens
+    route to) per second, against the copy bandwidth."""
+    from thresher.serve_kernels.kernels.moe import ExpertWeights, fused_moe_triton
+
+    m = sizes.moe
+    dev, gen = device(), torch.Generator().manual_seed(1)
+    e, h, inter, top_k = sizes.kernel_experts, m["hidden"], m["inter"], m["top_k"]
+    group = 128 if not DRY else 32
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+
+    def gptq_experts(k: int, n: int) -> ExpertWeights:
+        q = torch.randint(-2**31, 2**31 - 1, (e, k // 8, n), generator=gen, dtype=torch.int32)
+        z = torch.randint(-2**31, 2**31 - 1, (e, k // group, n // 8), generator=gen,
+                          dtype=torch.int32)
+        sc = (torch.rand(e, k // group, n, generator=gen) * 0.01).to(dtype)
+        g_idx = (torch.arange(k) // group).expand(e, k).int()
+        return ExpertWeights("gptq", q.to(dev), sc.to(dev), z.to(dev), g_idx.to(dev))
+
+    w1, w2 = gptq_experts(h, 2 * inter), gptq_experts(inter, h)
+    per_expert = sum(t[0].nbytes for w in (w1, w2) for t in (w.weight, w.scales, w.qzeros))
+    bw = copy_bandwidth(sizes.copy_bytes)
+    rows = [f"GPTQ-4 g{group} experts: E={e}, top-{top_k}, hidden {h}, intermediate {inter}; "
+            f"{per_expert / 2**20:.2f} MiB per expert; copy {bw / 1e9:.0f} GB/s\n",
+            "| tokens M | distinct experts (mean) | us | GB/s | % of copy | timed by |",
+            "|---|---|---|---|---|---|"]
+    for tokens in ((1, 4) if DRY else (1, 2, 4, 8, 16, 32, 64)):
+        x = torch.randn(tokens, h, generator=gen).to(dtype).to(dev)
+        routes = []  # a different routing per call, so the calls do not share experts in L2
+        for _ in range(4 if DRY else 32):
+            ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(tokens)])
+            routes.append((ids.to(dev), torch.softmax(torch.rand(tokens, top_k, generator=gen),
+                                                      -1).to(dev)))
+        sec, how = device_seconds([lambda x=x, ids=ids, w=w: fused_moe_triton(x, w1, w2, w, ids)
+                                   for ids, w in routes])
+        distinct = sum(ids.unique().numel() for ids, _ in routes) / len(routes)
+        rate = distinct * per_expert / sec
+        rows.append(f"| {tokens} | {distinct:.1f} | {sec * 1e6:.1f} | {rate / 1e9:.0f} | "
+                    f"{rate / bw:.0%} | {how} |")
+    return "\n".join(rows)
+
+
+# ---------------------------------------------------------------- the random MoE
+
+def build_random_moe(out: Path, tokenizer_dir: Path, m: dict) -> int:
+    """A random bf16 Qwen3-MoE checkpoint (written one layer at a time); its size in bytes."""
+    from thresher.models.checkpoint import CheckpointWriter
+    from thresher.models.random_init import random_config
+
+    h, e, inter, heads, kv, hd = m["hidden"], m["experts"], m["inter"], m["heads"], m["kv"], m["hd"]
+    config = random_config("qwen3_moe", hidden_size=h, num_layers=m["layers"], num_experts=e,
+                           top_k=m["top_k"], intermediate_size=inter, vocab_size=4096,
+                           num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd,
+                           dtype="bfloat16")
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    config.max_position_embeddings = 2048
+    out.mkdir(parents=True)
+    config.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy2(tokenizer_dir / name, out / name)
+    gen_dev = device()
+    gen = torch.Generator(device=gen_dev).manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=gen_dev) * 0.02).to(
+            torch.bfloat16).cpu()
+
+    ones = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
+    writer = CheckpointWriter(out, max_shard_bytes=2 << 30)
+    writer.add({"model.embed_tokens.weight": rand(4096, h), "lm_head.weight": rand(4096, h),
+                "model.norm.weight": ones(h)})
+    for i in range(m["layers"]):
+        p = f"model.layers.{i}."
+        state = {p + "input_layernorm.weight": ones(h),
+                 p + "post_attention_layernorm.weight": ones(h),
+                 p + "self_attn.q_proj.weight": rand(heads * hd, h),
+                 p + "self_attn.k_proj.weight": rand(kv * hd, h),
+                 p + "self_attn.v_proj.weight": rand(kv * hd, h),
+                 p + "self_attn.o_proj.weight": rand(h, heads * hd),
+                 p + "self_attn.q_norm.weight": ones(hd), p + "self_attn.k_norm.weight": ones(hd),
+                 p + "mlp.gate.weight": rand(e, h) * 50}
+        for j in range(e):
+            state[p + f"mlp.experts.{j}.gate_proj.weight"] = rand(inter, h)
+            state[p + f"mlp.experts.{j}.up_proj.weight"] = rand(inter, h)
+            state[p + f"mlp.experts.{j}.down_proj.weight"] = rand(h, inter)
+        writer.add(state)
+    writer.close()
+    return sum(f.stat().st_size for f in out.glob("*.safetensors"))
+
+
+def bytes_per_token(m: dict, context: int, weight_bits: float = 16) -> int:
+    """Bytes one decode token reads: attention and top-k expert weights at ``weight_bits`` (16,
+    or a 4-bit format's bits per weight with its scales), the bf16 router, KV cache and
+    lm_head (the embedding: one row)."""
+    h, heads, kv, hd = m["hidden"], m["heads"], m["kv"], m["hd"]
+    linear = h * (heads + 2 * kv) * hd + heads * hd * h + m["top_k"] * 3 * h * m["inter"]
+    per_layer = linear * weight_bits / 8 + 2 * (m["experts"] * h + 2 * kv * hd * context)
+    return int(m["layers"] * per_layer + 2 * 4096 * h)
+
+
+@dataclass
+class MoEContext:
+    path: Path
+    size: int
+    sizes: Sizes
+
+
+def _prompts(count: int, length: int) -> list[list[int]]:
+    return [[(17 * i + 31 * t) % 4000 + 5 for t in range(length)] for i in range(count)]
+
+
+# ---------------------------------------------------------------- sections 3 and 4
+
+def _engine_wall(llm, prompts: list[list[int]], new_tokens: int) -> float:
+    from thresher.serve_kernels import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    sync()
+    start = time.perf_counter()
+    llm.generate(prompts, params)
+    sync()
+    return time.perf_counter() - start
+
+
+def section_decode_and_engine(ctx: MoEContext, log: Path) -> str:
+    from thresher.serve_kernels import LLM
+
+    s = ctx.sizes
+    llm = LLM(ctx.path, dtype="bfloat16" if not DRY else "float32", max_model_len=1024,
+              max_num_seqs=max(s.concurrency))
+    info = llm.engine.model_info
+    one = _prompts(1, s.prompt_len)
+    _engine_wall(llm, one, 2)  # warm-up
+    decode_s = (_engine_wall(llm, one, s.new_tokens + 1) - _engine_wall(llm, one, 1))
+    rate = s.new_tokens / decode_s
+    bw = copy_bandwidth(s.copy_bytes)
+    per_token = bytes_per_token(s.moe, s.prompt_len + s.new_tokens)
+    roof = bw / per_token
+    wall, busy = step_times(llm, one[0], 16)
+    rows = [f"random Qwen3-MoE {ctx.size / 1e9:.2f} GB bf16 ({s.moe}); KV cache "
+            f"{info['kv_cache_bytes'] / 2**30:.1f} GiB, CUDA graphs {info.get('cuda_graphs')}\n",
+            "| decode c=1 tokens/s | bytes/token | copy GB/s | roofline tokens/s | % of roofline "
+            "| step wall ms | step GPU ms |", "|---|---|---|---|---|---|---|",
+            f"| {rate:.0f} | {per_token / 1e6:.1f} MB | {bw / 1e9:.0f} | {roof:.0f} | "
+            f"{rate / roof:.0%} | {wall * 1e3:.2f} | {_ms(busy)} |", ""]
+    engine_rates = {}
+    for c in s.concurrency:
+        prompts = _prompts(c, s.prompt_len)
+        engine_rates[c] = c * s.new_tokens / _engine_wall(llm, prompts, s.new_tokens)
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    hf_rates = _hf_rates(ctx)
+    rows += ["| concurrency | engine tokens/s | transformers generate tokens/s | ratio |",
+             "|---|---|---|---|"]
+    for c in s.concurrency:
+        rows.append(f"| {c} | {engine_rates[c]:.0f} | {hf_rates[c]:.0f} | "
+                    f"{engine_rates[c] / hf_rates[c]:.1f}x |")
+    return "\n".join(rows)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def step_times(llm, prompt: list[int], steps: int) -> tuple[float, float | None]:
+    """Median wall seconds of one c=1 decode step, and the GPU's busy time per step (the sum
+    of its kernels' device times under torch.profiler; None without a GPU): their difference is
+    what the host costs the step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from thresher.serve_kernels import SamplingParams
+
+    engine = llm.engine
+    engine.add_request("step-times", prompt, SamplingParams(temperature=0, max_tokens=3 * steps,
+                                                            ignore_eos=True))
+    engine.step()  # prefill
+    walls = []
+    for _ in range(steps):
+        sync()
+        start = time.perf_counter()
+        engine.step()
+        sync()
+        walls.append(time.perf_counter() - start)
+    busy = None
+    if torch.cuda.is_available():
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            sync()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.device_time for e in kernels) / 1e6 / steps
+    engine.abort_request("step-times")
+    while engine.has_unfinished_requests():
+        engine.step()
+    return sorted(walls)[len(walls) // 2], busy
+
+
+def section_quantized_decode(ctx: MoEContext, log: Path) -> str:
+    """Decode at c=1 of the random MoE's GPTQ-4 (section 6's GPU artifact), AWQ-4 and NF4 (made
+    here on the device), each against the roofline of the bytes a token reads in its format."""
+    from thresher.serve_kernels import LLM
+
+    s = ctx.sizes
+    dev = "cuda" if not DRY else "cpu"
+    group = 128 if not DRY else 32  # as section 6 quantized GPTQ-4
+    arts = {f"GPTQ-4 g{group}": (ctx.path.parent / "gptq4-0", 4 + 32 / group)}
+    for name, method, bits in ((f"AWQ-4 g{group}", "awq", 4 + 32 / group),
+                               ("NF4", "nf4", 4 + 32 / 64)):
+        out = ctx.path.parent / method
+        if method == "nf4" and importlib.util.find_spec("bitsandbytes") is None:
+            arts[name] = (out, bits)  # quantizing NF4 needs bitsandbytes; the row says so
+            continue
+        if not (out / "config.json").is_file():
+            cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(ctx.path), "--out",
+                   str(out), "--method", method, "--samples", str(s.gptq_samples), "--seq-len",
+                   "128" if not DRY else "16", "--device", dev]
+            if method == "awq":
+                cmd += ["--bits", "4", "--group-size", str(group)]
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
+            with log.open("a") as f:
+                f.write(f"$ {' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}\n")
+            if proc.returncode:
+                raise RuntimeError(f"quantize {method} exited {proc.returncode}")
+        arts[name] = (out, bits)
+    bw = copy_bandwidth(s.copy_bytes)
+    rows = ["| format | decode c=1 tokens/s | bytes/token | roofline tokens/s | % of roofline "
+            "| step wall ms | step GPU ms |", "|---|---|---|---|---|---|---|"]
+    one = _prompts(1, s.prompt_len)
+    for name, (path, bits) in arts.items():
+        if not (path / "config.json").is_file():
+            why = ("bitsandbytes is not installed" if name == "NF4" else
+                   f"{path.name} missing (section 6 failed?)")
+            rows.append(f"| {name} | not run: {why} | | | | | |")
+            continue
+        llm = LLM(path, dtype="bfloat16" if not DRY else "float32", max_model_len=1024,
+                  max_num_seqs=1)
+        _engine_wall(llm, one, 2)
+        rate = s.new_tokens / (_engine_wall(llm, one, s.new_tokens + 1)
+                               - _engine_wall(llm, one, 1))
+        wall, busy = step_times(llm, one[0], 16)
+        per_token = bytes_per_token(s.moe, s.prompt_len + s.new_tokens, bits)
+        rows.append(f"| {name} | {rate:.0f} | {per_token / 1e6:.1f} MB | {bw / per_token:.0f} | "
+                    f"{rate / (bw / per_token):.0%} | {wall * 1e3:.2f} | {_ms(busy)} |")
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return "\n".join(rows)
+
+
+def _hf_rates(ctx: MoEContext) -> dict[int, float]:
+    """transformers' greedy generate, same prompts and new tokens (prefill included, as above)."""
+    from transformers import AutoModelForCausalLM
+
+    s = ctx.sizes
+    dtype = torch.bfloat16 if not DRY else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(ctx.path, dtype=dtype).to(device()).eval()
+    rates = {}
+    for c in s.concurrency:
+        ids = torch.tensor(_prompts(c, s.prompt_len), device=device())
+        kwargs = dict(max_new_tokens=s.new_tokens, min_new_tokens=s.new_tokens, do_sample=False,
+                      attention_mask=torch.ones_like(ids), pad_token_id=0)
+        with torch.no_grad():
+            model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+            sync()
+            start = time.perf_counter()
+            model.generate(ids, **kwargs)
+            sync()
+        rates[c] = c * s.new_tokens / (time.perf_counter() - start)
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rates
+
+
+# ---------------------------------------------------------------- section 5: parity
+
+def section_parity(bundle: Path, log: Path) -> str:
+    from thresher.formats.config import packed_format
+    from thresher.serve_kernels import LLM, SamplingParams
+
+    prompts = _prompts(4, 12)
+    new = 24
+    dtype = "bfloat16" if not DRY else "float32"
+    rows = ["| model | engine = transformers (sequences) | token agreement | first diverging "
+            "step |", "|---|---|---|---|"]
+    from transformers import AutoConfig
+
+    for path in parity_models(bundle):
+        if packed_format(AutoConfig.from_pretrained(path), path) is None:
+            from transformers import AutoModelForCausalLM
+
+            ref = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        else:
+            from thresher.models.quantized import load_quantized_model
+
+            ref = load_quantized_model(path, getattr(torch, dtype))
+        ref = ref.to(device()).eval()
+        want = []
+        with torch.no_grad():
+            for p in prompts:
+                ids = torch.tensor([p], device=device())
+                out = ref.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                   attention_mask=torch.ones_like(ids), pad_token_id=0)
+                want.append(out[0, len(p):].tolist())
+        del ref
+        llm = LLM(path, dtype=dtype, max_model_len=256, max_num_seqs=4, kv_cache_gb=0.25)
+        got = [o.token_ids for o in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))]
+        del llm
+        gc.collect()
+        same = sum(g == w for g, w in zip(got, want, strict=True))
+        agree = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w,
+                                                                                    strict=True))
+        first = min((next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), new)
+                     for g, w in zip(got, want, strict=True)), default=new)
+        rows.append(f"| {path.name} | {same}/{len(prompts)} | {agree / (new * len(prompts)):.0%}"
+                    f" | {first if first < new else '-'} |")
+    return "\n".join(rows)
+
+
+# ---------------------------------------------------------------- section 6: GPTQ on the device
+
+def _gptq4(model: Path, out: Path, dev: str, sizes: Sizes, log: Path,
+           threads: int | None = None) -> tuple[float, dict]:
+    """``thresher quantize`` GPTQ-4 of ``model`` on ``dev``: wall seconds and the report."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    if threads is not None:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(model), "--out",
+           str(out), "--method", "gptq", "--bits", "4", "--group-size", "128" if not DRY else "32",
+           "--samples", str(sizes.gptq_samples), "--seq-len", "128" if not DRY else "16",
+           "--device", dev]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - start
+    with log.open("a") as f:
+        f.write(f"$ {' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}\n")
+    if proc.returncode:
+        raise RuntimeError(f"quantize exited {proc.returncode}: {proc.stderr[-500:]}")
+    return wall, json.loads((out / "quantize_report.json").read_text())
+
+
+def section_gptq(ctx: MoEContext, tokenizer_dir: Path, log: Path) -> str:
+    gpu = "cuda" if not DRY else "cpu"
+    runs = [(f"{ctx.size / 1e9:.2f} GB, {ctx.sizes.moe['layers']} layers", gpu, None,
+             ctx.path)]
+    one = ctx.path.parent / "random-moe-1layer"  # the same first layer (same seed and order)
+    if not one.exists():
+        build_random_moe(one, tokenizer_dir, {**ctx.sizes.moe, "layers": 1})
+    cores = os.cpu_count() or 1
+    runs += [("its first layer", "cpu", threads, one) for threads in sorted({2, cores})]
+    rows = ["| checkpoint | device | threads | wall s | s / layer | peak device MiB | "
+            "CPU s/layer / GPU s/layer |", "|---|---|---|---|---|---|---|"]
+    per_layer = {}
+    for i, (what, dev, threads, path) in enumerate(runs):
+        wall, report = _gptq4(path, ctx.path.parent / f"gptq4-{i}", dev, ctx.sizes, log, threads)
+        seconds = sum(layer["seconds"] for layer in report["layers"]) / len(report["layers"])
+        per_layer[i] = seconds
+        ratio = "" if i == 0 else f"{seconds / per_layer[0]:.1f}x"
+        peak = report.get("peak_device_mb")
+        rows.append(f"| {what} | {report['device']} | {threads or torch.get_num_threads()} | "
+                    f"{wall:.0f} | {seconds:.1f} | {'-' if peak is None else f'{peak:.0f}'} | "
+                    f"{ratio} |")
+    return "\n".join(rows)
+
+
+# ---------------------------------------------------------------- preparing and running
+
+def prepare(bundle: Path, demos: list[str]) -> None:
+    """Write the bundle to carry: the demo models as thresher's state directory holds them
+    (``BUNDLE/demo-models/<name>-<hash>``, named in ``pinned.json``: with ``THRESHER_HOME=BUNDLE``
+    the tests use them instead of training them, although the GPU machine's standard library, and
+    so its own key, differs) and their GPTQ-4, AWQ-4 and NF4 artifacts (``BUNDLE/artifacts``)."""
+    from thresher.data.demo_model import PINNED, build_demo_model
+
+    (bundle / "demo-models").mkdir(parents=True, exist_ok=True)
+    (bundle / "artifacts").mkdir(exist_ok=True)
+    pinned_file = bundle / "demo-models" / PINNED
+    pinned = json.loads(pinned_file.read_text()) if pinned_file.is_file() else {}
+    for name in demos:
+        src = build_demo_model(name)
+        base = bundle / "demo-models" / src.name
+        if not base.exists():
+            shutil.copytree(src, base)
+        pinned[name] = src.name
+        pinned_file.write_text(json.dumps(pinned, indent=2))
+        for method, args in DEMO_QUANT.items():
+            out = bundle / "artifacts" / f"demo-{name}-{method}"
+            if out.exists():
+                continue
+            cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(base), "--out",
+                   str(out), *args, "--samples", "8", "--seq-len", "64"]
+            subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    total = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file())
+    print(f"bundle {bundle}: {total / 2**20:.1f} MiB")
+
+
+def parity_models(bundle: Path) -> list[Path]:
+    """The demo models and their artifacts in a bundle, base models first."""
+    bases = sorted(p for p in (bundle / "demo-models").iterdir() if (p / "config.json").is_file())
+    arts = bundle / "artifacts"
+    return bases + (sorted(p for p in arts.iterdir() if (p / "config.json").is_file())
+                    if arts.is_dir() else [])
+
+
+def run_sections(out: Path, bundle: Path | None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    log, report = out / "gpu_suite.log", out / "gpu_suite.md"
+    log.write_text("")
+    sizes = TOY if DRY else GPU
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (dry run)"
+    header = (f"# GPU suite: {name}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n"
+              f"torch {torch.__version__}, dry run {DRY}\n")
+    report.write_text(header + "\n")
+    print(header)
+    work = Path(tempfile.mkdtemp(prefix="thresher-gpu-suite-"))
+    if bundle is not None:  # the tests' demo:tiny fixture reads thresher's state directory
+        os.environ["THRESHER_HOME"] = str(bundle.resolve())
+    from thresher.data.demo_model import build_demo_model
+
+    tokenizer_dir = build_demo_model("tiny")
+    ctx: MoEContext | None = None
+
+    def moe() -> MoEContext:
+        nonlocal ctx
+        if ctx is None:
+            path = work / "random-moe"
+            ctx = MoEContext(path, build_random_moe(path, tokenizer_dir, sizes.moe), sizes)
+        return ctx
+
+    parity_dir = bundle
+    if parity_dir is None:  # a dry run without a bundle: the tiny demo model alone
+        parity_dir = work / "parity"
+        (parity_dir / "demo-models").mkdir(parents=True)
+        shutil.copytree(tokenizer_dir, parity_dir / "demo-models" / tokenizer_dir.name)
+    sections = [("1. tests", lambda: section_tests(sizes, log)),
+                ("2. W4A16 / NF4 GEMV at M=1", lambda: section_gemv(sizes, log)),
+                ("2b. fused W4A16 MoE kernel at decode shapes",
+                 lambda: section_moe_kernel(sizes, log)),
+                ("3-4. decode roofline, engine vs transformers",
+                 lambda: section_decode_and_engine(moe(), log)),
+                ("5. greedy parity with transformers", lambda: section_parity(parity_dir, log)),
+                ("6. GPTQ-4 of the random MoE on the device and on the CPU",
+                 lambda: section_gptq(moe(), tokenizer_dir, log)),
+                ("7. decode of the quantized MoE (GPTQ-4, AWQ-4, NF4)",
+                 lambda: section_quantized_decode(moe(), log))]
+    try:
+        for title, fn in sections:
+            start = time.perf_counter()
+            try:
+                table = fn()
+            except Exception as exc:  # report and go on: one broken section must not cost the rest
+                with log.open("a") as f:
+                    f.write(f"## {title}\n{traceback.format_exc()}\n")
+                table = f"FAILED: {type(exc).__name__}: {exc}"
+            text = f"## {title} ({time.perf_counter() - start:.0f} s)\n\n{table}\n"
+            print(text, flush=True)
+            with report.open("a") as f:
+                f.write(text + "\n")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"tables: {report}; log: {log}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prepare", type=Path, help="write the bundle to carry to the GPU machine")
+    ap.add_argument("--demos", nargs="+", default=["tiny", "small"], choices=["tiny", "small"],
+                    help="--prepare: the demo models to bundle with their artifacts")
+    ap.add_argument("--bundle", type=Path, help="the prepared bundle (demo models, artifacts)")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/out/gpu_suite"))
+    ap.add_argument("--dry-run", action="store_true",
+                    help="every section at toy sizes on the CPU (kernels through the interpreter)")
+    args = ap.parse_args()
+    if args.prepare:
+        prepare(args.prepare, args.demos)
+        return
+    if not DRY and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --dry-run on a CPU")
+    if not DRY and args.bundle is None:
+        raise SystemExit("--bundle is required on the GPU (made by --prepare on the CPU machine)")
+    run_sections(args.out, args.bundle)
+
+
+if __name__ == "__main__":
+    main()
