@@ -9,15 +9,19 @@ most documents can differ beyond noise while their separate ± intervals overlap
 documents, so it works for 0/1 scores and for graded ones such as character similarity alike),
 and the exact two-sided sign test on the documents where the two differ (for 0/1 scores this is
 McNemar's exact test). A difference is beyond noise when the interval excludes zero.
+``paired_documents`` lines two runs' scores up by document identity (a hash of each document's
+prompt and target), never by position, and refuses two runs scored on different documents.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from thresher.errors import EvaluationError
 
 BOOTSTRAP_ITERS = 2000
 CONFIDENCE = 0.95
@@ -63,6 +67,23 @@ def paired_difference(base: Sequence[float], variant: Sequence[float],
     low, high = np.percentile(means, [tail, 100 - tail])
     return PairedDifference(float(diff.mean()), float(low), float(high), len(diff),
                             sign_test(int((diff > 0).sum()), int((diff < 0).sum())), confidence)
+
+
+def paired_documents(base: Mapping[str, float], variant: Mapping[str, float], what: str = "scores"
+                     ) -> tuple[list[float], list[float]]:
+    """The two runs' scores on the same documents, in the base's order, matched by document key
+    (``tasks.document_key``). Raises EvaluationError, naming ``what`` and a few of the documents
+    only one side has, when the two were not scored on the same documents."""
+    only_base = [k for k in base if k not in variant]
+    only_variant = [k for k in variant if k not in base]
+    if only_base or only_variant:
+        raise EvaluationError(
+            f"{what}: the base and the variant were scored on different documents "
+            f"({len(only_base)} only in the base, e.g. {only_base[:2]}; {len(only_variant)} only "
+            f"in the variant, e.g. {only_variant[:2]}); score both on the same task data and "
+            "limit to compare them")
+    keys = list(base)
+    return [float(base[k]) for k in keys], [float(variant[k]) for k in keys]
 
 
 def sign_test(wins: int, losses: int) -> float:
