@@ -25,6 +25,10 @@ from thresher.errors import EvaluationError
 
 BOOTSTRAP_ITERS = 2000
 CONFIDENCE = 0.95
+# Perplexity intervals resample blocks of this many neighbouring windows (8 of the default 64
+# evaluation windows of 256 tokens: 2k tokens, about one source file of the stdlib corpus) ...
+PERPLEXITY_BLOCK = 8
+MIN_BLOCKS = 4  # ... but never fewer than this many blocks
 
 
 @dataclass(frozen=True)
@@ -105,8 +109,9 @@ class PairedPerplexity:
     Every window scores the same number of tokens, so the mean of the per-window differences is
     the difference of the two overall NLLs and ``exp`` of it the perplexity ratio."""
 
-    nll: PairedDifference
+    nll: PairedDifference  # its n counts the resampled blocks
     better: int  # windows where the variant's NLL is lower
+    windows: int  # windows compared
 
     @property
     def ratio(self) -> tuple[float, float, float]:
@@ -117,21 +122,24 @@ class PairedPerplexity:
         """``-0.12% [-0.20%, -0.04%] *, 51/64 better``: perplexity change with its interval."""
         d, lo, hi = (100 * r for r in self.ratio)
         star = " *" if self.nll.beyond_noise else ""
-        return f"{d:+.3f}% [{lo:+.3f}%, {hi:+.3f}%]{star}, {self.better}/{self.nll.n} better"
+        return f"{d:+.3f}% [{lo:+.3f}%, {hi:+.3f}%]{star}, {self.better}/{self.windows} better"
 
 
 def paired_perplexity(base_nll: Sequence[float], variant_nll: Sequence[float],
                       iters: int = BOOTSTRAP_ITERS, confidence: float = CONFIDENCE,
-                      seed: int = 0, block: int = 1) -> PairedPerplexity:
+                      seed: int = 0, block: int | None = None) -> PairedPerplexity:
     """Paired bootstrap over windows of ``variant - base`` per-window mean NLL (from
     ``evaluate.perplexity.window_nlls`` on the same windows).
 
     Held-out windows are consecutive cuts of one text, so neighbours (the same source file) are
-    alike; ``block`` > 1 resamples runs of that many consecutive windows instead (a
-    non-overlapping block bootstrap; a remainder is dropped), which widens the interval where
-    the difference drifts along the text. ``better`` always counts single windows."""
+    alike, and resampling single windows as if independent makes the interval too narrow. The
+    bootstrap therefore resamples runs of ``block`` consecutive windows (a non-overlapping block
+    bootstrap; a remainder is dropped); by default ``default_block(len(windows))``, blocks of
+    ``PERPLEXITY_BLOCK``. ``block=1`` is the per-window interval. ``better`` always counts single
+    windows."""
     base = np.asarray(base_nll, dtype=np.float64)
     variant = np.asarray(variant_nll, dtype=np.float64)
+    block = default_block(len(base)) if block is None else block
     if len(base) != len(variant) or block < 1:
         raise ValueError(f"paired windows: {len(base)} and {len(variant)} windows, block "
                          f"{block}; both must be scored on the same windows, block >= 1")
@@ -141,4 +149,10 @@ def paired_perplexity(base_nll: Sequence[float], variant_nll: Sequence[float],
     diff = paired_difference(base[:n].reshape(-1, block).mean(axis=1).tolist(),
                              variant[:n].reshape(-1, block).mean(axis=1).tolist(),
                              iters, confidence, seed)
-    return PairedPerplexity(diff, int((variant < base).sum()))
+    return PairedPerplexity(diff, int((variant < base).sum()), len(base))
+
+
+def default_block(windows: int) -> int:
+    """Windows per resampled block: ``PERPLEXITY_BLOCK``, fewer where that would leave under
+    ``MIN_BLOCKS`` blocks to resample (1 for fewer than 2 * MIN_BLOCKS windows)."""
+    return max(1, min(PERPLEXITY_BLOCK, windows // MIN_BLOCKS))
