@@ -140,7 +140,7 @@ def report(cache: dict, args: argparse.Namespace) -> None:
             cells = []
             for seed in seeds:
                 base, run = cache[seed]["base"], cache[seed][f"{row} {ratio:g}"]
-                ppl = paired_perplexity(base["nll"], run["nll"])
+                ppl = paired_perplexity(base["nll"], run["nll"], block=1)
                 blocks = paired_perplexity(base["nll"], run["nll"], block=args.block)
                 gen = paired_difference(*paired_documents(base["gen"], run["gen"]))
                 _, lo, hi = (100 * r for r in blocks.ratio)
