@@ -239,12 +239,18 @@ def type_models(tiny_tokenizer, tmp_path_factory) -> dict[str, Path]:
     return root
 
 
-def _llama_quantize(source: Path, out: Path, ftype: str) -> dict[str, str]:
+def _llama_quantize(source: Path, out: Path, ftype: str, imatrix: bool = False
+                    ) -> dict[str, str]:
+    """llama.cpp's quantizer on ``source``; ``imatrix`` hands it an (empty) importance matrix,
+    which is all its type choice asks of one."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.nthread = 1
+    entries = (llama_cpp.llama_model_imatrix_data * 1)()  # only the terminating entry
+    if imatrix:
+        params.imatrix = ctypes.cast(entries, type(params.imatrix))
     assert llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(),
                                           ctypes.byref(params)) == 0
     return {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
@@ -256,13 +262,23 @@ def test_tensor_types_are_llama_cpps(type_models, tmp_path, model):
     """For every file type, each tensor's type is the one llama.cpp's own quantizer gives the
     same model's F32 file: an untied model's embeddings at the base type and its head at Q6_K
     (a tied model's shared matrix at Q6_K), the K-quant mixes, an 8-expert model's attn_v and
-    attn_k at Q8_0, and the fallbacks of rows that are not whole super-blocks."""
-    for gguf_type, ftype in LLAMA_FTYPES.items():
-        theirs = _llama_quantize(type_models / f"{model}.f32.gguf", tmp_path / f"{ftype}.gguf",
-                                 ftype)
-        ours = export_gguf(type_models / model, tmp_path / f"{gguf_type}.gguf", gguf_type,
-                           show_progress=False).types
-        assert ours == theirs, (gguf_type, {n: (t, theirs.get(n)) for n, t in ours.items()
-                                            if theirs.get(n) != t})
+    attn_k at Q8_0, the fallbacks of rows that are not whole super-blocks, and with an importance
+    matrix Q4_0's and Q5_0's first ffn_down layers."""
+    runs = [(t, f, False) for t, f in LLAMA_FTYPES.items()] + [("q4_0", "Q4_0", True),
+                                                                ("q5_0", "Q5_0", True)]
+    importance = None
+    for gguf_type, ftype, imatrix in runs:
+        name = f"{gguf_type}{'-imatrix' if imatrix else ''}"
+        theirs = _llama_quantize(type_models / f"{model}.f32.gguf", tmp_path / f"l-{name}.gguf",
+                                 ftype, imatrix)
+        if imatrix and importance is None:
+            importance = compute_importance(type_models / model, CAL, show_progress=False)
+        ours = export_gguf(type_models / model, tmp_path / f"{name}.gguf", gguf_type,
+                           importance=importance if imatrix else None, show_progress=False).types
+        assert ours == theirs, (name, {n: (t, theirs.get(n)) for n, t in ours.items()
+                                       if theirs.get(n) != t})
         if model == "untied" and gguf_type == "q4_k_m":  # not Q6_K: only a tied one gets it
             assert ours["token_embd.weight"] == "Q4_K" and ours["output.weight"] == "Q6_K"
+        if model == "untied" and imatrix:  # the first eighth of 16 layers
+            assert [ours[f"blk.{i}.ffn_down_exps.weight"] for i in (0, 1, 2)] == \
+                [{"q4_0": "Q4_1", "q5_0": "Q5_1"}[gguf_type]] * 2 + [ftype]
