@@ -218,8 +218,8 @@ def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", 
     ``importance`` (from ``compute_importance`` on the same model) weights the rounding of the
     K-quants and Q4_0/Q4_1/Q5_0 as llama.cpp's ``--imatrix`` does. A GPTQ or AWQ artifact with
     4-bit codes in groups of 32 exports to ``q4_1`` without requantizing: its codes and scales
-    become the Q4_1 blocks, and its 16-bit embeddings and head are quantized to Q6_K (Q8_0 for
-    rows that are not whole super-blocks), the types llama.cpp's own Q4_1 gives them.
+    become the Q4_1 blocks, and its 16-bit embeddings and head take the types llama.cpp's own
+    Q4_1 gives them (``tensor_type``: the head Q6_K, untied embeddings Q4_1).
 
     ``gptq`` (with an ``importance`` collected with ``hessians=True``) keeps the weighted fit's
     block scales and rounds the values by GPTQ against each matrix's full Hessian
@@ -362,8 +362,10 @@ def check_gguf_widths(gguf_type: str, widths: dict[str, int]) -> None:
     qtype = _gguf_type(gguf_type.lower()).default
     if qtype in _PLAIN_NUMPY or qtype == QType.BF16:
         return
-    for name, cols in widths.items():  # every type llama.cpp picks, after its fallback, is a
-        kind = _K_FALLBACK.get(qtype, qtype) if cols % QK_K else qtype  # 32-block at most
+    # Every other type ``tensor_type`` picks has, after the fallback, blocks of at most 32 values,
+    # so the base type's (fallen back) block is the one that can fail to divide a row.
+    for name, cols in widths.items():
+        kind = _K_FALLBACK.get(qtype, qtype) if cols % QK_K else qtype
         block = gguf.GGML_QUANT_SIZES[kind][0]
         if cols % block:
             raise ExportError(f"GGUF {gguf_type}: {name} has rows of {cols} values, not a "
