@@ -632,10 +632,10 @@ def export_gguf_cmd(
         "(exported to q4_1 as it is): hub id, local dir, models:/name/version or demo:size.")],
     out: Annotated[Path, typer.Option(help="The GGUF file to write (must not exist).")],
     type_: Annotated[str, typer.Option(
-        "--type", help="Type of the weight matrices: f32, f16, bf16, q8_0, q6_k, q5_0, q4_1, "
-        "q4_0, q4_k, q4_k_m (q4_k with the embeddings, the head and some attn_v/ffn_down at "
-        "q6_k), q3_k or q3_k_m (q3_k with the embeddings and head at q6_k, attn_v/attn_output/"
-        "ffn_down at q4_k); norms and routers stay f32.")] = "f16",
+        "--type", help="llama.cpp file type: f32, f16, bf16, q8_0, q6_k, q5_0, q4_1, q4_0, "
+        "q4_k (Q4_K_S), q4_k_m, q3_k (Q3_K_S) or q3_k_m; each tensor takes the type llama.cpp's "
+        "quantizer gives it in that file type (the head at q6_k, attn_v/ffn_down mixes); norms "
+        "and routers stay f32.")] = "f16",
     imatrix: Annotated[bool, typer.Option(
         "--imatrix", help="Weight the rounding of q6_k, q5_0, q4_1, q4_0, q4_k(_m) and q3_k(_m) by the "
         "importance of each input column on calibration windows, as llama.cpp's --imatrix.")]

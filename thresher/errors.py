@@ -38,6 +38,11 @@ class StorageError(ThresherError):
     nothing partial was left in its place."""
 
 
+class EvaluationError(ThresherError):
+    """Two sets of scores that cannot be compared as asked: paired by document or window, their
+    documents or windows differ."""
+
+
 class CompressionError(ThresherError):
     """A pruning or quantization stage whose options do not fit the model."""
 

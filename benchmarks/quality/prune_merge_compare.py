@@ -34,7 +34,7 @@ from thresher.data.demo_model import SPECS, build_from_spec, demo_key
 from thresher.data.windows import eval_windows
 from thresher.evaluate.builtin_tasks import GENERATIVE
 from thresher.evaluate.perplexity import window_nlls
-from thresher.evaluate.significance import paired_difference, paired_perplexity
+from thresher.evaluate.significance import paired_difference, paired_documents, paired_perplexity
 from thresher.evaluate.tasks import run_tasks
 from thresher.models import load_model, load_tokenizer
 from thresher.paths import demo_models_dir
@@ -140,9 +140,9 @@ def report(cache: dict, args: argparse.Namespace) -> None:
             cells = []
             for seed in seeds:
                 base, run = cache[seed]["base"], cache[seed][f"{row} {ratio:g}"]
-                ppl = paired_perplexity(base["nll"], run["nll"])
+                ppl = paired_perplexity(base["nll"], run["nll"], block=1)
                 blocks = paired_perplexity(base["nll"], run["nll"], block=args.block)
-                gen = paired_difference(base["gen"], run["gen"])
+                gen = paired_difference(*paired_documents(base["gen"], run["gen"]))
                 _, lo, hi = (100 * r for r in blocks.ratio)
                 cells.append(f"{ppl.describe()} ({lo:+.2f}%, {hi:+.2f}%) / {gen.describe()}")
                 deltas[(seed, ratio, row)] = (ppl.ratio[0], gen.delta)

@@ -10,7 +10,8 @@ windows (``damage: loss``), ``sequential`` measured with the earlier layers alre
 down projections refit (``refit: true``, each ``--refit-damp`` and ``--refit-target``).
 Perplexity is token-level on the stdlib held-out split; each cell shows the increase over the
 unpruned model. A model is a demo size or a checkpoint directory (other training seeds of a demo
-recipe).
+recipe). ``--tune`` scores the tuning windows (``data.windows.tune_windows``) instead of the
+evaluation windows: choose a default (the refit's target and damping) with it, report without.
 
     python benchmarks/quality/prune_quality.py tiny small /tmp/small-seed1 [--samples 128 --windows 64]
     python benchmarks/quality/prune_quality.py small --samples 64 --probed auto "auto damage" --refit
@@ -49,12 +50,12 @@ RATIOS = (0.25, 0.5)
 
 def measure(size: str, cal: CalibrationConfig, ppl_cfg: PerplexityConfig, seeds: int,
             work: Path, rows: tuple[str, ...] = tuple(PROBED),
-            refits: tuple[tuple[float, str], ...] = ()) -> dict[str, str]:
+            refits: tuple[tuple[float, str], ...] = (), split: str = "eval") -> dict[str, str]:
     path = Path(size) if "/" in size else build_demo_model(size)
     tok = load_tokenizer(path)
     def ppl(model_dir: Path) -> float:
         return heldout_perplexity(load_model(model_dir), ppl_cfg, tokenizer=tok,
-                                  show_progress=False).perplexity
+                                  show_progress=False, split=split).perplexity
 
     base = ppl(path)
     row = {"unpruned": f"{base:.2f}"}
@@ -127,6 +128,8 @@ def main() -> None:
                         help="the refit's ridge strength(s) (with --refit)")
     parser.add_argument("--refit-target", nargs="+", choices=("block", "model"),
                         default=["model"], help="the refit's target(s) (with --refit)")
+    parser.add_argument("--tune", action="store_true",
+                        help="score the tuning windows, not the evaluation ones (choosing a default)")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     cal = CalibrationConfig(samples=args.samples, seq_len=args.seq_len)
@@ -135,8 +138,10 @@ def main() -> None:
         refits = tuple((d, t) for t in args.refit_target for d in args.refit_damp
                        ) if args.refit else ()
         columns = {size: measure(size, cal, ppl_cfg, args.seeds, Path(work),
-                                 tuple(args.probed), refits) for size in args.sizes}
-    print(f"Held-out perplexity after pruning ({ppl_cfg.max_windows} windows of {args.seq_len} "
+                                 tuple(args.probed), refits, "tune" if args.tune else "eval")
+                   for size in args.sizes}
+    print(f"Held-out perplexity after pruning ({ppl_cfg.max_windows} "
+          f"{'tuning' if args.tune else 'evaluation'} windows of {args.seq_len} "
           f"tokens; calibration {args.samples} x {args.seq_len} stdlib train; random = mean "
           f"(range) of {args.seeds} seeds; {platform.machine()})\n")
     print_columns(columns)

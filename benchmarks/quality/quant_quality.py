@@ -8,7 +8,8 @@ act-order (with and without MSE search, without the rare-expert rule, calibrated
 routed tokens counted once or gate-weighted; the plain row is the default, ``auto``),
 AWQ with and without clipping, and at 4 bits plain GPTQ and NF4; same calibration and the same
 held-out windows for all. Every row is evaluated from the artifact reloaded from disk (AWQ below 4
-bits writes the GPTQ format).
+bits writes the GPTQ format). ``--tune`` scores the tuning windows (``data.windows.tune_windows``)
+instead of the evaluation windows: choose a default (``expert_weighting``) with it, report without.
 """
 
 from __future__ import annotations
@@ -48,15 +49,19 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=64)
     ap.add_argument("--bits", type=int, nargs="+", default=[4, 3])
     ap.add_argument("--only", default="", help="run only the rows whose label contains this")
+    ap.add_argument("--tune", action="store_true",
+                    help="score the tuning windows, not the evaluation ones (choosing a default)")
     args = ap.parse_args()
+    split = "tune" if args.tune else "eval"
     path = resolve_model(args.model)
     tok = load_tokenizer(path)
     heldout = PerplexityConfig(max_windows=args.windows)
     cal = CalibrationConfig(samples=args.samples)
-    result = heldout_perplexity(load_model(path), heldout, tokenizer=tok, show_progress=False)
+    result = heldout_perplexity(load_model(path), heldout, tokenizer=tok, show_progress=False,
+                                split=split)
     fp = result.perplexity
     print(f"model {args.model}, calibration {args.samples} x 256 stdlib tokens, "
-          f"{result.windows} held-out windows of 256, group size {args.group_size}\n")
+          f"{result.windows} held-out {split} windows of 256, group size {args.group_size}\n")
     print("| method | bits | perplexity | vs float | quantize s |")
     print("|---|---|---|---|---|")
     print(f"| float | 32 | {fp:.3f} | - | - |")
@@ -73,7 +78,7 @@ def main() -> None:
                 seconds = time.perf_counter() - start
                 model = load_quantized_model(out)
                 p = heldout_perplexity(model, heldout, tokenizer=tok,
-                                       show_progress=False).perplexity
+                                       show_progress=False, split=split).perplexity
                 print(f"| {label} | {bits} | {p:.3f} | {100 * (p / fp - 1):+.2f}% | "
                       f"{seconds:.1f} |", flush=True)
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
+from thresher.errors import EvaluationError
 from thresher.evaluate.report import (
     VariantRecord,
     build_report,
@@ -43,30 +46,36 @@ def test_no_validation_no_columns():
 
 
 def test_task_cells_show_the_paired_difference_from_the_base(tmp_path):
-    """Same documents: a consistent drop is starred, a reshuffle of the same mean is not; a
-    variant scored on other documents (another limit) gets no interval."""
-    base_docs = [1.0, 0.0] * 100
+    """Same documents, matched by key: a consistent drop is starred, the same scores listed in
+    another order are no difference, a reshuffle of the same mean is not beyond noise; a variant
+    scored on other documents is refused by name."""
+    base_docs = {f"d{i}": float(i % 2 == 0) for i in range(200)}
+    keys = list(base_docs)
     records = [row("base", "base", 10.0, **{"task/t/acc": 0.5}),
                row("worse", "prune reap ratio=0.5", 12.0, **{"task/t/acc": 0.3}),
                row("same", "quantize rtn 4-bit g128", 10.1, **{"task/t/acc": 0.5}),
-               row("other", "quantize nf4", 10.2, **{"task/t/acc": 0.5})]
+               row("shuffled", "quantize nf4", 10.2, **{"task/t/acc": 0.5})]
     records[0].task_samples = {"t/acc": base_docs}
-    records[1].task_samples = {"t/acc": [0.0 if i % 10 < 3 else s
-                                         for i, s in enumerate(base_docs)]}
-    records[2].task_samples = {"t/acc": base_docs[1:] + base_docs[:1]}
-    records[3].task_samples = {"t/acc": base_docs[:50]}
+    records[1].task_samples = {"t/acc": {k: 0.0 if i % 10 < 3 else base_docs[k]
+                                         for i, k in enumerate(keys)}}
+    records[2].task_samples = {"t/acc": dict(reversed(list(base_docs.items())))}
+    records[3].task_samples = {"t/acc": {k: base_docs[keys[(i + 1) % 200]]
+                                         for i, k in enumerate(keys)}}
     cells = [line.split(" | ")[-1].rstrip(" |")
              for line in comparison_markdown(records).splitlines()[2:]]
     assert cells[0] == "0.500"
     assert cells[1].startswith("0.300, Δ -0.200 [") and cells[1].endswith("] *")
-    assert cells[2].startswith("0.500, Δ +0.000 [-") and not cells[2].endswith("*")
-    assert cells[3] == "0.500"
+    assert cells[2] == "0.500, Δ +0.000 [+0.000, +0.000]"
+    assert cells[3].startswith("0.500, Δ +0.000 [-") and not cells[3].endswith("*")
     report = build_report(records, tmp_path)
     deltas = report.paired_deltas
-    assert deltas["metrics"] == ["t/acc"] and deltas["variants"] == ["worse", "same"]
-    assert [p["beyond_noise"] for p in deltas["points"][0]] == [True, False]
+    assert deltas["metrics"] == ["t/acc"] and deltas["variants"] == ["worse", "same", "shuffled"]
+    assert [p["beyond_noise"] for p in deltas["points"][0]] == [True, False, False]
     assert report.files["paired_deltas"].stat().st_size > 0
     assert "paired by document" in report.files["html"].read_text()
+    records[3].task_samples = {"t/acc": dict(list(base_docs.items())[:50])}
+    with pytest.raises(EvaluationError, match=r"shuffled t/acc: .*different documents"):
+        comparison_markdown(records)
 
 
 def _windows(shift: float, n: int = 64) -> list[float]:

@@ -11,7 +11,7 @@ from tests.evaluate.test_tasks import noise_damaged
 from thresher.evaluate.builtin_tasks import prepare_builtin_tasks
 from thresher.evaluate.engine_lm import EngineLM
 from thresher.evaluate.lm_wrapper import ThresherLM
-from thresher.evaluate.significance import paired_difference
+from thresher.evaluate.significance import paired_difference, paired_documents
 from thresher.evaluate.tasks import run_tasks
 from thresher.models import load_model, save_model
 
@@ -59,7 +59,7 @@ def test_generative_task_sees_noise_damage_beyond_its_paired_interval(tiny_demo,
     key = f"{task}/char_similarity"
     assert set(base.per_sample) == {f"{task}/exact_match", key}
     assert len(base.per_sample[key]) == GEN_LIMIT
-    assert sum(base.per_sample[key]) / GEN_LIMIT == pytest.approx(
+    assert sum(base.per_sample[key].values()) / GEN_LIMIT == pytest.approx(
         base.scores["stdlib_complete_line"]["char_similarity"].value)
-    diff = paired_difference(base.per_sample[key], damaged.per_sample[key])
+    diff = paired_difference(*paired_documents(base.per_sample[key], damaged.per_sample[key]))
     assert diff.beyond_noise and diff.delta < 0, diff

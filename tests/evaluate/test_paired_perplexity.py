@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from thresher.compress.rtn import rtn_quantize
 from thresher.data.windows import eval_windows
 from thresher.evaluate.perplexity import perplexity, window_nlls
-from thresher.evaluate.significance import paired_perplexity
+from thresher.evaluate.significance import PERPLEXITY_BLOCK, default_block, paired_perplexity
 from thresher.models import load_model
 from thresher.quant.grid import GridSpec
 from thresher.recipe import PerplexityConfig
@@ -58,7 +59,7 @@ def test_blocks_widen_the_interval_where_the_difference_drifts_along_the_text():
     beyond noise window by window; resampled in blocks of 16 consecutive windows it is not."""
     base = [3.0 + 0.01 * (i % 7) for i in range(64)]
     variant = [b + (0.004 if i < 32 else -0.002) + 0.0005 * (i % 3) for i, b in enumerate(base)]
-    single = paired_perplexity(base, variant)
+    single = paired_perplexity(base, variant, block=1)
     blocked = paired_perplexity(base, variant, block=16)
     assert single.nll.beyond_noise and not blocked.nll.beyond_noise
     assert blocked.nll.delta == pytest.approx(single.nll.delta) and blocked.nll.n == 4
@@ -68,3 +69,21 @@ def test_blocks_widen_the_interval_where_the_difference_drifts_along_the_text():
         paired_perplexity(base[:8], variant[:8], block=16)
     with pytest.raises(ValueError, match="64 and 63 windows"):
         paired_perplexity(base, variant[:63])
+
+
+def test_default_interval_resamples_blocks_of_neighbouring_windows():
+    """Window differences that drift slowly along the text (an AR(1) with correlation 0.9
+    between neighbours, as windows of one source file are alike): the default interval, over
+    blocks of PERPLEXITY_BLOCK windows, is wider than the per-window one, which treats the
+    windows as independent."""
+    rng = np.random.default_rng(0)
+    drift = np.zeros(64)
+    for i in range(1, 64):
+        drift[i] = 0.9 * drift[i - 1] + rng.normal(0, 0.01)
+    base = 3.0 + 0.2 * rng.random(64)
+    variant = base + 0.002 + drift
+    blocked = paired_perplexity(base.tolist(), variant.tolist())
+    single = paired_perplexity(base.tolist(), variant.tolist(), block=1)
+    assert default_block(64) == PERPLEXITY_BLOCK == 8 and blocked.nll.n == 64 // 8
+    assert blocked.nll.high - blocked.nll.low > 1.5 * (single.nll.high - single.nll.low)
+    assert default_block(16) == 4 and default_block(7) == 1  # at least MIN_BLOCKS blocks

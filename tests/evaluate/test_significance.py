@@ -6,7 +6,9 @@ import random
 
 import pytest
 
-from thresher.evaluate.significance import paired_difference, sign_test
+from thresher.errors import EvaluationError
+from thresher.evaluate.significance import paired_difference, paired_documents, sign_test
+from thresher.evaluate.tasks import document_key
 
 
 def test_sign_test_matches_the_binomial_tail():
@@ -52,3 +54,33 @@ def test_bad_input_names_the_problem():
         paired_difference([], [])
     with pytest.raises(ValueError, match="confidence=1.5"):
         paired_difference([1.0], [0.0], confidence=1.5)
+
+
+def test_documents_pair_by_identity_not_position():
+    """Scores keyed by document: the variant's reordered scores pair with the same documents
+    (a variant equal to the base is no difference at all, however its run ordered them), where
+    pairing by position would see a spurious difference; a differing document is refused."""
+    rng = random.Random(2)
+    base = {f"doc{i}": float(rng.random() < 0.5) for i in range(200)}
+    reordered = dict(reversed(list(base.items())))
+    ours, theirs = paired_documents(base, reordered)
+    assert ours == theirs == list(base.values())
+    same = paired_difference(ours, theirs)
+    assert (same.delta, same.low, same.high) == (0.0, 0.0, 0.0)
+    by_position = paired_difference(list(base.values()), list(reordered.values()))
+    assert by_position.low < by_position.high  # positions pair unrelated documents
+    other = dict(base)
+    other["doc7-edited"] = other.pop("doc7")
+    with pytest.raises(EvaluationError, match=r"t/acc: .*different documents \(1 only in the "
+                                              r"base, e\.g\. \['doc7'\]; 1 only in the variant"):
+        paired_documents(base, other, "t/acc")
+    with pytest.raises(EvaluationError, match="different documents"):
+        paired_documents(base, dict(list(base.items())[:150]))
+
+
+def test_document_key_is_the_prompt_and_target():
+    """Two logged samples with the same prompt and target share a key whatever their doc ids;
+    another target is another document."""
+    row = {"doc_id": 3, "prompt_hash": "p1", "target_hash": "t1"}
+    assert document_key(row) == document_key({**row, "doc_id": 9})
+    assert document_key(row) != document_key({**row, "target_hash": "t2"})

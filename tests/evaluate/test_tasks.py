@@ -10,7 +10,7 @@ import torch
 from thresher.errors import DataError
 from thresher.evaluate.builtin_tasks import NUM_CHOICES
 from thresher.evaluate.report import VariantRecord, build_report
-from thresher.evaluate.significance import paired_difference
+from thresher.evaluate.significance import paired_difference, paired_documents
 from thresher.evaluate.tasks import TaskResults, run_tasks
 from thresher.models import load_model
 
@@ -64,8 +64,9 @@ def test_damaged_model_scores_lower(base_results, damaged_results):
     # same documents, compared one by one
     key = f"{DAMAGE_TASK}/acc"
     assert len(base_results.per_sample[key]) == len(damaged_results.per_sample[key]) == LIMIT
-    assert sum(base_results.per_sample[key]) / LIMIT == pytest.approx(base.value)
-    paired = paired_difference(base_results.per_sample[key], damaged_results.per_sample[key])
+    assert sum(base_results.per_sample[key].values()) / LIMIT == pytest.approx(base.value)
+    paired = paired_difference(*paired_documents(base_results.per_sample[key],
+                                                 damaged_results.per_sample[key]))
     assert paired.beyond_noise and paired.delta < 0, paired
 
 

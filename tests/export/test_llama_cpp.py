@@ -66,8 +66,8 @@ def expert_rows(tiny_demo) -> np.ndarray:
 IMPORTANCE = np.random.default_rng(0).gamma(0.5, size=256).astype(np.float32)  # heavy-tailed
 
 
-@pytest.mark.parametrize("qtype", [QType.Q3_K, QType.Q4_K, QType.Q6_K, QType.Q4_0, QType.Q4_1,
-                                   QType.Q5_0])
+@pytest.mark.parametrize("qtype", [QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q4_0,
+                                   QType.Q4_1, QType.Q5_0, QType.Q5_1])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_quantizers_match_llama_cpp(expert_rows, ggml, qtype, weighted):
     """On the trained expert weights, thresher's blocks are llama.cpp's: the same value for
@@ -212,3 +212,73 @@ def test_every_family_computes_the_same_logits_in_llama_cpp(tiny_tokenizer, tmp_
         llama.close()
     assert (got - want).abs().mean() < 1e-4
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95
+
+
+# Each file type thresher writes, as llama.cpp's quantizer names it.
+LLAMA_FTYPES = {"q8_0": "Q8_0", "q6_k": "Q6_K", "q5_0": "Q5_0", "q4_1": "Q4_1", "q4_0": "Q4_0",
+                "q4_k": "Q4_K_S", "q4_k_m": "Q4_K_M", "q3_k": "Q3_K_S", "q3_k_m": "Q3_K_M"}
+
+
+@pytest.fixture(scope="module")
+def type_models(tiny_tokenizer, tmp_path_factory) -> dict[str, Path]:
+    """F32 GGUF files of two random Qwen3-MoEs: untied with 4 experts, 16 layers and rows of
+    256 (expert down rows of 32 fall back); tied with 8 experts (llama.cpp's Mixtral rules) and
+    rows of 128, so every K-quant falls back."""
+    from tests.conftest import build_random_model
+    from thresher.models import save_model
+
+    root = tmp_path_factory.mktemp("types")
+    shapes = {"untied": dict(num_layers=16, hidden_size=256, head_dim=32, num_attention_heads=8,
+                             num_experts=4, tie_word_embeddings=False),
+              "tied": dict(num_layers=4, hidden_size=128, head_dim=32, num_attention_heads=4,
+                           num_experts=8, tie_word_embeddings=True)}
+    for name, shape in shapes.items():
+        model = build_random_model("qwen3_moe", vocab_size=len(tiny_tokenizer), **shape)
+        save_model(model, tiny_tokenizer, root / name)
+        export_gguf(root / name, root / f"{name}.f32.gguf", "f32", show_progress=False)
+    return root
+
+
+def _llama_quantize(source: Path, out: Path, ftype: str, imatrix: bool = False
+                    ) -> dict[str, str]:
+    """llama.cpp's quantizer on ``source``; ``imatrix`` hands it an (empty) importance matrix,
+    which is all its type choice asks of one."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = 1
+    entries = (llama_cpp.llama_model_imatrix_data * 1)()  # only the terminating entry
+    if imatrix:
+        params.imatrix = ctypes.cast(entries, type(params.imatrix))
+    assert llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(),
+                                          ctypes.byref(params)) == 0
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["untied", "tied"])
+def test_tensor_types_are_llama_cpps(type_models, tmp_path, model):
+    """For every file type, each tensor's type is the one llama.cpp's own quantizer gives the
+    same model's F32 file: an untied model's embeddings at the base type and its head at Q6_K
+    (a tied model's shared matrix at Q6_K), the K-quant mixes, an 8-expert model's attn_v and
+    attn_k at Q8_0, the fallbacks of rows that are not whole super-blocks, and with an importance
+    matrix Q4_0's and Q5_0's first ffn_down layers."""
+    runs = [(t, f, False) for t, f in LLAMA_FTYPES.items()] + [("q4_0", "Q4_0", True),
+                                                                ("q5_0", "Q5_0", True)]
+    importance = None
+    for gguf_type, ftype, imatrix in runs:
+        name = f"{gguf_type}{'-imatrix' if imatrix else ''}"
+        theirs = _llama_quantize(type_models / f"{model}.f32.gguf", tmp_path / f"l-{name}.gguf",
+                                 ftype, imatrix)
+        if imatrix and importance is None:
+            importance = compute_importance(type_models / model, CAL, show_progress=False)
+        ours = export_gguf(type_models / model, tmp_path / f"{name}.gguf", gguf_type,
+                           importance=importance if imatrix else None, show_progress=False).types
+        assert ours == theirs, (name, {n: (t, theirs.get(n)) for n, t in ours.items()
+                                       if theirs.get(n) != t})
+        if model == "untied" and gguf_type == "q4_k_m":  # not Q6_K: only a tied one gets it
+            assert ours["token_embd.weight"] == "Q4_K" and ours["output.weight"] == "Q6_K"
+        if model == "untied" and imatrix:  # the first eighth of 16 layers
+            assert [ours[f"blk.{i}.ffn_down_exps.weight"] for i in (0, 1, 2)] == \
+                [{"q4_0": "Q4_1", "q5_0": "Q5_1"}[gguf_type]] * 2 + [ftype]

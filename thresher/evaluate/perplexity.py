@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from thresher.data.windows import eval_windows
+from thresher.data.windows import WindowSplit, perplexity_windows
 from thresher.recipe import PerplexityConfig
 
 CONVENTION = "token-level, non-overlapping windows, remainder dropped"
@@ -78,9 +78,11 @@ def perplexity(model: nn.Module | LogitsFn, windows: torch.Tensor, batch_size: i
 
 
 def heldout_perplexity(model: str | Path | nn.Module, cfg: PerplexityConfig, tokenizer=None,
-                       show_progress: bool = True) -> PerplexityResult:
+                       show_progress: bool = True, split: WindowSplit = "eval"
+                       ) -> PerplexityResult:
     """Perplexity of a model on the held-out windows ``cfg`` names: the CLI, the flow and the
-    benchmarks all score a model this way, so their numbers agree.
+    benchmarks all score a model this way, so their numbers agree. ``split="tune"`` scores the
+    tuning windows instead (``data.windows.tune_windows``), for a benchmark choosing a default.
 
     ``model`` is a source (hub id, local dir, ``models:/``, ``demo:size``), resolved and loaded
     here, or an already-loaded model with its ``tokenizer`` (a caller that also runs tasks on it).
@@ -94,5 +96,5 @@ def heldout_perplexity(model: str | Path | nn.Module, cfg: PerplexityConfig, tok
         path = resolve_model(str(model))
         tokenizer = load_tokenizer(path)
         model = load_model(path)
-    return perplexity(model, eval_windows(tokenizer, cfg), batch_size=cfg.batch_size,
-                      show_progress=show_progress)
+    return perplexity(model, perplexity_windows(tokenizer, cfg, split),
+                      batch_size=cfg.batch_size, show_progress=show_progress)

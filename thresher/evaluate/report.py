@@ -39,6 +39,7 @@ from thresher.evaluate.significance import (
     PairedDifference,
     PairedPerplexity,
     paired_difference,
+    paired_documents,
     paired_perplexity,
 )
 from thresher.formats.artifact import (
@@ -100,9 +101,9 @@ class VariantRecord:
     other_metrics: dict[str, float] = field(default_factory=dict)
     artifact: str | None = None
     model_uri: str | None = None
-    # "<task>/<metric>" -> per-document scores by doc id (TaskResults.per_sample), for the paired
-    # comparison with the base; the flow logs them as the run's TASK_SAMPLES artifact
-    task_samples: dict[str, list[float]] = field(default_factory=dict)
+    # "<task>/<metric>" -> {document key: score} (TaskResults.per_sample), for the comparison
+    # with the base paired by document; the flow logs them as the run's TASK_SAMPLES artifact
+    task_samples: dict[str, dict[str, float]] = field(default_factory=dict)
     # OWN_NLL or "gguf/<type>" -> mean NLL per held-out window, paired with the base's
     window_nll: dict[str, list[float]] = field(default_factory=dict)
 
@@ -110,7 +111,7 @@ class VariantRecord:
     def from_metrics(cls, name: str, metrics: dict[str, float], params: dict[str, str] | None = None,
                      prune_report: dict[str, Any] | None = None, run_id: str | None = None,
                      artifact: str | None = None, model_uri: str | None = None,
-                     task_samples: dict[str, list[float]] | None = None,
+                     task_samples: dict[str, dict[str, float]] | None = None,
                      window_nll: dict[str, list[float]] | None = None) -> VariantRecord:
         """A record from flat MLflow-style metrics and params (the flow's naming contract)."""
         params = params or {}
@@ -508,7 +509,9 @@ def validation_columns(records: list[VariantRecord]) -> dict[str, list[str]]:
 
 def paired_deltas(records: list[VariantRecord]) -> dict[str, dict[str, PairedDifference]]:
     """Per variant and ``<task>/<metric>``: the paired difference from the base variant (the
-    one whose stages are ``base``), where both kept per-document scores on the same documents."""
+    one whose stages are ``base``), matched document by document; a variant scored on other
+    documents than the base is refused (EvaluationError). Scores kept as a plain list (no
+    document keys) cannot be matched and get no interval."""
     base = reference_record(records)
     if base is None:
         return {}
@@ -518,9 +521,10 @@ def paired_deltas(records: list[VariantRecord]) -> dict[str, dict[str, PairedDif
             continue
         for key, scores in sorted(r.task_samples.items()):
             reference = base.task_samples.get(key)
-            if reference is None or len(reference) != len(scores) or not scores:
-                continue  # other documents (another limit): no pairs to compare
-            out.setdefault(r.name, {})[key] = paired_difference(reference, scores)
+            if not isinstance(reference, dict) or not isinstance(scores, dict) or not scores:
+                continue
+            base_scores, variant_scores = paired_documents(reference, scores, f"{r.name} {key}")
+            out.setdefault(r.name, {})[key] = paired_difference(base_scores, variant_scores)
     return out
 
 

@@ -9,18 +9,26 @@ most documents can differ beyond noise while their separate ± intervals overlap
 documents, so it works for 0/1 scores and for graded ones such as character similarity alike),
 and the exact two-sided sign test on the documents where the two differ (for 0/1 scores this is
 McNemar's exact test). A difference is beyond noise when the interval excludes zero.
+``paired_documents`` lines two runs' scores up by document identity (a hash of each document's
+prompt and target), never by position, and refuses two runs scored on different documents.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from thresher.errors import EvaluationError
+
 BOOTSTRAP_ITERS = 2000
 CONFIDENCE = 0.95
+# Perplexity intervals resample blocks of this many neighbouring windows (8 of the default 64
+# evaluation windows of 256 tokens: 2k tokens, about one source file of the stdlib corpus) ...
+PERPLEXITY_BLOCK = 8
+MIN_BLOCKS = 4  # ... but never fewer than this many blocks
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,23 @@ def paired_difference(base: Sequence[float], variant: Sequence[float],
                             sign_test(int((diff > 0).sum()), int((diff < 0).sum())), confidence)
 
 
+def paired_documents(base: Mapping[str, float], variant: Mapping[str, float], what: str = "scores"
+                     ) -> tuple[list[float], list[float]]:
+    """The two runs' scores on the same documents, in the base's order, matched by document key
+    (``tasks.document_key``). Raises EvaluationError, naming ``what`` and a few of the documents
+    only one side has, when the two were not scored on the same documents."""
+    only_base = [k for k in base if k not in variant]
+    only_variant = [k for k in variant if k not in base]
+    if only_base or only_variant:
+        raise EvaluationError(
+            f"{what}: the base and the variant were scored on different documents "
+            f"({len(only_base)} only in the base, e.g. {only_base[:2]}; {len(only_variant)} only "
+            f"in the variant, e.g. {only_variant[:2]}); score both on the same task data and "
+            "limit to compare them")
+    keys = list(base)
+    return [float(base[k]) for k in keys], [float(variant[k]) for k in keys]
+
+
 def sign_test(wins: int, losses: int) -> float:
     """Exact two-sided binomial p-value of ``wins`` against ``losses`` under p = 1/2 (ties are
     left out); 1.0 when there are none."""
@@ -84,8 +109,9 @@ class PairedPerplexity:
     Every window scores the same number of tokens, so the mean of the per-window differences is
     the difference of the two overall NLLs and ``exp`` of it the perplexity ratio."""
 
-    nll: PairedDifference
+    nll: PairedDifference  # its n counts the resampled blocks
     better: int  # windows where the variant's NLL is lower
+    windows: int  # windows compared
 
     @property
     def ratio(self) -> tuple[float, float, float]:
@@ -96,21 +122,24 @@ class PairedPerplexity:
         """``-0.12% [-0.20%, -0.04%] *, 51/64 better``: perplexity change with its interval."""
         d, lo, hi = (100 * r for r in self.ratio)
         star = " *" if self.nll.beyond_noise else ""
-        return f"{d:+.3f}% [{lo:+.3f}%, {hi:+.3f}%]{star}, {self.better}/{self.nll.n} better"
+        return f"{d:+.3f}% [{lo:+.3f}%, {hi:+.3f}%]{star}, {self.better}/{self.windows} better"
 
 
 def paired_perplexity(base_nll: Sequence[float], variant_nll: Sequence[float],
                       iters: int = BOOTSTRAP_ITERS, confidence: float = CONFIDENCE,
-                      seed: int = 0, block: int = 1) -> PairedPerplexity:
+                      seed: int = 0, block: int | None = None) -> PairedPerplexity:
     """Paired bootstrap over windows of ``variant - base`` per-window mean NLL (from
     ``evaluate.perplexity.window_nlls`` on the same windows).
 
     Held-out windows are consecutive cuts of one text, so neighbours (the same source file) are
-    alike; ``block`` > 1 resamples runs of that many consecutive windows instead (a
-    non-overlapping block bootstrap; a remainder is dropped), which widens the interval where
-    the difference drifts along the text. ``better`` always counts single windows."""
+    alike, and resampling single windows as if independent makes the interval too narrow. The
+    bootstrap therefore resamples runs of ``block`` consecutive windows (a non-overlapping block
+    bootstrap; a remainder is dropped); by default ``default_block(len(windows))``, blocks of
+    ``PERPLEXITY_BLOCK``. ``block=1`` is the per-window interval. ``better`` always counts single
+    windows."""
     base = np.asarray(base_nll, dtype=np.float64)
     variant = np.asarray(variant_nll, dtype=np.float64)
+    block = default_block(len(base)) if block is None else block
     if len(base) != len(variant) or block < 1:
         raise ValueError(f"paired windows: {len(base)} and {len(variant)} windows, block "
                          f"{block}; both must be scored on the same windows, block >= 1")
@@ -120,4 +149,10 @@ def paired_perplexity(base_nll: Sequence[float], variant_nll: Sequence[float],
     diff = paired_difference(base[:n].reshape(-1, block).mean(axis=1).tolist(),
                              variant[:n].reshape(-1, block).mean(axis=1).tolist(),
                              iters, confidence, seed)
-    return PairedPerplexity(diff, int((variant < base).sum()))
+    return PairedPerplexity(diff, int((variant < base).sum()), len(base))
+
+
+def default_block(windows: int) -> int:
+    """Windows per resampled block: ``PERPLEXITY_BLOCK``, fewer where that would leave under
+    ``MIN_BLOCKS`` blocks to resample (1 for fewer than 2 * MIN_BLOCKS windows)."""
+    return max(1, min(PERPLEXITY_BLOCK, windows // MIN_BLOCKS))

@@ -3,8 +3,9 @@
 A score is only comparable to another if the task, its data and the harness are the same, so the
 results carry each metric with its standard error, the lm-eval version, a hash of every task's
 config (and, for the built-in tasks, of its generated data), the batch size and the backend.
-They also keep every document's score (lm-eval's ``log_samples``), in document order, so two
-variants scored on the same documents can be compared pair by pair (``significance``).
+They also keep every document's score (lm-eval's ``log_samples``) keyed by a hash of the document's
+prompt and target, so two variants are compared pair by pair on the same documents, whatever
+order or subset each was scored on (``significance.paired_documents``).
 
 Generative tasks decode through the serving engine (``engine_lm.EngineLM``) whenever the engine
 can load the model, i.e. when ``run_tasks`` gets a path or an ``engine=`` artifact; an in-memory
@@ -57,8 +58,8 @@ class TaskResults:
     limit: int | None = None
     wall_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
-    # "<task>/<metric>" -> the score of each document, by document id
-    per_sample: dict[str, list[float]] = field(default_factory=dict)
+    # "<task>/<metric>" -> {document key: score}, in document-id order (``document_key``)
+    per_sample: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, float]:
         """Flat MLflow metrics: ``task/<task>/<metric>`` and ``task/<task>/<metric>_stderr``."""
@@ -189,20 +190,34 @@ def _collect(raw: dict[str, Any], lm: ThresherLM, limit: int | None, wall: float
     )
 
 
+def document_key(row: dict[str, Any]) -> str:
+    """A logged sample's identity: sha256 of the prompt and target hashes lm-eval logs with it,
+    so a document is recognised by its text and not by its position in a run."""
+    text = f"{row.get('prompt_hash')}\0{row.get('target_hash')}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def _per_sample(logged: dict[str, list[dict]], scores: dict[str, dict[str, MetricValue]]
-                ) -> dict[str, list[float]]:
-    """lm-eval's logged samples -> ``"<task>/<metric>"``: per-document scores by doc id, for
-    every metric the results report (named as in ``_collect``)."""
-    out: dict[str, list[float]] = {}
+                ) -> dict[str, dict[str, float]]:
+    """lm-eval's logged samples -> ``"<task>/<metric>"``: per-document scores keyed by
+    ``document_key`` in doc-id order, for every metric the results report (named as in
+    ``_collect``). A repeated document (same prompt and target) gets ``#2``, ``#3``: its copies
+    are interchangeable, so pairing them in order is sound."""
+    out: dict[str, dict[str, float]] = {}
     for task, rows in logged.items():
+        seen: dict[tuple[str, str], int] = {}
         for row in sorted(rows, key=lambda r: r["doc_id"]):
             filt = row.get("filter", "none")
+            key = document_key(row)
+            seen[(filt, key)] = count = seen.get((filt, key), 0) + 1
+            if count > 1:
+                key = f"{key}#{count}"
             for metric in scores.get(task, {}):
                 base = metric if filt == "none" else metric.removesuffix(f"_{filt}")
                 value = row.get(base)
                 if (base == metric or metric == f"{base}_{filt}") and isinstance(
                         value, (int, float, bool)):
-                    out.setdefault(f"{task}/{metric}", []).append(float(value))
+                    out.setdefault(f"{task}/{metric}", {})[key] = float(value)
     return out
 
 

@@ -1,13 +1,13 @@
-"""The ggml block quantizers the gguf package lacks: Q3_K, Q4_K and Q6_K, and the
-importance-weighted (``--imatrix``) Q3_K, Q4_K, Q6_K, Q4_0, Q4_1 and Q5_0.
+"""The ggml block quantizers the gguf package lacks: Q3_K, Q4_K, Q5_K and Q6_K, and the
+importance-weighted (``--imatrix``) Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0 and Q5_1.
 
-The gguf package quantizes Q8_0, Q4_0, Q4_1 and Q5_0 by plain rounding and only dequantizes the
-K-quants. These quantizers make the same search llama.cpp's do (ggml-quants.c): a symmetric grid
+The gguf package quantizes Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 by plain rounding and only dequantizes
+the K-quants. These quantizers make the same search llama.cpp's do (ggml-quants.c): a symmetric grid
 whose scale is fitted by weighted least squares over a sweep of trial scales (``_symmetric``,
 llama.cpp's make_qx_quants), an asymmetric grid whose scale and minimum are fitted the same way
 (``_asymmetric``, make_qkx2/qkx3_quants), Q3_K's plain search that moves one code at a time
-(``_symmetric_descent``, make_q3_quants), and the 6-bit sub-block scales of Q4_K fitted to their
-super-block scale with a coordinate descent (``_scales``, make_qp_quants). Each runs on every
+(``_symmetric_descent``, make_q3_quants), and the 6-bit sub-block scales of Q4_K and Q5_K fitted
+to their super-block scale with a coordinate descent (``_scales``, make_qp_quants). Each runs on every
 block of a tensor at once in float32 numpy, and the bytes are laid out as ggml's block structs,
 so ``gguf.quants.dequantize`` and llama.cpp read them.
 
@@ -27,9 +27,9 @@ _EPS = F32(1e-15)
 _CHUNK_BLOCKS = 1 << 15  # blocks of 32 handled per numpy pass: bounds the temporaries' memory
 
 QType = gguf.GGMLQuantizationType
-THRESHER_QUANTIZED = frozenset({QType.Q3_K, QType.Q4_K, QType.Q6_K})  # never by the gguf package
-IMPORTANCE_WEIGHTED = frozenset({QType.Q3_K, QType.Q4_K, QType.Q6_K, QType.Q4_0, QType.Q4_1,
-                                 QType.Q5_0})
+THRESHER_QUANTIZED = frozenset({QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K})  # never by gguf
+IMPORTANCE_WEIGHTED = frozenset({QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q4_0,
+                                 QType.Q4_1, QType.Q5_0, QType.Q5_1})
 
 
 def quantize(weights: np.ndarray, qtype: QType, importance: np.ndarray | None = None) -> np.ndarray:
@@ -240,6 +240,15 @@ def _pack_q4_k(codes: np.ndarray) -> np.ndarray:
     return _nibbles(codes.reshape(n, 4, 2, 32)).reshape(n, 128)
 
 
+def _pack_q5_k(codes: np.ndarray) -> np.ndarray:
+    """Codes [n, 256] (0..31) as Q5_K's 32-byte high-bit mask (bits 2k and 2k+1 for the two
+    halves of the k-th 64 values) and 128 nibble bytes."""
+    n = codes.shape[0]
+    halves = codes.reshape(n, 4, 2, 32)
+    qh = sum(((halves[:, k, h] >> 4) & 1) << (2 * k + h) for k in range(4) for h in range(2))
+    return np.concatenate([qh.astype(np.uint8), _pack_q4_k(codes & 0xF)], axis=1)
+
+
 def _pack_q6_k(codes: np.ndarray) -> np.ndarray:
     """Codes [n, 256] (0..63) as Q6_K's 128 bytes of low 4 bits and 64 of high 2 bits."""
     n = codes.shape[0]
@@ -306,6 +315,12 @@ def _q4_1(rows: np.ndarray, importance: np.ndarray) -> np.ndarray:
     return np.concatenate([_half_bytes(d), _half_bytes(lo), _pack_nibbles(codes)], axis=1)
 
 
+def _q5_1(rows: np.ndarray, importance: np.ndarray) -> np.ndarray:
+    w = _row_weights(rows, importance).reshape(-1, 32)
+    d, lo, codes = _asymmetric(rows.reshape(-1, 32), 31, w, -0.9, 0.05, 36, clamp_to_range=True)
+    return np.concatenate([_half_bytes(d), _half_bytes(lo), _pack_q5_0(codes)], axis=1)
+
+
 def _q5_0(rows: np.ndarray, importance: np.ndarray) -> np.ndarray:
     w = _row_weights(rows, importance).reshape(-1, 32)
     d, codes = _symmetric(rows.reshape(-1, 32), 16, w)
@@ -347,15 +362,18 @@ def _q3_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
     return np.concatenate([_pack_q3_k(codes), packed, _half_bytes(d16)], axis=1)
 
 
-def _q4_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
-    """144-byte super-blocks of 256: fp16 d and dmin, 8 6-bit scales and minimums, 4-bit codes;
-    value = d*sc*q - dmin*m."""
+def _k_asymmetric(rows: np.ndarray, importance: np.ndarray | None, nmax: int,
+                  plain: tuple[float, float, int]) -> tuple[np.ndarray, np.ndarray]:
+    """The super-blocks of 256 Q4_K and Q5_K share: fp16 d and dmin, then 8 sub-blocks of 32 with
+    6-bit scales and minimums (12 bytes), codes 0..nmax; value = d*sc*q - dmin*m. Returns the
+    32-byte header (d, dmin, scales) and the codes [n, 256]. ``plain`` is the unweighted search's
+    (rmin, rdelta, nstep), llama.cpp's make_qkx2_quants arguments for the type."""
     x = rows.reshape(-1, 8, 32)
     n = x.shape[0]
     if importance is None:
         spread = np.sqrt((x * x).sum(axis=2) / F32(32))
         w = spread[..., None] + np.abs(x)
-        scales, mins, codes = _asymmetric(x.reshape(-1, 32), 15, w.reshape(-1, 32), -1.0, 0.1, 20,
+        scales, mins, codes = _asymmetric(x.reshape(-1, 32), nmax, w.reshape(-1, 32), *plain,
                                           clamp_to_range=False)
         scales, mins = scales.reshape(n, 8), -mins.reshape(n, 8)
         top_scale = np.maximum(scales.max(axis=1), F32(0))
@@ -369,8 +387,8 @@ def _q4_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
         sigma2 = F32(2) * (x * x).sum(axis=(1, 2)) / F32(QK_K)
         imp = np.tile(importance.astype(F32).reshape(-1, 8, 32), (rows.shape[0], 1, 1))
         w = imp * np.sqrt(sigma2[:, None, None] + x * x)
-        scales, mins, codes = _asymmetric(x.reshape(-1, 32), 15, w.reshape(-1, 32), -0.9, 0.05, 36,
-                                          clamp_to_range=True)
+        scales, mins, codes = _asymmetric(x.reshape(-1, 32), nmax, w.reshape(-1, 32), -0.9, 0.05,
+                                          36, clamp_to_range=True)
         scales, mins = scales.reshape(n, 8), -mins.reshape(n, 8)
         d, ls = _scales(scales, 63, w.sum(axis=2))
         dmin, lm = _scales(mins, 63, w.sum(axis=2))
@@ -379,14 +397,28 @@ def _q4_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
     sub_m = dmin16.astype(F32)[:, None] * lm
     ok = sub_d != 0
     with np.errstate(divide="ignore", invalid="ignore"):
-        requant = np.clip(_nearest((x + sub_m[..., None]) / _safe(sub_d, ok)[..., None]), 0, 15)
+        requant = np.clip(_nearest((x + sub_m[..., None]) / _safe(sub_d, ok)[..., None]), 0, nmax)
     codes = np.where(ok[..., None], requant, codes.reshape(n, 8, 32))
     packed = np.empty((n, 12), dtype=np.uint8)
     packed[:, 0:4] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
     packed[:, 4:8] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
     packed[:, 8:12] = (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)
-    return np.concatenate([_half_bytes(d16), _half_bytes(dmin16), packed,
-                           _pack_q4_k(codes.reshape(n, 256))], axis=1)
+    header = np.concatenate([_half_bytes(d16), _half_bytes(dmin16), packed], axis=1)
+    return header, codes.reshape(n, 256)
+
+
+def _q4_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
+    """144-byte super-blocks of 256: the shared header, then 4-bit codes."""
+    header, codes = _k_asymmetric(rows, importance, 15, (-1.0, 0.1, 20))
+    return np.concatenate([header, _pack_q4_k(codes)], axis=1)
+
+
+def _q5_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
+    """176-byte super-blocks of 256: the shared header, a 32-byte high-bit mask, then the low 4
+    bits as Q4_K lays them out. llama.cpp's Q4_K_S and Q3_K_M give it to attn_v, attn_output and
+    the first ffn_down layers."""
+    header, codes = _k_asymmetric(rows, importance, 31, (-0.5, 0.1, 15))
+    return np.concatenate([header, _pack_q5_k(codes)], axis=1)
 
 
 def _q6_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
@@ -416,5 +448,5 @@ def _q6_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
                            _half_bytes(d16)], axis=1)
 
 
-_QUANTIZERS = {QType.Q3_K: _q3_k, QType.Q4_K: _q4_k, QType.Q6_K: _q6_k, QType.Q4_0: _q4_0, QType.Q4_1: _q4_1,
-               QType.Q5_0: _q5_0}
+_QUANTIZERS = {QType.Q3_K: _q3_k, QType.Q4_K: _q4_k, QType.Q5_K: _q5_k, QType.Q6_K: _q6_k,
+               QType.Q4_0: _q4_0, QType.Q4_1: _q4_1, QType.Q5_0: _q5_0, QType.Q5_1: _q5_1}

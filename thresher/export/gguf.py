@@ -55,45 +55,39 @@ Role = gguf.MODEL_TENSOR
 
 @dataclass(frozen=True)
 class GGUFType:
-    """One ``--type``: the weight matrices' block type and the roles llama.cpp's mixed types keep
-    at higher precision (Q4_K_M: the embeddings, the output head, and attn_v and ffn_down in a
-    third of the layers, at Q6_K; Q3_K_M: the embeddings and head at Q6_K, attn_v, attn_output
-    and ffn_down in every layer at Q4_K)."""
+    """One ``--type``: llama.cpp's file type and its base block type. Which tensors take another
+    type (the output head, attn_v, ffn_down, ...) follows llama.cpp's llama_tensor_get_type for
+    that file type; see ``tensor_type``."""
 
     default: QType
     file_type: gguf.LlamaFileType
-    embeddings: QType | None = None  # token_embd, and the output head when it is tied to it
-    output: QType | None = None
-    more_bits: QType | None = None  # attn_v and ffn_down where llama.cpp's use_more_bits holds
-    lifted: QType | None = None  # attn_v, attn_output and ffn_down in every layer
 
 
+_FT = gguf.LlamaFileType
 GGUF_TYPES: dict[str, GGUFType] = {
-    "f32": GGUFType(QType.F32, gguf.LlamaFileType.ALL_F32),
-    "f16": GGUFType(QType.F16, gguf.LlamaFileType.MOSTLY_F16),
-    "bf16": GGUFType(QType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
-    "q8_0": GGUFType(QType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
-    "q6_k": GGUFType(QType.Q6_K, gguf.LlamaFileType.MOSTLY_Q6_K),
-    "q5_0": GGUFType(QType.Q5_0, gguf.LlamaFileType.MOSTLY_Q5_0),
-    "q4_1": GGUFType(QType.Q4_1, gguf.LlamaFileType.MOSTLY_Q4_1),
-    "q4_0": GGUFType(QType.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
-    "q4_k": GGUFType(QType.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_S),
-    "q4_k_m": GGUFType(QType.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_M, embeddings=QType.Q6_K,
-                       output=QType.Q6_K, more_bits=QType.Q6_K),
-    "q3_k": GGUFType(QType.Q3_K, gguf.LlamaFileType.MOSTLY_Q3_K_S),
-    "q3_k_m": GGUFType(QType.Q3_K, gguf.LlamaFileType.MOSTLY_Q3_K_M, embeddings=QType.Q6_K,
-                       output=QType.Q6_K, lifted=QType.Q4_K),
+    "f32": GGUFType(QType.F32, _FT.ALL_F32),
+    "f16": GGUFType(QType.F16, _FT.MOSTLY_F16),
+    "bf16": GGUFType(QType.BF16, _FT.MOSTLY_BF16),
+    "q8_0": GGUFType(QType.Q8_0, _FT.MOSTLY_Q8_0),
+    "q6_k": GGUFType(QType.Q6_K, _FT.MOSTLY_Q6_K),
+    "q5_0": GGUFType(QType.Q5_0, _FT.MOSTLY_Q5_0),
+    "q4_1": GGUFType(QType.Q4_1, _FT.MOSTLY_Q4_1),
+    "q4_0": GGUFType(QType.Q4_0, _FT.MOSTLY_Q4_0),
+    "q4_k": GGUFType(QType.Q4_K, _FT.MOSTLY_Q4_K_S),
+    "q4_k_m": GGUFType(QType.Q4_K, _FT.MOSTLY_Q4_K_M),
+    "q3_k": GGUFType(QType.Q3_K, _FT.MOSTLY_Q3_K_S),
+    "q3_k_m": GGUFType(QType.Q3_K, _FT.MOSTLY_Q3_K_M),
 }
-# The GPTQ/AWQ hand-off: Q4_1 blocks as the artifact has them; the matrices it keeps in 16 bits
-# (embeddings, head) at Q6_K as in llama.cpp's Q4_1, the rest (none in a full quantize) F16.
-HANDOFF_TYPE = GGUFType(QType.F16, gguf.LlamaFileType.MOSTLY_Q4_1, embeddings=QType.Q6_K,
-                        output=QType.Q6_K)
-# What llama.cpp's quantizer uses for a K-quant tensor whose rows are not whole super-blocks.
-_K_FALLBACK = {QType.Q3_K: QType.Q4_0, QType.Q4_K: QType.Q5_0, QType.Q6_K: QType.Q8_0}
-_MORE_BITS_ROLES = frozenset({Role.ATTN_V, Role.FFN_DOWN, Role.FFN_DOWN_EXP, Role.FFN_DOWN_SHEXP})
-_LIFTED_ROLES = _MORE_BITS_ROLES | {Role.ATTN_OUT}
-_UNQUANTIZED_FILES = frozenset({gguf.LlamaFileType.ALL_F32, gguf.LlamaFileType.MOSTLY_F16,
-                                gguf.LlamaFileType.MOSTLY_BF16})
+# The GPTQ/AWQ hand-off: Q4_1 blocks as the artifact has them; the embeddings and head it keeps in
+# 16 bits take llama.cpp's Q4_1 types, any other 16-bit matrix (none in a full quantize) stays F16.
+HANDOFF_TYPE = GGUFType(QType.Q4_1, _FT.MOSTLY_Q4_1)
+# llama.cpp's tensor_type_fallback for a K-quant tensor whose rows are not whole super-blocks
+# (older llama.cpp releases gave Q3_K rows IQ4_NL; the one llama-cpp-python 0.3.36 ships, Q4_0).
+_K_FALLBACK = {QType.Q3_K: QType.Q4_0, QType.Q4_K: QType.Q5_0, QType.Q5_K: QType.Q5_1,
+               QType.Q6_K: QType.Q8_0}
+_FFN_DOWN_ROLES = frozenset({Role.FFN_DOWN, Role.FFN_DOWN_EXP, Role.FFN_DOWN_SHEXP})
+_K_MIXES = frozenset({_FT.MOSTLY_Q3_K_S, _FT.MOSTLY_Q3_K_M, _FT.MOSTLY_Q4_K_S, _FT.MOSTLY_Q4_K_M})
+_UNQUANTIZED_FILES = frozenset({_FT.ALL_F32, _FT.MOSTLY_F16, _FT.MOSTLY_BF16})
 HANDOFF_GROUP = 32  # a Q4_1 block: the group size a GPTQ/AWQ artifact needs to export losslessly
 _PLAIN_NUMPY = {QType.F32: np.float32, QType.F16: np.float16}  # stored as numpy arrays, not bytes
 
@@ -224,8 +218,8 @@ def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", 
     ``importance`` (from ``compute_importance`` on the same model) weights the rounding of the
     K-quants and Q4_0/Q4_1/Q5_0 as llama.cpp's ``--imatrix`` does. A GPTQ or AWQ artifact with
     4-bit codes in groups of 32 exports to ``q4_1`` without requantizing: its codes and scales
-    become the Q4_1 blocks, and its 16-bit embeddings and head are quantized to Q6_K (Q8_0 for
-    rows that are not whole super-blocks), the types llama.cpp's own Q4_1 gives them.
+    become the Q4_1 blocks, and its 16-bit embeddings and head take the types llama.cpp's own
+    Q4_1 gives them (``tensor_type``: the head Q6_K, untied embeddings Q4_1).
 
     ``gptq`` (with an ``importance`` collected with ``hessians=True``) keeps the weighted fit's
     block scales and rounds the values by GPTQ against each matrix's full Hessian
@@ -249,7 +243,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", 
         raise ExportError(f"{out} already exists; choose a new output file or remove it")
     reader = CheckpointReader(model_dir)
     reader.check_against_config(config)
-    plan = _plan(reader, adapter, config, arch, gtype, fmt)
+    plan = _plan(reader, adapter, config, arch, gtype, fmt, imatrix=importance is not None)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
@@ -365,18 +359,18 @@ def check_gguf_widths(gguf_type: str, widths: dict[str, int]) -> None:
     """Refuse a type whose blocks some weight matrix's rows cannot hold: ``widths`` maps each
     matrix to its row width (inputs). K-quant rows that are not whole super-blocks fall back as
     llama.cpp's quantizer does, so only the fallback's block must divide them."""
-    gtype = _gguf_type(gguf_type.lower())
-    types = {t for t in (gtype.default, gtype.embeddings, gtype.output, gtype.more_bits,
-                         gtype.lifted) if t is not None and t not in _PLAIN_NUMPY}
+    qtype = _gguf_type(gguf_type.lower()).default
+    if qtype in _PLAIN_NUMPY or qtype == QType.BF16:
+        return
+    # Every other type ``tensor_type`` picks has, after the fallback, blocks of at most 32 values,
+    # so the base type's (fallen back) block is the one that can fail to divide a row.
     for name, cols in widths.items():
-        for qtype in types:
-            if qtype in _K_FALLBACK and cols % QK_K:
-                qtype = _K_FALLBACK[qtype]
-            block = gguf.GGML_QUANT_SIZES[qtype][0]
-            if cols % block:
-                raise ExportError(f"GGUF {gguf_type}: {name} has rows of {cols} values, not a "
-                                  f"multiple of the {qtype.name} block of {block}; choose f16 "
-                                  "or bf16")
+        kind = _K_FALLBACK.get(qtype, qtype) if cols % QK_K else qtype
+        block = gguf.GGML_QUANT_SIZES[kind][0]
+        if cols % block:
+            raise ExportError(f"GGUF {gguf_type}: {name} has rows of {cols} values, not a "
+                              f"multiple of the {kind.name} block of {block}; choose f16 "
+                              "or bf16")
 
 
 def _handoff_format(fmt: PackedFormat | None, model_dir: Path, gguf_type: str,
@@ -457,26 +451,20 @@ def _architecture(adapter: Adapter, config, model_dir: Path) -> GGUFArchitecture
 
 
 def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitecture,
-          gtype: GGUFType, fmt: PackedFormat | None) -> list[_Tensor]:
+          gtype: GGUFType, fmt: PackedFormat | None, imatrix: bool = False) -> list[_Tensor]:
     """Every GGUF tensor in file order, with the checkpoint tensors it is built from. Fails if
     the architecture lacks a role or the checkpoint holds a tensor that nothing exports."""
     allowed = set(gguf.MODEL_TENSORS[arch.arch])
     n_layers = int(config.num_hidden_layers)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
     plan: list[_Tensor] = []
 
     def matrix_type(role: Role, bid: int | None, cols: int) -> QType:
-        qtype = gtype.default
-        if role == Role.TOKEN_EMBD and gtype.embeddings is not None:
-            qtype = gtype.embeddings
-        elif role == Role.OUTPUT and gtype.output is not None:
-            qtype = gtype.output
-        elif role in _MORE_BITS_ROLES and gtype.more_bits is not None and _more_bits(bid, n_layers):
-            qtype = gtype.more_bits
-        elif role in _LIFTED_ROLES and gtype.lifted is not None:
-            qtype = gtype.lifted
-        if qtype in _K_FALLBACK and cols % QK_K:
-            qtype = _K_FALLBACK[qtype]
-        return qtype
+        if fmt is not None and role not in (Role.TOKEN_EMBD, Role.OUTPUT):
+            return QType.F16
+        return tensor_type(gtype, role, bid, n_layers, cols, tied=tied,
+                           n_experts=adapter.num_experts(config) if adapter.is_moe else 0,
+                           imatrix=imatrix)
 
     def add(role: Role, modules: list[str], bid: int | None = None, stacked: bool = False,
             suffix: str = "weight") -> None:
@@ -538,7 +526,6 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
                 add(role, [adapter.disk_shared_expert_key(i, proj)], i)
     add(Role.OUTPUT_NORM, [adapter.disk_final_norm_key()])
     head = adapter.disk_lm_head_key() + ".weight"
-    tied = bool(getattr(config, "tie_word_embeddings", False))
     if not tied:
         add(Role.OUTPUT, [adapter.disk_lm_head_key()])
 
@@ -564,9 +551,55 @@ def _from_llama_rotary(rows: np.ndarray, heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(rows.shape))
 
 
+def tensor_type(gtype: GGUFType, role: Role, layer: int | None, n_layers: int, cols: int, *,
+                tied: bool, n_experts: int, imatrix: bool) -> QType:
+    """llama.cpp's type for one weight matrix of a ``gtype`` file, as its quantizer chooses it
+    (llama_tensor_get_type) for the file types thresher writes: the output head, and the
+    embeddings when the head is tied to them, at Q6_K (Q8_0 in a Q8_0 file), untied embeddings at
+    the base type; the K-quant mixes' attn_v, attn_output and ffn_down; attn_v and attn_k at Q8_0
+    in a model of exactly 8 experts (Mixtral); with an importance matrix, the first eighth of
+    ffn_down at Q4_1/Q5_1 in Q4_0/Q5_0 files; then the fallback for rows that are not whole
+    super-blocks."""
+    base, ft = gtype.default, gtype.file_type
+    if ft in _UNQUANTIZED_FILES:
+        return base
+    qtype = base
+    if role == Role.OUTPUT or (tied and role == Role.TOKEN_EMBD):
+        block = gguf.GGML_QUANT_SIZES[base][0]
+        qtype = QType.Q8_0 if base == QType.Q8_0 or cols % block else QType.Q6_K
+    elif role == Role.ATTN_V:
+        if ft == _FT.MOSTLY_Q3_K_M:
+            qtype = QType.Q5_K if layer < 2 else QType.Q4_K
+        elif ft == _FT.MOSTLY_Q4_K_M and _more_bits(layer, n_layers):
+            qtype = QType.Q6_K
+        elif ft == _FT.MOSTLY_Q4_K_S and layer < 4:
+            qtype = QType.Q5_K
+        if n_experts == 8:
+            qtype = QType.Q8_0
+    elif role == Role.ATTN_K and n_experts == 8:
+        qtype = QType.Q8_0
+    elif role in _FFN_DOWN_ROLES:
+        if ft == _FT.MOSTLY_Q3_K_M:
+            qtype = QType.Q5_K if layer < n_layers // 16 else QType.Q4_K
+        elif ft == _FT.MOSTLY_Q4_K_M and _more_bits(layer, n_layers):
+            qtype = QType.Q6_K
+        elif ft == _FT.MOSTLY_Q4_K_S and layer < n_layers // 8:
+            qtype = QType.Q5_K
+        elif imatrix and layer < n_layers // 8 and ft in (_FT.MOSTLY_Q4_0, _FT.MOSTLY_Q5_0):
+            qtype = QType.Q4_1 if ft == _FT.MOSTLY_Q4_0 else QType.Q5_1
+    elif role == Role.ATTN_OUT:
+        if n_experts == 8 and ft in _K_MIXES:
+            qtype = QType.Q5_K
+        elif n_experts != 8 and ft == _FT.MOSTLY_Q3_K_M:
+            qtype = QType.Q4_K
+    if qtype in _K_FALLBACK and cols % QK_K:
+        qtype = _K_FALLBACK[qtype]
+    return qtype
+
+
 def _more_bits(layer: int | None, n_layers: int) -> bool:
     """llama.cpp's use_more_bits: the first and last eighth of the layers and every third one
-    between them keep attn_v and ffn_down at the higher type in the ``_M`` mixes."""
+    between them keep attn_v and ffn_down at Q6_K in Q4_K_M."""
     return layer is not None and (layer < n_layers // 8 or layer >= 7 * n_layers // 8
                                   or (layer - n_layers // 8) % 3 == 2)
 
