@@ -62,11 +62,12 @@ class RoutingRule:
         logits = logits.float()
         return logits.sigmoid() if self.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
 
-    def select(self, logits: torch.Tensor, kept: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def select(self, logits: torch.Tensor, kept: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Gate values and expert indices [T, k] from raw ``logits`` [T, E]; with ``kept`` [E]
         (bool), as the pruned checkpoint computes them (the others removed; a pruned grouped
-        router has its group limit dropped, see ``Adapter.set_num_experts``)."""
+        router has its group limit dropped, see ``Adapter.set_num_experts``). ``bias`` stands
+        in for the rule's own (a module's buffer, on the logits' device)."""
         pruned = kept is not None and not bool(kept.all())
         if self.scoring == "softmax":
             if pruned:
@@ -76,7 +77,8 @@ class RoutingRule:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
             return weights, index
         scores = self.scores(logits)
-        choice = scores if self.bias is None else scores + self.bias.to(scores.device).float()
+        bias = self.bias if bias is None else bias
+        choice = scores if bias is None else scores + bias.to(scores.device).float()
         if pruned:
             choice = choice.masked_fill(~kept, float("-inf"))
         elif self.n_group > 1:
@@ -107,6 +109,7 @@ class FamilySpec:
     shared_expert_name: str = "shared_expert"  # GLM-4.5: shared_experts
     always_renormalize: bool = False  # the forward renormalizes top-k regardless of config
     router: str = "softmax"  # or "sigmoid": see RoutingRule
+    router_correction: str | None = None  # the router's selection-only bias (GLM-4.5)
     # config key counting extra trailing layers (multi-token prediction) that thresher drops
     extra_layers_key: str | None = None
 
@@ -133,6 +136,7 @@ FAMILIES: dict[str, FamilySpec] = {
         shared_expert=True,
         shared_expert_name="shared_experts",
         router="sigmoid",
+        router_correction="e_score_correction_bias",
         extra_layers_key="num_nextn_predict_layers",
     ),
     "llama": FamilySpec(("llama",), moe=False),
@@ -297,12 +301,17 @@ class Adapter:
 
     def routing_rule(self, layer: nn.Module, config) -> RoutingRule:
         """How ``layer``'s router decides (see ``RoutingRule``)."""
+        name = self.spec.router_correction
+        bias = getattr(self.router(layer), name) if name else None
+        return self.rule(config, bias)
+
+    def rule(self, config, correction: torch.Tensor | None = None) -> RoutingRule:
+        """The routing rule of ``config``'s MoE layers, with one layer's score-correction bias."""
         if self.spec.router == "softmax":
             return RoutingRule(self.top_k(config), self.forward_renormalizes(config))
-        bias = getattr(self.router(layer), "e_score_correction_bias", None)
         return RoutingRule(
             self.top_k(config), self.norm_topk_prob(config), scoring="sigmoid",
-            bias=None if bias is None else bias.detach().float().clone(),  # outlives the layer
+            bias=None if correction is None else correction.detach().float().clone(),
             n_group=int(getattr(config, "n_group", 1) or 1),
             topk_group=int(getattr(config, "topk_group", 1) or 1),
             scaling=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0))
@@ -388,6 +397,11 @@ class Adapter:
     def disk_shared_expert_key(self, layer_idx: int, proj: str) -> str:
         """``proj`` in ``gate_proj|up_proj|down_proj`` of the shared expert (Qwen2-MoE, GLM)."""
         return f"{self._disk_moe(layer_idx)}.{self.spec.shared_expert_name}.{proj}"
+
+    def disk_router_correction_key(self, layer_idx: int) -> str | None:
+        """The tensor name of the router's score-correction bias, for families that have one."""
+        name = self.spec.router_correction
+        return f"{self.disk_router_key(layer_idx)}.{name}" if name else None
 
     def disk_shared_expert_gate_key(self, layer_idx: int) -> str:
         return f"{self._disk_moe(layer_idx)}.shared_expert_gate"
