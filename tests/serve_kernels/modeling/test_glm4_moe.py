@@ -41,16 +41,16 @@ def test_base_routes_and_generates_like_transformers(glm):
     assert [isinstance(layer.mlp, MoE) for layer in layers] == [False, True, True]
     assert layers[0].attn.rotary_dim == 8 and layers[0].attn.head_dim == 16  # partial rotary
     logits, routed = prompt_pass(llm, PROMPT)
+    captured: list[torch.Tensor] = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _a, o: captured.append(o[2]))
+             for layer in hf.model.layers[1:]]
     with torch.no_grad():
-        out = hf(torch.tensor([PROMPT]), output_router_logits=True)
-    torch.testing.assert_close(logits, out.logits[0], atol=1e-4, rtol=1e-4)
-    for n, layer in enumerate(hf.model.layers[1:]):  # the engine chose transformers' experts
-        captured = []
-        hook = layer.mlp.gate.register_forward_hook(lambda _m, _a, o: captured.append(o[2]))
-        with torch.no_grad():
-            hf(torch.tensor([PROMPT]))
+        expected = hf(torch.tensor([PROMPT])).logits[0]
+    for hook in hooks:
         hook.remove()
-        assert torch.equal(routed[:, n], captured[0].sort(-1).values)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    for n, chosen in enumerate(captured):  # the engine chose transformers' experts
+        assert torch.equal(routed[:, n], chosen.sort(-1).values)
     assert llm.generate([PROMPT], GREEDY)[0].token_ids == _greedy(hf)
 
 
