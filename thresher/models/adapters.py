@@ -112,6 +112,7 @@ class FamilySpec:
     router_correction: str | None = None  # the router's selection-only bias (GLM-4.5)
     # config key counting extra trailing layers (multi-token prediction) that thresher drops
     extra_layers_key: str | None = None
+    dense_layers_key: str | None = None  # config key counting the dense layers before the MoE ones
 
 
 FAMILIES: dict[str, FamilySpec] = {
@@ -138,6 +139,7 @@ FAMILIES: dict[str, FamilySpec] = {
         router="sigmoid",
         router_correction="e_score_correction_bias",
         extra_layers_key="num_nextn_predict_layers",
+        dense_layers_key="first_k_dense_replace",
     ),
     "llama": FamilySpec(("llama",), moe=False),
     "qwen2": FamilySpec(("qwen2",), moe=False),
@@ -237,6 +239,11 @@ class Adapter:
         for module in (experts, router):
             if hasattr(module, "num_experts"):
                 module.num_experts = n
+
+    def leading_dense_layers(self, config) -> int:
+        """How many decoder layers before the first MoE one have a dense MLP (GLM-4.5: 1)."""
+        key = self.spec.dense_layers_key
+        return int(getattr(config, key, 0) or 0) if key and self.is_moe else 0
 
     def top_k(self, config) -> int:
         return int(config.num_experts_per_tok) if self.is_moe else 0
