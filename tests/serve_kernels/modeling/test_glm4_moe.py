@@ -91,3 +91,16 @@ def test_4bit_variant_serves_like_the_dequantized_transformers_model(glm, tmp_pa
     assert same.sum() >= len(PROMPT) - 2
     assert rel_err(fast[same], expected[same]) < 2e-2
     assert llm.generate([PROMPT], GREEDY)[0].token_ids == _greedy(reference)
+
+
+def test_gpu_path_in_tritons_interpreter_matches_the_cpu_path(glm, monkeypatch):
+    """The Triton kernels (rotary over the first channels of each head, paged attention, the
+    routed experts) run through Triton's interpreter give the CPU path's greedy tokens."""
+    _, path = glm
+    llm = LLM(path, block_size=4, dtype="float32", num_kv_blocks=32, max_model_len=64,
+              enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = llm.generate([PROMPT[:9]], params)[0].token_ids
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("THRESHER_KERNELS", "triton")
+    assert llm.generate([PROMPT[:9]], params)[0].token_ids == expected
