@@ -34,14 +34,28 @@ def _names(path):
         return set(f.keys())
 
 
+def _quantize_and_check_reload(model_dir, stage, out):
+    """Quantize, and check that the artifact loads to the driver's in-memory (dequantized)
+    model; returns the report."""
+    states = {}
+    report = quantize_model(model_dir, stage, CAL, out, show_progress=False,
+                            observer=lambda i, layer, q: states.__setitem__(
+                                i, {k: v.clone() for k, v in layer.state_dict().items()}))
+    model = load_model(model_dir)
+    layers = get_adapter(model.config).layers(model)
+    for i, s in states.items():
+        layers[i].load_state_dict(s)
+    ids = torch.randint(0, 4096, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(load_quantized_model(out)(input_ids=ids).logits,
+                                   model(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+    return report
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq", "nf4", "rtn"])
 def test_every_linear_quantized_router_kept(glm_dir, tmp_path, method):
     out = tmp_path / "out"
-    states = {}
-    quantize_model(glm_dir, QuantizeStage(method=method, group_size=32), CAL, out,
-                   show_progress=False,
-                   observer=lambda i, layer, q: states.__setitem__(
-                       i, {k: v.clone() for k, v in layer.state_dict().items()}))
+    _quantize_and_check_reload(glm_dir, QuantizeStage(method=method, group_size=32), out)
     names = _names(out)
     config = json.loads((out / "config.json").read_text())
     qc = config["quantization_config"]
@@ -66,12 +80,16 @@ def test_every_linear_quantized_router_kept(glm_dir, tmp_path, method):
             assert f"{key}.weight" not in names, key
     assert "model.layers.1.self_attn.q_proj.bias" in names  # GLM's q/k/v biases, kept
 
-    model = load_model(glm_dir)
-    layers = get_adapter(model.config).layers(model)
-    for i, s in states.items():
-        layers[i].load_state_dict(s)
-    loaded = load_quantized_model(out)
-    ids = torch.randint(0, 4096, (2, 24))
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits,
-                                   rtol=1e-4, atol=1e-4)
+
+def test_mixed_precision_covers_every_glm_linear(glm_dir, tmp_path):
+    """``bits: auto`` allocates widths over the same linears (shared experts and the dense layer
+    among them) and the artifact loads to the driver's in-memory model."""
+    out = tmp_path / "out"
+    report = _quantize_and_check_reload(
+        glm_dir, QuantizeStage(method="gptq", bits="auto", target_bits=3.5, group_size=32), out)
+    names = _names(out)
+    for key in ("model.layers.0.mlp.down_proj", "model.layers.2.mlp.shared_experts.up_proj",
+                "model.layers.1.mlp.experts.7.down_proj"):
+        assert f"{key}.qweight" in names, key
+    assert "model.layers.1.mlp.gate.weight" in names
+    assert report.metrics()["quantized_matrices"] > 0
