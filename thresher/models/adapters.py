@@ -233,9 +233,9 @@ class Adapter:
                                                      dtype=router.weight.dtype))
             if getattr(router, "bias", None) is not None:
                 router.bias = nn.Parameter(torch.empty(n, dtype=router.bias.dtype))
-            correction = getattr(router, "e_score_correction_bias", None)
-            if correction is not None:
-                router.e_score_correction_bias = torch.empty(n, dtype=correction.dtype)
+            name = self.spec.router_correction
+            if name and getattr(router, name, None) is not None:
+                setattr(router, name, torch.empty(n, dtype=getattr(router, name).dtype))
         for module in (experts, router):
             if hasattr(module, "num_experts"):
                 module.num_experts = n
