@@ -120,4 +120,12 @@ def build_random_model(model_type: str, seed: int = 0, **kw):
                 p.uniform_(0.5, 1.5)  # distinct per channel, so a wrong mapping shows up
             elif "gate.weight" in name and p.dim() == 2 and "gate_proj" not in name:
                 p.normal_(0, 0.5)  # routers start at zero in some families
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # starts at zero: make it choose
+                b.uniform_(-0.2, 0.2)
     return model.eval()
+
+
+def first_moe_layer(adapter, model):
+    """The first MoE decoder layer (GLM-4.5 starts with dense ones)."""
+    return next(layer for layer in adapter.layers(model) if adapter.is_moe_layer(layer))

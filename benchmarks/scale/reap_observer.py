@@ -37,7 +37,7 @@ class EveryExpertObserver(ExpertObserver):
                                for j in range(s.num_experts)])  # [E, T, H]
         norms = outputs.double().norm(dim=-1)  # [E, T]
         gates = torch.zeros_like(routing.probs).scatter(
-            1, routing.top_k_index, self.gates(routing.probs, routing.top_k_index))
+            1, routing.top_k_index, self.gates(routing))
         routed = torch.zeros_like(routing.probs, dtype=torch.bool).scatter(
             1, routing.top_k_index, True)
         s.count += routed.sum(0)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tests.conftest import build_random_model
+from tests.conftest import build_random_model, first_moe_layer
 from thresher.errors import UnsupportedArchitectureError
 from thresher.models import get_adapter
 from thresher.models.random_init import DENSE_FAMILIES, MOE_FAMILIES
@@ -12,7 +12,7 @@ def test_moe_adapter_exposes_modules_and_expert_views(family):
     model = build_random_model(family)
     ad = get_adapter(model.config)
     assert ad.is_moe and ad.num_experts(model.config) == 8 and ad.top_k(model.config) == 2
-    layer = ad.layers(model)[0]
+    layer = first_moe_layer(ad, model)
     projs = ad.attention_projections(layer)
     assert set(projs) == {"q_proj", "k_proj", "v_proj", "o_proj"}
     assert projs["q_proj"].in_features == model.config.hidden_size
@@ -29,7 +29,7 @@ def test_moe_adapter_exposes_modules_and_expert_views(family):
         assert torch.equal(view.down, experts.down_proj[e])
         # a view, not a copy: writing through it changes the model
         assert view.down.data_ptr() == experts.down_proj[e].data_ptr()
-    assert (ad.shared_expert(layer) is not None) == (family == "qwen2_moe")
+    assert (ad.shared_expert(layer) is not None) == (family in ("qwen2_moe", "glm4_moe"))
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -37,17 +37,17 @@ def test_route_and_expert_forward_reproduce_the_moe_block(family):
     """Routing + per-expert outputs through the adapter == the model's own MoE forward."""
     model = build_random_model(family)
     ad = get_adapter(model.config)
-    layer = ad.layers(model)[0]
-    x = torch.randn(10, model.config.hidden_size)
+    layer = first_moe_layer(ad, model)
+    x = torch.randn(64, model.config.hidden_size)
     routing = ad.route(layer, x, model.config)
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for j in range(routing.top_k_index.shape[1]):
             e = int(routing.top_k_index[t, j])
             out[t] += routing.top_k_weights[t, j] * ad.expert_forward(layer, e, x[t : t + 1])[0]
-    shared = ad.shared_expert(layer)
+    shared, shared_gate = ad.shared_expert(layer), ad.shared_expert_gate(layer)
     if shared is not None:
-        out += torch.sigmoid(ad.shared_expert_gate(layer)(x)) * shared(x)
+        out += shared(x) if shared_gate is None else torch.sigmoid(shared_gate(x)) * shared(x)
     with torch.no_grad():
         ref = ad.mlp(layer)(x.unsqueeze(0))[0]
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
@@ -67,3 +67,25 @@ def test_unknown_architecture_lists_supported():
     with pytest.raises(UnsupportedArchitectureError) as exc:
         get_adapter("gpt2")
     assert "gpt2" in str(exc.value) and "qwen3_moe" in str(exc.value) and "mixtral" in str(exc.value)
+
+
+def test_glm_router_selects_with_the_correction_bias_and_gates_without_it():
+    """GLM-4.5's router: the bias changes which experts are chosen, not their gate values; the
+    chosen experts lie in the best group; gates are normalized and scaled."""
+    model = build_random_model("glm4_moe")
+    ad = get_adapter(model.config)
+    layer = first_moe_layer(ad, model)
+    x = torch.randn(256, model.config.hidden_size)
+    routing = ad.route(layer, x, model.config)
+    with torch.no_grad():
+        _, ref_w, ref_i = ad.router(layer)(x)
+    order, ref_order = routing.top_k_index.sort(-1), ref_i.sort(-1)
+    assert torch.equal(order.values, ref_order.values)
+    torch.testing.assert_close(routing.top_k_weights.gather(-1, order.indices),
+                               ref_w.gather(-1, ref_order.indices))
+    torch.testing.assert_close(routing.top_k_weights.sum(-1), torch.full((256,), 2.5))
+    group = routing.top_k_index // 4  # two groups of four, topk_group = 1
+    assert torch.equal(group[:, 0], group[:, 1])
+    unbiased = torch.topk(routing.probs, 2, dim=-1).indices.sort(-1).values
+    assert not torch.equal(unbiased, order.values)  # the bias (or the group) chose otherwise
+    assert torch.equal(ad.saliency_gates(routing, model.config), routing.top_k_weights)

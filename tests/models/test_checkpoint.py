@@ -46,12 +46,16 @@ def test_saved_keys_are_hub_canonical(family, tmp_path):
     save_model(model, None, tmp_path)
     keys = _keys(tmp_path)
     assert not any("gate_up_proj" in k for k in keys), "fused expert tensors must not be written"
+    moe = next(i for i, layer in enumerate(ad.layers(model)) if ad.is_moe_layer(layer))
     for e in range(8):
         for proj in ("gate", "up", "down"):
-            assert ad.disk_expert_key(0, e, proj) + ".weight" in keys
+            assert ad.disk_expert_key(moe, e, proj) + ".weight" in keys
     assert ad.disk_router_key(1) + ".weight" in keys
     if family == "mixtral":
         assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in keys
+    if family == "glm4_moe":
+        assert {"model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.shared_experts.up_proj"
+                ".weight", "model.layers.1.mlp.gate.e_score_correction_bias"} <= keys
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES + DENSE_FAMILIES)

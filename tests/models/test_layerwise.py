@@ -6,7 +6,7 @@ from thresher.models import save_model
 from thresher.models.layerwise import LayerwiseModel
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe", "llama"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe", "llama", "glm4_moe"])
 def test_layerwise_matches_full_forward_one_layer_resident(family, tmp_path):
     model = build_random_model(family, num_layers=3)
     save_model(model, None, tmp_path)

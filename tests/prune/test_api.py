@@ -40,20 +40,18 @@ def experts_disabled(model, removed: dict[int, list[int]]):
     """The unpruned model with ``removed`` experts masked out of routing (logit -inf): what a
     correctly pruned model must compute."""
     adapter = get_adapter(model.config)
-    k, renorm = adapter.top_k(model.config), adapter.forward_renormalizes(model.config)
     handles = []
     for i, experts in removed.items():
-        mask = torch.zeros(adapter.num_experts(model.config), dtype=torch.bool)
-        mask[experts] = True
+        kept = torch.ones(adapter.num_experts(model.config), dtype=torch.bool)
+        kept[experts] = False
+        layer = adapter.layers(model)[i]
+        rule = adapter.routing_rule(layer, model.config)
 
-        def hook(_mod, _args, out, mask=mask):
-            logits = out[0].masked_fill(mask, float("-inf"))
-            top_w, top_i = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
-            if renorm:
-                top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-            return logits, top_w.to(out[1].dtype), top_i
+        def hook(_mod, _args, out, kept=kept, rule=rule):
+            top_w, top_i = rule.select(out[0], kept)
+            return out[0], top_w.to(out[1].dtype), top_i
 
-        handles.append(adapter.router(adapter.layers(model)[i]).register_forward_hook(hook))
+        handles.append(adapter.router(layer).register_forward_hook(hook))
     try:
         yield model
     finally:
@@ -72,13 +70,16 @@ def test_pruned_checkpoint_reloads_in_transformers_and_computes_the_masked_model
     config = AutoConfig.from_pretrained(out)
     assert adapter.num_experts(config) == 4 and adapter.top_k(config) == 2
     pruned = AutoModelForCausalLM.from_pretrained(out).eval()  # plain transformers
-    for i, layer in enumerate(adapter.layers(pruned)):
+    moe = [r.layer for r in report.layers]
+    assert moe == [i for i, layer in enumerate(adapter.layers(model)) if adapter.is_moe_layer(layer)]
+    for r in report.layers:
+        layer, orig, kept = adapter.layers(pruned)[r.layer], adapter.layers(model)[r.layer], r.kept
         assert adapter.router(layer).weight.shape == (4, model.config.hidden_size)
         assert adapter.experts(layer).gate_up_proj.shape[0] == 4
         assert adapter.experts(layer).down_proj.shape[0] == 4
-        kept = report.layers[i].kept
-        orig = adapter.layers(model)[i]
         torch.testing.assert_close(adapter.router(layer).weight, adapter.router(orig).weight[kept])
+        for name, buffer in adapter.router(orig).named_buffers():  # GLM's score correction bias
+            torch.testing.assert_close(getattr(adapter.router(layer), name), buffer[kept])
         torch.testing.assert_close(adapter.experts(layer).down_proj,
                                    adapter.experts(orig).down_proj[kept])
         if adapter.shared_expert(orig) is not None:
@@ -87,7 +88,7 @@ def test_pruned_checkpoint_reloads_in_transformers_and_computes_the_masked_model
 
     reader = CheckpointReader(out)
     names = reader.tensor_names()
-    for i in range(2):
+    for i in moe:
         for e in range(4):
             for proj in ("gate", "up", "down"):
                 assert adapter.disk_expert_key(i, e, proj) + ".weight" in names

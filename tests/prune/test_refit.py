@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tests.conftest import CALIBRATION_FILE, build_random_model
+from tests.conftest import CALIBRATION_FILE, build_random_model, first_moe_layer
 from tests.prune.test_api import CAL
 from thresher.data.windows import calibration_windows, eval_windows
 from thresher.evaluate.perplexity import perplexity
@@ -25,7 +25,7 @@ from thresher.recipe import CalibrationConfig, FilesSource, PerplexityConfig, Pr
 def _layer(family: str, seed: int = 0):
     model = build_random_model(family, seed=seed, num_layers=1)
     adapter = get_adapter(model.config)
-    return model, adapter, adapter.layers(model)[0]
+    return model, adapter, first_moe_layer(adapter, model)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -43,8 +43,7 @@ def test_refit_reaches_the_joint_ridge_solution(family):
     logits = adapter.route(layer, x, config).logits.float()
     mask = torch.zeros(logits.shape[1], dtype=torch.bool)
     mask[kept] = True
-    weights, index = pruned_routing(logits, mask, adapter.top_k(config),
-                                    adapter.forward_renormalizes(config))
+    weights, index = pruned_routing(logits, mask, adapter.routing_rule(layer, config))
     blocks, lams, originals = [], [], []
     for j in kept:  # Z: every token's gated expert inputs, one column block per kept expert
         gate = (weights * (index == j)).sum(-1, keepdim=True)
@@ -87,7 +86,7 @@ def test_refit_checkpoint_differs_from_the_plain_prune_only_in_kept_down_project
     assert (json.loads((refit / "config.json").read_text())
             == json.loads((plain / "config.json").read_text()))
     adapter = get_adapter(model.config)
-    down_keys = {adapter.disk_expert_key(i, e, "down") + ".weight" for i in range(2)
+    down_keys = {adapter.disk_expert_key(r.layer, e, "down") + ".weight" for r in report.layers
                  for e in range(4)}
     a, b = CheckpointReader(plain), CheckpointReader(refit)
     assert sorted(a.tensor_names()) == sorted(b.tensor_names())

@@ -155,10 +155,12 @@ def test_mixtral_gate_is_the_plain_softmax_although_its_forward_renormalizes():
     model = build_random_model("mixtral", num_layers=1)
     adapter = get_adapter(model.config)
     assert adapter.forward_renormalizes(model.config)
-    observer = ExpertObserver(adapter, model.model.layers[0], model.config, layer_idx=0)
-    probs = torch.softmax(torch.randn(6, 8), dim=-1)
-    index = torch.topk(probs, 2, dim=-1).indices
-    torch.testing.assert_close(observer.gates(probs, index), probs.gather(-1, index))
+    layer = model.model.layers[0]
+    observer = ExpertObserver(adapter, layer, model.config, layer_idx=0)
+    routing = adapter.route(layer, torch.randn(6, model.config.hidden_size), model.config)
+    gates = observer.gates(routing)
+    torch.testing.assert_close(gates, routing.probs.gather(-1, routing.top_k_index))
+    assert not torch.allclose(gates, routing.top_k_weights)
 
 
 def test_random_saliency_is_seeded():

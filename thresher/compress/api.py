@@ -276,6 +276,7 @@ def _write_checkpoint(model_dir: Path, stage: QuantizeStage, calibration: Calibr
     writer.close()
     config = json.loads((model_dir / "config.json").read_text())
     config["quantization_config"] = method.quantization_config(skip)
+    config.update(lw.adapter.written_config())
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     for f in model_dir.iterdir():
         if (f.is_file() and f.name not in NOT_COPIED and f.suffix != ".safetensors"

@@ -1,8 +1,10 @@
 """GGUF export: a thresher checkpoint as one GGUF file for llama.cpp and Ollama.
 
 Families: Qwen3-MoE (llama.cpp's ``qwen3moe``), Qwen2-MoE (``qwen2moe``, with its shared
-expert), Mixtral (``llama`` with experts), OLMoE (``olmoe``) and the dense Llama, Qwen3 and Qwen2
-(``llama``, ``qwen3``, ``qwen2``); llama.cpp's llama graph wants q/k rows in its rotary layout.
+expert), Mixtral (``llama`` with experts), OLMoE (``olmoe``), GLM-4.5 (``glm4moe``: dense leading
+layers, shared experts, the sigmoid router's correction bias as ``exp_probs_b``) and the dense
+Llama, Qwen3 and Qwen2 (``llama``, ``qwen3``, ``qwen2``); llama.cpp's llama graph wants q/k rows
+in its rotary layout.
 
 GGUF names tensors by role (``blk.3.attn_q.weight``) and stacks each layer's experts into one 3-D
 tensor per projection (``blk.3.ffn_gate_exps.weight``, [E, I, H] in row-major order); its
@@ -99,6 +101,9 @@ class GGUFArchitecture:
     arch: gguf.MODEL_ARCH
     renormalizes_top_k: bool | None = None  # MoE: llama.cpp renormalizes the top-k gate weights
     permute_qk: bool = False  # llama.cpp's llama graph rotates interleaved pairs, HF halves
+    post_attention_norm: Role = Role.FFN_NORM  # glm4moe: post_attention_norm
+    # the router's rule travels as metadata (gating function, weights scale and norm, groups)
+    router_metadata: bool = False
 
 
 # Keyed by the adapter's model_type. Mixtral runs on llama.cpp's llama graph (with experts).
@@ -107,6 +112,8 @@ GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "qwen2_moe": GGUFArchitecture(gguf.MODEL_ARCH.QWEN2MOE, renormalizes_top_k=False),
     "mixtral": GGUFArchitecture(gguf.MODEL_ARCH.LLAMA, renormalizes_top_k=True, permute_qk=True),
     "olmoe": GGUFArchitecture(gguf.MODEL_ARCH.OLMOE, renormalizes_top_k=False),
+    "glm4_moe": GGUFArchitecture(gguf.MODEL_ARCH.GLM4_MOE, post_attention_norm=Role.ATTN_POST_NORM,
+                                 router_metadata=True),
     "llama": GGUFArchitecture(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
     "qwen3": GGUFArchitecture(gguf.MODEL_ARCH.QWEN3),
     "qwen2": GGUFArchitecture(gguf.MODEL_ARCH.QWEN2),
@@ -250,7 +257,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", 
         with measure() as usage:
             writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[arch.arch])
             try:
-                _write_metadata(writer, model_dir, config, adapter, reader, gtype, fmt)
+                _write_metadata(writer, model_dir, config, adapter, reader, gtype, fmt, arch)
                 if importance is not None:
                     writer.add_array(gguf.Keys.IMatrix.DATASETS, [importance.dataset])
                     writer.add_uint32(gguf.Keys.IMatrix.CHUNK_COUNT, importance.windows)
@@ -433,7 +440,8 @@ def _architecture(adapter: Adapter, config, model_dir: Path) -> GGUFArchitecture
         raise UnsupportedArchitectureError(
             f"{model_dir}: model type {adapter.model_type!r} has no GGUF export yet; exportable: "
             + ", ".join(sorted(GGUF_ARCHITECTURES)))
-    if adapter.is_moe and arch.renormalizes_top_k != adapter.forward_renormalizes(config):
+    if (adapter.is_moe and not arch.router_metadata
+            and arch.renormalizes_top_k != adapter.forward_renormalizes(config)):
         raise ExportError(
             f"{model_dir}: llama.cpp's {gguf.MODEL_ARCH_NAMES[arch.arch]} graph "
             + ("renormalizes" if arch.renormalizes_top_k else "does not renormalize")
@@ -467,7 +475,7 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
                            imatrix=imatrix)
 
     def add(role: Role, modules: list[str], bid: int | None = None, stacked: bool = False,
-            suffix: str = "weight") -> None:
+            suffix: str = "weight", gguf_suffix: str | None = None) -> None:
         if role not in allowed:
             raise ExportError(f"llama.cpp's {gguf.MODEL_ARCH_NAMES[arch.arch]} has no "
                               f"{role.name} tensor")
@@ -486,7 +494,7 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
         if ttype not in _PLAIN_NUMPY and shape[-1] % gguf.GGML_QUANT_SIZES[ttype][0]:
             raise ExportError(f"{reader.path}: {keys[0]} has rows of {shape[-1]} values, not a "
                               f"multiple of the {ttype.name} block; choose f16 or bf16")
-        name = f"{gguf.TENSOR_NAMES[role].format(bid=bid)}.{suffix}"
+        name = f"{gguf.TENSOR_NAMES[role].format(bid=bid)}.{gguf_suffix or suffix}"
         heads = 0
         if arch.permute_qk and role in (Role.ATTN_Q, Role.ATTN_K):
             heads = int(config.num_attention_heads if role == Role.ATTN_Q
@@ -505,8 +513,8 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
         for role, name in ((Role.ATTN_Q_NORM, "q_norm"), (Role.ATTN_K_NORM, "k_norm")):
             if adapter.disk_attention_key(i, name) + ".weight" in reader:
                 add(role, [adapter.disk_attention_key(i, name)], i)
-        add(Role.FFN_NORM, [adapter.disk_post_attention_norm_key(i)], i)
-        if not adapter.is_moe:
+        add(arch.post_attention_norm, [adapter.disk_post_attention_norm_key(i)], i)
+        if not adapter.is_moe or i < adapter.leading_dense_layers(config):
             for role, proj in ((Role.FFN_GATE, "gate_proj"), (Role.FFN_UP, "up_proj"),
                                (Role.FFN_DOWN, "down_proj")):
                 add(role, [adapter.disk_dense_mlp_key(i, proj)], i)
@@ -515,12 +523,18 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
             raise ExportError(f"{reader.path}: layer {i} has no router; llama.cpp's "
                               f"{gguf.MODEL_ARCH_NAMES[arch.arch]} expects experts in every layer")
         add(Role.FFN_GATE_INP, [adapter.disk_router_key(i)], i)
+        correction = adapter.disk_router_correction_key(i)
+        if correction is not None and correction in reader:  # selection-only bias, F32
+            add(Role.FFN_EXP_PROBS_B, [adapter.disk_router_key(i)], i,
+                suffix=correction.rsplit(".", 1)[1], gguf_suffix="bias")
         for role, proj in ((Role.FFN_GATE_EXP, "gate"), (Role.FFN_UP_EXP, "up"),
                            (Role.FFN_DOWN_EXP, "down")):
             add(role, [adapter.disk_expert_key(i, e, proj) for e in range(n_experts)], i,
                 stacked=True)
         if adapter.disk_shared_expert_gate_key(i) + ".weight" in reader:
             add(Role.FFN_GATE_INP_SHEXP, [adapter.disk_shared_expert_gate_key(i)], i)
+        shared = adapter.disk_shared_expert_key(i, "gate_proj")
+        if shared + ".weight" in reader or shared + ".qweight" in reader:
             for role, proj in ((Role.FFN_GATE_SHEXP, "gate_proj"), (Role.FFN_UP_SHEXP, "up_proj"),
                                (Role.FFN_DOWN_SHEXP, "down_proj")):
                 add(role, [adapter.disk_shared_expert_key(i, proj)], i)
@@ -614,7 +628,8 @@ def _matrix_shape(reader: CheckpointReader, module: str, fmt: PackedFormat | Non
 
 
 def _write_metadata(writer: gguf.GGUFWriter, model_dir: Path, config, adapter: Adapter,
-                    reader: CheckpointReader, gtype: GGUFType, fmt: PackedFormat | None) -> None:
+                    reader: CheckpointReader, gtype: GGUFType, fmt: PackedFormat | None,
+                    arch: GGUFArchitecture) -> None:
     """The hyperparameters llama.cpp reads; sizes come from the tensors where the config names
     them differently per family."""
     heads = int(config.num_attention_heads)
@@ -638,15 +653,40 @@ def _write_metadata(writer: gguf.GGUFWriter, model_dir: Path, config, adapter: A
     writer.add_key_length(int(head_dim))
     writer.add_value_length(int(head_dim))
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
+    rotary_dim = int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))
+    if rotary_dim != head_dim:  # partial rotary (GLM-4.5): the first channels of each head
+        writer.add_rope_dimension_count(rotary_dim)
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     if adapter.is_moe:
-        expert_ffn = shape(adapter.disk_expert_key(0, 0, "gate"))[0]
+        moe = adapter.leading_dense_layers(config)  # the first MoE layer
+        expert_ffn = shape(adapter.disk_expert_key(moe, 0, "gate"))[0]
         writer.add_expert_feed_forward_length(int(expert_ffn))
         writer.add_expert_count(adapter.num_experts(config))
         writer.add_expert_used_count(adapter.top_k(config))
-        shared = adapter.disk_shared_expert_key(0, "gate_proj")
+        shared = adapter.disk_shared_expert_key(moe, "gate_proj")
+        shared_ffn = 0
         if shared + ".weight" in reader or shared + ".qweight" in reader:
-            writer.add_expert_shared_feed_forward_length(int(shape(shared)[0]))
+            shared_ffn = int(shape(shared)[0])
+            writer.add_expert_shared_feed_forward_length(shared_ffn)
+        if arch.router_metadata:
+            _write_router_metadata(writer, config, adapter, shared_ffn // expert_ffn)
+
+
+def _write_router_metadata(writer: gguf.GGUFWriter, config, adapter: Adapter,
+                           shared_experts: int) -> None:
+    """The keys llama.cpp's glm4moe graph routes by: sigmoid gating (the ``exp_probs_b`` bias
+    selects), top-k normalization and scale, expert groups, the dense leading layers, and no
+    multi-token-prediction layers (thresher does not carry them)."""
+    rule = adapter.rule(config)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_weights_norm(rule.renormalize)
+    writer.add_expert_weights_scale(rule.scaling)
+    writer.add_expert_shared_count(shared_experts)
+    writer.add_leading_dense_block_count(adapter.leading_dense_layers(config))
+    writer.add_nextn_predict_layers(0)
+    if rule.n_group > 1:
+        writer.add_expert_group_count(rule.n_group)
+        writer.add_expert_group_used_count(rule.topk_group)
 
 
 def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, vocab_size: int) -> None:

@@ -33,9 +33,67 @@ class Routing:
     """The router's decision for a batch of tokens, as the model's forward computes it."""
 
     logits: torch.Tensor  # [T, E] raw router logits
-    probs: torch.Tensor  # [T, E] softmax over all experts, fp32
-    top_k_index: torch.Tensor  # [T, k] selected experts (top-k of the raw logits)
+    probs: torch.Tensor  # [T, E] fp32 scores: softmax over all experts, or sigmoid (GLM-4.5)
+    top_k_index: torch.Tensor  # [T, k] selected experts
     top_k_weights: torch.Tensor  # [T, k] gate values the forward pass multiplies expert outputs by
+
+
+@dataclass(frozen=True)
+class RoutingRule:
+    """How one router turns logits into (gate values, experts): everything needed to recompute
+    its decision for any subset of the experts without running the model.
+
+    ``softmax``: softmax over the experts, top-k, renormalized if ``renormalize``.
+    ``sigmoid`` (GLM-4.5, DeepSeek-V3): sigmoid scores; experts are *selected* on the scores plus
+    the score-correction ``bias``, within the ``topk_group`` best of ``n_group`` groups (a group
+    ranked by its two best biased scores); the gate values are the unbiased scores of the
+    selected experts, renormalized if ``renormalize``, times ``scaling``.
+    """
+
+    top_k: int
+    renormalize: bool
+    scoring: str = "softmax"
+    bias: torch.Tensor | None = None  # [E] selection-only score correction
+    n_group: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()
+        return logits.sigmoid() if self.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+
+    def select(self, logits: torch.Tensor, kept: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gate values and expert indices [T, k] from raw ``logits`` [T, E]; with ``kept`` [E]
+        (bool), as the pruned checkpoint computes them (the others removed; a pruned grouped
+        router has its group limit dropped, see ``Adapter.set_num_experts``). ``bias`` stands
+        in for the rule's own (a module's buffer, on the logits' device)."""
+        pruned = kept is not None and not bool(kept.all())
+        if self.scoring == "softmax":
+            if pruned:
+                logits = logits.masked_fill(~kept, float("-inf"))
+            weights, index = torch.topk(self.scores(logits), self.top_k, dim=-1)
+            if self.renormalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return weights, index
+        scores = self.scores(logits)
+        bias = self.bias if bias is None else bias
+        choice = scores if bias is None else scores + bias.to(scores.device).float()
+        if pruned:
+            choice = choice.masked_fill(~kept, float("-inf"))
+        elif self.n_group > 1:
+            per_group = choice.shape[-1] // self.n_group
+            grouped = choice.view(-1, self.n_group, per_group)
+            best = grouped.topk(min(2, per_group), dim=-1)[0].sum(dim=-1)
+            chosen = torch.zeros_like(best, dtype=torch.bool)
+            chosen.scatter_(1, best.topk(self.topk_group, dim=-1)[1], True)
+            choice = choice.masked_fill(~chosen.repeat_interleave(per_group, dim=1),
+                                        float("-inf"))
+        index = torch.topk(choice, self.top_k, dim=-1)[1]
+        weights = scores.gather(-1, index)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, index
 
 
 @dataclass(frozen=True)
@@ -48,7 +106,13 @@ class FamilySpec:
     disk_moe_prefix: str = "mlp"  # where experts live in hub checkpoints (Mixtral: block_sparse_moe)
     disk_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     shared_expert: bool = False
+    shared_expert_name: str = "shared_expert"  # GLM-4.5: shared_experts
     always_renormalize: bool = False  # the forward renormalizes top-k regardless of config
+    router: str = "softmax"  # or "sigmoid": see RoutingRule
+    router_correction: str | None = None  # the router's selection-only bias (GLM-4.5)
+    # config key counting extra trailing layers (multi-token prediction) that thresher drops
+    extra_layers_key: str | None = None
+    dense_layers_key: str | None = None  # config key counting the dense layers before the MoE ones
 
 
 FAMILIES: dict[str, FamilySpec] = {
@@ -63,6 +127,20 @@ FAMILIES: dict[str, FamilySpec] = {
         always_renormalize=True,
     ),
     "olmoe": FamilySpec(("olmoe",), moe=True),
+    # GLM-4.5: sigmoid router with score correction and groups, dense first layers, an always-on
+    # shared expert, and a multi-token-prediction layer after the decoder (dropped: it only
+    # serves speculative decoding, and transformers' forward does not run it).
+    "glm4_moe": FamilySpec(
+        ("glm4_moe",),
+        moe=True,
+        num_experts_key="n_routed_experts",
+        shared_expert=True,
+        shared_expert_name="shared_experts",
+        router="sigmoid",
+        router_correction="e_score_correction_bias",
+        extra_layers_key="num_nextn_predict_layers",
+        dense_layers_key="first_k_dense_replace",
+    ),
     "llama": FamilySpec(("llama",), moe=False),
     "qwen2": FamilySpec(("qwen2",), moe=False),
     "qwen3": FamilySpec(("qwen3",), moe=False),
@@ -126,7 +204,17 @@ class Adapter:
         return int(getattr(config, self.spec.num_experts_key))
 
     def set_num_experts(self, config, n: int) -> None:
+        """Write a pruned expert count into ``config``. A grouped router's groups no longer hold
+        equal numbers of experts after pruning, so its group limit is dropped (n_group =
+        topk_group = 1: plain top-k over the kept experts, which every loader accepts)."""
         setattr(config, self.spec.num_experts_key, int(n))
+        if self.spec.router == "sigmoid":
+            config.n_group = config.topk_group = 1
+
+    def written_config(self) -> dict[str, int]:
+        """config.json entries to set on every checkpoint thresher writes: extra trailing layers
+        (multi-token prediction) are not carried, so the config counts none."""
+        return {self.spec.extra_layers_key: 0} if self.spec.extra_layers_key else {}
 
     def layer_num_experts(self, config, layer_idx: int) -> int:
         """Experts of decoder layer ``layer_idx``: a damage-budget pruned checkpoint lists them per
@@ -141,12 +229,21 @@ class Adapter:
         with torch.device("meta"):
             experts.gate_up_proj = nn.Parameter(torch.empty(n, *experts.gate_up_proj.shape[1:]))
             experts.down_proj = nn.Parameter(torch.empty(n, *experts.down_proj.shape[1:]))
-            router.weight = nn.Parameter(torch.empty(n, router.weight.shape[1]))
+            router.weight = nn.Parameter(torch.empty(n, router.weight.shape[1],
+                                                     dtype=router.weight.dtype))
             if getattr(router, "bias", None) is not None:
-                router.bias = nn.Parameter(torch.empty(n))
+                router.bias = nn.Parameter(torch.empty(n, dtype=router.bias.dtype))
+            name = self.spec.router_correction
+            if name and getattr(router, name, None) is not None:
+                setattr(router, name, torch.empty(n, dtype=getattr(router, name).dtype))
         for module in (experts, router):
             if hasattr(module, "num_experts"):
                 module.num_experts = n
+
+    def leading_dense_layers(self, config) -> int:
+        """How many decoder layers before the first MoE one have a dense MLP (GLM-4.5: 1)."""
+        key = self.spec.dense_layers_key
+        return int(getattr(config, key, 0) or 0) if key and self.is_moe else 0
 
     def top_k(self, config) -> int:
         return int(config.num_experts_per_tok) if self.is_moe else 0
@@ -200,20 +297,55 @@ class Adapter:
         )
 
     def shared_expert(self, layer: nn.Module) -> nn.Module | None:
-        return getattr(layer.mlp, "shared_expert", None) if self.spec.shared_expert else None
+        """The always-on expert added to the routed output (never pruned; quantized like a dense
+        MLP), or None."""
+        if not self.spec.shared_expert:
+            return None
+        return getattr(layer.mlp, self.spec.shared_expert_name, None)
 
     def shared_expert_gate(self, layer: nn.Module) -> nn.Module | None:
         return getattr(layer.mlp, "shared_expert_gate", None) if self.spec.shared_expert else None
 
+    def routing_rule(self, layer: nn.Module, config) -> RoutingRule:
+        """How ``layer``'s router decides (see ``RoutingRule``)."""
+        name = self.spec.router_correction
+        bias = getattr(self.router(layer), name) if name else None
+        return self.rule(config, bias)
+
+    def rule(self, config, correction: torch.Tensor | None = None) -> RoutingRule:
+        """The routing rule of ``config``'s MoE layers, with one layer's score-correction bias."""
+        if self.spec.router == "softmax":
+            return RoutingRule(self.top_k(config), self.forward_renormalizes(config))
+        return RoutingRule(
+            self.top_k(config), self.norm_topk_prob(config), scoring="sigmoid",
+            bias=None if correction is None else correction.detach().float().clone(),
+            n_group=int(getattr(config, "n_group", 1) or 1),
+            topk_group=int(getattr(config, "topk_group", 1) or 1),
+            scaling=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0))
+
     def route(self, layer: nn.Module, hidden: torch.Tensor, config) -> Routing:
         """Routing of ``hidden`` [T, H] (the MoE block's input) exactly as the forward does it."""
         router = self.router(layer)
-        logits = torch.nn.functional.linear(hidden, router.weight)
-        probs = torch.softmax(logits.float(), dim=-1)
-        top_w, top_i = torch.topk(probs, self.top_k(config), dim=-1)
-        if self.forward_renormalizes(config):
-            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-        return Routing(logits=logits, probs=probs, top_k_index=top_i, top_k_weights=top_w)
+        if self.spec.router == "sigmoid":  # the forward computes this router in fp32
+            logits = torch.nn.functional.linear(hidden.float(), router.weight.float())
+        else:
+            logits = torch.nn.functional.linear(hidden, router.weight)
+        rule = self.routing_rule(layer, config)
+        top_w, top_i = rule.select(logits)
+        return Routing(logits=logits, probs=rule.scores(logits), top_k_index=top_i,
+                       top_k_weights=top_w)
+
+    def saliency_gates(self, routing: Routing, config) -> torch.Tensor:
+        """REAP's g_j(x) for each selected expert [T, k]. Softmax routers: the softmax value,
+        renormalized over the top-k when the config asks (as the REAP reference code does).
+        Sigmoid routers: the gate values the forward multiplies by (unbiased scores,
+        normalized, times the routed scaling factor)."""
+        if self.spec.router == "sigmoid":
+            return routing.top_k_weights.float()
+        g = routing.probs.gather(-1, routing.top_k_index)
+        if self.norm_topk_prob(config):
+            g = g / g.sum(dim=-1, keepdim=True)
+        return g
 
     def expert_forward(self, layer: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
         """One expert's output f_e(x) before gating, for tokens x [T, H]."""
@@ -270,8 +402,13 @@ class Adapter:
         return f"{self._disk_moe(layer_idx)}.gate"
 
     def disk_shared_expert_key(self, layer_idx: int, proj: str) -> str:
-        """``proj`` in ``gate_proj|up_proj|down_proj`` of the shared expert (Qwen2-MoE)."""
-        return f"{self._disk_moe(layer_idx)}.shared_expert.{proj}"
+        """``proj`` in ``gate_proj|up_proj|down_proj`` of the shared expert (Qwen2-MoE, GLM)."""
+        return f"{self._disk_moe(layer_idx)}.{self.spec.shared_expert_name}.{proj}"
+
+    def disk_router_correction_key(self, layer_idx: int) -> str | None:
+        """The tensor name of the router's score-correction bias, for families that have one."""
+        name = self.spec.router_correction
+        return f"{self.disk_router_key(layer_idx)}.{name}" if name else None
 
     def disk_shared_expert_gate_key(self, layer_idx: int) -> str:
         return f"{self._disk_moe(layer_idx)}.shared_expert_gate"

@@ -1,14 +1,16 @@
 """Random-init configs of every supported family, for tests, benchmarks and interop checks.
 
 Small enough to build in a second; real enough to exercise each family's layout (Qwen2-MoE's
-shared expert, Mixtral's block_sparse_moe names, OLMoE's full-width q/k norms).
+shared expert, Mixtral's block_sparse_moe names, OLMoE's full-width q/k norms, GLM-4.5's sigmoid
+router with score correction and two expert groups, its dense first layer, shared expert, partial
+rotary, q/k/v biases and q/k norms).
 """
 
 from __future__ import annotations
 
 from transformers import AutoConfig
 
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe")
 DENSE_FAMILIES = ("llama", "qwen2", "qwen3")
 
 
@@ -33,5 +35,13 @@ def random_config(model_type: str, hidden_size: int = 64, num_layers: int = 2,
             kw["intermediate_size"] = intermediate_size
         if model_type == "qwen2_moe":
             kw["shared_expert_intermediate_size"] = intermediate_size * 2
+    elif model_type == "glm4_moe":
+        # one dense layer before the MoE ones, as GLM-4.5 has, on top of ``num_layers`` MoE layers
+        kw.update(n_routed_experts=num_experts, num_experts_per_tok=top_k,
+                  moe_intermediate_size=intermediate_size, n_shared_experts=1,
+                  num_hidden_layers=num_layers + 1, first_k_dense_replace=1,
+                  n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                  partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True,
+                  num_nextn_predict_layers=1)
     kw.update(overrides)
     return AutoConfig.for_model(model_type, **kw)

@@ -288,6 +288,7 @@ def _prune_into(build: Path, model_dir: Path, out_dir: Path, config: PretrainedC
     else:
         _write_checkpoint(lw.reader, adapter, lw.num_layers, num_experts, kept, build,
                           show_progress)
+    config.update(adapter.written_config())
     config.save_pretrained(build)
     for name in TOKENIZER_FILES:
         if (model_dir / name).is_file():

@@ -204,6 +204,7 @@ def _merge_into(build: Path, model_dir: Path, out_dir: Path, config: PretrainedC
         writer.add(canonical_layer_state(adapter, i, state))
     writer.close()
     adapter.set_num_experts(config, n)
+    config.update(adapter.written_config())
     config.save_pretrained(build)
     for name in TOKENIZER_FILES:
         if (model_dir / name).is_file():

@@ -4,9 +4,10 @@ For every MoE layer, on the calibration tokens, the observer records for each ex
 
 - how many tokens were routed to it (j in the top-k of the raw router logits),
 - the sum over those tokens of ||f_j(x)||_2, the L2 norm of the expert's output before gating,
-- the sum over those tokens of g_j(x) * ||f_j(x)||_2, with g_j(x) REAP's gate value: the fp32
-  softmax over all experts, divided by the top-k sum when the config asks for renormalization
-  (``norm_topk_prob``), as the REAP reference code does,
+- the sum over those tokens of g_j(x) * ||f_j(x)||_2, with g_j(x) REAP's gate value: for softmax
+  routers the fp32 softmax over all experts, divided by the top-k sum when the config asks for
+  renormalization (``norm_topk_prob``), as the REAP reference code does; for sigmoid routers
+  (GLM-4.5) the gate value the forward multiplies by (``Adapter.saliency_gates``),
 - the largest element of f_j(x) over those tokens (the reference's ``max_activations``, which
   finds "super experts").
 
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from thresher.models.adapters import Adapter
+from thresher.models.adapters import Adapter, Routing
 from thresher.models.device import ActivationStore, activation_budget
 from thresher.models.layerwise import LayerwiseModel
 from thresher.prune.reconstruction import LayerProbe, ProbeRecorder
@@ -87,23 +88,18 @@ class ExpertObserver:
         self.adapter = adapter
         self.layer = layer
         self.config = config
-        self.renormalize = adapter.norm_topk_prob(config)
         device = adapter.router(layer).weight.device
         self.stats = ExpertStats.empty(layer_idx, adapter.num_experts(config), device)
 
-    def gates(self, probs: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
-        """REAP's g_j(x) for each selected expert: softmax value, renormalized over the top-k if
-        the config says so. probs [T, E] fp32, top_k_index [T, k] -> [T, k]."""
-        g = probs.gather(-1, top_k_index)
-        if self.renormalize:
-            g = g / g.sum(dim=-1, keepdim=True)
-        return g
+    def gates(self, routing: Routing) -> torch.Tensor:
+        """REAP's g_j(x) [T, k] for each selected expert (``Adapter.saliency_gates``)."""
+        return self.adapter.saliency_gates(routing, self.config)
 
     @torch.no_grad()
     def add_batch(self, hidden: torch.Tensor) -> None:
         """Observe tokens ``hidden`` [T, H], the input of the layer's MoE block."""
         routing = self.adapter.route(self.layer, hidden, self.config)
-        gates = self.gates(routing.probs, routing.top_k_index)
+        gates = self.gates(routing)
         s = self.stats
         s.tokens += hidden.shape[0]
         for j in range(s.num_experts):

@@ -1,7 +1,8 @@
 """Local reconstruction error: how much removing experts changes one MoE block's output.
 
-A pruned layer routes each token among the experts it kept: softmax over the kept experts'
-logits, top-k of those, renormalized when the family's forward renormalizes. On a set of probed
+A pruned layer routes each token among the experts it kept, by its family's rule
+(``RoutingRule``: softmax or sigmoid scores of the kept experts, top-k, renormalized and scaled as
+the family's forward does). On a set of probed
 tokens (``LayerProbe``: router logits and every expert's output on every token, recorded while the
 observer walks the layers) that output can be recomputed for any kept set without running the
 model again. The error of a kept set is the summed squared change of the routed output divided by
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from thresher.models.adapters import Adapter
+from thresher.models.adapters import Adapter, RoutingRule
 
 
 @dataclass
@@ -31,8 +32,11 @@ class LayerProbe:
     logits: torch.Tensor  # [T, E] fp32 raw router logits
     outputs: torch.Tensor  # [E, T, H] fp32: every expert's output f_e(x) before gating
     residual_sq: float  # sum over the tokens of ||layer output||^2
-    top_k: int
-    renormalize: bool  # the forward renormalizes the top-k gate values
+    rule: RoutingRule  # how the router turns logits into gate values
+
+    @property
+    def top_k(self) -> int:
+        return self.rule.top_k
 
     @property
     def tokens(self) -> int:
@@ -50,6 +54,7 @@ class ProbeRecorder:
                  max_tokens: int):
         self.adapter, self.layer, self.config = adapter, layer, config
         self.layer_idx, self.max_tokens = layer_idx, max_tokens
+        self.rule = adapter.routing_rule(layer, config)  # the layer is released before probe()
         self.logits: list[torch.Tensor] = []
         self.outputs: list[torch.Tensor] = []
         self.residual_sq = 0.0
@@ -76,24 +81,20 @@ class ProbeRecorder:
     def probe(self) -> LayerProbe:
         return LayerProbe(
             layer=self.layer_idx, logits=torch.cat(self.logits), outputs=torch.cat(self.outputs, 1),
-            residual_sq=self.residual_sq, top_k=self.adapter.top_k(self.config),
-            renormalize=self.adapter.forward_renormalizes(self.config))
+            residual_sq=self.residual_sq,
+            rule=self.rule)
 
 
-def pruned_routing(logits: torch.Tensor, kept: torch.Tensor, top_k: int,
-                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def pruned_routing(logits: torch.Tensor, kept: torch.Tensor, rule: RoutingRule
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gate values and expert indices [T, k] of the pruned block (only experts ``kept`` [E], bool,
     remain), as the pruned checkpoint computes them from the raw router ``logits`` [T, E]."""
-    logits = logits.masked_fill(~kept, float("-inf"))
-    weights, index = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, index
+    return rule.select(logits, kept)
 
 
 def routed_output(probe: LayerProbe, kept: torch.Tensor) -> torch.Tensor:
     """The routed part of the block's output [T, H] when only experts ``kept`` [E] (bool) remain."""
-    weights, index = pruned_routing(probe.logits, kept, probe.top_k, probe.renormalize)
+    weights, index = pruned_routing(probe.logits, kept, probe.rule)
     tokens = torch.arange(probe.tokens)
     out = torch.zeros(probe.tokens, probe.outputs.shape[-1])
     for slot in range(probe.top_k):

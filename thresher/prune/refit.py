@@ -74,8 +74,7 @@ def refit_down(adapter: Adapter, layer: nn.Module, config, x: torch.Tensor, kept
     logits = adapter.route(layer, x, config).logits.float()
     mask = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
     mask[kept] = True
-    weights, index = pruned_routing(logits, mask, adapter.top_k(config),
-                                    adapter.forward_renormalizes(config))
+    weights, index = pruned_routing(logits, mask, adapter.routing_rule(layer, config))
     pred = torch.zeros_like(y)
     systems: dict[int, _ExpertSystem] = {}
     down: dict[int, torch.Tensor] = {}

@@ -72,8 +72,8 @@ class _Builder:
         self.expected = expected  # disk name -> the shape config.json gives it
         self.params = 0
 
-    def linear(self, prefix: str) -> Linear:
-        module = load_linear(self.reader, prefix, self.quant, self.dtype)
+    def linear(self, prefix: str, dtype: torch.dtype | None = None) -> Linear:
+        module = load_linear(self.reader, prefix, self.quant, dtype or self.dtype)
         want = self.expected.get(f"{prefix}.weight")
         if want is not None and (module.out_features, module.in_features) != want:
             raise CheckpointError(
@@ -109,8 +109,14 @@ def _moe(b: _Builder, adapter: Adapter, config, i: int) -> MoE:
         shared = DenseMLP(*(b.linear(adapter.disk_shared_expert_key(i, p)) for p in MLP_PROJECTIONS))
         if b.has_linear(adapter.disk_shared_expert_gate_key(i)):
             shared_gate = b.linear(adapter.disk_shared_expert_gate_key(i))
-    return MoE(b.linear(adapter.disk_router_key(i)), stack_experts(*(experts[r] for r in EXPERT_ROLES)),
-               adapter.top_k(config), adapter.forward_renormalizes(config), shared, shared_gate)
+    correction = adapter.disk_router_correction_key(i)
+    has_correction = correction is not None and correction in b.reader
+    rule = adapter.rule(config, b.reader.get(correction) if has_correction else None)
+    router_dtype = torch.float32 if rule.scoring == "sigmoid" else None  # as the family computes it
+    return MoE(b.linear(adapter.disk_router_key(i), router_dtype),
+               stack_experts(*(experts[r] for r in EXPERT_ROLES)),
+               adapter.top_k(config), adapter.forward_renormalizes(config), shared, shared_gate,
+               rule)
 
 
 def _spec(config) -> ModelSpec:
@@ -142,6 +148,8 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
     expected = expected_tensors(config)
     reader.check_against_config(config, expected)
     b = _Builder(reader, quant, dtype, expected)
+    inv_freq, scaling = _rotary(config, adapter)
+    rotary_dim = 2 * inv_freq.numel()  # less than head_dim with partial rotary (GLM-4.5)
 
     layers = []
     for i in tqdm(range(spec.num_layers), desc="loading layers", disable=not show_progress):
@@ -150,7 +158,7 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
         attn = Attention(spec, *(b.linear(adapter.disk_attention_key(i, n))
                                  for n in ATTENTION_PROJECTIONS),
                          attn_norms.get("q_norm"), attn_norms.get("k_norm"),
-                         getattr(config, "clip_qkv", None))
+                         getattr(config, "clip_qkv", None), rotary_dim)
         if adapter.is_moe and b.has_linear(adapter.disk_router_key(i)):
             mlp = _moe(b, adapter, config, i)
         else:
@@ -166,7 +174,6 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
         lm_head = DenseLinear(embed, tied=True)
     else:
         raise ArtifactError(f"{path}: no lm_head.weight and tie_word_embeddings is off")
-    inv_freq, scaling = _rotary(config, adapter)
     cos_sin = rotary_cos_sin(inv_freq, spec.max_position_embeddings, scaling)
     model = CausalLM(spec, embed, layers, b.tensor(adapter.disk_final_norm_key() + ".weight"),
                      lm_head, cos_sin)

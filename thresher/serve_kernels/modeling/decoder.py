@@ -3,8 +3,10 @@
 Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Llama, Qwen2 and Qwen3 are one layout (pre-norm RMSNorm,
 rotary GQA attention, SwiGLU MLP or MoE) with a few switches, all read from the checkpoint or the
 config by the loader rather than from the family name: q/k RMSNorm per head (Qwen3) or over the
-full projection width (OLMoE), q/k/v biases (Qwen2), a shared expert with a sigmoid gate
-(Qwen2-MoE), top-k renormalization, ``clip_qkv`` (OLMoE), dense layers inside an MoE.
+full projection width (OLMoE), q/k/v biases (Qwen2, GLM-4.5), a shared expert with a sigmoid
+gate (Qwen2-MoE) or without one (GLM-4.5), top-k renormalization, ``clip_qkv`` (OLMoE), dense
+layers inside an MoE, rotary over the first part of each head only (GLM-4.5's partial rotary),
+sigmoid routing with a correction bias and expert groups (GLM-4.5).
 
 The model works on a flat batch of new tokens ([T] ids and positions) and reads and writes the
 paged KV cache, so any mix of prefill chunks and decode tokens runs in one forward.
@@ -46,7 +48,8 @@ class Attention(nn.Module):
 
     def __init__(self, spec: ModelSpec, q_proj: Linear, k_proj: Linear, v_proj: Linear,
                  o_proj: Linear, q_norm: torch.Tensor | None = None,
-                 k_norm: torch.Tensor | None = None, clip_qkv: float | None = None):
+                 k_norm: torch.Tensor | None = None, clip_qkv: float | None = None,
+                 rotary_dim: int | None = None):
         super().__init__()
         self.qkv = merge_linears([q_proj, k_proj, v_proj])
         self.o_proj = o_proj
@@ -61,6 +64,7 @@ class Attention(nn.Module):
                                k_norm.expand(self.num_kv_heads, -1)]).float()  # norm's fp32
         self.register_buffer("qk_norm", joint)
         self.clip_qkv = clip_qkv
+        self.rotary_dim = spec.head_dim if rotary_dim is None else rotary_dim
         self.eps = spec.rms_norm_eps
         self.scale = spec.head_dim ** -0.5
 
@@ -82,15 +86,25 @@ class Attention(nn.Module):
             q, k = qk[:, :hq], qk[:, hq:]
             if self.per_head_norm:
                 q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
-            q, k = apply_rotary(q, k, positions, rope.cos_sin)
+            q, k = self._partial(lambda q, k: apply_rotary(q, k, positions, rope.cos_sin), q, k)
         else:
             if self.per_head_norm:
                 qk = rms_norm(qk, self.qk_norm, self.eps)
-            q, k = rope.rotate(qk).split([hq, hkv], dim=1)
+            (qk,) = self._partial(lambda x: (rope.rotate(x),), qk)
+            q, k = qk.split([hq, hkv], dim=1)
         k_cache, v_cache = kv_cache
         store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, all_stored=meta.host_exact)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(tokens, hq * d))
+
+    def _partial(self, rotate, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``rotate`` applied to the first ``rotary_dim`` channels of each head of ``xs``
+        [T, heads, D]; the other channels pass through (all of them rotate in most families)."""
+        r = self.rotary_dim
+        if r == self.head_dim:
+            return rotate(*xs)
+        rotated = rotate(*(x[..., :r].contiguous() for x in xs))
+        return tuple(torch.cat([y, x[..., r:]], dim=-1) for y, x in zip(rotated, xs, strict=True))
 
 
 class Rope:

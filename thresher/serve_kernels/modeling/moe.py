@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from thresher.formats.nf4 import concat_rows
+from thresher.models.adapters import RoutingRule
 from thresher.serve_kernels.kernels import ExpertWeights, fused_moe, silu_and_mul
 from thresher.serve_kernels.kernels.backend import use_cpu_kernels, use_triton
 from thresher.serve_kernels.kernels.cpu_blocked import (
@@ -359,21 +360,30 @@ def _stack_packed(first: list[Linear], second: list[Linear] | None, names: tuple
 
 
 class MoE(nn.Module):
-    """Softmax top-k routing over the experts, plus a sigmoid-gated shared expert if present."""
+    """Top-k routing over the experts, plus a shared expert (sigmoid-gated or always on) if
+    present. Softmax routing by default; with a sigmoid ``rule`` (GLM-4.5) the router runs in
+    fp32, as the family's forward does, and selects with its correction bias and groups."""
 
     def __init__(self, router: Linear, experts: nn.Module, top_k: int, renormalize: bool,
-                 shared_expert: nn.Module | None = None, shared_gate: Linear | None = None):
+                 shared_expert: nn.Module | None = None, shared_gate: Linear | None = None,
+                 rule: RoutingRule | None = None):
         super().__init__()
         self.router, self.experts = router, experts
         self.top_k, self.renormalize = top_k, renormalize
         self.shared_expert, self.shared_gate = shared_expert, shared_gate
+        self.rule = rule if rule is not None and rule.scoring == "sigmoid" else None
+        # the correction bias as a buffer, so that it follows the model to its device
+        self.register_buffer("correction", None if self.rule is None else self.rule.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.router(x)
-        probs = torch.softmax(logits.float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.rule is not None:
+            weights, ids = self.rule.select(self.router(x.float()), bias=self.correction)
+        else:
+            logits = self.router(x)
+            probs = torch.softmax(logits.float(), dim=-1)
+            weights, ids = torch.topk(probs, self.top_k, dim=-1)
+            if self.renormalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         out = self.experts(x, weights.to(x.dtype), ids)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)

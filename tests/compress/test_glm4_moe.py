@@ -1,0 +1,95 @@
+"""GLM-4.5 quantized by every method: every linear a hub GLM-4.5 quantization quantizes (attention,
+the dense first layer, shared experts, every routed expert) under hub per-expert names; the
+router and its score-correction bias stay in full precision."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from tests.conftest import CALIBRATION_FILE, build_random_model
+from thresher.compress.api import quantize_model
+from thresher.models import get_adapter, load_model, save_model
+from thresher.models.quantized import load_quantized_model
+from thresher.recipe import CalibrationConfig, FilesSource, QuantizeStage
+
+CAL = CalibrationConfig(source=FilesSource(files=[CALIBRATION_FILE]), samples=4, seq_len=32)
+PACKED = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "rtn": ("qweight", "qzeros", "scales"),
+          "awq": ("qweight", "qzeros", "scales"), "nf4": ("weight", "weight.absmax")}
+
+
+@pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory, tiny_demo):
+    d = tmp_path_factory.mktemp("glm")
+    save_model(build_random_model("glm4_moe", vocab_size=4096), None, d)
+    for f in tiny_demo.glob("tokenizer*"):
+        shutil.copy(f, d / f.name)
+    return d
+
+
+def _names(path):
+    with safe_open(path / "model.safetensors", framework="pt") as f:
+        return set(f.keys())
+
+
+def _quantize_and_check_reload(model_dir, stage, out):
+    """Quantize, and check that the artifact loads to the driver's in-memory (dequantized)
+    model; returns the report."""
+    states = {}
+    report = quantize_model(model_dir, stage, CAL, out, show_progress=False,
+                            observer=lambda i, layer, q: states.__setitem__(
+                                i, {k: v.clone() for k, v in layer.state_dict().items()}))
+    model = load_model(model_dir)
+    layers = get_adapter(model.config).layers(model)
+    for i, s in states.items():
+        layers[i].load_state_dict(s)
+    ids = torch.randint(0, 4096, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(load_quantized_model(out)(input_ids=ids).logits,
+                                   model(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+    return report
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "nf4", "rtn"])
+def test_every_linear_quantized_router_kept(glm_dir, tmp_path, method):
+    out = tmp_path / "out"
+    _quantize_and_check_reload(glm_dir, QuantizeStage(method=method, group_size=32), out)
+    names = _names(out)
+    config = json.loads((out / "config.json").read_text())
+    qc = config["quantization_config"]
+    adapter = get_adapter(config["model_type"])
+    assert config["num_nextn_predict_layers"] == 0
+    linears = [adapter.disk_dense_mlp_key(0, p) for p in ("gate_proj", "up_proj", "down_proj")]
+    for i in range(3):
+        linears += [adapter.disk_attention_key(i, p) for p in ("q_proj", "k_proj", "v_proj",
+                                                                "o_proj")]
+    for i in (1, 2):
+        linears += [adapter.disk_shared_expert_key(i, p) for p in ("gate_proj", "up_proj",
+                                                                   "down_proj")]
+        linears += [adapter.disk_expert_key(i, e, r) for e in range(8) for r in ("gate", "up",
+                                                                                 "down")]
+        router = adapter.disk_router_key(i)
+        assert {f"{router}.weight", f"{router}.e_score_correction_bias"} <= names
+        assert router in qc.get("modules_to_not_convert", qc.get("llm_int8_skip_modules"))
+    assert "model.layers.1.mlp.shared_experts.down_proj" in linears
+    for key in linears:
+        assert {f"{key}.{t}" for t in PACKED[method]} <= names, key
+        if method != "nf4":
+            assert f"{key}.weight" not in names, key
+    assert "model.layers.1.self_attn.q_proj.bias" in names  # GLM's q/k/v biases, kept
+
+
+def test_mixed_precision_covers_every_glm_linear(glm_dir, tmp_path):
+    """``bits: auto`` allocates widths over the same linears (shared experts and the dense layer
+    among them) and the artifact loads to the driver's in-memory model."""
+    out = tmp_path / "out"
+    report = _quantize_and_check_reload(
+        glm_dir, QuantizeStage(method="gptq", bits="auto", target_bits=3.5, group_size=32), out)
+    names = _names(out)
+    for key in ("model.layers.0.mlp.down_proj", "model.layers.2.mlp.shared_experts.up_proj",
+                "model.layers.1.mlp.experts.7.down_proj"):
+        assert f"{key}.qweight" in names, key
+    assert "model.layers.1.mlp.gate.weight" in names
+    assert report.metrics()["quantized_matrices"] > 0
