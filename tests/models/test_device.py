@@ -11,7 +11,7 @@ from thresher.compress.api import quantize_in_memory, quantize_model
 from thresher.compress.gptq import GPTQ
 from thresher.compress.methods.protocol import grid_spec
 from thresher.data.windows import calibration_windows
-from thresher.errors import CompressionError
+from thresher.errors import CompressionError, RecipeError
 from thresher.models.device import ActivationStore, Compute, resolve_device
 from thresher.models.layerwise import LayerwiseModel
 from thresher.prune.observer import observe_experts
@@ -112,7 +112,7 @@ def test_device_is_an_execution_setting_not_content():
     assert r.execution.device == "cuda:1"
     schema = recipe.recipe_json_schema()["$defs"]["ExecutionConfig"]["properties"]
     assert {"device", "offload_budget_gb"} <= set(schema)
-    with pytest.raises(recipe.RecipeError, match="execution.device"):
+    with pytest.raises(RecipeError, match="execution.device"):
         recipe.parse_recipe({"name": "r", "model": "demo:tiny", "variants": [{"name": "a"}],
                              "execution": {"device": "gpu"}})
 

@@ -12,6 +12,7 @@ The modules, by what they hold: ``sources`` (text and the calibration/evaluation
 and ``load`` (YAML in, a recipe out).
 """
 
+from thresher.errors import RecipeError
 from thresher.recipe.base import StrictModel
 from thresher.recipe.load import load_recipe, parse_recipe, recipe_json_schema
 from thresher.recipe.messages import format_validation_error
@@ -57,7 +58,7 @@ from thresher.recipe.sweep import SweepConfig, check_choice
 
 __all__ = [
     "AUTO_WIDTHS", "DEVICE_PATTERN", "HELDOUT_PERCENT", "QUANTIZE_STAGE", "QUANTIZE_STAGES",
-    "STDLIB_EXCLUDE", "AWQStage", "AnyQuantizeStage", "CalibrationConfig", "EvalConfig",
+    "STDLIB_EXCLUDE", "AWQStage", "RecipeError", "AnyQuantizeStage", "CalibrationConfig", "EvalConfig",
     "ExecutionConfig", "FilesSource", "GGUFTypeName", "GPTQStage", "HFDatasetSource",
     "MergeStage", "NF4Stage", "PerplexityConfig", "PlanStep", "PruneStage", "PublishConfig",
     "QuantizeStage", "RTNStage", "Recipe", "Split", "Stage", "StrictModel", "SweepConfig",
