@@ -296,7 +296,7 @@ def grouped_matmul_triton(
     if config is None and default is None:
         raise ValueError(f"group_size={group_size}: the grouped kernel needs a group size "
                          "divisible by 16")
-    n = qweight.shape[1] * (8 if awq else 1)
+    n, _ = (AWQ if awq else GPTQ).matrix_shape({"qweight": qweight.shape}, 4)
     group_size = k if group_size == -1 else group_size
     return _launch(_grouped_matmul_kernel, x, n, (qweight, qzeros, scales), (group_size,), config,
                    default, AWQ=awq)
@@ -315,7 +315,7 @@ def gptq_matmul_triton(
     if config is None and group_size is not None and grouped_config(x.numel() // k, k,
                                                                     group_size) is not None:
         return grouped_matmul_triton(x, qweight, qzeros, scales, group_size, awq=False)
-    n = qweight.shape[1]
+    n, _ = GPTQ.matrix_shape({"qweight": qweight.shape}, 4)
     return _launch(_gptq_matmul_kernel, x, n, (qweight, qzeros, scales, g_idx.int()), (), config)
 
 
@@ -325,7 +325,7 @@ def awq_matmul_triton(
 ) -> torch.Tensor:
     """x @ W for an AWQ gemm weight with the Triton kernel (the grouped one where the group size
     allows)."""
-    n = qweight.shape[1] * 8
+    n, _ = AWQ.matrix_shape({"qweight": qweight.shape}, 4)
     if config is None and grouped_config(x.numel() // x.shape[-1], x.shape[-1],
                                          group_size) is not None:
         return grouped_matmul_triton(x, qweight, qzeros, scales, group_size, awq=True)
