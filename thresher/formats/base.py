@@ -71,13 +71,17 @@ class CheckpointFormat(ABC):
         """[out, in] of the weight from its tensors' shapes alone; None where the shapes do not
         tell (the layout keeps it elsewhere)."""
 
+    def require(self, tensors: Mapping[str, torch.Tensor], where: str) -> None:
+        """Refuse a tensor set that lacks one of the required tensors, naming it."""
+        for name in self.required:
+            if name not in tensors:
+                raise CheckpointError(f"{where}: {self.kind} tensor {name} is missing")
+
     def check(self, tensors: Mapping[str, torch.Tensor], out_features: int, in_features: int,
               bits: int, group_size: int, where: str) -> None:
         """Refuse tensors that do not hold an [out, in] weight in this layout, naming the first
         tensor that is missing or misshapen (``where``: the file and module)."""
-        for name in self.required:
-            if name not in tensors:
-                raise CheckpointError(f"{where}: {self.kind} tensor {name} is missing")
+        self.require(tensors, where)
         expected = self.packed_shapes(out_features, in_features, bits, group_size)
         for name, shape in expected.items():
             if tuple(tensors[name].shape) != shape:

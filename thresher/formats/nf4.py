@@ -194,9 +194,7 @@ class NF4Format(CheckpointFormat):
     def check(self, tensors: Mapping[str, torch.Tensor], out_features: int, in_features: int,
               bits: int, group_size: int, where: str) -> None:
         """As the base check, with the block size and shape its quant state records."""
-        for name in self.required:
-            if name not in tensors:
-                raise CheckpointError(f"{where}: {self.kind} tensor {name} is missing")
+        self.require(tensors, where)
         weight = unpack_nf4(tensors)
         if weight.shape != (out_features, in_features):
             raise CheckpointError(f"{where}.{STATE_KEY}: records shape {weight.shape}, not the "
