@@ -1,7 +1,7 @@
 """Every recipe method has a registered method module, and every method writes a packable format."""
 
 from thresher.compress.methods import METHODS, method_for
-from thresher.formats.registry import PACKERS
+from thresher.formats.registry import FORMATS
 from thresher.recipe import QUANTIZE_STAGES, QuantizeStage
 
 
@@ -11,7 +11,7 @@ def test_every_recipe_method_is_registered_with_a_packable_format():
         assert method.name == name
         built = method_for(QuantizeStage(method=name))
         assert isinstance(built, method)
-        assert built.format in PACKERS
+        assert built.format in FORMATS
 
 
 def test_awq_writes_gemm_at_4_bits_and_gptq_at_other_widths():

@@ -32,9 +32,9 @@ from thresher.compress.mixed import Allocation, SensitivityProbe, allocate, budg
 from thresher.compress.targets import ALWAYS_16BIT, OPTIONAL_16BIT, LayerParts, all_targets
 from thresher.data.windows import calibration_windows
 from thresher.errors import ArtifactError, CompressionError
-from thresher.formats import gptq as gptq_format
 from thresher.formats.artifact import QUANTIZE_REPORT, STAGE_REPORTS
-from thresher.formats.registry import PACKERS
+from thresher.formats.base import CheckpointFormat
+from thresher.formats.registry import format_for
 from thresher.models.adapters import Adapter
 from thresher.models.checkpoint import INDEX_NAME, CheckpointWriter, canonical_layer_state
 from thresher.models.device import Compute
@@ -133,15 +133,14 @@ def check_stage(stage: QuantizeStage, method: QuantMethod, lw: ModelShapes) -> N
     if unknown:
         raise CompressionError(f"{where}: keep_16bit names unknown parts {sorted(unknown)}; "
                                f"choose from {', '.join(ALWAYS_16BIT + OPTIONAL_16BIT)}")
-    fmt = method.format
+    fmt = format_for(method.format)
     widths = (stage.auto_widths if isinstance(stage, GPTQStage) and stage.bits == "auto"
               else [stage.uniform_bits])
-    if fmt == "gptq" and any(b not in gptq_format.BITS for b in widths):
-        raise CompressionError(f"bits={stage.bits}: the GPTQ format holds {gptq_format.BITS} bits")
-    if fmt == "awq" and stage.group_size == -1:
-        raise CompressionError("group_size=-1: the 4-bit AWQ gemm format needs a group size (e.g. "
-                               "128); AWQ at 2, 3 or 8 bits writes the GPTQ format, which allows -1")
-    if fmt == "nf4":
+    for bits in widths:
+        problem = fmt.settings_problem(bits, stage.group_size)
+        if problem:
+            raise CompressionError(problem)
+    if not fmt.integer_grid:  # NF4 blocks run over the flattened weight: any shape fits
         return
     for i in range(lw.num_layers):
         parts = LayerParts(lw.adapter, lw.layer(i), i, keep)  # on the meta device: shapes only
@@ -150,21 +149,16 @@ def check_stage(stage: QuantizeStage, method: QuantMethod, lw: ModelShapes) -> N
                 _check_shape(stage, fmt, t.key, *t.weight.shape, bits=bits)
 
 
-def _check_shape(stage: QuantizeStage, fmt: str, key: str, n: int, k: int, bits: int) -> None:
+def _check_shape(stage: QuantizeStage, fmt: CheckpointFormat, key: str, n: int, k: int,
+                 bits: int) -> None:
     gs = stage.group_size
     if gs != -1 and k % gs:
         raise CompressionError(f"group_size={gs} does not divide the {k} inputs of {key}; "
                                "choose a divisor of every layer's input size or -1 (per row)")
-    if fmt == "gptq":
-        period = 32 // math.gcd(bits, 32)
-        if k % period or n % period:
-            hint = ("; leave it out of candidate_bits" if stage.bits == "auto"
-                    else "; use 4 or 8 bits")
-            raise CompressionError(
-                f"bits={bits}: {key} is [{n}, {k}], but GPTQ packs {bits}-bit codes "
-                f"in runs of {period} rows and columns{hint}")
-    if fmt == "awq" and n % 8:
-        raise CompressionError(f"{key} has {n} outputs; the AWQ gemm format packs 8 per word")
+    problem = fmt.layout_problem(n, k, bits)
+    if problem:
+        hint = "; leave it out of candidate_bits" if stage.bits == "auto" else ""
+        raise CompressionError(f"bits={bits}: {key} is [{n}, {k}], but {problem}{hint}")
 
 
 def _float_modules(lw: LayerwiseModel, keep: set[str]) -> list[str]:
@@ -243,7 +237,7 @@ def _write_checkpoint(model_dir: Path, stage: QuantizeStage, calibration: Calibr
     if method.calibrated:
         windows = calibration_windows(load_tokenizer(model_dir), calibration)
         release_free_memory()  # tokenizing the corpus leaves freed pages behind
-    pack = PACKERS[method.format]
+    pack = format_for(method.format).pack
     store_dtype = getattr(lw.config, "dtype", None) or torch.float32
     if isinstance(store_dtype, str):
         store_dtype = getattr(torch, store_dtype)

@@ -39,9 +39,7 @@ from thresher.errors import ExportError, UnsupportedArchitectureError
 from thresher.export.block_gptq import GPTQ_TYPES, gptq_quantize
 from thresher.export.block_quants import IMPORTANCE_WEIGHTED, QK_K, quantize
 from thresher.export.imatrix import ImportanceMatrix
-from thresher.formats.awq import unpack_awq
 from thresher.formats.config import PackedFormat, packed_format
-from thresher.formats.gptq import unpack_gptq
 from thresher.models.adapters import Adapter, get_adapter
 from thresher.models.checkpoint import CheckpointReader, CheckpointWriter
 from thresher.models.layerwise import load_config
@@ -347,7 +345,7 @@ def gguf_route(fmt: PackedFormat | None, gguf_type: str, groups_in_order: bool =
     weights (a second rounding), or ``QUANTIZED`` from a plain checkpoint."""
     if fmt is None:
         return QUANTIZED
-    if (fmt.kind in ("gptq", "awq") and fmt.bits == 4 and fmt.group_size == HANDOFF_GROUP
+    if (fmt.format.integer_grid and fmt.bits == 4 and fmt.group_size == HANDOFF_GROUP
             and not fmt.mixed and groups_in_order and gguf_type.lower() == "q4_1"):
         return HANDOFF
     return REQUANTIZED
@@ -386,7 +384,7 @@ def _handoff_format(fmt: PackedFormat | None, model_dir: Path, gguf_type: str,
     if fmt is None:
         return None
     what = f"{model_dir} holds {fmt.kind} {fmt.bits}-bit weights"
-    if fmt.kind not in ("gptq", "awq") or fmt.bits != 4:
+    if not fmt.format.integer_grid or fmt.bits != 4:
         raise ExportError(f"{what}; only 4-bit GPTQ and AWQ artifacts export to GGUF (to q4_1, "
                           "without requantizing), so export the 16-bit model with a GGUF --type")
     if fmt.group_size != HANDOFF_GROUP:
@@ -408,10 +406,8 @@ def _handoff_q4_1(reader: CheckpointReader, key: str, fmt: PackedFormat) -> np.n
     """Q4_1 blocks [N, K/32 * 20] of one packed [N, K] matrix: d = the group's scale, the codes
     as they are, m = -scale*zero (the one rounding: m is fp16)."""
     module = key.removesuffix(".weight")
-    names = ("qweight", "qzeros", "scales") + (("g_idx",) if fmt.kind == "gptq" else ())
-    tensors = {name: reader.get(f"{module}.{name}") for name in names}
-    qw = unpack_gptq(tensors, 4, HANDOFF_GROUP) if fmt.kind == "gptq" \
-        else unpack_awq(tensors, HANDOFF_GROUP)
+    tensors = {name: reader.get(f"{module}.{name}") for name in fmt.format.tensors}
+    qw = fmt.format.unpack(tensors, 4, HANDOFF_GROUP)
     rows, cols = qw.codes.shape
     if not torch.equal(qw.g_idx.long(), torch.arange(cols) // HANDOFF_GROUP):
         raise ExportError(f"{reader.path}: {module} has act-order groups (g_idx out of order); "
@@ -480,7 +476,8 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
             raise ExportError(f"llama.cpp's {gguf.MODEL_ARCH_NAMES[arch.arch]} has no "
                               f"{role.name} tensor")
         keys = tuple(f"{m}.{suffix}" for m in modules)
-        packed = fmt if keys[0] not in reader and f"{modules[0]}.qweight" in reader else None
+        packed = fmt if (fmt is not None and keys[0] not in reader
+                         and f"{modules[0]}.{fmt.format.marker}" in reader) else None
         first = _matrix_shape(reader, modules[0], packed) if packed else reader.shape(keys[0])
         shape = (len(keys), *first) if stacked else first
         if role in _VECTOR_ROLES:
@@ -545,7 +542,7 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
 
     used = {k for t in plan for k in t.keys} | ({head} if tied else set())
     used |= {f"{k.removesuffix('.weight')}.{part}" for t in plan if t.packed for k in t.keys
-             for part in ("qweight", "qzeros", "scales", "g_idx")}
+             for part in t.packed.format.tensors}
     unused = sorted(set(reader.tensor_names()) - used)
     if unused:
         raise ExportError(f"{reader.path}: tensors with no GGUF counterpart: {unused[:4]}"
@@ -620,11 +617,12 @@ def _more_bits(layer: int | None, n_layers: int) -> bool:
 
 def _matrix_shape(reader: CheckpointReader, module: str, fmt: PackedFormat | None
                   ) -> tuple[int, ...]:
-    """[out, in] of a weight matrix, plain or packed (GPTQ qweight [in/8, out], AWQ [in, out/8])."""
+    """[out, in] of a weight matrix, plain or packed (as its format reads its tensors' shapes)."""
     if fmt is None:
         return reader.shape(f"{module}.weight")
-    packed = reader.shape(f"{module}.qweight")
-    return (packed[1], packed[0] * 8) if fmt.kind == "gptq" else (packed[1] * 8, packed[0])
+    shapes = {n: reader.shape(f"{module}.{n}") for n in fmt.format.tensors
+              if f"{module}.{n}" in reader}
+    return fmt.format.matrix_shape(shapes, fmt.bits)
 
 
 def _write_metadata(writer: gguf.GGUFWriter, model_dir: Path, config, adapter: Adapter,

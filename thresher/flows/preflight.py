@@ -112,12 +112,10 @@ def variant_format(variant: Variant) -> tuple[PackedFormat | None, bool]:
     q: QuantizeStage | None = next((s.quantize for s in variant.stages if s.quantize), None)
     if q is None:
         return None, True
-    if q.method == "nf4":
-        return PackedFormat("nf4", 4, 64), True
+    kind = method_for(q).format
     in_order = not (getattr(q, "act_order", False) and not getattr(q, "static_groups", True))
     if q.bits == "auto":  # per-matrix widths: never one Q4_1 layout
-        return PackedFormat("gptq", 4, q.group_size, dynamic=(("auto", ()),)), in_order
-    kind = "awq" if q.method == "awq" and q.bits == 4 else "gptq"
+        return PackedFormat(kind, 4, q.group_size, dynamic=(("auto", ()),)), in_order
     return PackedFormat(kind, int(q.bits), q.group_size), in_order
 
 

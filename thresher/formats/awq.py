@@ -12,8 +12,12 @@ Dequantized: W^T[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n].
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
+from thresher.formats.base import CheckpointFormat, Shape, groups
 from thresher.formats.bits import to_int32
 from thresher.formats.quantized import QuantizedWeight
 
@@ -26,7 +30,7 @@ def _pack_interleaved(values: torch.Tensor) -> torch.Tensor:
     """[R, C] 4-bit codes -> int32 [R, C / 8] in AWQ's nibble order."""
     rows, cols = values.shape
     v = values.to(torch.int64).reshape(rows, cols // 8, 8)
-    out = torch.zeros(rows, cols // 8, dtype=torch.int64)
+    out = torch.zeros(rows, cols // 8, dtype=torch.int64, device=values.device)
     for i, col in enumerate(AWQ_ORDER):
         out |= v[:, :, col] << (4 * i)
     return to_int32(out)
@@ -34,7 +38,7 @@ def _pack_interleaved(values: torch.Tensor) -> torch.Tensor:
 
 def _unpack_interleaved(packed: torch.Tensor) -> torch.Tensor:
     words = packed.to(torch.int64) & 0xFFFFFFFF
-    out = torch.zeros(*words.shape, 8, dtype=torch.int64)
+    out = torch.zeros(*words.shape, 8, dtype=torch.int64, device=packed.device)
     for i, col in enumerate(AWQ_ORDER):
         out[:, :, col] = (words >> (4 * i)) & 0xF
     return out.reshape(words.shape[0], -1).to(torch.int32)
@@ -51,7 +55,9 @@ def pack_awq(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     }
 
 
-def unpack_awq(tensors: dict[str, torch.Tensor], group_size: int) -> QuantizedWeight:
+def unpack_awq(tensors: Mapping[str, torch.Tensor], group_size: int) -> QuantizedWeight:
+    """The gemm tensors -> codes, scales and zeros in [N, K] layout (``group_size`` -1: one
+    group)."""
     codes = _unpack_interleaved(tensors["qweight"]).T.contiguous()
     zeros = _unpack_interleaved(tensors["qzeros"]).T.contiguous()
     k = codes.shape[1]
@@ -59,7 +65,8 @@ def unpack_awq(tensors: dict[str, torch.Tensor], group_size: int) -> QuantizedWe
         codes=codes.to(torch.uint8),
         scales=tensors["scales"].float().T.contiguous(),
         zeros=zeros,
-        g_idx=(torch.arange(k) // group_size).to(torch.int32),
+        g_idx=(torch.arange(k, device=codes.device) // (k if group_size == -1 else group_size)
+               ).to(torch.int32),
         bits=BITS,
         group_size=group_size,
     )
@@ -74,3 +81,53 @@ def quantization_config(group_size: int, modules_to_not_convert: list[str]) -> d
         "version": "gemm",
         "modules_to_not_convert": modules_to_not_convert,
     }
+
+
+class AWQFormat(CheckpointFormat):
+    """AWQ gemm: the layout above, 4-bit only."""
+
+    kind = "awq"
+    marker = "qweight"
+    tensors = TENSORS
+    required = TENSORS
+    integer_grid = True
+
+    def packed_shapes(self, out_features: int, in_features: int, bits: int,
+                      group_size: int) -> dict[str, Shape]:
+        g = groups(in_features, group_size)
+        return {"qweight": (in_features, out_features // 8), "qzeros": (g, out_features // 8),
+                "scales": (g, out_features)}
+
+    def matrix_shape(self, shapes: Mapping[str, Shape], bits: int) -> tuple[int, int]:
+        qweight = shapes["qweight"]
+        return qweight[1] * 8, qweight[0]
+
+    def settings_problem(self, bits: int, group_size: int) -> str | None:
+        if bits != BITS:
+            return f"bits={bits}: the AWQ gemm format holds {BITS}-bit weights"
+        if group_size == -1:
+            return ("group_size=-1: the 4-bit AWQ gemm format needs a group size (e.g. 128); AWQ "
+                    "at 2, 3 or 8 bits writes the GPTQ format, which allows -1")
+        return None
+
+    def layout_problem(self, out_features: int, in_features: int, bits: int) -> str | None:
+        return None if out_features % 8 == 0 else "the AWQ gemm format packs 8 outputs per word"
+
+    def pack(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
+        return pack_awq(weight)
+
+    def unpack(self, tensors: Mapping[str, torch.Tensor], bits: int,
+               group_size: int) -> QuantizedWeight:
+        return unpack_awq(tensors, group_size)
+
+    def read_config(self, qc: Mapping[str, Any]) -> dict[str, Any] | None:
+        if (qc.get("quant_method") != "awq" or qc.get("version", "gemm") != "gemm"
+                or qc.get("bits") != BITS):
+            return None
+        return {"bits": BITS, "group_size": int(qc.get("group_size", 128))}
+
+    def quantization_config(self, **fields: Any) -> dict:
+        return quantization_config(**fields)
+
+
+AWQ = AWQFormat()

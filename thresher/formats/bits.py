@@ -34,7 +34,7 @@ def pack_along_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
         raise ValueError(f"{rows} rows of {bits}-bit codes do not fill whole 32-bit words "
                          f"(need a multiple of {p_rows})")
     v = values.to(torch.int64).reshape(rows // p_rows, p_rows, cols)
-    out = torch.zeros(rows // p_rows, p_words, cols, dtype=torch.int64)
+    out = torch.zeros(rows // p_rows, p_words, cols, dtype=torch.int64, device=values.device)
     for j in range(p_rows):
         word, shift = divmod(j * bits, 32)
         out[:, word] |= (v[:, j] << shift) & _WORD
@@ -48,7 +48,7 @@ def unpack_along_rows(packed: torch.Tensor, bits: int, rows: int) -> torch.Tenso
     p_rows, p_words = _period(bits)
     cols = packed.shape[1]
     words = (packed.to(torch.int64) & _WORD).reshape(rows // p_rows, p_words, cols)
-    out = torch.zeros(rows // p_rows, p_rows, cols, dtype=torch.int64)
+    out = torch.zeros(rows // p_rows, p_rows, cols, dtype=torch.int64, device=packed.device)
     mask = 2**bits - 1
     for j in range(p_rows):
         word, shift = divmod(j * bits, 32)

@@ -1,8 +1,8 @@
 """What an artifact's ``quantization_config`` says about its packed weights.
 
-The one parser of that block: the dequantizing loader (``models.quantized``) and the serving
-engine both ask it which layout the packed tensors use, so they accept and refuse the same
-artifacts and call each layout by the same name.
+The one parser of that block: the dequantizing loader (``models.quantized``), the serving engine
+and the GGUF exporter all ask it which layout the packed tensors use, so they accept and refuse
+the same artifacts; each format in ``formats.registry`` reads its own fields.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from thresher.errors import ArtifactError
+from thresher.formats.base import CheckpointFormat
 from thresher.formats.gptq import dynamic_override
+from thresher.formats.registry import FORMATS
 
 Kind = Literal["gptq", "awq", "nf4"]
 
@@ -41,6 +43,11 @@ class PackedFormat:
     def mixed(self) -> bool:
         return bool(self.dynamic)
 
+    @property
+    def format(self) -> CheckpointFormat:
+        """The format object that names, checks, unpacks and dequantizes these tensors."""
+        return FORMATS[self.kind]
+
 
 def packed_format(config: Any, path: str | Path) -> PackedFormat | None:
     """The packed layout ``config.quantization_config`` names (a dict or a transformers
@@ -49,13 +56,9 @@ def packed_format(config: Any, path: str | Path) -> PackedFormat | None:
     if qc is None:
         return None
     qc = qc if isinstance(qc, dict) else qc.to_dict()
-    method = qc.get("quant_method")
-    if method == "gptq" and qc.get("checkpoint_format", "gptq") == "gptq":
-        dynamic = tuple((p, tuple(sorted(f.items()))) for p, f in (qc.get("dynamic") or {}).items())
-        return PackedFormat("gptq", int(qc["bits"]), int(qc.get("group_size", -1)), dynamic)
-    if method == "awq" and qc.get("version", "gemm") == "gemm" and qc.get("bits") == 4:
-        return PackedFormat("awq", 4, int(qc.get("group_size", 128)))
-    if method == "bitsandbytes" and qc.get("load_in_4bit") and qc.get("bnb_4bit_quant_type") == "nf4":
-        return PackedFormat("nf4", 4, 64)
+    for fmt in FORMATS.values():
+        fields = fmt.read_config(qc)
+        if fields is not None:
+            return PackedFormat(fmt.kind, **fields)  # type: ignore[arg-type]
     raise ArtifactError(f"{path}: unsupported quantization_config {qc}; thresher reads GPTQ v1, "
                         "AWQ gemm (4-bit) and bitsandbytes NF4 artifacts, or plain 16-bit ones")

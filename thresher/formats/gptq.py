@@ -17,10 +17,14 @@ override its fields; ``-:``: the module is not quantized).
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
+from thresher.formats.base import CheckpointFormat, Shape, groups
 from thresher.formats.bits import (
     pack_along_cols,
     pack_along_rows,
@@ -45,7 +49,7 @@ def pack_gptq(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     }
 
 
-def unpack_gptq(tensors: dict[str, torch.Tensor], bits: int, group_size: int) -> QuantizedWeight:
+def unpack_gptq(tensors: Mapping[str, torch.Tensor], bits: int, group_size: int) -> QuantizedWeight:
     """The v1 tensors -> codes, scales and zeros in [N, K] layout."""
     g_idx = tensors["g_idx"].to(torch.int32)
     k = g_idx.numel()
@@ -60,11 +64,6 @@ def unpack_gptq(tensors: dict[str, torch.Tensor], bits: int, group_size: int) ->
         bits=bits,
         group_size=group_size,
     )
-
-
-def dequantize_gptq(tensors: dict[str, torch.Tensor], bits: int) -> torch.Tensor:
-    """The float weight [N, K] of a v1 tensor set."""
-    return unpack_gptq(tensors, bits, -1).dequantize()
 
 
 def packed_bits(n: int, k: int, bits: float, group_size: int) -> float:
@@ -119,3 +118,55 @@ def quantization_config(bits: int, group_size: int, sym: bool, desc_act: bool, s
         "modules_to_not_convert": modules_to_not_convert,
         **extra,
     }
+
+
+class GPTQFormat(CheckpointFormat):
+    """GPTQ v1: the layout above, at 2, 3, 4 or 8 bits."""
+
+    kind = "gptq"
+    marker = "qweight"
+    tensors = TENSORS
+    required = TENSORS
+    integer_grid = True
+    min_zero = 1  # v1 stores zero - 1 unsigned
+
+    def packed_shapes(self, out_features: int, in_features: int, bits: int,
+                      group_size: int) -> dict[str, Shape]:
+        g = groups(in_features, group_size)
+        return {"qweight": (in_features * bits // 32, out_features),
+                "qzeros": (g, out_features * bits // 32), "scales": (g, out_features),
+                "g_idx": (in_features,)}
+
+    def matrix_shape(self, shapes: Mapping[str, Shape], bits: int) -> tuple[int, int]:
+        qweight = shapes["qweight"]
+        return qweight[1], qweight[0] * 32 // bits
+
+    def settings_problem(self, bits: int, group_size: int) -> str | None:
+        return None if bits in BITS else f"bits={bits}: the GPTQ format holds {BITS} bits"
+
+    def layout_problem(self, out_features: int, in_features: int, bits: int) -> str | None:
+        period = 32 // math.gcd(bits, 32)
+        if in_features % period or out_features % period:
+            return (f"GPTQ packs {bits}-bit codes in runs of {period} rows and columns (4 and 8 "
+                    "bits in runs of 8 and 4)")
+        return None
+
+    def pack(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
+        return pack_gptq(weight)
+
+    def unpack(self, tensors: Mapping[str, torch.Tensor], bits: int,
+               group_size: int) -> QuantizedWeight:
+        return unpack_gptq(tensors, bits, group_size)
+
+    def read_config(self, qc: Mapping[str, Any]) -> dict[str, Any] | None:
+        if qc.get("quant_method") != "gptq" or qc.get("checkpoint_format", "gptq") != "gptq":
+            return None
+        dynamic = tuple((p, tuple(sorted(f.items()))) for p, f in (qc.get("dynamic") or {}).items())
+        return {"bits": int(qc["bits"]), "group_size": int(qc.get("group_size", -1)),
+                "dynamic": dynamic}
+
+    def quantization_config(self, **fields: Any) -> dict:
+        return quantization_config(**fields)
+
+
+GPTQ = GPTQFormat()

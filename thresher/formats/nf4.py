@@ -20,12 +20,14 @@ import functools
 import json
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from thresher.errors import ArtifactError
+from thresher.errors import ArtifactError, CheckpointError
+from thresher.formats.base import CheckpointFormat, Shape
 
 if TYPE_CHECKING:
     import bitsandbytes.functional as bnbf
@@ -140,7 +142,7 @@ def pack_nf4(w: NF4Weight) -> dict[str, torch.Tensor]:
     return out
 
 
-def unpack_nf4(tensors: dict[str, torch.Tensor]) -> NF4Weight:
+def unpack_nf4(tensors: Mapping[str, torch.Tensor]) -> NF4Weight:
     """The weight from the tensors ``pack_nf4`` writes (names relative to the module)."""
     fields = json.loads(bytes(tensors[STATE_KEY].tolist()).decode())
     if fields["quant_type"] != QUANT_TYPE:
@@ -168,3 +170,52 @@ def quantization_config(double_quant: bool, compute_dtype: str, skip_modules: li
         "bnb_4bit_quant_storage": "uint8",
         "llm_int8_skip_modules": skip_modules,
     }
+
+
+class NF4Format(CheckpointFormat):
+    """bitsandbytes NF4: the layout above; its block size and shape live in the quant state."""
+
+    kind = "nf4"
+    marker = STATE_KEY
+    tensors = TENSOR_NAMES
+    required = ("weight", "weight.absmax", "weight.quant_map", STATE_KEY)
+    integer_grid = False
+
+    def packed_shapes(self, out_features: int, in_features: int, bits: int,
+                      group_size: int) -> dict[str, Shape]:
+        """The code and absmax tensors, ``group_size`` being the absmax block size."""
+        numel = out_features * in_features
+        return {"weight": (-(-numel // 2), 1), "weight.absmax": (-(-numel // group_size),),
+                "weight.quant_map": (16,)}
+
+    def matrix_shape(self, shapes: Mapping[str, Shape], bits: int) -> None:
+        return None
+
+    def check(self, tensors: Mapping[str, torch.Tensor], out_features: int, in_features: int,
+              bits: int, group_size: int, where: str) -> None:
+        """As the base check, with the block size and shape its quant state records."""
+        self.require(tensors, where)
+        weight = unpack_nf4(tensors)
+        if weight.shape != (out_features, in_features):
+            raise CheckpointError(f"{where}.{STATE_KEY}: records shape {weight.shape}, not the "
+                                  f"[{out_features}, {in_features}] weight of the model")
+        super().check(tensors, out_features, in_features, bits, weight.blocksize, where)
+
+    def pack(self, weight: NF4Weight) -> dict[str, torch.Tensor]:
+        return pack_nf4(weight)
+
+    def unpack(self, tensors: Mapping[str, torch.Tensor], bits: int = 4,
+               group_size: int = 64) -> NF4Weight:
+        return unpack_nf4(tensors)
+
+    def read_config(self, qc: Mapping[str, Any]) -> dict[str, Any] | None:
+        if not (qc.get("quant_method") == "bitsandbytes" and qc.get("load_in_4bit")
+                and qc.get("bnb_4bit_quant_type") == QUANT_TYPE):
+            return None
+        return {"bits": 4, "group_size": 64}
+
+    def quantization_config(self, **fields: Any) -> dict:
+        return quantization_config(**fields)
+
+
+NF4 = NF4Format()

@@ -26,10 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from thresher.errors import ArtifactError
 from thresher.formats.artifact import MANIFEST, STAGE_REPORTS
-from thresher.formats.awq import unpack_awq
 from thresher.formats.config import PackedFormat, packed_format
-from thresher.formats.gptq import unpack_gptq
-from thresher.formats.nf4 import STATE_KEY, unpack_nf4
 from thresher.models.adapters import EXPERT_ROLES, get_adapter
 from thresher.models.checkpoint import CheckpointReader, CheckpointWriter
 from thresher.models.layerwise import load_config
@@ -84,11 +81,7 @@ class QuantizedExperts(nn.Module):
 
 
 def _dequantizer(fmt: PackedFormat) -> Callable[[dict], torch.Tensor]:
-    if fmt.kind == "gptq":
-        return lambda t: unpack_gptq(t, fmt.bits, fmt.group_size).dequantize()
-    if fmt.kind == "awq":
-        return lambda t: unpack_awq(t, fmt.group_size).dequantize()
-    return lambda t: unpack_nf4(t).dequantize()
+    return lambda t: fmt.format.dequantize(t, fmt.bits, fmt.group_size)
 
 
 def _module_format(fmt: PackedFormat, key: str, path: Path) -> PackedFormat:
@@ -103,29 +96,17 @@ def _module_format(fmt: PackedFormat, key: str, path: Path) -> PackedFormat:
 def _quantized_modules(reader: CheckpointReader, fmt: PackedFormat
                        ) -> dict[str, dict[str, torch.Tensor]]:
     """Disk module name -> its packed tensors (names relative to the module)."""
-    names = reader.tensor_names()
-    if fmt.kind == "nf4":
-        modules = [k.removesuffix("." + STATE_KEY) for k in names if k.endswith("." + STATE_KEY)]
-        return {m: {k[len(m) + 1:]: reader.get(k) for k in names
-                    if k.startswith(m + ".weight")} for m in modules}
-    modules = [k.removesuffix(".qweight") for k in names if k.endswith(".qweight")]
-    return {m: {k[len(m) + 1:]: reader.get(k) for k in names
-                if k.rsplit(".", 1)[0] == m and k.rsplit(".", 1)[1] != "bias"} for m in modules}
+    names = set(reader.tensor_names())
+    marker = "." + fmt.format.marker
+    modules = [k.removesuffix(marker) for k in reader.tensor_names() if k.endswith(marker)]
+    return {m: {n: reader.get(f"{m}.{n}") for n in fmt.format.tensors if f"{m}.{n}" in names}
+            for m in modules}
 
 
 def _check_shape(path: Path, key: str, fmt: PackedFormat, t: dict[str, torch.Tensor], n: int,
                  k: int) -> None:
     """Refuse packed tensors that do not describe an [n, k] weight."""
-    if fmt.kind == "gptq":
-        ok = tuple(t["qweight"].shape) == (k * fmt.bits // 32, n) and t["g_idx"].numel() == k
-    elif fmt.kind == "awq":
-        ok = tuple(t["qweight"].shape) == (k, n // 8)
-    else:
-        ok = tuple(unpack_nf4(t).shape) == (n, k)
-    if not ok:
-        raise ArtifactError(f"{path}: {key}: packed tensors "
-                            f"{({a: tuple(b.shape) for a, b in t.items()})} do not hold a [{n}, {k}] "
-                            "weight; the artifact is corrupt")
+    fmt.format.check(t, n, k, fmt.bits, fmt.group_size, f"{path}: {key}")
 
 
 @torch.no_grad()

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 from thresher.errors import ArtifactError, CheckpointError
 from thresher.formats.config import PackedFormat, packed_format
 from thresher.formats.dtypes import DTYPES
+from thresher.formats.registry import FORMATS
 from thresher.models.adapters import (
     ATTENTION_PROJECTIONS,
     EXPERT_ROLES,
@@ -73,8 +74,9 @@ class _Builder:
         self.params = 0
 
     def linear(self, prefix: str, dtype: torch.dtype | None = None) -> Linear:
-        module = load_linear(self.reader, prefix, self.quant, dtype or self.dtype)
         want = self.expected.get(f"{prefix}.weight")
+        module = load_linear(self.reader, prefix, self.quant, dtype or self.dtype,
+                             None if want is None else tuple(want))
         if want is not None and (module.out_features, module.in_features) != want:
             raise CheckpointError(
                 f"{self.reader.path}: {prefix} holds a [{module.out_features}, "
@@ -89,7 +91,8 @@ class _Builder:
         return t
 
     def has_linear(self, prefix: str) -> bool:
-        return any(f"{prefix}.{n}" in self.reader for n in ("weight", "qweight"))
+        return any(f"{prefix}.{n}" in self.reader
+                   for n in ("weight", *(f.marker for f in FORMATS.values())))
 
 
 def _rotary(config, adapter: Adapter) -> tuple[torch.Tensor, float]:

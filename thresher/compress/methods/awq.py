@@ -42,8 +42,9 @@ from thresher.compress.targets import (
     scaling_groups,
     sequential_stages,
 )
-from thresher.formats import awq as awq_format
-from thresher.formats import gptq as gptq_format
+from thresher.formats.awq import AWQ, BITS
+from thresher.formats.gptq import GPTQ
+from thresher.formats.registry import format_for
 from thresher.recipe import AWQStage
 
 Inputs = tuple[list[torch.Tensor], list[torch.Tensor | None]]  # per batch: inputs, expert gates
@@ -55,19 +56,21 @@ class AWQMethod:
 
     def __init__(self, stage: AWQStage):
         self.stage = stage
-        self.format = "awq" if stage.bits == awq_format.BITS else "gptq"
+        self.format = AWQ.kind if stage.bits == BITS else GPTQ.kind
         self.grid = grid_spec(stage.bits, stage.sym, self.format)
         self.all_tokens = stage.expert_tokens == "all"
         self.heldout = stage.select_on == "heldout"
 
     def quantization_config(self, skip: list[str]) -> dict:
         st = self.stage
-        if self.format == "awq":
-            return awq_format.quantization_config(st.group_size, skip)
-        # No Hessian: the GPTQ-only fields get the values of a plain, in-order GPTQ checkpoint.
-        return gptq_format.quantization_config(
-            st.bits, st.group_size, st.sym, desc_act=False, static_groups=True,
-            damp_percent=0.01, true_sequential=False, modules_to_not_convert=skip)
+        fields = {
+            AWQ.kind: dict(group_size=st.group_size, modules_to_not_convert=skip),
+            # No Hessian: the GPTQ-only fields get the values of a plain, in-order GPTQ checkpoint.
+            GPTQ.kind: dict(bits=st.bits, group_size=st.group_size, sym=st.sym, desc_act=False,
+                            static_groups=True, damp_percent=0.01, true_sequential=False,
+                            modules_to_not_convert=skip),
+        }
+        return format_for(self.format).quantization_config(**fields[self.format])
 
     def quantize_layer(self, job: LayerJob) -> None:
         groups = scaling_groups(job.parts)

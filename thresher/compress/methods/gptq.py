@@ -31,7 +31,7 @@ from thresher.compress.gptq import GPTQ
 from thresher.compress.methods.protocol import LayerJob, LayerRecord, Quantized, grid_spec
 from thresher.compress.rtn import rtn_quantize
 from thresher.compress.targets import InputSite, sequential_stages
-from thresher.formats import gptq as gptq_format
+from thresher.formats.gptq import GPTQ as GPTQ_FORMAT
 from thresher.quant.grid import GridSpec
 from thresher.recipe import GPTQStage
 
@@ -53,7 +53,7 @@ class GPTQMethod:
     others at ``base_bits`` (the allocation comes from ``compress.mixed``)."""
 
     name: ClassVar[str] = "gptq"
-    format: ClassVar[str] = "gptq"
+    format: ClassVar[str] = GPTQ_FORMAT.kind
     calibrated: ClassVar[bool] = True
 
     def __init__(self, stage: GPTQStage, widths: dict[str, int] | None = None,
@@ -72,8 +72,8 @@ class GPTQMethod:
 
     def quantization_config(self, skip: list[str]) -> dict:
         st = self.stage
-        return gptq_format.quantization_config(
-            self.bits, st.group_size, self.grid.sym,
+        return GPTQ_FORMAT.quantization_config(
+            bits=self.bits, group_size=st.group_size, sym=self.grid.sym,
             desc_act=st.act_order and not st.static_groups, static_groups=st.static_groups,
             damp_percent=st.damp_percent, true_sequential=True, modules_to_not_convert=skip,
             dynamic=self.dynamic)

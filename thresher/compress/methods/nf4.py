@@ -7,13 +7,13 @@ from typing import ClassVar
 from thresher.compress.methods.protocol import LayerJob
 from thresher.compress.nf4 import nf4_quantize
 from thresher.compress.targets import all_targets
-from thresher.formats import nf4 as nf4_format
+from thresher.formats.nf4 import NF4
 from thresher.recipe import NF4Stage
 
 
 class NF4Method:
     name: ClassVar[str] = "nf4"
-    format: ClassVar[str] = "nf4"
+    format: ClassVar[str] = NF4.kind
     calibrated: ClassVar[bool] = False
     grid = None
 
@@ -21,8 +21,8 @@ class NF4Method:
         self.stage = stage
 
     def quantization_config(self, skip: list[str]) -> dict:
-        return nf4_format.quantization_config(self.stage.double_quant, self.stage.compute_dtype,
-                                              skip)
+        return NF4.quantization_config(double_quant=self.stage.double_quant,
+                                       compute_dtype=self.stage.compute_dtype, skip_modules=skip)
 
     def quantize_layer(self, job: LayerJob) -> None:
         for t in job.progress(all_targets(job.parts), f"layer {job.parts.idx} nf4"):

@@ -16,6 +16,7 @@ import torch
 from thresher.compress.targets import InputSite, LayerParts, Target
 from thresher.formats.nf4 import NF4Weight
 from thresher.formats.quantized import QuantizedWeight
+from thresher.formats.registry import format_for
 from thresher.quant.grid import GridSpec
 
 Quantized = QuantizedWeight | NF4Weight
@@ -95,7 +96,7 @@ class QuantMethod(LayerPass, Protocol):
     """A quantization method: built from its recipe stage, it quantizes one layer at a time."""
 
     name: ClassVar[str]  # the recipe's ``method``
-    format: str  # the checkpoint format written (a key of formats.registry.PACKERS)
+    format: str  # the checkpoint format written (a key of formats.registry.FORMATS)
     grid: GridSpec | None  # the integer grid weights are rounded to (None: not a uniform grid)
 
     def __init__(self, stage: Any) -> None: ...
@@ -106,6 +107,6 @@ class QuantMethod(LayerPass, Protocol):
 
 
 def grid_spec(bits: int, sym: bool, fmt: str, scale_search: str = "minmax") -> GridSpec:
-    """The grid a method fits; the GPTQ v1 format stores zero - 1 unsigned, so needs zero >= 1."""
-    return GridSpec(bits=bits, sym=sym, min_zero=1 if fmt == "gptq" else 0,
+    """The grid a method fits, with the smallest zero point ``fmt`` stores (GPTQ v1: 1)."""
+    return GridSpec(bits=bits, sym=sym, min_zero=format_for(fmt).min_zero,
                     scale_search=scale_search)  # type: ignore[arg-type]

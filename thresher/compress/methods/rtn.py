@@ -7,13 +7,13 @@ from typing import ClassVar
 from thresher.compress.methods.protocol import LayerJob, grid_spec
 from thresher.compress.rtn import rtn_quantize
 from thresher.compress.targets import all_targets
-from thresher.formats import gptq as gptq_format
+from thresher.formats.gptq import GPTQ
 from thresher.recipe import RTNStage
 
 
 class RTNMethod:
     name: ClassVar[str] = "rtn"
-    format: ClassVar[str] = "gptq"
+    format: ClassVar[str] = GPTQ.kind
     calibrated: ClassVar[bool] = False
 
     def __init__(self, stage: RTNStage):
@@ -22,8 +22,8 @@ class RTNMethod:
 
     def quantization_config(self, skip: list[str]) -> dict:
         # No Hessian: the GPTQ-only fields get the values of a plain, in-order GPTQ checkpoint.
-        return gptq_format.quantization_config(
-            self.stage.bits, self.stage.group_size, self.grid.sym, desc_act=False,
+        return GPTQ.quantization_config(
+            bits=self.stage.bits, group_size=self.stage.group_size, sym=self.grid.sym, desc_act=False,
             static_groups=True, damp_percent=0.01, true_sequential=False,
             modules_to_not_convert=skip)
 

@@ -24,12 +24,15 @@ or a multiple of 64 rows fits, and N needs no multiple of 16.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from thresher.formats.awq import AWQ
+from thresher.formats.base import CheckpointFormat
+from thresher.formats.gptq import GPTQ
 from thresher.serve_kernels.kernels import cpu_q4
-from thresher.serve_kernels.kernels.w4a16 import awq_codes, gptq_codes
 
 KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes the kernel accepts, largest first
 Q4_DTYPES = (torch.float32, torch.bfloat16)  # activations cpu_q4 reads as they are
@@ -91,20 +94,27 @@ def pack_int4(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
     return Int4Pack(weight, scales_zeros, kernel_group, perm)
 
 
+def pack_checkpoint_int4(fmt: CheckpointFormat, tensors: Mapping[str, torch.Tensor],
+                         group_size: int, kernel: str | None = None) -> Int4Pack | None:
+    """A 4-bit tensor set of an integer-grid checkpoint format in the CPU layout (see
+    ``pack_int4``), unpacked by the format itself."""
+    qw = fmt.unpack(tensors, 4, group_size)
+    return pack_int4(qw.codes.T.int().contiguous(), qw.zeros.T.contiguous(), tensors["scales"],
+                     qw.g_idx, kernel)
+
+
 def pack_gptq_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                    g_idx: torch.Tensor, kernel: str | None = None) -> Int4Pack | None:
-    """A GPTQ v1 4-bit tensor set in the CPU layout (see ``pack_int4``)."""
-    q, zeros = gptq_codes(qweight, qzeros)
-    return pack_int4(q, zeros, scales, g_idx, kernel)
+    """A GPTQ v1 4-bit tensor set in the CPU layout."""
+    tensors = {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}
+    return pack_checkpoint_int4(GPTQ, tensors, -1, kernel)
 
 
 def pack_awq_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                   group_size: int, kernel: str | None = None) -> Int4Pack | None:
-    """An AWQ gemm tensor set in the CPU layout (see ``pack_int4``)."""
-    q, zeros = awq_codes(qweight, qzeros)
-    k = q.shape[0]
-    g_idx = torch.arange(k) // (k if group_size == -1 else group_size)
-    return pack_int4(q, zeros, scales, g_idx, kernel)
+    """An AWQ gemm tensor set in the CPU layout."""
+    tensors = {"qweight": qweight, "qzeros": qzeros, "scales": scales}
+    return pack_checkpoint_int4(AWQ, tensors, group_size, kernel)
 
 
 def int4_matmul(x: torch.Tensor, pack: Int4Pack) -> torch.Tensor:

@@ -24,6 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from thresher.formats.awq import AWQ
+from thresher.formats.gptq import GPTQ
+from thresher.formats.registry import format_for
 from thresher.serve_kernels.kernels.activation import silu_and_mul_triton
 from thresher.serve_kernels.kernels.backend import (
     DOT_PRECISION,
@@ -32,9 +35,8 @@ from thresher.serve_kernels.kernels.backend import (
     launcher,
     use_triton,
 )
-from thresher.serve_kernels.kernels.w4a16 import awq_dequantize, gptq_dequantize
 
-FORMATS = {"dense": 0, "gptq": 1, "awq": 2}
+FORMATS = {"dense": 0, GPTQ.kind: 1, AWQ.kind: 2}  # the kernel's FORMAT constexpr
 DECODE = TileConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3)
 PREFILL = TileConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
 CONFIGS = {"decode": DECODE, "prefill": PREFILL}
@@ -49,7 +51,7 @@ class ExpertWeights:
     scales: torch.Tensor | None = None
     qzeros: torch.Tensor | None = None
     g_idx: torch.Tensor | None = None  # gptq only
-    group_size: int = -1  # awq only; -1 = one group
+    group_size: int = -1  # awq only (gptq's groups are its g_idx); -1 = one group
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -58,21 +60,24 @@ class ExpertWeights:
     @property
     def out_in(self) -> tuple[int, int]:
         """(N, K): output and input features of each expert's matrix."""
-        shape = self.weight.shape
-        return {"dense": (shape[1], shape[2]), "gptq": (shape[2], shape[1] * 8),
-                "awq": (shape[2] * 8, shape[1])}[self.format]
+        if self.format == "dense":
+            return self.weight.shape[1], self.weight.shape[2]
+        return format_for(self.format).matrix_shape({"qweight": self.weight.shape[1:]}, 4)
+
+    def packed(self, e: int) -> dict[str, torch.Tensor]:
+        """Expert ``e``'s tensors under its checkpoint format's names."""
+        tensors = {"qweight": self.weight[e], "qzeros": self.qzeros[e], "scales": self.scales[e]}
+        return tensors if self.g_idx is None else {**tensors, "g_idx": self.g_idx[e]}
+
+    def matrix(self, e: int) -> torch.Tensor:
+        """Expert ``e``'s [N, K] matrix: a view for 16-bit, dequantized (fp32) otherwise."""
+        if self.format == "dense":
+            return self.weight[e]
+        return format_for(self.format).dequantize(self.packed(e), 4, self.group_size)
 
     def dequantize(self) -> torch.Tensor:
         """Dense fp32 [E, N, K]."""
-        if self.format == "dense":
-            return self.weight.float()
-        if self.format == "gptq":
-            mats = [gptq_dequantize(*t) for t in
-                    zip(self.weight, self.qzeros, self.scales, self.g_idx, strict=True)]
-        else:
-            mats = [awq_dequantize(q, z, s, self.group_size) for q, z, s in
-                    zip(self.weight, self.qzeros, self.scales, strict=True)]
-        return torch.stack(mats).transpose(1, 2)
+        return torch.stack([self.matrix(e).float() for e in range(self.weight.shape[0])])
 
 
 def fused_moe_ref(

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from thresher.formats.awq import AWQ
+from thresher.formats.gptq import GPTQ
 from thresher.serve_kernels.kernels import tuning
 from thresher.serve_kernels.kernels.backend import (
     DOT_PRECISION,
@@ -33,7 +35,6 @@ from thresher.serve_kernels.kernels.backend import (
     use_triton,
 )
 
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column (within 8) held by nibble i of an AWQ word
 DECODE = TileConfig(block_m=16, block_n=64, block_k=64, split_k=4, num_warps=4, num_stages=3)
 PREFILL = TileConfig(block_m=64, block_n=64, block_k=64, split_k=1, num_warps=4, num_stages=3)
 CONFIGS = {"decode": DECODE, "prefill": PREFILL}
@@ -69,50 +70,20 @@ def pick_config(m: int) -> TileConfig:
 
 # ---------------------------------------------------------------- references (fp32 PyTorch)
 
-def _nibbles(packed: torch.Tensor, dim: int) -> torch.Tensor:
-    """Split each int32 into its 8 nibbles (nibble j at bits 4j), laid out along ``dim``."""
-    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
-    nib = (packed.unsqueeze(-1) >> shifts) & 0xF  # [..., 8] nibble j last
-    nib = nib.movedim(-1, dim + 1)  # nibble j right after the packed dimension
-    shape = list(packed.shape)
-    shape[dim] *= 8
-    return nib.reshape(shape)
-
-
-def gptq_codes(qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """GPTQ v1 codes q [K, N] and true zeros [groups, N] (v1 stores zero - 1), as int32."""
-    return _nibbles(qweight, 0), _nibbles(qzeros, 1) + 1
-
-
-def awq_codes(qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """AWQ gemm codes q [K, N] and zeros [groups, N] in column order, as int32."""
-    inverse = torch.tensor([AWQ_ORDER.index(j) for j in range(8)], device=qweight.device)
-
-    def unpack(packed: torch.Tensor) -> torch.Tensor:
-        nib = _nibbles(packed, 1).view(packed.shape[0], -1, 8)  # [rows, N/8, nibble]
-        return nib[:, :, inverse].reshape(packed.shape[0], -1)  # [rows, N] in column order
-
-    return unpack(qweight), unpack(qzeros)
-
-
 def gptq_dequantize(
     qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor
 ) -> torch.Tensor:
-    """Dense fp32 W [K, N] from a GPTQ v1 tensor set."""
-    q, zeros = gptq_codes(qweight, qzeros)
-    g = g_idx.long()
-    return scales.float()[g] * (q - zeros[g]).float()
+    """Dense fp32 W [K, N] from a 4-bit GPTQ v1 tensor set, as the format unpacks it."""
+    tensors = {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}
+    return GPTQ.dequantize(tensors, 4, -1).T
 
 
 def awq_dequantize(
     qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
 ) -> torch.Tensor:
     """Dense fp32 W [K, N] from an AWQ gemm tensor set (``group_size`` -1 = one group)."""
-    k = qweight.shape[0]
-    group_size = k if group_size == -1 else group_size
-    q, zeros = awq_codes(qweight, qzeros)
-    g = torch.arange(k, device=qweight.device) // group_size
-    return (q - zeros[g]).float() * scales.float()[g]
+    tensors = {"qweight": qweight, "qzeros": qzeros, "scales": scales}
+    return AWQ.dequantize(tensors, 4, group_size).T
 
 
 def gptq_matmul_ref(
@@ -186,7 +157,7 @@ def _awq_matmul_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < N
     col = offs_n % 8
-    shift = ((col // 2) + (col % 2) * 4) * 4  # nibble holding column col: inverse of AWQ_ORDER
+    shift = ((col // 2) + (col % 2) * 4) * 4  # nibble of column col: formats.awq.AWQ_ORDER inverted
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(tl.program_id(2) * BLOCK_K, K, BLOCK_K * SPLIT_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -325,7 +296,7 @@ def grouped_matmul_triton(
     if config is None and default is None:
         raise ValueError(f"group_size={group_size}: the grouped kernel needs a group size "
                          "divisible by 16")
-    n = qweight.shape[1] * (8 if awq else 1)
+    n, _ = (AWQ if awq else GPTQ).matrix_shape({"qweight": qweight.shape}, 4)
     group_size = k if group_size == -1 else group_size
     return _launch(_grouped_matmul_kernel, x, n, (qweight, qzeros, scales), (group_size,), config,
                    default, AWQ=awq)
@@ -344,7 +315,7 @@ def gptq_matmul_triton(
     if config is None and group_size is not None and grouped_config(x.numel() // k, k,
                                                                     group_size) is not None:
         return grouped_matmul_triton(x, qweight, qzeros, scales, group_size, awq=False)
-    n = qweight.shape[1]
+    n, _ = GPTQ.matrix_shape({"qweight": qweight.shape}, 4)
     return _launch(_gptq_matmul_kernel, x, n, (qweight, qzeros, scales, g_idx.int()), (), config)
 
 
@@ -354,7 +325,7 @@ def awq_matmul_triton(
 ) -> torch.Tensor:
     """x @ W for an AWQ gemm weight with the Triton kernel (the grouped one where the group size
     allows)."""
-    n = qweight.shape[1] * 8
+    n, _ = AWQ.matrix_shape({"qweight": qweight.shape}, 4)
     if config is None and grouped_config(x.numel() // x.shape[-1], x.shape[-1],
                                          group_size) is not None:
         return grouped_matmul_triton(x, qweight, qzeros, scales, group_size, awq=True)

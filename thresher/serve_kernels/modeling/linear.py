@@ -22,9 +22,11 @@ import torch
 from torch import nn
 
 from thresher.errors import ArtifactError
+from thresher.formats.awq import AWQ
 from thresher.formats.config import PackedFormat
-from thresher.formats.gptq import unpack_gptq
-from thresher.formats.nf4 import STATE_KEY, TENSOR_NAMES, NF4Weight, concat_rows, unpack_nf4
+from thresher.formats.gptq import GPTQ
+from thresher.formats.nf4 import NF4, NF4Weight, concat_rows
+from thresher.formats.registry import FORMATS
 from thresher.models.checkpoint import CheckpointReader
 from thresher.serve_kernels.kernels import awq_matmul, gptq_matmul, nf4_matmul
 from thresher.serve_kernels.kernels.backend import use_cpu_kernels
@@ -39,13 +41,11 @@ from thresher.serve_kernels.kernels.cpu_dense import serve_dense
 from thresher.serve_kernels.kernels.cpu_int4 import (
     Int4Pack,
     int4_matmul,
-    pack_awq_int4,
-    pack_gptq_int4,
+    pack_checkpoint_int4,
 )
 from thresher.serve_kernels.kernels.cpu_int8 import Int8Pack, int8_matmul, pack_int8
 from thresher.serve_kernels.kernels.cpu_nf4 import NF4Pack, nf4_cpu_matmul, pack_nf4_cpu
 from thresher.serve_kernels.kernels.nf4 import nf4_dequantize
-from thresher.serve_kernels.kernels.w4a16 import awq_dequantize, gptq_dequantize
 
 NARROW_ROWS = 16  # a 16-bit matrix with at most this many rows (a router) runs in fp32 on a CPU
 
@@ -127,24 +127,29 @@ class GPTQLinear(nn.Module):
                         ("g_idx", g_idx.int()), ("bias", bias)):
             self.register_buffer(name, t)
         self.bits, self.group_size = bits, group_size
-        self.in_features, self.out_features = g_idx.numel(), qweight.shape[1]
+        self.out_features, self.in_features = GPTQ.matrix_shape({"qweight": qweight.shape}, bits)
         self.cpu_pack: Int4Pack | Int8Pack | None = None
         self.cpu_dense: torch.Tensor | None = None
         size = self.in_features if group_size == -1 else group_size
         contiguous = torch.equal(g_idx.cpu().long(), torch.arange(self.in_features) // size)
         self.contiguous_group = group_size if contiguous else None  # grouped W4A16 kernel
 
+    @classmethod
+    def from_packed(cls, tensors: dict[str, torch.Tensor], quant: PackedFormat,
+                    bias: torch.Tensor | None) -> GPTQLinear:
+        return cls(*(tensors[n] for n in GPTQ.tensors), quant.bits, quant.group_size, bias)
+
     @property
     def cpu_packs(self) -> list[Int4Pack | Int8Pack]:
         return [] if self.cpu_pack is None else [self.cpu_pack]
 
+    def packed(self) -> dict[str, torch.Tensor]:
+        """The tensors under the format's names."""
+        return {n: getattr(self, n) for n in GPTQ.tensors}
+
     def dequantized(self) -> torch.Tensor:
         """W [N, K] in fp32, as the dequantizing reference computes it."""
-        if self.bits == 4:
-            return gptq_dequantize(self.qweight, self.qzeros, self.scales, self.g_idx).T
-        tensors = {"qweight": self.qweight, "qzeros": self.qzeros, "scales": self.scales,
-                   "g_idx": self.g_idx}
-        return unpack_gptq(tensors, self.bits, self.group_size).dequantize().float()
+        return GPTQ.dequantize(self.packed(), self.bits, self.group_size)
 
     def pack_for_cpu(self, dtype: torch.dtype = torch.float32) -> None:
         """Dequantize a small matrix into ``dtype`` (``cpu_dense``), else convert a 4-bit or
@@ -154,11 +159,9 @@ class GPTQLinear(nn.Module):
         if self.cpu_dense is not None:
             return
         if self.bits == 4:
-            self.cpu_pack = pack_gptq_int4(self.qweight, self.qzeros, self.scales, self.g_idx)
+            self.cpu_pack = pack_checkpoint_int4(GPTQ, self.packed(), self.group_size)
         elif self.bits == 8:
-            tensors = {"qweight": self.qweight, "qzeros": self.qzeros, "scales": self.scales,
-                       "g_idx": self.g_idx}
-            qw = unpack_gptq(tensors, 8, self.group_size)
+            qw = GPTQ.unpack(self.packed(), 8, self.group_size)
             self.cpu_pack = pack_int8(qw.codes, qw.scales, qw.zeros, qw.g_idx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -171,9 +174,7 @@ class GPTQLinear(nn.Module):
             y = gptq_matmul(x, self.qweight, self.qzeros, self.scales, self.g_idx,
                             self.contiguous_group)
         else:
-            tensors = {"qweight": self.qweight, "qzeros": self.qzeros, "scales": self.scales,
-                       "g_idx": self.g_idx}
-            w = unpack_gptq(tensors, self.bits, self.group_size).dequantize()
+            w = self.dequantized()
             y = nn.functional.linear(x.float(), w.to(x.device)).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
@@ -188,24 +189,33 @@ class AWQLinear(nn.Module):
                         ("bias", bias)):
             self.register_buffer(name, t)
         self.group_size = group_size
-        self.in_features, self.out_features = qweight.shape[0], qweight.shape[1] * 8
+        self.out_features, self.in_features = AWQ.matrix_shape({"qweight": qweight.shape}, 4)
         self.cpu_pack: Int4Pack | None = None
         self.cpu_dense: torch.Tensor | None = None
+
+    @classmethod
+    def from_packed(cls, tensors: dict[str, torch.Tensor], quant: PackedFormat,
+                    bias: torch.Tensor | None) -> AWQLinear:
+        return cls(*(tensors[n] for n in AWQ.tensors), quant.group_size, bias)
 
     @property
     def cpu_packs(self) -> list[Int4Pack]:
         return [] if self.cpu_pack is None else [self.cpu_pack]
 
+    def packed(self) -> dict[str, torch.Tensor]:
+        """The tensors under the format's names."""
+        return {n: getattr(self, n) for n in AWQ.tensors}
+
     def dequantized(self) -> torch.Tensor:
         """W [N, K] in fp32, as the dequantizing reference computes it."""
-        return awq_dequantize(self.qweight, self.qzeros, self.scales, self.group_size).T
+        return AWQ.dequantize(self.packed(), 4, self.group_size)
 
     def pack_for_cpu(self, dtype: torch.dtype = torch.float32) -> None:
         """Dequantize a small matrix into ``dtype`` (``cpu_dense``), else convert the weight for
         the CPU int4 kernel (left unset where it cannot hold it)."""
         self.cpu_dense = _dense_copy(self, dtype)
         if self.cpu_dense is None:
-            self.cpu_pack = pack_awq_int4(self.qweight, self.qzeros, self.scales, self.group_size)
+            self.cpu_pack = pack_checkpoint_int4(AWQ, self.packed(), self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_dense is not None and use_cpu_kernels(x):
@@ -230,6 +240,11 @@ class NF4Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.cpu_pack: NF4Pack | None = None
         self.cpu_dense: torch.Tensor | None = None
+
+    @classmethod
+    def from_packed(cls, tensors: dict[str, torch.Tensor], quant: PackedFormat,
+                    bias: torch.Tensor | None) -> NF4Linear:
+        return cls(NF4.unpack(tensors), bias)
 
     @property
     def cpu_packs(self) -> list[NF4Pack]:
@@ -360,22 +375,24 @@ def packed_bytes(module: nn.Module) -> int:
     return total
 
 
+PACKED_LINEARS = {GPTQ.kind: GPTQLinear, AWQ.kind: AWQLinear, NF4.kind: NF4Linear}
+"""The engine module of each checkpoint format."""
+
+
 def load_linear(reader: CheckpointReader, prefix: str, quant: PackedFormat | None,
-                dtype: torch.dtype) -> Linear:
-    """The linear layer stored under ``prefix`` (e.g. ``model.layers.0.self_attn.q_proj``)."""
+                dtype: torch.dtype, shape: tuple[int, int] | None = None) -> Linear:
+    """The linear layer stored under ``prefix`` (e.g. ``model.layers.0.self_attn.q_proj``);
+    ``shape`` ([out, in], when known) is checked against its packed tensors."""
     bias = reader.get(f"{prefix}.bias").to(dtype) if f"{prefix}.bias" in reader else None
-    if f"{prefix}.qweight" in reader:
-        quant = None if quant is None else quant.for_module(prefix)  # mixed widths: its own
-        if quant is None or quant.kind not in ("gptq", "awq"):
-            raise ArtifactError(f"{reader.path}: {prefix} is GPTQ/AWQ-packed but config.json's "
-                                "quantization_config does not say gptq or awq")
-        qweight, qzeros = reader.get(f"{prefix}.qweight"), reader.get(f"{prefix}.qzeros")
-        scales = reader.get(f"{prefix}.scales")
-        if quant.kind == "gptq":
-            return GPTQLinear(qweight, qzeros, scales, reader.get(f"{prefix}.g_idx"), quant.bits,
-                              quant.group_size, bias)
-        return AWQLinear(qweight, qzeros, scales, quant.group_size, bias)
-    if f"{prefix}.{STATE_KEY}" in reader:
-        tensors = {n: reader.get(f"{prefix}.{n}") for n in TENSOR_NAMES if f"{prefix}.{n}" in reader}
-        return NF4Linear(unpack_nf4(tensors), bias)
+    own = None if quant is None else quant.for_module(prefix)  # mixed widths: its own
+    fmt = None if own is None else own.format
+    if fmt is not None and f"{prefix}.{fmt.marker}" in reader:
+        tensors = {n: reader.get(f"{prefix}.{n}") for n in fmt.tensors if f"{prefix}.{n}" in reader}
+        if shape is not None:
+            fmt.check(tensors, *shape, own.bits, own.group_size, f"{reader.path}: {prefix}")
+        return PACKED_LINEARS[fmt.kind].from_packed(tensors, own, bias)
+    packed = [f.kind for f in FORMATS.values() if f"{prefix}.{f.marker}" in reader]
+    if packed:
+        raise ArtifactError(f"{reader.path}: {prefix} is packed ({' or '.join(packed)}), but "
+                            "config.json's quantization_config does not describe it so")
     return DenseLinear(reader.get(f"{prefix}.weight").to(dtype), bias)

@@ -26,7 +26,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from thresher.formats.awq import AWQ
+from thresher.formats.gptq import GPTQ
 from thresher.formats.nf4 import concat_rows
+from thresher.formats.registry import format_for
 from thresher.models.adapters import RoutingRule
 from thresher.serve_kernels.kernels import ExpertWeights, fused_moe, silu_and_mul
 from thresher.serve_kernels.kernels.backend import use_cpu_kernels, use_triton
@@ -42,12 +45,10 @@ from thresher.serve_kernels.kernels.cpu_int4 import (
     Q4_DTYPES,
     Int4Pack,
     int4_matmul,
-    pack_awq_int4,
-    pack_gptq_int4,
+    pack_checkpoint_int4,
 )
 from thresher.serve_kernels.kernels.cpu_nf4 import NF4Pack, nf4_cpu_matmul, pack_nf4_cpu
 from thresher.serve_kernels.kernels.cpu_q4 import ExpertTable
-from thresher.serve_kernels.kernels.w4a16 import awq_dequantize, gptq_dequantize
 from thresher.serve_kernels.modeling.linear import (
     AWQLinear,
     DenseLinear,
@@ -145,21 +146,9 @@ def _dense_moe(x: torch.Tensor, dense: tuple[torch.Tensor, torch.Tensor],
 
 def _pack_experts(w: ExpertWeights) -> list[Int4Pack] | None:
     """Each expert of a GPTQ/AWQ projection in the CPU int4 layout; None if one cannot be."""
-    if w.format == "gptq":
-        packs = [pack_gptq_int4(*t) for t in zip(w.weight, w.qzeros, w.scales, w.g_idx, strict=True)]
-    else:
-        packs = [pack_awq_int4(q, z, s, w.group_size)
-                 for q, z, s in zip(w.weight, w.qzeros, w.scales, strict=True)]
+    fmt = format_for(w.format)
+    packs = [pack_checkpoint_int4(fmt, w.packed(e), w.group_size) for e in range(w.weight.shape[0])]
     return None if any(p is None for p in packs) else packs
-
-
-def _expert_matrix(w: ExpertWeights, e: int) -> torch.Tensor:
-    """Expert ``e``'s [N, K] matrix: a view for 16-bit, dequantized for this call otherwise."""
-    if w.format == "dense":
-        return w.weight[e]
-    if w.format == "gptq":
-        return gptq_dequantize(w.weight[e], w.qzeros[e], w.scales[e], w.g_idx[e]).T
-    return awq_dequantize(w.weight[e], w.qzeros[e], w.scales[e], w.group_size).T
 
 
 def _sort_by_expert(topk_ids: torch.Tensor, experts: int
@@ -210,11 +199,11 @@ def grouped_moe_torch(x: torch.Tensor, w_gate_up: ExpertWeights, w_down: ExpertW
     xs = _routed_rows(x, order, topk_ids.shape[1])
     gate_up = torch.empty(xs.shape[0], w_gate_up.out_in[0], device=x.device, dtype=x.dtype)
     for e, a, b in spans:
-        torch.mm(xs[a:b], _expert_matrix(w_gate_up, e).to(x.dtype).T, out=gate_up[a:b])
+        torch.mm(xs[a:b], w_gate_up.matrix(e).to(x.dtype).T, out=gate_up[a:b])
     act = silu_and_mul(gate_up)
     out = torch.empty(xs.shape[0], w_down.out_in[0], device=x.device, dtype=x.dtype)
     for e, a, b in spans:
-        torch.mm(act[a:b], _expert_matrix(w_down, e).to(x.dtype).T, out=out[a:b])
+        torch.mm(act[a:b], w_down.matrix(e).to(x.dtype).T, out=out[a:b])
     return _combine(out, order, topk_weights, x.dtype)
 
 
@@ -334,13 +323,13 @@ def stack_experts(gate: list[Linear], up: list[Linear], down: list[Linear]) -> n
     if kinds == {GPTQLinear} and all(m.bits == 4 for m in (*gate, *up, *down)) and all(
         torch.equal(g.g_idx, u.g_idx) for g, u in zip(gate, up, strict=True)
     ):
-        return FusedExperts("gptq", _stack_packed(gate, up, ("qweight", "qzeros", "scales"),
+        return FusedExperts(GPTQ.kind, _stack_packed(gate, up, ("qweight", "qzeros", "scales"),
                                                   {"g_idx": [g.g_idx for g in gate]}),
                             _stack_packed(down, None, ("qweight", "qzeros", "scales"),
                                           {"g_idx": [d.g_idx for d in down]}))
     if kinds == {AWQLinear} and len({m.group_size for m in (*gate, *up, *down)}) == 1:
         names = ("qweight", "qzeros", "scales")
-        return FusedExperts("awq", _stack_packed(gate, up, names, {}),
+        return FusedExperts(AWQ.kind, _stack_packed(gate, up, names, {}),
                             _stack_packed(down, None, names, {}), gate[0].group_size)
     return ExpertLoop(gate, up, down)
 
