@@ -188,7 +188,8 @@ def test_a_packed_weight_of_the_wrong_shape_is_named_by_the_engine_loader(tiny_d
     for name, width in (("qweight", 8), ("scales", 8), ("qzeros", 1)):  # 8 outputs, not 128
         tensors[f"{key}.{name}"] = tensors[f"{key}.{name}"][:, :width].contiguous()
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ModelError, match=rf"^{out}: {key} holds a \[8, 128\] weight"):
+    with pytest.raises(ModelError, match=rf"^{out}: {key}.qweight: shape \(16, 8\), but a gptq "
+                                         r"\[128, 128\] weight at 4 bits has \(16, 128\)"):
         load_engine_model(out)
 
 
