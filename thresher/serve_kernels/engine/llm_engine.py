@@ -14,11 +14,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from thresher.errors import ModelError
 from thresher.formats.dtypes import DTYPES
 from thresher.models.inspect import weight_bytes
 from thresher.models.loading import load_tokenizer
@@ -27,8 +29,8 @@ from thresher.serve_kernels.engine.block_manager import BlockManager
 from thresher.serve_kernels.engine.block_table import BlockTables
 from thresher.serve_kernels.engine.detokenizer import Detokenizer, find_stop, visible_text
 from thresher.serve_kernels.engine.kv_budget import KVCacheConfig, free_gpu_bytes, size_kv_cache
-from thresher.serve_kernels.engine.model_runner import ModelRunner
-from thresher.serve_kernels.engine.sampler import Sampler, SampleResult
+from thresher.serve_kernels.engine.model_runner import ModelRunner, StepResult
+from thresher.serve_kernels.engine.sampler import Sampler, SampleResult, adjust_logits
 from thresher.serve_kernels.engine.sampling_params import (
     EngineStats,
     RequestOutput,
@@ -36,6 +38,15 @@ from thresher.serve_kernels.engine.sampling_params import (
 )
 from thresher.serve_kernels.engine.scheduler import ScheduledBatch, Scheduler
 from thresher.serve_kernels.engine.sequence import Sequence, Snapshot
+from thresher.serve_kernels.engine.speculative import (
+    NGRAM,
+    ModelDrafter,
+    NgramDrafter,
+    Proposal,
+    SpeculativeConfig,
+    SpeculativeStats,
+    rejection_sample,
+)
 from thresher.serve_kernels.kernels.cpu_blocked import blocked_supported
 from thresher.serve_kernels.loader import load_engine_model
 
@@ -99,7 +110,7 @@ class LLMEngine:
                  num_kv_blocks: int | None = None, max_model_len: int | None = None,
                  dtype: str = "auto", enable_prefix_caching: bool = True,
                  kv_cache_gb: float | None = None, gpu_memory_utilization: float = 0.9,
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False, speculative: SpeculativeConfig | None = None):
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("block_size", block_size)):
@@ -135,6 +146,12 @@ class LLMEngine:
                              f"max_model_len={self.max_model_len} ({blocks_per_seq} blocks of "
                              f"{block_size}); raise the KV cache (num_kv_blocks, kv_cache_gb, "
                              "gpu_memory_utilization) or lower max_model_len")
+        self.drafter: NgramDrafter | ModelDrafter | None = None
+        self.num_speculative_tokens = speculative.num_speculative_tokens if speculative else 0
+        self.spec_stats = SpeculativeStats()
+        if speculative is not None:  # a draft model's cache is allocated before the target's
+            self.drafter = self._build_drafter(speculative, spec, max_num_seqs, block_size,
+                                               enforce_eager)
         tables = BlockTables(max_num_seqs, blocks_per_seq, self.device)
         self.block_manager = BlockManager(num_kv_blocks, block_size, tables,
                                           enable_prefix_caching)
@@ -150,11 +167,50 @@ class LLMEngine:
         self.model_info = {**loaded.info, "kv_cache_bytes": num_kv_blocks * per_block,
                            "kv_blocks": num_kv_blocks, "block_size": block_size,
                            "max_model_len": self.max_model_len, "device": str(self.device),
-                           "cuda_graphs": self.runner.decode_graphs is not None}
+                           "cuda_graphs": self.runner.decode_graphs is not None,
+                           "speculative": None if speculative is None else {
+                               "draft": speculative.draft,
+                               "num_speculative_tokens": speculative.num_speculative_tokens}}
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self._generated_total = 0
         self._prompt_total = 0
+
+    def _build_drafter(self, config: SpeculativeConfig, target, max_num_seqs: int,
+                       block_size: int, enforce_eager: bool) -> NgramDrafter | ModelDrafter:
+        """Prompt lookup, or a draft model with its own KV cache (sized by the CPU rule:
+        ``KV_BUDGET_BYTES``, capped at what ``max_num_seqs`` full sequences use)."""
+        if config.draft == NGRAM:
+            return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+        path = resolve_model(config.draft)
+        dtype = resolve_dtype("auto", self.device, weight_bytes(path))
+        loaded = load_engine_model(path, dtype, self.device)
+        spec = loaded.model.spec
+        if spec.vocab_size != target.vocab_size:
+            raise ModelError(f"draft model {config.draft!r} has a vocabulary of {spec.vocab_size} "
+                             f"tokens, the target {target.vocab_size}: a draft must share the "
+                             "target's vocabulary (a variant of it, or a model of the same family)")
+        if load_tokenizer(loaded.path).get_vocab() != self.tokenizer.get_vocab():
+            raise ModelError(f"draft model {config.draft!r} has another tokenizer than the "
+                             "target: a draft must share the target's vocabulary (a variant of "
+                             "it, or a model of the same family)")
+        if spec.max_position_embeddings < self.max_model_len:
+            raise ValueError(f"draft model {config.draft!r} has a context of "
+                             f"{spec.max_position_embeddings} tokens, below max_model_len="
+                             f"{self.max_model_len}; lower max_model_len")
+        torch_dtype = DTYPES[dtype]
+        per_block = ModelRunner.kv_bytes_per_block(loaded.model, block_size, torch_dtype)
+        blocks_per_seq = -(-self.max_model_len // block_size)
+        num_blocks = size_kv_cache(KVCacheConfig(), per_block, blocks_per_seq, max_num_seqs, None)
+        tables = BlockTables(max_num_seqs, blocks_per_seq, self.device)
+        runner = ModelRunner(loaded.model, num_blocks, block_size, torch_dtype, self.device, tables)
+        if self.device.type == "cuda" and not enforce_eager:
+            runner.capture_decode_graphs(max_num_seqs, self.max_model_len)
+        manager = BlockManager(num_blocks, block_size, tables, enable_prefix_caching=False)
+        drafter = ModelDrafter(runner, manager, tables, self.max_model_len)
+        log.info("speculative decoding: draft model %s (%s, %d KV blocks), k=%d", config.draft,
+                 dtype, num_blocks, config.num_speculative_tokens)
+        return drafter
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -188,6 +244,8 @@ class LLMEngine:
         if seq is None or seq.is_finished:
             return
         self.scheduler.finish(seq, "abort")
+        if self.drafter is not None:
+            self.drafter.release(seq.request_id)
         self._aborted.append(seq)
 
     def has_unfinished_requests(self) -> bool:
@@ -212,23 +270,34 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not len(batch):
             return outputs
+        proposals: dict[str, Proposal] = {}
+        if self.drafter is not None:
+            batch, proposals = self._propose(batch)
+        start = time.perf_counter()
         result = self.runner.run(batch)
-        sampled, failed = None, {}
-        if result.sample_rows:
-            sampled, failed = self._sample([batch.seqs[b] for b in result.sample_rows],
-                                           result.logits)
+        chosen, failed = self._choose(batch, result, proposals)
+        if proposals:
+            self.spec_stats.verify_seconds += time.perf_counter() - start
         for b, lps in result.prompt_logprobs.items():
             batch.seqs[b].prompt_logprobs.extend(lps)
-        row_of = {b: r for r, b in enumerate(result.sample_rows)}
         for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            if m := seq.num_proposed:  # cut the proposals; keep the KV of those that stand
+                del seq.token_ids[seq.num_tokens - m:]
+                seq.num_proposed = 0
+                accepted = len(chosen[b].token_ids) - 1 if b in chosen else 0
+                self.spec_stats.record(m, accepted)
+                seq.num_draft_tokens += m
+                seq.num_accepted_tokens += accepted
+                n -= m - accepted
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
-            r = row_of.get(b)
+            if m:
+                self.block_manager.truncate(seq)
             try:
-                if r in failed:
-                    raise failed[r]
-                if r is not None:
-                    outputs.append(self._append_token(seq, sampled, r))
+                if b in failed:
+                    raise failed[b]
+                if b in chosen:
+                    outputs.append(self._append_tokens(seq, chosen[b]))
                 elif seq.num_computed_tokens == seq.num_tokens and seq.max_tokens == 0:
                     self._finish(seq, "length")
                     outputs.append(self._output(seq, []))
@@ -238,21 +307,118 @@ class LLMEngine:
                 outputs.append(self._fail(seq, err))
         return outputs
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor
+    def _propose(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, dict[str, Proposal]]:
+        """Proposals for the batch's decoding sequences, appended to their tokens, and the
+        batch with their verify chunks (1 + proposals each) in place of single tokens.
+
+        A sequence gets at most k, fewer near its ``max_tokens`` or the context limit, none
+        beyond the step's token budget or when the KV cache has no block for them."""
+        budget = self.scheduler.max_num_batched_tokens - sum(batch.num_new_tokens)
+        seqs, ks = [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if n != 1 or seq.num_computed_tokens + 1 != seq.num_tokens:
+                continue  # a prefill chunk
+            k = min(self.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - seq.num_tokens, budget)
+            if k > 0:
+                seqs.append(seq)
+                ks.append(k)
+                budget -= k
+        if not seqs:
+            return batch, {}
+        start = time.perf_counter()
+        proposed = self.drafter.propose(seqs, ks)
+        self.spec_stats.draft_seconds += time.perf_counter() - start
+        proposals: dict[str, Proposal] = {}
+        for seq, prop in zip(seqs, proposed, strict=True):
+            m = len(prop.tokens)
+            if m and self.block_manager.allocate(seq, 1 + m):
+                seq.token_ids.extend(prop.tokens)
+                seq.num_proposed = m
+                proposals[seq.request_id] = prop
+        if not proposals:
+            return batch, {}
+        rows = sorted(((seq, n + seq.num_proposed) for seq, n in zip(
+            batch.seqs, batch.num_new_tokens, strict=True)), key=lambda c: c[1] != 1)
+        return ScheduledBatch([r[0] for r in rows], [r[1] for r in rows]), proposals
+
+    def _choose(self, batch: ScheduledBatch, result: StepResult, proposals: dict[str, Proposal]
+                ) -> tuple[dict[int, SampleResult], dict[int, Exception]]:
+        """Each sampling sequence's new tokens (batch index -> result), and the failed ones.
+
+        A plain row yields one token. A verifying row yields the proposals that stand plus one
+        token of the target's (``speculative``'s rules); under *match* every position's choice
+        is the sampler's, made with the tokens before it, proposals included, as context."""
+        match: list[tuple[int, int, int]] = []  # (batch index, first logits row, rows)
+        reject: list[tuple[int, int, int]] = []
+        offset = 0
+        for b, count in zip(result.sample_rows, result.logit_counts, strict=True):
+            prop = proposals.get(batch.seqs[b].request_id)
+            (reject if prop is not None and prop.q is not None else match).append(
+                (b, offset, count))
+            offset += count
+        chosen: dict[int, SampleResult] = {}
+        failed: dict[int, Exception] = {}
+        if match:
+            logits = result.logits if not reject else result.logits[torch.tensor(
+                [r for _, o, c in match for r in range(o, o + c)], device=result.logits.device)]
+            params, positions, outputs = [], [], []
+            for b, _, count in match:
+                seq = batch.seqs[b]
+                base = seq.num_tokens - seq.num_proposed
+                params.extend([seq.params] * count)
+                positions.extend(range(base - seq.num_prompt_tokens,
+                                       base - seq.num_prompt_tokens + count))
+                outputs.extend(Snapshot(seq.token_ids, seq.num_prompt_tokens, base + i)
+                               for i in range(count))
+            sampled, row_failed = self._sample(params, positions, outputs, logits)
+            row = 0
+            for b, _, count in match:
+                rows = range(row, row + count)
+                row += count
+                if bad := [r for r in rows if r in row_failed]:
+                    failed[b] = row_failed[bad[0]]
+                    continue
+                seq = batch.seqs[b]
+                proposed = seq.token_ids[seq.num_tokens - seq.num_proposed:]
+                stand = 0
+                while stand < len(proposed) and sampled.token_ids[rows[stand]] == proposed[stand]:
+                    stand += 1
+                chosen[b] = _slice(sampled, rows.start, rows.start + stand + 1)
+        for b, offset, count in reject:
+            seq = batch.seqs[b]
+            try:
+                chosen[b] = SampleResult(self._reject(seq, result.logits[offset:offset + count],
+                                                      proposals[seq.request_id]), None, None)
+            except Exception as err:
+                if is_device_error(err):
+                    raise
+                failed[b] = err
+        return chosen, failed
+
+    def _reject(self, seq: Sequence, logits: torch.Tensor, prop: Proposal) -> list[int]:
+        """The rejection rule over a sequence's verify logits [1 + proposals, V]."""
+        base = seq.num_tokens - seq.num_proposed
+        params = [seq.params] * len(logits)
+        if seq.params.adjusts_logits:
+            logits = adjust_logits(logits, params, [
+                Snapshot(seq.token_ids, seq.num_prompt_tokens, base + i)
+                for i in range(len(logits))])
+        return rejection_sample(self.sampler.probs(logits, params), prop.q, prop.tokens)
+
+    def _sample(self, params: list[SamplingParams], positions: list[int],
+                output_ids: list[Snapshot[int]], logits: torch.Tensor
                 ) -> tuple[SampleResult, dict[int, Exception]]:
         """One batched draw; if it raises, one draw per row, and the rows that still raise."""
-        params = [s.params for s in seqs]
-        positions = [len(s.token_ids) - s.num_prompt_tokens for s in seqs]
-        output_ids = [s.output_token_ids for s in seqs] if any(
-            p.adjusts_logits for p in params) else None
+        output_ids = output_ids if any(p.adjusts_logits for p in params) else None
         try:
             return self.sampler(logits, params, positions, output_ids), {}
         except Exception as err:
             if is_device_error(err):
                 raise
             log.warning("batched sampling failed (%s: %s); sampling its %d rows one by one",
-                        type(err).__name__, err, len(seqs))
-        merged = SampleResult([0] * len(seqs), [0.0] * len(seqs), [None] * len(seqs))
+                        type(err).__name__, err, len(params))
+        merged = SampleResult([0] * len(params), [0.0] * len(params), [None] * len(params))
         failed: dict[int, Exception] = {}
         for r, (p, position) in enumerate(zip(params, positions, strict=True)):
             try:
@@ -277,8 +443,17 @@ class LLMEngine:
         self._finish(seq, "error")
         return self._output(seq, [])
 
-    def _append_token(self, seq: Sequence, sampled, row: int) -> RequestOutput:
-        token = sampled.token_ids[row]
+    def _append_tokens(self, seq: Sequence, sampled: SampleResult) -> RequestOutput:
+        """Append a step's tokens one by one, stopping at the first that ends the request."""
+        appended: list[int] = []
+        for row, token in enumerate(sampled.token_ids):
+            appended.append(token)
+            if self._append_token(seq, sampled, row, token):
+                break
+        return self._output(seq, appended)
+
+    def _append_token(self, seq: Sequence, sampled: SampleResult, row: int, token: int) -> bool:
+        """Append one token (and its log-probs, text); True if it finished the request."""
         seq.token_ids.append(token)
         self._generated_total += 1
         if seq.logprobs is not None:
@@ -298,11 +473,13 @@ class LLMEngine:
             reason = "length"
         if reason is not None:
             self._finish(seq, reason)
-        return self._output(seq, [token])
+        return reason is not None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         self._seqs.pop(seq.request_id, None)
+        if self.drafter is not None:
+            self.drafter.release(seq.request_id)
 
     def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
         """The request's state now; its growing lists are handed out as snapshots, not copies."""
@@ -324,6 +501,14 @@ class LLMEngine:
             prefix_cache_hit_tokens=sched.prefix_hit_tokens_total,
             generated_tokens_total=self._generated_total, prompt_tokens_total=self._prompt_total,
         )
+
+
+def _slice(sampled: SampleResult, start: int, stop: int) -> SampleResult:
+    """Rows ``start:stop`` of a batched draw."""
+    return SampleResult(
+        sampled.token_ids[start:stop],
+        None if sampled.logprobs is None else sampled.logprobs[start:stop],
+        None if sampled.top_logprobs is None else sampled.top_logprobs[start:stop])
 
 
 def _snapshot(items: list | None) -> Snapshot | None:
