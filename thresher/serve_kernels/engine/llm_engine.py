@@ -448,12 +448,13 @@ class LLMEngine:
         appended: list[int] = []
         for row, token in enumerate(sampled.token_ids):
             appended.append(token)
-            if self._append_token(seq, sampled, row, token):
+            if self._append_token(seq, sampled, row):
                 break
         return self._output(seq, appended)
 
-    def _append_token(self, seq: Sequence, sampled: SampleResult, row: int, token: int) -> bool:
-        """Append one token (and its log-probs, text); True if it finished the request."""
+    def _append_token(self, seq: Sequence, sampled: SampleResult, row: int) -> bool:
+        """Append the token of ``row`` (and its log-probs, text); True if it ended the request."""
+        token = sampled.token_ids[row]
         seq.token_ids.append(token)
         self._generated_total += 1
         if seq.logprobs is not None:
@@ -490,6 +491,7 @@ class LLMEngine:
             prompt_logprobs=_snapshot(seq.prompt_logprobs), logprobs=_snapshot(seq.logprobs),
             num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
             top_logprobs=_snapshot(seq.top_logprobs), error=seq.error,
+            num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens,
         )
 
     def stats(self) -> EngineStats:
@@ -500,6 +502,8 @@ class LLMEngine:
             kv_blocks_used=bm.num_used_blocks, kv_blocks_cached_free=bm.num_cached_free_blocks,
             prefix_cache_hit_tokens=sched.prefix_hit_tokens_total,
             generated_tokens_total=self._generated_total, prompt_tokens_total=self._prompt_total,
+            spec=dataclasses.replace(self.spec_stats, accepted_per_position=list(
+                self.spec_stats.accepted_per_position)) if self.drafter is not None else None,
         )
 
 
@@ -567,13 +571,17 @@ class LLM:
         return [_as_lists(final[i]) for i in ids]
 
     def generate(self, prompts: str | list[str] | list[list[int]],
-                 params: SamplingParams | None = None, use_tqdm: bool = False
-                 ) -> list[RequestOutput]:
-        """Final outputs, in prompt order."""
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Final outputs, in prompt order; ``params`` one for all prompts or one per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
-        return self._run(list(prompts), [params] * len(prompts), use_tqdm)
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        elif len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        return self._run(list(prompts), list(params), use_tqdm)
 
     def score(self, token_windows: list[list[int]]) -> list[list[float | None]]:
         """Prompt log-probs of each window (the first token's is None): perplexity input."""
