@@ -198,3 +198,17 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_demo, small_vocab_pair)
         LLM(tiny_demo, speculative=SpeculativeConfig(str(small_vocab_pair[1]), 3))
     with pytest.raises(ValueError, match="num_speculative_tokens=0"):
         SpeculativeConfig("ngram", 0)
+
+
+def test_preemption_and_more_requests_than_rows(tiny_demo):
+    """A KV cache too small for every request preempts and recomputes sequences, and more
+    requests pass through than the draft has block-table rows: still plain decoding's tokens,
+    and every block back at the end."""
+    kw = dict(max_num_seqs=2, max_model_len=96, block_size=16, num_kv_blocks=6)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+    prompts = PROMPTS * 2
+    want = [o.token_ids for o in LLM(tiny_demo, **kw).generate(prompts, params * 2)]
+    llm = LLM(tiny_demo, **kw, speculative=SpeculativeConfig(str(tiny_demo), 3))
+    assert [o.token_ids for o in llm.generate(prompts, params * 2)] == want
+    assert llm.engine.scheduler.num_preempted_total > 0
+    _assert_all_freed(llm)

@@ -167,7 +167,16 @@ class ModelDrafter:
         self.block_manager.truncate(d)
         return d
 
+    def _make_room(self, active: set[str]) -> None:
+        """Release the mirrors of sequences not proposing this step (preempted ones, say), so
+        that the step's own mirrors find block-table rows and blocks."""
+        for request_id in [r for r in self.mirrors if r not in active]:
+            self.release(request_id)
+
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        active = {s.request_id for s in seqs}
+        if sum(r not in self.mirrors for r in active) > self.tables.num_free_rows:
+            self._make_room(active)
         mirrors = [self._sync(s) for s in seqs]
         proposals = [Proposal() for _ in seqs]
         q_rows: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -178,6 +187,8 @@ class ModelDrafter:
             for i in chosen:
                 d = mirrors[i]
                 n = d.num_tokens - d.num_computed_tokens
+                if not self.block_manager.allocate(d, n) and len(self.mirrors) > len(active):
+                    self._make_room(active)
                 if self.block_manager.allocate(d, n):
                     scheduled.append((i, n))
                 else:  # the draft cache is full: this sequence goes without proposals
