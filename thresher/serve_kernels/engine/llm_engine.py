@@ -129,6 +129,12 @@ class LLMEngine:
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings ({limit})")
+        self.drafter: NgramDrafter | ModelDrafter | None = None
+        self.num_speculative_tokens = speculative.num_speculative_tokens if speculative else 0
+        self.spec_stats = SpeculativeStats()
+        if speculative is not None:  # on a GPU the target's cache gets what the draft leaves
+            self.drafter = self._build_drafter(speculative, spec, max_num_seqs, block_size,
+                                               enforce_eager)
         torch_dtype = DTYPES[dtype]
         per_block = ModelRunner.kv_bytes_per_block(loaded.model, block_size, torch_dtype)
         blocks_per_seq = -(-self.max_model_len // block_size)
@@ -146,12 +152,6 @@ class LLMEngine:
                              f"max_model_len={self.max_model_len} ({blocks_per_seq} blocks of "
                              f"{block_size}); raise the KV cache (num_kv_blocks, kv_cache_gb, "
                              "gpu_memory_utilization) or lower max_model_len")
-        self.drafter: NgramDrafter | ModelDrafter | None = None
-        self.num_speculative_tokens = speculative.num_speculative_tokens if speculative else 0
-        self.spec_stats = SpeculativeStats()
-        if speculative is not None:  # a draft model's cache is allocated before the target's
-            self.drafter = self._build_drafter(speculative, spec, max_num_seqs, block_size,
-                                               enforce_eager)
         tables = BlockTables(max_num_seqs, blocks_per_seq, self.device)
         self.block_manager = BlockManager(num_kv_blocks, block_size, tables,
                                           enable_prefix_caching)
