@@ -154,7 +154,8 @@ class ModelDrafter:
         rejected."""
         d = self.mirrors.get(seq.request_id)
         if d is None:
-            d = Sequence(seq.request_id, seq.prompt_token_ids, seq.params, self.max_model_len)
+            # plain params: the draft samples with the request's, and scores no prompt
+            d = Sequence(seq.request_id, seq.prompt_token_ids, SamplingParams(), self.max_model_len)
             self.mirrors[seq.request_id] = d
             self.synced[seq.request_id] = d.num_tokens
         n, limit = self.synced[seq.request_id], min(d.num_tokens, seq.num_tokens)
