@@ -284,7 +284,7 @@ class LLMEngine:
             if m := seq.num_proposed:  # cut the proposals; keep the KV of those that stand
                 del seq.token_ids[seq.num_tokens - m:]
                 seq.num_proposed = 0
-                accepted = len(chosen[b].token_ids) - 1 if b in chosen else 0
+                accepted = chosen[b][2] - chosen[b][1] - 1 if b in chosen else 0
                 self.spec_stats.record(m, accepted)
                 seq.num_draft_tokens += m
                 seq.num_accepted_tokens += accepted
@@ -297,7 +297,7 @@ class LLMEngine:
                 if b in failed:
                     raise failed[b]
                 if b in chosen:
-                    outputs.append(self._append_tokens(seq, chosen[b]))
+                    outputs.append(self._append_tokens(seq, *chosen[b]))
                 elif seq.num_computed_tokens == seq.num_tokens and seq.max_tokens == 0:
                     self._finish(seq, "length")
                     outputs.append(self._output(seq, []))
@@ -343,12 +343,30 @@ class LLMEngine:
         return ScheduledBatch([r[0] for r in rows], [r[1] for r in rows]), proposals
 
     def _choose(self, batch: ScheduledBatch, result: StepResult, proposals: dict[str, Proposal]
-                ) -> tuple[dict[int, SampleResult], dict[int, Exception]]:
-        """Each sampling sequence's new tokens (batch index -> result), and the failed ones.
+                ) -> tuple[dict[int, tuple[SampleResult, int, int]], dict[int, Exception]]:
+        """Each sampling sequence's new tokens (batch index -> a draw and its rows start:stop
+        holding them), and the failed ones.
 
         A plain row yields one token. A verifying row yields the proposals that stand plus one
         token of the target's (``speculative``'s rules); under *match* every position's choice
         is the sampler's, made with the tokens before it, proposals included, as context."""
+        if not proposals:  # a plain step: one row per sampling sequence (the hot path)
+            seqs = [batch.seqs[b] for b in result.sample_rows]
+            if not seqs:
+                return {}, {}
+            params = [s.params for s in seqs]
+            outputs = [s.output_token_ids for s in seqs] if any(
+                p.adjusts_logits for p in params) else None
+            sampled, row_failed = self._sample(
+                params, [len(s.token_ids) - s.num_prompt_tokens for s in seqs], outputs,
+                result.logits)
+            chosen = {b: (sampled, r, r + 1) for r, b in enumerate(result.sample_rows)}
+            failed = {}
+            for r, err in row_failed.items():
+                b = result.sample_rows[r]
+                failed[b] = err
+                del chosen[b]
+            return chosen, failed
         match: list[tuple[int, int, int]] = []  # (batch index, first logits row, rows)
         reject: list[tuple[int, int, int]] = []
         offset = 0
@@ -357,39 +375,49 @@ class LLMEngine:
             (reject if prop is not None and prop.q is not None else match).append(
                 (b, offset, count))
             offset += count
-        chosen: dict[int, SampleResult] = {}
+        chosen: dict[int, tuple[SampleResult, int, int]] = {}
         failed: dict[int, Exception] = {}
         if match:
             logits = result.logits if not reject else result.logits[torch.tensor(
                 [r for _, o, c in match for r in range(o, o + c)], device=result.logits.device)]
-            params, positions, outputs = [], [], []
-            for b, _, count in match:
+            params: list[SamplingParams] = []
+            positions: list[int] = []
+            adjusts = False
+            for b, _, count in match:  # per row of every step: kept lean
                 seq = batch.seqs[b]
-                base = seq.num_tokens - seq.num_proposed
-                params.extend([seq.params] * count)
-                positions.extend(range(base - seq.num_prompt_tokens,
-                                       base - seq.num_prompt_tokens + count))
-                outputs.extend(Snapshot(seq.token_ids, seq.num_prompt_tokens, base + i)
-                               for i in range(count))
+                start = seq.num_output_tokens - seq.num_proposed
+                if count == 1:
+                    params.append(seq.params)
+                    positions.append(start)
+                else:
+                    params.extend([seq.params] * count)
+                    positions.extend(range(start, start + count))
+                adjusts = adjusts or seq.params.adjusts_logits
+            outputs = [Snapshot(batch.seqs[b].token_ids, batch.seqs[b].num_prompt_tokens,
+                                batch.seqs[b].num_tokens - batch.seqs[b].num_proposed + i)
+                       for b, _, count in match for i in range(count)] if adjusts else None
             sampled, row_failed = self._sample(params, positions, outputs, logits)
             row = 0
             for b, _, count in match:
                 rows = range(row, row + count)
                 row += count
-                if bad := [r for r in rows if r in row_failed]:
+                if row_failed and (bad := [r for r in rows if r in row_failed]):
                     failed[b] = row_failed[bad[0]]
                     continue
                 seq = batch.seqs[b]
-                proposed = seq.token_ids[seq.num_tokens - seq.num_proposed:]
                 stand = 0
-                while stand < len(proposed) and sampled.token_ids[rows[stand]] == proposed[stand]:
-                    stand += 1
-                chosen[b] = _slice(sampled, rows.start, rows.start + stand + 1)
+                if count > 1:
+                    proposed = seq.token_ids[seq.num_tokens - seq.num_proposed:]
+                    while (stand < len(proposed)
+                           and sampled.token_ids[rows[stand]] == proposed[stand]):
+                        stand += 1
+                chosen[b] = (sampled, rows.start, rows.start + stand + 1)
         for b, offset, count in reject:
             seq = batch.seqs[b]
             try:
-                chosen[b] = SampleResult(self._reject(seq, result.logits[offset:offset + count],
-                                                      proposals[seq.request_id]), None, None)
+                tokens = self._reject(seq, result.logits[offset:offset + count],
+                                      proposals[seq.request_id])
+                chosen[b] = (SampleResult(tokens, None, None), 0, len(tokens))
             except Exception as err:
                 if is_device_error(err):
                     raise
@@ -407,10 +435,10 @@ class LLMEngine:
         return rejection_sample(self.sampler.probs(logits, params), prop.q, prop.tokens)
 
     def _sample(self, params: list[SamplingParams], positions: list[int],
-                output_ids: list[Snapshot[int]], logits: torch.Tensor
+                output_ids: list[Snapshot[int]] | None, logits: torch.Tensor
                 ) -> tuple[SampleResult, dict[int, Exception]]:
-        """One batched draw; if it raises, one draw per row, and the rows that still raise."""
-        output_ids = output_ids if any(p.adjusts_logits for p in params) else None
+        """One batched draw; if it raises, one draw per row, and the rows that still raise.
+        ``output_ids``: each row's generated tokens, where a row's penalties need them."""
         try:
             return self.sampler(logits, params, positions, output_ids), {}
         except Exception as err:
@@ -443,14 +471,15 @@ class LLMEngine:
         self._finish(seq, "error")
         return self._output(seq, [])
 
-    def _append_tokens(self, seq: Sequence, sampled: SampleResult) -> RequestOutput:
-        """Append a step's tokens one by one, stopping at the first that ends the request."""
-        appended: list[int] = []
-        for row, token in enumerate(sampled.token_ids):
-            appended.append(token)
+    def _append_tokens(self, seq: Sequence, sampled: SampleResult, start: int, stop: int
+                       ) -> RequestOutput:
+        """Append the tokens of rows ``start:stop`` one by one, stopping at the first that ends
+        the request."""
+        for row in range(start, stop):
             if self._append_token(seq, sampled, row):
+                stop = row + 1
                 break
-        return self._output(seq, appended)
+        return self._output(seq, sampled.token_ids[start:stop])
 
     def _append_token(self, seq: Sequence, sampled: SampleResult, row: int) -> bool:
         """Append the token of ``row`` (and its log-probs, text); True if it ended the request."""
@@ -505,14 +534,6 @@ class LLMEngine:
             spec=dataclasses.replace(self.spec_stats, accepted_per_position=list(
                 self.spec_stats.accepted_per_position)) if self.drafter is not None else None,
         )
-
-
-def _slice(sampled: SampleResult, start: int, stop: int) -> SampleResult:
-    """Rows ``start:stop`` of a batched draw."""
-    return SampleResult(
-        sampled.token_ids[start:stop],
-        None if sampled.logprobs is None else sampled.logprobs[start:stop],
-        None if sampled.top_logprobs is None else sampled.top_logprobs[start:stop])
 
 
 def _snapshot(items: list | None) -> Snapshot | None:

@@ -211,8 +211,8 @@ class ModelRunner:
                        if seq.num_computed_tokens + n == seq.num_tokens
                        and seq.num_output_tokens < seq.max_tokens]
         counts = [batch.seqs[b].num_proposed + 1 for b in sample_rows]
-        rows = [r for b, c in zip(sample_rows, counts, strict=True)
-                for r in range(cu[b + 1] - c, cu[b + 1])]
+        rows = [cu[b + 1] - 1 for b in sample_rows] if len(counts) == sum(counts) else [
+            r for b, c in zip(sample_rows, counts, strict=True) for r in range(cu[b + 1] - c, cu[b + 1])]
         logits = self.model.logits(_take_rows(hidden, rows)) if rows else None
         return StepResult(sample_rows, logits, self._prompt_logprobs(batch, hidden, cu), counts)
 
