@@ -212,3 +212,20 @@ def test_preemption_and_more_requests_than_rows(tiny_demo):
     assert [o.token_ids for o in llm.generate(prompts, params * 2)] == want
     assert llm.engine.scheduler.num_preempted_total > 0
     _assert_all_freed(llm)
+
+
+def test_rejection_path_with_penalties_and_bias_runs_to_length(tiny_demo):
+    """Unseeded sampling with penalties and a logit bias under a draft model goes through the
+    rejection rule. With the target as its own draft, q and p are the same distributions when
+    both are adjusted over the same tokens (proposals included), so min(1, p/q) keeps nearly
+    every proposal; a mismatch in how either is built would reject many."""
+    params = SamplingParams(temperature=0.9, top_p=0.95, presence_penalty=0.5,
+                            frequency_penalty=0.3, logit_bias={13: 2.0}, max_tokens=40,
+                            ignore_eos=True)
+    llm = LLM(tiny_demo, speculative=SpeculativeConfig(str(tiny_demo), 4))
+    outs = llm.generate(PROMPTS, params)
+    assert [len(o.token_ids) for o in outs] == [40] * len(PROMPTS)
+    spec = llm.engine.spec_stats
+    assert spec.num_drafts > 0 and spec.acceptance_rate > 0.95
+    assert sum(o.num_draft_tokens for o in outs) == spec.num_draft_tokens
+    _assert_all_freed(llm)
