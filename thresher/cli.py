@@ -716,7 +716,11 @@ def _describe_loaded(name: str, info: dict, max_model_len: int) -> str:
         memory = f", weights {info['weight_bytes'] / 2**20:.1f} MiB"
     if info.get("kv_cache_bytes") is not None:
         memory += f", KV cache {info['kv_cache_bytes'] / 2**20:.1f} MiB"
-    return f"loaded {name}: {fmt}{experts}{params}{memory}, context {max_model_len} tokens"
+    spec = info.get("speculative")
+    drafting = (f", speculative decoding with {spec['draft']} (k={spec['num_speculative_tokens']})"
+                if spec else "")
+    return (f"loaded {name}: {fmt}{experts}{params}{memory}, context {max_model_len} tokens"
+            f"{drafting}")
 
 
 @app.command()
@@ -742,6 +746,20 @@ def compare(
     if log_to:
         log_report(report, log_to, tracking_uri=tracking_uri)
         console.print(f"report logged to MLflow run {log_to} (artifacts/comparison)")
+
+
+def _speculative_config(draft: str | None, num_speculative_tokens: int | None):
+    """The engine's speculative-decoding options from ``serve``'s flags (None: plain decoding)."""
+    from thresher.serve_kernels.engine.speculative import SpeculativeConfig
+
+    if draft is None:
+        if num_speculative_tokens is not None:
+            raise typer.BadParameter("needs --draft (ngram or a draft model) to propose tokens",
+                                     param_hint="'--num-speculative-tokens'")
+        return None
+    if num_speculative_tokens is None:
+        return SpeculativeConfig(draft)
+    return SpeculativeConfig(draft, num_speculative_tokens)
 
 
 @app.command()
@@ -779,6 +797,12 @@ def serve(
         help="CUDA: run decode steps eagerly instead of replaying CUDA graphs.")] = False,
     max_body_bytes: Annotated[int, typer.Option(
         help="Largest request body accepted; larger ones get HTTP 413.")] = 8 * 2**20,
+    draft: Annotated[str | None, typer.Option(
+        help="Speculative decoding: 'ngram' (prompt lookup) or a draft model (artifact "
+             "directory, models:/name/version, demo:NAME) with the target's tokenizer.")] = None,
+    num_speculative_tokens: Annotated[int | None, typer.Option(
+        help="Speculative decoding: tokens proposed per sequence and step (k, 1-16; default 3 "
+             "with --draft).")] = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions).
 
@@ -802,11 +826,12 @@ def serve(
         err_console.print(f"[bold yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     path = resolve_model(model)
     try:
+        speculative = _speculative_config(draft, num_speculative_tokens)
         engine = LLMEngine(path, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                            dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
                            block_size=block_size, num_kv_blocks=num_kv_blocks,
                            kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization,
-                           enforce_eager=enforce_eager)
+                           enforce_eager=enforce_eager, speculative=speculative)
     except ValueError as err:  # an engine option out of range: the message names it
         raise typer.BadParameter(str(err)) from None
     name = served_model_name or (path.name if not model.startswith("models:/")

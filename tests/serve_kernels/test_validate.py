@@ -12,6 +12,7 @@ from thresher.evaluate.perplexity import perplexity
 from thresher.models import load_model, load_tokenizer, save_model
 from thresher.recipe import PerplexityConfig, ValidateConfig
 from thresher.serve_kernels import LLM
+from thresher.serve_kernels.draft_score import draft_acceptance
 from thresher.serve_kernels.validate import engine_perplexity, token_agreement, validate_artifact
 
 EVAL = PerplexityConfig(seq_len=64, max_windows=4)
@@ -62,3 +63,17 @@ def test_validate_base_and_degraded_variant(tiny_demo, noisy_artifact):
             assert 0 < m[f"validate/ttft_p50_ms_c{c}"] <= m[f"validate/ttft_p99_ms_c{c}"]
             assert 0 < m[f"validate/tpot_p50_ms_c{c}"] <= m[f"validate/tpot_p99_ms_c{c}"]
         assert all(math.isfinite(v) for v in m.values())
+
+
+def test_draft_acceptance_scores_a_draft_of_a_target(tiny_demo):
+    """A model drafting for itself at temperature 0 has every proposal kept; prompt lookup on
+    the same prompts keeps fewer."""
+    itself = draft_acceptance(tiny_demo, tiny_demo, max_tokens=24, num_speculative_tokens=3)
+    assert itself.acceptance_rate == 1.0 and itself.mean_accepted_length == pytest.approx(4.0,
+                                                                                          abs=0.5)
+    assert itself.num_draft_tokens > 0 and itself.tokens_per_second > 0
+    lookup = draft_acceptance(tiny_demo, "ngram", max_tokens=24, num_speculative_tokens=3)
+    assert 0 < lookup.acceptance_rate < 1
+    assert set(lookup.metrics()) == {"validate/draft_acceptance_rate",
+                                     "validate/draft_mean_accepted_length",
+                                     "validate/draft_speculative_tok_s"}

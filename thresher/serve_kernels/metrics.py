@@ -3,7 +3,8 @@
 Each server owns a registry (several servers can live in one process, as in tests). Engine gauges
 are read at scrape time from the snapshot the engine loop publishes after every step, because
 only the loop thread may call the engine. Latency histograms are observed as outputs arrive:
-TTFT from admission to the first generated token, TPOT between later tokens.
+TTFT from admission to the first generated token, TPOT between later tokens. With speculative
+decoding, its counters appear under vLLM's ``vllm:spec_decode_*`` names.
 """
 
 from __future__ import annotations
@@ -54,6 +55,35 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value)
+        if stats.spec is not None:
+            yield from _speculative_metrics(stats.spec)
+
+
+def _speculative_metrics(spec) -> Iterator:
+    """Speculative decoding's counters under vLLM's names (its v1 counters, its v0 acceptance
+    gauge); vLLM has no name for the mean accepted length or the draft and verify times."""
+    counters = {
+        "vllm:spec_decode_num_drafts": ("Verify steps of a sequence with proposals",
+                                        spec.num_drafts),
+        "vllm:spec_decode_num_draft_tokens": ("Proposed tokens", spec.num_draft_tokens),
+        "vllm:spec_decode_num_accepted_tokens": ("Proposed tokens the target kept",
+                                                 spec.num_accepted_tokens),
+        "thresher_spec_decode_draft_seconds": ("Time spent proposing", spec.draft_seconds),
+        "thresher_spec_decode_verify_seconds": ("Time spent in steps that verified proposals "
+                                                "(forward and acceptance)", spec.verify_seconds),
+    }
+    for name, (doc, value) in counters.items():
+        yield CounterMetricFamily(name, doc, value)
+    per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Proposals kept, by position in the proposal", labels=["position"])
+    for position, value in enumerate(spec.accepted_per_position):
+        per_pos.add_metric([str(position)], value)
+    yield per_pos
+    yield GaugeMetricFamily("vllm:spec_decode_draft_acceptance_rate",
+                            "Accepted over proposed tokens", spec.acceptance_rate)
+    yield GaugeMetricFamily("thresher_spec_decode_mean_accepted_length",
+                            "Tokens emitted per verify step (accepted proposals + 1)",
+                            spec.mean_accepted_length)
 
 
 class ServerMetrics:

@@ -48,6 +48,10 @@ class SamplingFields(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="extension: keep generating past end-of-sequence")
+    speculative_usage: bool = Field(
+        False, description="extension: with speculative decoding, add the proposals the target "
+        "kept and rejected to the usage (completion_tokens_details.accepted_prediction_tokens / "
+        "rejected_prediction_tokens, OpenAI's names for predicted outputs)")
     presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None \

@@ -356,6 +356,8 @@ class _Choice:
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[float | None] | None = None
+    draft_tokens: int = 0  # speculative proposals verified for this sequence
+    accepted_tokens: int = 0  # of which the target kept
     echoed_chars: int = 0  # length of the echoed prompt text ahead of the completion's
     sent_text: int = 0
     sent_tokens: int = 0
@@ -364,6 +366,7 @@ class _Choice:
         self.token_ids = list(out.token_ids)
         self.text = out.text
         self.finish_reason = out.finish_reason
+        self.draft_tokens, self.accepted_tokens = out.num_draft_tokens, out.num_accepted_tokens
         if out.logprobs is not None:
             self.logprobs = list(out.logprobs)
         if out.top_logprobs is not None:
@@ -570,7 +573,7 @@ class _API:
             out.append({"index": i, "text": prompt_text + text, "logprobs": lp,
                         "finish_reason": c.finish_reason})
         return JSONResponse({**head, "choices": out,
-                             "usage": _usage(choices, body.n, scoring_only)})
+                             "usage": _usage(choices, body, scoring_only)})
 
     def prompt_scores(self, c: _Choice) -> list[float | None]:
         if c.prompt_logprobs is None or len(c.prompt_logprobs) != len(c.prompt_ids):
@@ -635,7 +638,7 @@ class _API:
                         "finish_reason": c.finish_reason if out.finished else None}]})
             if body.stream_options and body.stream_options.include_usage:
                 yield _event({**head, "choices": [],
-                              "usage": _usage(choices, body.n, scoring_only)})
+                              "usage": _usage(choices, body, scoring_only)})
             yield "data: [DONE]\n\n"
 
     # --- /v1/chat/completions ---
@@ -660,7 +663,7 @@ class _API:
             out.append({"index": i, "message": {"role": "assistant", "content": c.text},
                         "logprobs": lp, "finish_reason": c.finish_reason})
         return JSONResponse({**head, "object": "chat.completion", "choices": out,
-                             "usage": _usage(choices, body.n, False)})
+                             "usage": _usage(choices, body, False)})
 
     def chat_logprobs(self, ids: list[int], lps: list[float],
                       tops: list[dict[int, float]]) -> list[dict[str, Any]]:
@@ -697,7 +700,7 @@ class _API:
                         "index": i, "delta": {"content": delta} if delta else {}, "logprobs": lp,
                         "finish_reason": c.finish_reason if out.finished else None}]})
             if body.stream_options and body.stream_options.include_usage:
-                yield _event({**head, "choices": [], "usage": _usage(choices, body.n, False)})
+                yield _event({**head, "choices": [], "usage": _usage(choices, body, False)})
             yield "data: [DONE]\n\n"
 
 
@@ -713,11 +716,18 @@ def _advance(c: _Choice) -> tuple[str, list[int], list[float], list[dict[int, fl
     return delta, new_ids, new_lps, new_tops
 
 
-def _usage(choices: list[_Choice], n: int, scoring_only: bool) -> dict[str, int]:
+def _usage(choices: list[_Choice], body, scoring_only: bool) -> dict:
+    n = body.n
     prompt = sum(len(c.prompt_ids) for c in choices[::n])
     completion = 0 if scoring_only else sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+    usage: dict = {"prompt_tokens": prompt, "completion_tokens": completion,
+                   "total_tokens": prompt + completion}
+    if body.speculative_usage:
+        accepted = sum(c.accepted_tokens for c in choices)
+        usage["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": sum(c.draft_tokens for c in choices) - accepted}
+    return usage
 
 
 def _event(payload: dict) -> str:

@@ -126,6 +126,19 @@ class BlockManager:
                 self.hashes[block] = h
                 self.hash_to_block[h] = block
 
+    def truncate(self, seq: Sequence) -> None:
+        """Release the tail blocks past ``seq.num_computed_tokens`` (speculative tokens the
+        target rejected). Their slots hold no committed token, so no hash names them."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        if keep >= len(seq.block_table):
+            return
+        for block in reversed(seq.block_table[keep:]):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.fresh.append(block)
+        self.tables.clear_tail(seq, keep)
+        del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks, tail first; hashed blocks stay cached for reuse."""
         for block in reversed(seq.block_table):

@@ -59,6 +59,15 @@ class BlockTables:
         self.tables = wider
         self._host = wider.numpy() if wider.device.type == "cpu" else None
 
+    def clear_tail(self, seq: Sequence, start: int) -> None:
+        """Zero the sequence's entries from ``start`` on (its table was cut there)."""
+        if seq.table_row is None:
+            return
+        if self._host is not None:
+            self._host[seq.table_row, start:] = 0
+        else:
+            self.tables[seq.table_row, start:].zero_()
+
     def release(self, seq: Sequence) -> None:
         """Zero the sequence's row and give it back."""
         row = seq.table_row

@@ -14,11 +14,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from thresher.errors import ModelError
 from thresher.formats.dtypes import DTYPES
 from thresher.models.inspect import weight_bytes
 from thresher.models.loading import load_tokenizer
@@ -27,8 +29,8 @@ from thresher.serve_kernels.engine.block_manager import BlockManager
 from thresher.serve_kernels.engine.block_table import BlockTables
 from thresher.serve_kernels.engine.detokenizer import Detokenizer, find_stop, visible_text
 from thresher.serve_kernels.engine.kv_budget import KVCacheConfig, free_gpu_bytes, size_kv_cache
-from thresher.serve_kernels.engine.model_runner import ModelRunner
-from thresher.serve_kernels.engine.sampler import Sampler, SampleResult
+from thresher.serve_kernels.engine.model_runner import ModelRunner, StepResult
+from thresher.serve_kernels.engine.sampler import Sampler, SampleResult, adjust_logits
 from thresher.serve_kernels.engine.sampling_params import (
     EngineStats,
     RequestOutput,
@@ -36,6 +38,15 @@ from thresher.serve_kernels.engine.sampling_params import (
 )
 from thresher.serve_kernels.engine.scheduler import ScheduledBatch, Scheduler
 from thresher.serve_kernels.engine.sequence import Sequence, Snapshot
+from thresher.serve_kernels.engine.speculative import (
+    NGRAM,
+    ModelDrafter,
+    NgramDrafter,
+    Proposal,
+    SpeculativeConfig,
+    SpeculativeStats,
+    rejection_sample,
+)
 from thresher.serve_kernels.kernels.cpu_blocked import blocked_supported
 from thresher.serve_kernels.loader import load_engine_model
 
@@ -99,7 +110,7 @@ class LLMEngine:
                  num_kv_blocks: int | None = None, max_model_len: int | None = None,
                  dtype: str = "auto", enable_prefix_caching: bool = True,
                  kv_cache_gb: float | None = None, gpu_memory_utilization: float = 0.9,
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False, speculative: SpeculativeConfig | None = None):
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("block_size", block_size)):
@@ -118,6 +129,12 @@ class LLMEngine:
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings ({limit})")
+        self.drafter: NgramDrafter | ModelDrafter | None = None
+        self.num_speculative_tokens = speculative.num_speculative_tokens if speculative else 0
+        self.spec_stats = SpeculativeStats()
+        if speculative is not None:  # on a GPU the target's cache gets what the draft leaves
+            self.drafter = self._build_drafter(speculative, spec, max_num_seqs, block_size,
+                                               enforce_eager)
         torch_dtype = DTYPES[dtype]
         per_block = ModelRunner.kv_bytes_per_block(loaded.model, block_size, torch_dtype)
         blocks_per_seq = -(-self.max_model_len // block_size)
@@ -150,11 +167,50 @@ class LLMEngine:
         self.model_info = {**loaded.info, "kv_cache_bytes": num_kv_blocks * per_block,
                            "kv_blocks": num_kv_blocks, "block_size": block_size,
                            "max_model_len": self.max_model_len, "device": str(self.device),
-                           "cuda_graphs": self.runner.decode_graphs is not None}
+                           "cuda_graphs": self.runner.decode_graphs is not None,
+                           "speculative": None if speculative is None else {
+                               "draft": speculative.draft,
+                               "num_speculative_tokens": speculative.num_speculative_tokens}}
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self._generated_total = 0
         self._prompt_total = 0
+
+    def _build_drafter(self, config: SpeculativeConfig, target, max_num_seqs: int,
+                       block_size: int, enforce_eager: bool) -> NgramDrafter | ModelDrafter:
+        """Prompt lookup, or a draft model with its own KV cache (sized by the CPU rule:
+        ``KV_BUDGET_BYTES``, capped at what ``max_num_seqs`` full sequences use)."""
+        if config.draft == NGRAM:
+            return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+        path = resolve_model(config.draft)
+        dtype = resolve_dtype("auto", self.device, weight_bytes(path))
+        loaded = load_engine_model(path, dtype, self.device)
+        spec = loaded.model.spec
+        if spec.vocab_size != target.vocab_size:
+            raise ModelError(f"draft model {config.draft!r} has a vocabulary of {spec.vocab_size} "
+                             f"tokens, the target {target.vocab_size}: a draft must share the "
+                             "target's vocabulary (a variant of it, or a model of the same family)")
+        if load_tokenizer(loaded.path).get_vocab() != self.tokenizer.get_vocab():
+            raise ModelError(f"draft model {config.draft!r} has another tokenizer than the "
+                             "target: a draft must share the target's vocabulary (a variant of "
+                             "it, or a model of the same family)")
+        if spec.max_position_embeddings < self.max_model_len:
+            raise ValueError(f"draft model {config.draft!r} has a context of "
+                             f"{spec.max_position_embeddings} tokens, below max_model_len="
+                             f"{self.max_model_len}; lower max_model_len")
+        torch_dtype = DTYPES[dtype]
+        per_block = ModelRunner.kv_bytes_per_block(loaded.model, block_size, torch_dtype)
+        blocks_per_seq = -(-self.max_model_len // block_size)
+        num_blocks = size_kv_cache(KVCacheConfig(), per_block, blocks_per_seq, max_num_seqs, None)
+        tables = BlockTables(max_num_seqs, blocks_per_seq, self.device)
+        runner = ModelRunner(loaded.model, num_blocks, block_size, torch_dtype, self.device, tables)
+        if self.device.type == "cuda" and not enforce_eager:
+            runner.capture_decode_graphs(max_num_seqs, self.max_model_len)
+        manager = BlockManager(num_blocks, block_size, tables, enable_prefix_caching=False)
+        drafter = ModelDrafter(runner, manager, tables, self.max_model_len)
+        log.info("speculative decoding: draft model %s (%s, %d KV blocks), k=%d", config.draft,
+                 dtype, num_blocks, config.num_speculative_tokens)
+        return drafter
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -188,6 +244,8 @@ class LLMEngine:
         if seq is None or seq.is_finished:
             return
         self.scheduler.finish(seq, "abort")
+        if self.drafter is not None:
+            self.drafter.release(seq.request_id)
         self._aborted.append(seq)
 
     def has_unfinished_requests(self) -> bool:
@@ -212,23 +270,34 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not len(batch):
             return outputs
+        proposals: dict[str, Proposal] = {}
+        if self.drafter is not None:
+            batch, proposals = self._propose(batch)
+        start = time.perf_counter()
         result = self.runner.run(batch)
-        sampled, failed = None, {}
-        if result.sample_rows:
-            sampled, failed = self._sample([batch.seqs[b] for b in result.sample_rows],
-                                           result.logits)
+        chosen, failed = self._choose(batch, result, proposals)
+        if proposals:
+            self.spec_stats.verify_seconds += time.perf_counter() - start
         for b, lps in result.prompt_logprobs.items():
             batch.seqs[b].prompt_logprobs.extend(lps)
-        row_of = {b: r for r, b in enumerate(result.sample_rows)}
         for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            if m := seq.num_proposed:  # cut the proposals; keep the KV of those that stand
+                del seq.token_ids[seq.num_tokens - m:]
+                seq.num_proposed = 0
+                accepted = chosen[b][2] - chosen[b][1] - 1 if b in chosen else 0
+                self.spec_stats.record(m, accepted)
+                seq.num_draft_tokens += m
+                seq.num_accepted_tokens += accepted
+                n -= m - accepted
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
-            r = row_of.get(b)
+            if m:
+                self.block_manager.truncate(seq)
             try:
-                if r in failed:
-                    raise failed[r]
-                if r is not None:
-                    outputs.append(self._append_token(seq, sampled, r))
+                if b in failed:
+                    raise failed[b]
+                if b in chosen:
+                    outputs.append(self._append_tokens(seq, *chosen[b]))
                 elif seq.num_computed_tokens == seq.num_tokens and seq.max_tokens == 0:
                     self._finish(seq, "length")
                     outputs.append(self._output(seq, []))
@@ -238,21 +307,146 @@ class LLMEngine:
                 outputs.append(self._fail(seq, err))
         return outputs
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor
+    def _propose(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, dict[str, Proposal]]:
+        """Proposals for the batch's decoding sequences, appended to their tokens, and the
+        batch with their verify chunks (1 + proposals each) in place of single tokens.
+
+        A sequence gets at most k, fewer near its ``max_tokens`` or the context limit, none
+        beyond the step's token budget or when the KV cache has no block for them."""
+        budget = self.scheduler.max_num_batched_tokens - sum(batch.num_new_tokens)
+        seqs, ks = [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if n != 1 or seq.num_computed_tokens + 1 != seq.num_tokens:
+                continue  # a prefill chunk
+            k = min(self.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - seq.num_tokens, budget)
+            if k > 0:
+                seqs.append(seq)
+                ks.append(k)
+                budget -= k
+        if not seqs:
+            return batch, {}
+        start = time.perf_counter()
+        proposed = self.drafter.propose(seqs, ks)
+        self.spec_stats.draft_seconds += time.perf_counter() - start
+        proposals: dict[str, Proposal] = {}
+        for seq, prop in zip(seqs, proposed, strict=True):
+            m = len(prop.tokens)
+            if m and self.block_manager.allocate(seq, 1 + m):
+                seq.token_ids.extend(prop.tokens)
+                seq.num_proposed = m
+                proposals[seq.request_id] = prop
+        if not proposals:
+            return batch, {}
+        rows = sorted(((seq, n + seq.num_proposed) for seq, n in zip(
+            batch.seqs, batch.num_new_tokens, strict=True)), key=lambda c: c[1] != 1)
+        return ScheduledBatch([r[0] for r in rows], [r[1] for r in rows]), proposals
+
+    def _choose(self, batch: ScheduledBatch, result: StepResult, proposals: dict[str, Proposal]
+                ) -> tuple[dict[int, tuple[SampleResult, int, int]], dict[int, Exception]]:
+        """Each sampling sequence's new tokens (batch index -> a draw and its rows start:stop
+        holding them), and the failed ones.
+
+        A plain row yields one token. A verifying row yields the proposals that stand plus one
+        token of the target's (``speculative``'s rules); under *match* every position's choice
+        is the sampler's, made with the tokens before it, proposals included, as context."""
+        if not proposals:  # a plain step: one row per sampling sequence (the hot path)
+            seqs = [batch.seqs[b] for b in result.sample_rows]
+            if not seqs:
+                return {}, {}
+            params = [s.params for s in seqs]
+            outputs = [s.output_token_ids for s in seqs] if any(
+                p.adjusts_logits for p in params) else None
+            sampled, row_failed = self._sample(
+                params, [len(s.token_ids) - s.num_prompt_tokens for s in seqs], outputs,
+                result.logits)
+            chosen = {b: (sampled, r, r + 1) for r, b in enumerate(result.sample_rows)}
+            failed = {}
+            for r, err in row_failed.items():
+                b = result.sample_rows[r]
+                failed[b] = err
+                del chosen[b]
+            return chosen, failed
+        match: list[tuple[int, int, int]] = []  # (batch index, first logits row, rows)
+        reject: list[tuple[int, int, int]] = []
+        offset = 0
+        for b, count in zip(result.sample_rows, result.logit_counts, strict=True):
+            prop = proposals.get(batch.seqs[b].request_id)
+            (reject if prop is not None and prop.q is not None else match).append(
+                (b, offset, count))
+            offset += count
+        chosen: dict[int, tuple[SampleResult, int, int]] = {}
+        failed: dict[int, Exception] = {}
+        if match:
+            logits = result.logits if not reject else result.logits[torch.tensor(
+                [r for _, o, c in match for r in range(o, o + c)], device=result.logits.device)]
+            params: list[SamplingParams] = []
+            positions: list[int] = []
+            adjusts = False
+            for b, _, count in match:  # per row of every step: kept lean
+                seq = batch.seqs[b]
+                start = seq.num_output_tokens - seq.num_proposed
+                if count == 1:
+                    params.append(seq.params)
+                    positions.append(start)
+                else:
+                    params.extend([seq.params] * count)
+                    positions.extend(range(start, start + count))
+                adjusts = adjusts or seq.params.adjusts_logits
+            outputs = [Snapshot(batch.seqs[b].token_ids, batch.seqs[b].num_prompt_tokens,
+                                batch.seqs[b].num_tokens - batch.seqs[b].num_proposed + i)
+                       for b, _, count in match for i in range(count)] if adjusts else None
+            sampled, row_failed = self._sample(params, positions, outputs, logits)
+            row = 0
+            for b, _, count in match:
+                rows = range(row, row + count)
+                row += count
+                if row_failed and (bad := [r for r in rows if r in row_failed]):
+                    failed[b] = row_failed[bad[0]]
+                    continue
+                seq = batch.seqs[b]
+                stand = 0
+                if count > 1:
+                    proposed = seq.token_ids[seq.num_tokens - seq.num_proposed:]
+                    while (stand < len(proposed)
+                           and sampled.token_ids[rows[stand]] == proposed[stand]):
+                        stand += 1
+                chosen[b] = (sampled, rows.start, rows.start + stand + 1)
+        for b, offset, count in reject:
+            seq = batch.seqs[b]
+            try:
+                tokens = self._reject(seq, result.logits[offset:offset + count],
+                                      proposals[seq.request_id])
+                chosen[b] = (SampleResult(tokens, None, None), 0, len(tokens))
+            except Exception as err:
+                if is_device_error(err):
+                    raise
+                failed[b] = err
+        return chosen, failed
+
+    def _reject(self, seq: Sequence, logits: torch.Tensor, prop: Proposal) -> list[int]:
+        """The rejection rule over a sequence's verify logits [1 + proposals, V]."""
+        base = seq.num_tokens - seq.num_proposed
+        params = [seq.params] * len(logits)
+        if seq.params.adjusts_logits:
+            logits = adjust_logits(logits, params, [
+                Snapshot(seq.token_ids, seq.num_prompt_tokens, base + i)
+                for i in range(len(logits))])
+        return rejection_sample(self.sampler.probs(logits, params), prop.q, prop.tokens)
+
+    def _sample(self, params: list[SamplingParams], positions: list[int],
+                output_ids: list[Snapshot[int]] | None, logits: torch.Tensor
                 ) -> tuple[SampleResult, dict[int, Exception]]:
-        """One batched draw; if it raises, one draw per row, and the rows that still raise."""
-        params = [s.params for s in seqs]
-        positions = [len(s.token_ids) - s.num_prompt_tokens for s in seqs]
-        output_ids = [s.output_token_ids for s in seqs] if any(
-            p.adjusts_logits for p in params) else None
+        """One batched draw; if it raises, one draw per row, and the rows that still raise.
+        ``output_ids``: each row's generated tokens, where a row's penalties need them."""
         try:
             return self.sampler(logits, params, positions, output_ids), {}
         except Exception as err:
             if is_device_error(err):
                 raise
             log.warning("batched sampling failed (%s: %s); sampling its %d rows one by one",
-                        type(err).__name__, err, len(seqs))
-        merged = SampleResult([0] * len(seqs), [0.0] * len(seqs), [None] * len(seqs))
+                        type(err).__name__, err, len(params))
+        merged = SampleResult([0] * len(params), [0.0] * len(params), [None] * len(params))
         failed: dict[int, Exception] = {}
         for r, (p, position) in enumerate(zip(params, positions, strict=True)):
             try:
@@ -277,7 +471,18 @@ class LLMEngine:
         self._finish(seq, "error")
         return self._output(seq, [])
 
-    def _append_token(self, seq: Sequence, sampled, row: int) -> RequestOutput:
+    def _append_tokens(self, seq: Sequence, sampled: SampleResult, start: int, stop: int
+                       ) -> RequestOutput:
+        """Append the tokens of rows ``start:stop`` one by one, stopping at the first that ends
+        the request."""
+        for row in range(start, stop):
+            if self._append_token(seq, sampled, row):
+                stop = row + 1
+                break
+        return self._output(seq, sampled.token_ids[start:stop])
+
+    def _append_token(self, seq: Sequence, sampled: SampleResult, row: int) -> bool:
+        """Append the token of ``row`` (and its log-probs, text); True if it ended the request."""
         token = sampled.token_ids[row]
         seq.token_ids.append(token)
         self._generated_total += 1
@@ -298,11 +503,13 @@ class LLMEngine:
             reason = "length"
         if reason is not None:
             self._finish(seq, reason)
-        return self._output(seq, [token])
+        return reason is not None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         self._seqs.pop(seq.request_id, None)
+        if self.drafter is not None:
+            self.drafter.release(seq.request_id)
 
     def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
         """The request's state now; its growing lists are handed out as snapshots, not copies."""
@@ -313,6 +520,7 @@ class LLMEngine:
             prompt_logprobs=_snapshot(seq.prompt_logprobs), logprobs=_snapshot(seq.logprobs),
             num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
             top_logprobs=_snapshot(seq.top_logprobs), error=seq.error,
+            num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens,
         )
 
     def stats(self) -> EngineStats:
@@ -323,6 +531,8 @@ class LLMEngine:
             kv_blocks_used=bm.num_used_blocks, kv_blocks_cached_free=bm.num_cached_free_blocks,
             prefix_cache_hit_tokens=sched.prefix_hit_tokens_total,
             generated_tokens_total=self._generated_total, prompt_tokens_total=self._prompt_total,
+            spec=dataclasses.replace(self.spec_stats, accepted_per_position=list(
+                self.spec_stats.accepted_per_position)) if self.drafter is not None else None,
         )
 
 
@@ -382,13 +592,17 @@ class LLM:
         return [_as_lists(final[i]) for i in ids]
 
     def generate(self, prompts: str | list[str] | list[list[int]],
-                 params: SamplingParams | None = None, use_tqdm: bool = False
-                 ) -> list[RequestOutput]:
-        """Final outputs, in prompt order."""
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Final outputs, in prompt order; ``params`` one for all prompts or one per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
-        return self._run(list(prompts), [params] * len(prompts), use_tqdm)
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        elif len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        return self._run(list(prompts), list(params), use_tqdm)
 
     def score(self, token_windows: list[list[int]]) -> list[list[float | None]]:
         """Prompt log-probs of each window (the first token's is None): perplexity input."""

@@ -17,7 +17,7 @@ capture; a capture that fails logs why and leaves the runner eager.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate, chain
 
 import torch
@@ -58,8 +58,9 @@ class DecodeGraphs:
 @dataclass
 class StepResult:
     sample_rows: list[int]  # indices into the batch of the sequences that sample
-    logits: torch.Tensor | None  # fp32 [len(sample_rows), V]
+    logits: torch.Tensor | None  # fp32 [sum of logit_counts, V], the sample rows' in order
     prompt_logprobs: dict[int, list[float]]  # batch index -> log-probs of its next prompt tokens
+    logit_counts: list[int] = field(default_factory=list)  # per sample row: 1 + its proposals
 
 
 def _take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -200,15 +201,20 @@ class ModelRunner:
         return g.hidden[:n]
 
     def run(self, batch: ScheduledBatch) -> StepResult:
-        """Forward the batch; logits where a sequence samples, prompt log-probs where asked."""
+        """Forward the batch; logits where a sequence samples, prompt log-probs where asked.
+
+        A sequence verifying speculative proposals (``num_proposed`` > 0) gets logits at its
+        last 1 + ``num_proposed`` positions: the target's choice after each prefix."""
         hidden, cu = self.hidden_states(batch)
         sample_rows = [b for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens,
                                                           strict=True))
                        if seq.num_computed_tokens + n == seq.num_tokens
                        and seq.num_output_tokens < seq.max_tokens]
-        logits = self.model.logits(_take_rows(hidden, [cu[b + 1] - 1 for b in sample_rows])) \
-            if sample_rows else None
-        return StepResult(sample_rows, logits, self._prompt_logprobs(batch, hidden, cu))
+        counts = [batch.seqs[b].num_proposed + 1 for b in sample_rows]
+        rows = [cu[b + 1] - 1 for b in sample_rows] if len(counts) == sum(counts) else [
+            r for b, c in zip(sample_rows, counts, strict=True) for r in range(cu[b + 1] - c, cu[b + 1])]
+        logits = self.model.logits(_take_rows(hidden, rows)) if rows else None
+        return StepResult(sample_rows, logits, self._prompt_logprobs(batch, hidden, cu), counts)
 
     def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor,
                          cu: list[int]) -> dict[int, list[float]]:

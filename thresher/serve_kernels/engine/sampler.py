@@ -88,7 +88,7 @@ def _restrict(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
     return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
-def _adjust(logits: torch.Tensor, params: list[SamplingParams],
+def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
             output_ids: Sequence[Sequence[int]] | None) -> torch.Tensor:
     """The logits with each row's logit_bias added and its penalties subtracted (a copy)."""
     logits = logits.clone()
@@ -124,7 +124,7 @@ class Sampler:
             adjusts = adjusts or p.adjusts_logits
             wants_logprobs = wants_logprobs or p.logprobs is not None
         if adjusts:
-            logits = _adjust(logits, params, output_ids)
+            logits = adjust_logits(logits, params, output_ids)
         if not random:  # the common all-greedy batch: one argmax, no gathers or scatters
             chosen = _argmax(logits)
         else:
@@ -149,12 +149,13 @@ class Sampler:
                     top[i] = dict(zip(ids[i, :w].tolist(), values[i, :w].tolist(), strict=True))
         return SampleResult(token_ids, chosen_lp, top)
 
-    def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
-                positions: list[int], rows: list[int]) -> torch.Tensor:
+    def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The distribution each sampling (non-greedy) row draws from: temperature, top-k,
+        top-p and min-p applied to logits [R, V] already adjusted for bias and penalties.
+        Speculative decoding's rejection rule compares these for the draft and the target."""
         device = logits.device
-        x = logits[torch.tensor(rows, device=device)]
         temps = torch.tensor([p.temperature for p in params], device=device)
-        x = x / temps[:, None]
+        x = logits / temps[:, None]
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
             vocab = x.shape[-1]
             top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
@@ -165,6 +166,13 @@ class Sampler:
             min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
             floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs
+
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
+                positions: list[int], rows: list[int]) -> torch.Tensor:
+        device = logits.device
+        probs = self.probs(logits[torch.tensor(rows, device=device)], params)
         out = torch.empty(len(rows), dtype=torch.long, device=device)
         seeded = [i for i, p in enumerate(params) if p.seed is not None]
         if seeded:

@@ -10,6 +10,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from thresher.serve_kernels.engine.speculative import SpeculativeStats
 
 GREEDY_EPS = 1e-5  # a temperature below this samples greedily (as vLLM): dividing by it overflows
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
@@ -123,6 +127,8 @@ class RequestOutput:
     num_cached_prompt_tokens: int  # prompt tokens served from the prefix cache
     top_logprobs: Sequence[dict[int, float]] | None = None  # per generated token, with logprobs=N
     error: str | None = None  # why the engine failed this request alone (finish_reason "error")
+    num_draft_tokens: int = 0  # speculative proposals verified for it so far
+    num_accepted_tokens: int = 0  # of which the target kept
 
 
 @dataclass
@@ -138,3 +144,4 @@ class EngineStats:
     prefix_cache_hit_tokens: int
     generated_tokens_total: int
     prompt_tokens_total: int
+    spec: SpeculativeStats | None = None  # with speculative decoding

@@ -92,6 +92,9 @@ class Sequence:
         self.table_row: int | None = None  # its row in the persistent BlockTables, if any
         self.block_hashes: list[bytes] = []  # chain hashes of the leading full blocks
         self.num_computed_tokens = 0
+        self.num_proposed = 0  # trailing token_ids that are speculative proposals being verified
+        self.num_draft_tokens = 0  # proposals verified for it, over its life
+        self.num_accepted_tokens = 0  # of which the target kept
         self.num_cached_prompt_tokens = 0  # set on first admission
         self.admitted = False
         self.logprobs: list[float] | None = [] if params.logprobs is not None else None
