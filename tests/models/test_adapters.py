@@ -101,7 +101,7 @@ def test_mla_sites_follow_the_attention_inputs():
     """Latent attention's projections grouped by the input they read: the layer input (q_a and
     kv_a), each low-rank norm's output (q_b, kv_b), the heads (o); without a query rank the
     query is one projection beside kv_a."""
-    for q_rank, first in ((48, ("q_a_proj", "kv_a_proj_with_mqa")),
+    for q_rank, first in ((32, ("q_a_proj", "kv_a_proj_with_mqa")),
                           (None, ("q_proj", "kv_a_proj_with_mqa"))):
         model = build_random_model("deepseek_v3", q_lora_rank=q_rank)
         ad = get_adapter(model.config)
