@@ -126,3 +126,17 @@ def test_models_endpoint_reports_the_latent_cache_bytes_per_token(dsv3):
     with BackgroundServer(build_app(engine, ServerConfig(served_model_name="dsv3"))) as srv:
         card = httpx.get(f"{srv.url}/v1/models", timeout=30).json()["data"][0]
     assert card["attention"] == "mla" and card["kv_bytes_per_token"] == want
+
+
+def test_gpu_path_in_tritons_interpreter_matches_the_cpu_path(dsv3, monkeypatch):
+    """The Triton kernels (rotary on the decoupled parts, the latent row stored once, paged
+    attention with one kv head of latent + rotary width, the routed experts) run through Triton's
+    interpreter give the CPU path's greedy tokens."""
+    _, path = dsv3
+    llm = LLM(path, block_size=4, dtype="float32", num_kv_blocks=32, max_model_len=64,
+              enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = llm.generate([PROMPT[:9]], params)[0].token_ids
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("THRESHER_KERNELS", "triton")
+    assert llm.generate([PROMPT[:9]], params)[0].token_ids == expected
