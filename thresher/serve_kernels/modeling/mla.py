@@ -13,8 +13,9 @@ it once. Attention is then grouped-query attention with one kv head over the cac
 the existing paged kernels run unchanged (values = the cache rows; their rotary tail is dropped
 after). Expanding instead costs kv_b's matmul over every cached token at every step
 (L x kv_lora_rank x heads x (nope + v) per layer: 17 GFLOP at L = 1000 on DeepSeek-V3, against
-heads x L x (kv_lora_rank + rope) x 2 = 0.15 GFLOP absorbed), so absorption is the choice for
-decode; a prefill chunk takes the same path, which keeps one cache layout and one code path.
+heads x L x (kv_lora_rank + rope) x 2 = 0.15 GFLOP absorbed; measured 31x slower at L = 1024,
+benchmarks/engine/mla_absorb.py), so absorption is the choice for decode; a prefill chunk takes
+the same path, which keeps one cache layout and one code path.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import nn
 from thresher.serve_kernels.kernels import apply_rotary, rms_norm, store_kv_cache
 from thresher.serve_kernels.kernels.backend import use_triton
 from thresher.serve_kernels.modeling.attention import AttentionMetadata, paged_attention
+from thresher.serve_kernels.modeling.decoder import Rope
 from thresher.serve_kernels.modeling.linear import Linear, merge_linears
 
 LOW_RANK_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: transformers builds them with it
@@ -71,7 +73,7 @@ class LatentAttention(nn.Module):
         self.interleaved = bool(getattr(config, "rope_interleave", False))
         self.scale = softmax_scale(config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
                 kv_cache: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
         tokens, heads = x.shape[0], self.num_heads
         down = self.down(x)
@@ -93,7 +95,7 @@ class LatentAttention(nn.Module):
         o = torch.einsum("thr,hvr->thv", o, self.w_vb)
         return self.o_proj(o.reshape(tokens, heads * self.v_dim))
 
-    def _rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope
+    def _rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope: Rope
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary on the decoupled parts. DeepSeek's checkpoints pair channels (0, 1), (2, 3),
         ... (``rope_interleave``); transformers rotates them as the halves [evens, odds], which
