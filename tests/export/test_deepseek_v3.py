@@ -66,7 +66,7 @@ def test_half_rotary_config_is_refused(tmp_path, tiny_tokenizer):
 @needs_llama
 @pytest.mark.parametrize(("variant", "gguf_type", "bound"), [
     ("base", "f32", 1e-4), ("base", "f16", 2e-3), ("reap50", "f32", 1e-4),
-    ("gptq4", "q4_1", 2e-3)])
+    ("kimi", "f32", 1e-4), ("gptq4", "q4_1", 2e-3)])
 def test_llama_cpp_computes_thresher_logits(dsv3, tmp_path, tiny_tokenizer, variant, gguf_type,
                                             bound):
     """llama.cpp's deepseek2 graph (absorbed MLA, yarn, sigmoid routing with the correction bias
@@ -79,6 +79,13 @@ def test_llama_cpp_computes_thresher_logits(dsv3, tmp_path, tiny_tokenizer, vari
     if variant == "reap50":
         source = tmp_path / "pruned"
         prune_model(base, PruneStage(method="reap", ratio=0.5), CAL, source, show_progress=False)
+    elif variant == "kimi":  # Kimi-K2's routing and yarn: one group, yarn betas 1 and 1
+        source = tmp_path / "kimi"
+        rope = dict(rope_type="yarn", rope_theta=50000.0, factor=32.0, beta_fast=1, beta_slow=1,
+                    original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0)
+        save_model(build_random_model("deepseek_v3", vocab_size=len(tiny_tokenizer), n_group=1,
+                                      rope_parameters=rope, routed_scaling_factor=2.827),
+                   tiny_tokenizer, source)
     elif variant == "gptq4":
         source = tmp_path / "gptq"
         quantize_model(base, QuantizeStage(method="gptq", group_size=32, sym=False), CAL, source,

@@ -769,7 +769,7 @@ def _write_latent_attention_metadata(writer: gguf.GGUFWriter, config, rope: dict
     """deepseek2's MLA keys, as llama.cpp's converter writes them: attention runs as one kv
     head whose key is the latent plus the rotary key and whose value is the latent
     (key/value_length), over heads of qk_nope + qk_rope keys and v values (the ``_mla`` lengths);
-    yarn scaling with its mscale (0.1 x mscale_all_dim as the log multiplier)."""
+    yarn scaling with its mscale (0.1 x mscale_all_dim as the log multiplier) and its betas."""
     rank, rope_dim = int(config.kv_lora_rank), int(config.qk_rope_head_dim)
     if config.q_lora_rank:
         writer.add_q_lora_rank(int(config.q_lora_rank))
@@ -785,6 +785,9 @@ def _write_latent_attention_metadata(writer: gguf.GGUFWriter, config, rope: dict
         writer.add_rope_scaling_factor(float(rope["factor"]))
         writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
         writer.add_rope_scaling_yarn_log_mul(0.1 * float(rope.get("mscale_all_dim", 0) or 0))
+        # llama.cpp's defaults are DeepSeek-V3's 32 and 1; Kimi-K2 ships 1 and 1
+        writer.add_rope_scaling_yarn_beta_fast(float(rope.get("beta_fast", 32)))
+        writer.add_rope_scaling_yarn_beta_slow(float(rope.get("beta_slow", 1)))
 
 
 def _write_router_metadata(writer: gguf.GGUFWriter, config, adapter: Adapter,
