@@ -78,8 +78,8 @@ class LatentAttention(nn.Module):
         tokens, heads = x.shape[0], self.num_heads
         down = self.down(x)
         if self.q_rank:
-            q_lat, down = down.split([self.q_rank, down.shape[-1] - self.q_rank], dim=-1)
-            q = self.q_proj(rms_norm(q_lat.contiguous(), self.q_a_norm, LOW_RANK_NORM_EPS))
+            q_low, down = down.split([self.q_rank, down.shape[-1] - self.q_rank], dim=-1)
+            q = self.q_proj(rms_norm(q_low.contiguous(), self.q_a_norm, LOW_RANK_NORM_EPS))
         else:
             q = self.q_proj(x)
         q_nope, q_rot = q.view(tokens, heads, -1).split([self.nope, self.rope_dim], dim=-1)
