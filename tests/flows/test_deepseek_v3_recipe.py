@@ -31,10 +31,10 @@ DEEPSEEK_V3 = {
     "bos_token_id": 0, "eos_token_id": 1}
 
 
-def _check(tmp_path, **quantize) -> tuple[int, str]:
+def _check(tmp_path, config=DEEPSEEK_V3, **quantize) -> tuple[int, str]:
     model = tmp_path / "DeepSeek-V3"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps(DEEPSEEK_V3))
+    (model / "config.json").write_text(json.dumps(config))
     recipe = yaml.safe_load(RECIPE.read_text())
     recipe["model"] = str(model)
     for variant in recipe["variants"]:
@@ -63,3 +63,13 @@ def test_the_committed_recipe_is_valid_without_the_download():
     result = CliRunner().invoke(app, ["check", str(RECIPE)])
     assert result.exit_code == 0, result.output
     assert "deepseek-ai/DeepSeek-V3" in result.output
+
+
+def test_the_hubs_fp8_weights_are_refused_before_any_compute(tmp_path):
+    """The hub snapshot as it is (block-scaled FP8): `check` names the quantization_config
+    rather than letting the run fail at its first load."""
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+           "weight_block_size": [128, 128]}
+    code, out = _check(tmp_path, {**DEEPSEEK_V3, "quantization_config": fp8})
+    assert code == 2 and "model:" in out and "unsupported quantization_config" in out
+    assert "'quant_method': 'fp8'" in out
