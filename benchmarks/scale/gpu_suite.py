@@ -23,7 +23,8 @@ output to OUT/gpu_suite.log; a failing section reports its error and the next on
 5. parity: greedy tokens of the engine against transformers on the device for the demo models
    and their GPTQ/AWQ/NF4 artifacts from the bundle (transformers runs the dequantized weights),
    and a random GLM-4.5 (sigmoid router with correction bias and groups, dense first layer,
-   shared experts, partial rotary) with its GPTQ-4 artifact.
+   shared experts, partial rotary) and a random DeepSeek-V3 (the same router, latent attention
+   from a latent cache) with their GPTQ-4 artifacts.
 6. gptq: GPTQ-4 of the random MoE with ``thresher quantize --device cuda``, and the same command
    with ``--device cpu`` on a one-layer slice of it (the identical first layer; the whole model on
    the CPU would not fit the time), limited to 2 threads like the 2-core machine and again with
@@ -674,23 +675,29 @@ def prepare(bundle: Path, demos: list[str]) -> None:
             cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(base), "--out",
                    str(out), *args, "--samples", "8", "--seq-len", "64"]
             subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    if not (bundle / "artifacts" / "glm4_moe-random").exists():
-        write_random_glm(bundle / "artifacts" / "glm4_moe-random", build_demo_model("tiny"))
+    for family in SIGMOID_ROUTED:
+        if not (bundle / "artifacts" / f"{family}-random").exists():
+            write_random_glm(bundle / "artifacts" / f"{family}-random", build_demo_model("tiny"),
+                             family)
     total = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file())
     print(f"bundle {bundle}: {total / 2**20:.1f} MiB")
 
 
-def write_random_glm(out: Path, tokenizer_dir: Path) -> None:
-    """A random GLM-4.5 checkpoint and its GPTQ-4 artifact (``out`` and ``out``-gptq4) for the
-    parity section: routers and correction biases drawn wide enough to route unevenly, weights
-    wide enough that the greedy tokens are not near ties."""
+# Families with GLM-4.5's sigmoid router in the parity section (DeepSeek-V3 adds latent attention).
+SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3")
+
+
+def write_random_glm(out: Path, tokenizer_dir: Path, model_type: str = "glm4_moe") -> None:
+    """A random GLM-4.5 (or DeepSeek-V3) checkpoint and its GPTQ-4 artifact (``out`` and
+    ``out``-gptq4) for the parity section: routers and correction biases drawn wide enough to
+    route unevenly, weights wide enough that the greedy tokens are not near ties."""
     from transformers import AutoModelForCausalLM
 
     from thresher.models import save_model
     from thresher.models.random_init import random_config
 
     torch.manual_seed(0)
-    config = random_config("glm4_moe", hidden_size=128, vocab_size=4096, intermediate_size=64,
+    config = random_config(model_type, hidden_size=128, vocab_size=4096, intermediate_size=64,
                            initializer_range=0.08)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
@@ -742,11 +749,12 @@ def run_sections(out: Path, bundle: Path | None) -> None:
         return ctx
 
     parity_dir = bundle
-    if parity_dir is None:  # a dry run without a bundle: the tiny demo model and a random GLM-4.5
+    if parity_dir is None:  # a dry run without a bundle: the tiny demo, random GLM-4.5 and DSV3
         parity_dir = work / "parity"
         (parity_dir / "demo-models").mkdir(parents=True)
         shutil.copytree(tokenizer_dir, parity_dir / "demo-models" / tokenizer_dir.name)
-        write_random_glm(parity_dir / "artifacts" / "glm4_moe-random", tokenizer_dir)
+        for family in SIGMOID_ROUTED:
+            write_random_glm(parity_dir / "artifacts" / f"{family}-random", tokenizer_dir, family)
     sections = [("1. tests", lambda: section_tests(sizes, log)),
                 ("2. W4A16 / NF4 GEMV at M=1", lambda: section_gemv(sizes, log)),
                 ("2b. fused W4A16 MoE kernel at decode shapes",

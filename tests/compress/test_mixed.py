@@ -114,6 +114,10 @@ def test_dynamic_rules_follow_gptqmodel_and_vllm():
     assert dynamic_override(dynamic, "model.layers.0.self_attn.qkv_proj") == {"bits": 8}  # vLLM
     assert dynamic_override(dynamic, "model.layers.0.self_attn.o_proj") == {}
     assert dynamic_override(dynamic, "model.layers.10.self_attn.q_proj") == {}
+    latent = {module_pattern(["model.layers.3.self_attn.q_a_proj",
+                              "model.layers.3.self_attn.kv_a_proj_with_mqa"]): {"bits": 2}}
+    for name in ("q_a_proj", "kv_a_proj_with_mqa", "fused_qkv_a_proj"):  # vLLM's DeepSeek fusion
+        assert dynamic_override(latent, f"model.layers.3.self_attn.{name}") == {"bits": 2}, name
     assert dynamic_override(dynamic, "model.layers.1.mlp.experts.0.up_proj") is None  # first wins
     config = type("C", (), {"quantization_config": {
         "quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": dynamic}})()

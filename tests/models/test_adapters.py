@@ -14,8 +14,12 @@ def test_moe_adapter_exposes_modules_and_expert_views(family):
     assert ad.is_moe and ad.num_experts(model.config) == 8 and ad.top_k(model.config) == 2
     layer = first_moe_layer(ad, model)
     projs = ad.attention_projections(layer)
-    assert set(projs) == {"q_proj", "k_proj", "v_proj", "o_proj"}
-    assert projs["q_proj"].in_features == model.config.hidden_size
+    if ad.attention_kind == "mla":
+        assert set(projs) == {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}
+        assert projs["kv_b_proj"].in_features == model.config.kv_lora_rank
+    else:
+        assert set(projs) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert projs[next(iter(projs))].in_features == model.config.hidden_size
     assert ad.input_norm(layer).weight.shape == (model.config.hidden_size,)
     assert ad.is_moe_layer(layer)
     assert ad.router(layer).weight.shape == (8, model.config.hidden_size)
@@ -29,7 +33,8 @@ def test_moe_adapter_exposes_modules_and_expert_views(family):
         assert torch.equal(view.down, experts.down_proj[e])
         # a view, not a copy: writing through it changes the model
         assert view.down.data_ptr() == experts.down_proj[e].data_ptr()
-    assert (ad.shared_expert(layer) is not None) == (family in ("qwen2_moe", "glm4_moe"))
+    assert (ad.shared_expert(layer) is not None) == (family in ("qwen2_moe", "glm4_moe",
+                                                                 "deepseek_v3"))
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -69,10 +74,11 @@ def test_unknown_architecture_lists_supported():
     assert "gpt2" in str(exc.value) and "qwen3_moe" in str(exc.value) and "mixtral" in str(exc.value)
 
 
-def test_glm_router_selects_with_the_correction_bias_and_gates_without_it():
-    """GLM-4.5's router: the bias changes which experts are chosen, not their gate values; the
-    chosen experts lie in the best group; gates are normalized and scaled."""
-    model = build_random_model("glm4_moe")
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+def test_glm_router_selects_with_the_correction_bias_and_gates_without_it(family):
+    """GLM-4.5's and DeepSeek-V3's router: the bias changes which experts are chosen, not their
+    gate values; the chosen experts lie in the best group; gates are normalized and scaled."""
+    model = build_random_model(family)
     ad = get_adapter(model.config)
     layer = first_moe_layer(ad, model)
     x = torch.randn(256, model.config.hidden_size)
@@ -89,3 +95,23 @@ def test_glm_router_selects_with_the_correction_bias_and_gates_without_it():
     unbiased = torch.topk(routing.probs, 2, dim=-1).indices.sort(-1).values
     assert not torch.equal(unbiased, order.values)  # the bias (or the group) chose otherwise
     assert torch.equal(ad.saliency_gates(routing, model.config), routing.top_k_weights)
+
+
+def test_mla_sites_follow_the_attention_inputs():
+    """Latent attention's projections grouped by the input they read: the layer input (q_a and
+    kv_a), each low-rank norm's output (q_b, kv_b), the heads (o); without a query rank the
+    query is one projection beside kv_a."""
+    for q_rank, first in ((32, ("q_a_proj", "kv_a_proj_with_mqa")),
+                          (None, ("q_proj", "kv_a_proj_with_mqa"))):
+        model = build_random_model("deepseek_v3", q_lora_rank=q_rank)
+        ad = get_adapter(model.config)
+        layer = ad.layers(model)[0]
+        sites = ad.attention_sites(layer)
+        assert sites[0][0].projections == first and sites[-1][0].projections == ("o_proj",)
+        attn = ad.attention(layer)
+        for site in (s for stage in sites[1:-1] for s in stage):
+            (name,) = site.projections
+            norm = getattr(attn, site.norm)
+            assert getattr(attn, name).in_features == norm.weight.numel()
+        assert set(ad.attention_projections(layer)) == {
+            p for stage in sites for s in stage for p in s.projections}

@@ -53,6 +53,11 @@ def test_saved_keys_are_hub_canonical(family, tmp_path):
     assert ad.disk_router_key(1) + ".weight" in keys
     if family == "mixtral":
         assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in keys
+    if family == "deepseek_v3":
+        assert {"model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.kv_b_proj.weight",
+                "model.layers.1.self_attn.q_a_layernorm.weight",
+                "model.layers.1.self_attn.kv_a_proj_with_mqa.weight",
+                "model.layers.1.mlp.gate.e_score_correction_bias"} <= keys
     if family == "glm4_moe":
         assert {"model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.shared_experts.up_proj"
                 ".weight", "model.layers.1.mlp.gate.e_score_correction_bias"} <= keys

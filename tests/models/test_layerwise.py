@@ -6,7 +6,8 @@ from thresher.models import save_model
 from thresher.models.layerwise import LayerwiseModel
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe", "llama", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe", "llama", "glm4_moe",
+                                    "deepseek_v3"])
 def test_layerwise_matches_full_forward_one_layer_resident(family, tmp_path):
     model = build_random_model(family, num_layers=3)
     save_model(model, None, tmp_path)

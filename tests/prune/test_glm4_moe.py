@@ -1,6 +1,6 @@
-"""GLM-4.5 pruning: saliency from the gates its forward multiplies by, every criterion, ``auto``,
-damage budgets and the refit, and a pruned checkpoint transformers loads and thresher evaluates
-alike."""
+"""GLM-4.5 and DeepSeek-V3 pruning (one router rule: sigmoid, score correction, groups): saliency
+from the gates the forward multiplies by, every criterion, ``auto``, damage budgets and the refit,
+and a pruned checkpoint transformers loads and thresher evaluates alike."""
 
 import pytest
 import torch
@@ -16,10 +16,10 @@ from thresher.recipe import CalibrationConfig, FilesSource, PruneStage
 CAL = CalibrationConfig(source=FilesSource(files=[CALIBRATION_FILE]), samples=4, seq_len=32)
 
 
-@pytest.fixture(scope="module")
-def glm(tmp_path_factory, tiny_tokenizer):
-    model = build_random_model("glm4_moe", num_layers=2, vocab_size=len(tiny_tokenizer))
-    path = tmp_path_factory.mktemp("glm") / "base"
+@pytest.fixture(scope="module", params=["glm4_moe", "deepseek_v3"])
+def glm(request, tmp_path_factory, tiny_tokenizer):
+    model = build_random_model(request.param, num_layers=2, vocab_size=len(tiny_tokenizer))
+    path = tmp_path_factory.mktemp(request.param) / "base"
     save_model(model, tiny_tokenizer, path)
     return model, path
 

@@ -1,11 +1,12 @@
 """What gets quantized in a decoder layer, in which order, and which input each weight reads.
 
 Everything here is derived from the family adapter (no branching on model names): the attention
-projections, the dense MLP, each routed expert's gate/up/down (views into transformers' fused
+projections (q/k/v/o, or latent attention's q_a/q_b/kv_a/kv_b/o), the dense MLP, each routed expert's gate/up/down (views into transformers' fused
 expert tensors, named by their hub-canonical per-expert keys), and Qwen2-MoE's shared expert. The
 router and the shared-expert gate always stay in 16 bits.
 
-- ``sequential_stages``: GPTQ's true-sequential order (q/k/v, then o, then gate/up, then down),
+- ``sequential_stages``: GPTQ's true-sequential order (the adapter's attention stages, then
+  gate/up, then down),
   each stage a list of input sites whose weights share one Hessian.
 - ``scaling_groups``: AWQ's groups, each a set of weights that read one input, the operation
   before them that absorbs the inverse scale, and the float weights that read the same input and
@@ -33,7 +34,7 @@ class Target:
 
     key: str  # hub-canonical module name (no ".weight"), the prefix of its packed tensors
     weight: torch.Tensor  # live view [out, in] of the layer's parameter; overwritten in place
-    role: str  # q_proj, k_proj, v_proj, o_proj, gate, up, down
+    role: str  # the attention projection's name (q_proj, kv_b_proj, ...), gate, up, down
     expert: int | None = None
 
 
@@ -124,14 +125,16 @@ class LayerParts:
 
 
 def sequential_stages(parts: LayerParts) -> list[list[InputSite]]:
-    """GPTQ's true-sequential order inside a layer: q/k/v, o, gate/up, down."""
+    """GPTQ's true-sequential order inside a layer: attention stages (q/k/v then o; MLA: q_a/kv_a,
+    q_b and kv_b, o), gate/up, down."""
     stages: list[list[InputSite]] = []
     p = f"layer {parts.idx}"
     if "attention" not in parts.keep:
         a = parts.attn
-        qkv = [parts.linear(a[n], n) for n in ("q_proj", "k_proj", "v_proj")]
-        stages.append([InputSite(f"{p} q/k/v", qkv, a["q_proj"])])
-        stages.append([InputSite(f"{p} o_proj", [parts.linear(a["o_proj"], "o_proj")], a["o_proj"])])
+        for sites in parts.adapter.attention_sites(parts.layer):
+            stages.append([InputSite(f"{p} {site.label}",
+                                     [parts.linear(a[n], n) for n in site.projections],
+                                     a[site.projections[0]]) for site in sites])
     mlp_in: list[InputSite] = []
     mlp_out: list[InputSite] = []
     for label, projs in (("mlp", parts.dense), ("shared expert", parts.shared_projections())):
@@ -162,11 +165,15 @@ def scaling_groups(parts: LayerParts) -> list[ScalingGroup]:
     p = f"layer {parts.idx}"
     adapter, layer = parts.adapter, parts.layer
     if "attention" not in parts.keep:
-        groups.append(ScalingGroup(f"{p} q/k/v", sites[f"{p} q/k/v"], "attention",
-                                   block=adapter.attention(layer),
-                                   prev_norm=adapter.input_norm(layer)))
-        v, o = parts.attn["v_proj"], parts.attn["o_proj"]
-        if v.weight.shape[0] == o.weight.shape[1]:  # not with grouped-query attention
+        attn = adapter.attention(layer)
+        first, *inner, _ = adapter.attention_sites(layer)
+        groups.append(ScalingGroup(f"{p} {first[0].label}", sites[f"{p} {first[0].label}"],
+                                   "attention", block=attn, prev_norm=adapter.input_norm(layer)))
+        for site in (s for stage in inner for s in stage if s.norm):  # MLA's low-rank norms
+            groups.append(ScalingGroup(f"{p} {site.label}", sites[f"{p} {site.label}"], "linear",
+                                       prev_norm=getattr(attn, site.norm)))
+        v, o = parts.attn.get("v_proj"), parts.attn["o_proj"]
+        if v is not None and v.weight.shape[0] == o.weight.shape[1]:  # not with GQA (nor MLA)
             groups.append(ScalingGroup(f"{p} o_proj", sites[f"{p} o_proj"], "linear",
                                        prev_weight=v.weight.data,
                                        prev_bias=None if v.bias is None else v.bias.data))

@@ -2,9 +2,11 @@
 
 Families: Qwen3-MoE (llama.cpp's ``qwen3moe``), Qwen2-MoE (``qwen2moe``, with its shared
 expert), Mixtral (``llama`` with experts), OLMoE (``olmoe``), GLM-4.5 (``glm4moe``: dense leading
-layers, shared experts, the sigmoid router's correction bias as ``exp_probs_b``) and the dense
-Llama, Qwen3 and Qwen2 (``llama``, ``qwen3``, ``qwen2``); llama.cpp's llama graph wants q/k rows
-in its rotary layout.
+layers, shared experts, the sigmoid router's correction bias as ``exp_probs_b``), DeepSeek-V3 and
+Kimi-K2 (``deepseek2``: GLM's router with multi-head latent attention, kv_b split into
+``attn_k_b``/``attn_v_b`` as llama.cpp's absorbed MLA reads it) and the dense Llama, Qwen3 and
+Qwen2 (``llama``, ``qwen3``, ``qwen2``); llama.cpp's llama graph wants q/k rows in its rotary
+layout.
 
 GGUF names tensors by role (``blk.3.attn_q.weight``) and stacks each layer's experts into one 3-D
 tensor per projection (``blk.3.ffn_gate_exps.weight``, [E, I, H] in row-major order); its
@@ -102,6 +104,7 @@ class GGUFArchitecture:
     post_attention_norm: Role = Role.FFN_NORM  # glm4moe: post_attention_norm
     # the router's rule travels as metadata (gating function, weights scale and norm, groups)
     router_metadata: bool = False
+    yarn: bool = False  # the graph applies yarn rope scaling from the metadata (deepseek2)
 
 
 # Keyed by the adapter's model_type. Mixtral runs on llama.cpp's llama graph (with experts).
@@ -112,6 +115,7 @@ GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "olmoe": GGUFArchitecture(gguf.MODEL_ARCH.OLMOE, renormalizes_top_k=False),
     "glm4_moe": GGUFArchitecture(gguf.MODEL_ARCH.GLM4_MOE, post_attention_norm=Role.ATTN_POST_NORM,
                                  router_metadata=True),
+    "deepseek_v3": GGUFArchitecture(gguf.MODEL_ARCH.DEEPSEEK2, router_metadata=True, yarn=True),
     "llama": GGUFArchitecture(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
     "qwen3": GGUFArchitecture(gguf.MODEL_ARCH.QWEN3),
     "qwen2": GGUFArchitecture(gguf.MODEL_ARCH.QWEN2),
@@ -146,6 +150,27 @@ class GGUFExport:
 
 
 @dataclass(frozen=True)
+class _KVBPart:
+    """llama.cpp's absorbed MLA reads kv_b_proj [heads x (nope + v), rank] as two tensors:
+    ``attn_k_b`` [heads, rank, nope] (each head's key rows, transposed) and ``attn_v_b``
+    [heads, v, rank] (each head's value rows)."""
+
+    value: bool
+    heads: int
+    nope: int
+    fmt: PackedFormat | None = None  # kv_b is packed: dequantized first
+
+    def split(self, kv_b: np.ndarray) -> np.ndarray:
+        per_head = kv_b.reshape(self.heads, -1, kv_b.shape[-1])
+        if self.value:
+            return per_head[:, self.nope :]
+        return per_head[:, : self.nope].transpose(0, 2, 1)
+
+    def join(self, k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
+        return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, v_b.shape[-1])
+
+
+@dataclass(frozen=True)
 class _Tensor:
     """One GGUF tensor and the checkpoint tensors it is made of."""
 
@@ -156,6 +181,8 @@ class _Tensor:
     qtype: QType
     packed: PackedFormat | None = None  # GPTQ/AWQ codes handed to Q4_1 as they are
     rotary_heads: int = 0  # > 0: rows permuted from HF's rotary layout to llama.cpp's
+    # latent attention: this tensor is kv_b's key part (transposed) or value part, see _KVBPart
+    kv_b: _KVBPart | None = None
 
     def declare(self, writer: gguf.GGUFWriter) -> None:
         if self.qtype in _PLAIN_NUMPY:
@@ -169,6 +196,9 @@ class _Tensor:
 
     def read(self, reader: CheckpointReader) -> np.ndarray:
         """The source weights in fp32 (experts stacked on a new first axis)."""
+        if self.kv_b is not None:
+            return np.ascontiguousarray(self.kv_b.split(_weight(reader, self.keys[0],
+                                                                self.kv_b.fmt)))
         if not self.stacked:
             data = reader.get(self.keys[0]).float().numpy().reshape(self.shape)
             return _to_llama_rotary(data, self.rotary_heads) if self.rotary_heads else data
@@ -211,6 +241,8 @@ class _Tensor:
         """The importance of this tensor's input columns, one vector per matrix (per expert of a
         stacked tensor): llama.cpp's imatrix entry for the tensor's GGUF name. Rows permuted to
         llama.cpp's rotary layout keep their columns, so their importance is unchanged."""
+        if self.kv_b is not None:  # k_b's columns are not kv_b's; v_b's rows are whole rows
+            return [importance.get(self.keys[0]) if self.kv_b.value else None]
         return [importance.get(key) for key in self.keys]
 
 
@@ -318,8 +350,16 @@ def dequantize_gguf(gguf_path: str | Path, model_dir: str | Path, out_dir: str |
     if (missing := sorted({t.name for t in plan} - set(tensors))):
         raise ExportError(f"{gguf_path} lacks {missing[:4]}; was it exported from {model_dir}?")
     writer = CheckpointWriter(out_dir)
+    key_parts: dict[str, np.ndarray] = {}  # latent attention's attn_k_b, until its attn_v_b
     for t in plan:
         data = gguf.quants.dequantize(tensors[t.name].data, tensors[t.name].tensor_type)
+        if t.kv_b is not None:
+            if not t.kv_b.value:
+                key_parts[t.keys[0]] = data.reshape(t.shape)
+                continue
+            joined = t.kv_b.join(key_parts.pop(t.keys[0]), data.reshape(t.shape))
+            writer.add({t.keys[0]: torch.from_numpy(joined.copy())})
+            continue
         if t.rotary_heads:
             data = _from_llama_rotary(data.reshape(t.shape), t.rotary_heads)
         parts = data.reshape(t.shape) if t.stacked else [data]
@@ -448,9 +488,14 @@ def _architecture(adapter: Adapter, config, model_dir: Path) -> GGUFArchitecture
                           f"{config.hidden_size} channels, so it needs as many k/v heads as q heads "
                           f"({config.num_key_value_heads} vs {config.num_attention_heads})")
     rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
+    if adapter.attention_kind == "mla" and not getattr(config, "rope_interleave", True):
+        raise ExportError(f"{model_dir}: llama.cpp's deepseek2 graph rotates adjacent channel "
+                          "pairs (rope_interleave: true, as DeepSeek-V3 and Kimi-K2 ship); this "
+                          "config rotates halves")
+    if rope.get("rope_type", "default") not in ("default", *(("yarn",) if arch.yarn else ())):
         raise ExportError(f"{model_dir}: rope type {rope['rope_type']!r} is not exported to GGUF "
-                          "yet; only the default rotary embedding is")
+                          "yet; only the default rotary embedding is"
+                          + (" (and yarn)" if arch.yarn else ""))
     return arch
 
 
@@ -502,14 +547,17 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
     add(Role.TOKEN_EMBD, [adapter.disk_embeddings_key()])
     for i in range(config.num_hidden_layers):
         add(Role.ATTN_NORM, [adapter.disk_input_norm_key(i)], i)
-        for role, proj in ((Role.ATTN_Q, "q_proj"), (Role.ATTN_K, "k_proj"),
-                           (Role.ATTN_V, "v_proj"), (Role.ATTN_OUT, "o_proj")):
-            add(role, [adapter.disk_attention_key(i, proj)], i)
-            if adapter.disk_attention_key(i, proj) + ".bias" in reader:
-                add(role, [adapter.disk_attention_key(i, proj)], i, suffix="bias")
-        for role, name in ((Role.ATTN_Q_NORM, "q_norm"), (Role.ATTN_K_NORM, "k_norm")):
-            if adapter.disk_attention_key(i, name) + ".weight" in reader:
-                add(role, [adapter.disk_attention_key(i, name)], i)
+        if adapter.attention_kind == "mla":
+            _plan_latent_attention(plan, add, reader, adapter, config, fmt, i)
+        else:
+            for role, proj in ((Role.ATTN_Q, "q_proj"), (Role.ATTN_K, "k_proj"),
+                               (Role.ATTN_V, "v_proj"), (Role.ATTN_OUT, "o_proj")):
+                add(role, [adapter.disk_attention_key(i, proj)], i)
+                if adapter.disk_attention_key(i, proj) + ".bias" in reader:
+                    add(role, [adapter.disk_attention_key(i, proj)], i, suffix="bias")
+            for role, name in ((Role.ATTN_Q_NORM, "q_norm"), (Role.ATTN_K_NORM, "k_norm")):
+                if adapter.disk_attention_key(i, name) + ".weight" in reader:
+                    add(role, [adapter.disk_attention_key(i, name)], i)
         add(arch.post_attention_norm, [adapter.disk_post_attention_norm_key(i)], i)
         if not adapter.is_moe or i < adapter.leading_dense_layers(config):
             for role, proj in ((Role.FFN_GATE, "gate_proj"), (Role.FFN_UP, "up_proj"),
@@ -541,13 +589,55 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
         add(Role.OUTPUT, [adapter.disk_lm_head_key()])
 
     used = {k for t in plan for k in t.keys} | ({head} if tied else set())
-    used |= {f"{k.removesuffix('.weight')}.{part}" for t in plan if t.packed for k in t.keys
-             for part in t.packed.format.tensors}
+    for t in plan:
+        fmt = t.packed or (t.kv_b.fmt if t.kv_b else None)
+        if fmt is not None:
+            used |= {f"{k.removesuffix('.weight')}.{part}" for k in t.keys
+                     for part in fmt.format.tensors}
     unused = sorted(set(reader.tensor_names()) - used)
     if unused:
         raise ExportError(f"{reader.path}: tensors with no GGUF counterpart: {unused[:4]}"
                           + (f" and {len(unused) - 4} more" if len(unused) > 4 else ""))
     return plan
+
+
+def _plan_latent_attention(plan: list[_Tensor], add, reader: CheckpointReader, adapter: Adapter,
+                           config, fmt: PackedFormat | None, i: int) -> None:
+    """Layer ``i``'s MLA tensors: q_a (with its norm) and q_b, or q; kv_a with its norm; kv_b as
+    ``attn_k_b``/``attn_v_b``, in F32 whatever the file type: llama-cpp-python 0.3.36's CPU
+    backend cannot schedule its absorbed-MLA matmuls on F16 ones (GGML_ASSERT in the graph
+    split), a transposed k_b cannot keep a packed kv_b's blocks, and the pair is about 1 % of a
+    4-bit DeepSeek-V3 (61 x 128 heads x 512 x 256 x 4 bytes = 4.1 GB); o."""
+    def key(name: str) -> str:
+        return adapter.disk_attention_key(i, name)
+
+    if any(key("q_a_proj") + part in reader for part in (".weight", ".qweight")):
+        add(Role.ATTN_Q_A, [key("q_a_proj")], i)
+        add(Role.ATTN_Q_A_NORM, [key("q_a_layernorm")], i)
+        add(Role.ATTN_Q_B, [key("q_b_proj")], i)
+    else:
+        add(Role.ATTN_Q, [key("q_proj")], i)
+    add(Role.ATTN_KV_A_MQA, [key("kv_a_proj_with_mqa")], i)
+    add(Role.ATTN_KV_A_NORM, [key("kv_a_layernorm")], i)
+    heads, nope = int(config.num_attention_heads), int(config.qk_nope_head_dim)
+    rank, v_dim = int(config.kv_lora_rank), int(config.v_head_dim)
+    packed = fmt if key("kv_b_proj") + ".weight" not in reader else None
+    for role, value, shape in ((Role.ATTN_K_B, False, (heads, rank, nope)),
+                               (Role.ATTN_V_B, True, (heads, v_dim, rank))):
+        name = f"{gguf.TENSOR_NAMES[role].format(bid=i)}.weight"
+        plan.append(_Tensor(name, (key("kv_b_proj") + ".weight",), False, shape, QType.F32,
+                            kv_b=_KVBPart(value, heads, nope, packed)))
+    add(Role.ATTN_OUT, [key("o_proj")], i)
+
+
+def _weight(reader: CheckpointReader, key: str, fmt: PackedFormat | None) -> np.ndarray:
+    """A weight matrix in fp32, dequantized from its GPTQ/AWQ tensors when packed."""
+    if fmt is None:
+        return reader.get(key).float().numpy()
+    module = key.removesuffix(".weight")
+    tensors = {name: reader.get(f"{module}.{name}") for name in fmt.format.tensors
+               if f"{module}.{name}" in reader}
+    return fmt.format.dequantize(tensors, fmt.bits, fmt.group_size).float().numpy()
 
 
 def _to_llama_rotary(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -636,7 +726,6 @@ def _write_metadata(writer: gguf.GGUFWriter, model_dir: Path, config, adapter: A
         packed = fmt if f"{module}.weight" not in reader else None
         return _matrix_shape(reader, module, packed)
 
-    head_dim = shape(adapter.disk_attention_key(0, "q_proj"))[0] // heads
     rope = getattr(config, "rope_parameters", None) or {}
     writer.add_name(model_dir.name)
     writer.add_file_type(gtype.file_type)
@@ -647,13 +736,17 @@ def _write_metadata(writer: gguf.GGUFWriter, model_dir: Path, config, adapter: A
     writer.add_block_count(int(config.num_hidden_layers))
     writer.add_feed_forward_length(int(config.intermediate_size))
     writer.add_head_count(heads)
-    writer.add_head_count_kv(int(config.num_key_value_heads))
-    writer.add_key_length(int(head_dim))
-    writer.add_value_length(int(head_dim))
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
-    rotary_dim = int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))
-    if rotary_dim != head_dim:  # partial rotary (GLM-4.5): the first channels of each head
-        writer.add_rope_dimension_count(rotary_dim)
+    if adapter.attention_kind == "mla":
+        _write_latent_attention_metadata(writer, config, rope)
+    else:
+        head_dim = shape(adapter.disk_attention_key(0, "q_proj"))[0] // heads
+        writer.add_head_count_kv(int(config.num_key_value_heads))
+        writer.add_key_length(int(head_dim))
+        writer.add_value_length(int(head_dim))
+        rotary_dim = int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))
+        if rotary_dim != head_dim:  # partial rotary (GLM-4.5): the first channels of each head
+            writer.add_rope_dimension_count(rotary_dim)
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     if adapter.is_moe:
         moe = adapter.leading_dense_layers(config)  # the first MoE layer
@@ -670,9 +763,34 @@ def _write_metadata(writer: gguf.GGUFWriter, model_dir: Path, config, adapter: A
             _write_router_metadata(writer, config, adapter, shared_ffn // expert_ffn)
 
 
+def _write_latent_attention_metadata(writer: gguf.GGUFWriter, config, rope: dict) -> None:
+    """deepseek2's MLA keys, as llama.cpp's converter writes them: attention runs as one kv
+    head whose key is the latent plus the rotary key and whose value is the latent
+    (key/value_length), over heads of qk_nope + qk_rope keys and v values (the ``_mla`` lengths);
+    yarn scaling with its mscale (0.1 x mscale_all_dim as the log multiplier) and its betas."""
+    rank, rope_dim = int(config.kv_lora_rank), int(config.qk_rope_head_dim)
+    if config.q_lora_rank:
+        writer.add_q_lora_rank(int(config.q_lora_rank))
+    writer.add_kv_lora_rank(rank)
+    writer.add_head_count_kv(1)
+    writer.add_key_length(rank + rope_dim)
+    writer.add_value_length(rank)
+    writer.add_key_length_mla(int(config.qk_nope_head_dim) + rope_dim)
+    writer.add_value_length_mla(int(config.v_head_dim))
+    writer.add_rope_dimension_count(rope_dim)
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        writer.add_rope_scaling_yarn_log_mul(0.1 * float(rope.get("mscale_all_dim", 0) or 0))
+        # llama.cpp's defaults are DeepSeek-V3's 32 and 1; Kimi-K2 ships 1 and 1
+        writer.add_rope_scaling_yarn_beta_fast(float(rope.get("beta_fast", 32)))
+        writer.add_rope_scaling_yarn_beta_slow(float(rope.get("beta_slow", 1)))
+
+
 def _write_router_metadata(writer: gguf.GGUFWriter, config, adapter: Adapter,
                            shared_experts: int) -> None:
-    """The keys llama.cpp's glm4moe graph routes by: sigmoid gating (the ``exp_probs_b`` bias
+    """The keys llama.cpp's glm4moe and deepseek2 graphs route by: sigmoid gating (the ``exp_probs_b`` bias
     selects), top-k normalization and scale, expert groups, the dense leading layers, and no
     multi-token-prediction layers (thresher does not carry them)."""
     rule = adapter.rule(config)

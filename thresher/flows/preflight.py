@@ -23,7 +23,7 @@ from thresher.compress.api import check_stage
 from thresher.compress.methods import method_for
 from thresher.errors import CompressionError, ExportError, RecipeError, ThresherError
 from thresher.export import check_gguf_architecture, check_gguf_widths, gguf_route
-from thresher.formats.config import PackedFormat
+from thresher.formats.config import PackedFormat, packed_format
 from thresher.models.adapters import Adapter, get_adapter
 from thresher.models.source import parse_model_source
 from thresher.prune.mask import experts_to_keep
@@ -156,6 +156,7 @@ def preflight(recipe: Recipe) -> Preflight:
         return result
     try:
         adapter = get_adapter(config)
+        packed_format(config, where)  # weights no stage can read (an FP8 hub checkpoint)
     except ThresherError as err:
         raise RecipeError(f"model: {err}") from None
     with torch.device("meta"):

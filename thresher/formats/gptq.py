@@ -88,11 +88,13 @@ def dynamic_override(dynamic: dict[str, dict] | None, module: str) -> dict | Non
 
 def module_pattern(modules: list[str]) -> str:
     """A ``+:`` rule matching exactly ``modules`` (siblings: one parent, different last names),
-    and the name vLLM gives their fused module (q/k/v -> qkv_proj, gate/up -> gate_up_proj), so a
-    server that fuses them reads one width for the fused layer."""
+    and the name vLLM gives their fused module (q/k/v -> qkv_proj, gate/up -> gate_up_proj,
+    latent attention's q_a/kv_a -> fused_qkv_a_proj), so a server that fuses them reads one width
+    for the fused layer."""
     parent = modules[0].rpartition(".")[0]
     names = sorted(m.rpartition(".")[2] for m in modules)
-    fused = {("k_proj", "q_proj", "v_proj"): "qkv_proj", ("gate_proj", "up_proj"): "gate_up_proj"}
+    fused = {("k_proj", "q_proj", "v_proj"): "qkv_proj", ("gate_proj", "up_proj"): "gate_up_proj",
+             ("kv_a_proj_with_mqa", "q_a_proj"): "fused_qkv_a_proj"}
     if tuple(names) in fused:
         names.append(fused[tuple(names)])
     alternatives = "|".join(re.escape(n) for n in names)

@@ -113,6 +113,7 @@ class FamilySpec:
     # config key counting extra trailing layers (multi-token prediction) that thresher drops
     extra_layers_key: str | None = None
     dense_layers_key: str | None = None  # config key counting the dense layers before the MoE ones
+    attention: str = "mha"  # or "mla": multi-head latent attention (DeepSeek-V3), see MLA_SITES
 
 
 FAMILIES: dict[str, FamilySpec] = {
@@ -141,12 +142,57 @@ FAMILIES: dict[str, FamilySpec] = {
         extra_layers_key="num_nextn_predict_layers",
         dense_layers_key="first_k_dense_replace",
     ),
+    # DeepSeek-V3 (and Kimi-K2, the same architecture): GLM-4.5's router, dense first layers and
+    # shared experts, with multi-head latent attention.
+    "deepseek_v3": FamilySpec(
+        ("deepseek_v3",),
+        moe=True,
+        num_experts_key="n_routed_experts",
+        shared_expert=True,
+        shared_expert_name="shared_experts",
+        router="sigmoid",
+        router_correction="e_score_correction_bias",
+        extra_layers_key="num_nextn_predict_layers",
+        dense_layers_key="first_k_dense_replace",
+        attention="mla",
+    ),
     "llama": FamilySpec(("llama",), moe=False),
     "qwen2": FamilySpec(("qwen2",), moe=False),
     "qwen3": FamilySpec(("qwen3",), moe=False),
 }
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """Attention projections that read one input (one GPTQ Hessian, one AWQ scale).
+
+    ``norm`` names the attention module's RMSNorm that produces that input (MLA's low-rank
+    norms), where AWQ folds the inverse scale; None: the input is the layer's input norm output
+    (q/k/v) or the attention output (o_proj).
+    """
+
+    label: str
+    projections: tuple[str, ...]
+    norm: str | None = None
+
+
+# GPTQ's true-sequential order through each attention kind: stages of sites.
+MHA_SITES = ((AttentionSite("q/k/v", ("q_proj", "k_proj", "v_proj")),),
+             (AttentionSite("o_proj", ("o_proj",)),))
+# Multi-head latent attention: the down projections read the layer input; q_b and kv_b read the
+# low-rank norms' outputs (kv_a's rotary key columns bypass kv_a_layernorm); o reads the heads.
+MLA_SITES = ((AttentionSite("q_a/kv_a", ("q_a_proj", "kv_a_proj_with_mqa")),),
+             (AttentionSite("q_b", ("q_b_proj",), norm="q_a_layernorm"),
+              AttentionSite("kv_b", ("kv_b_proj",), norm="kv_a_layernorm")),
+             (AttentionSite("o_proj", ("o_proj",)),))
+# Without a query rank (DeepSeek-V2-Lite style configs) the query is one projection.
+MLA_FULL_QUERY_SITES = ((AttentionSite("q/kv_a", ("q_proj", "kv_a_proj_with_mqa")),),
+                        (AttentionSite("kv_b", ("kv_b_proj",), norm="kv_a_layernorm"),),
+                        (AttentionSite("o_proj", ("o_proj",)),))
+# Projections whose outputs make attention scores (queries and keys): AWQ leaves them unclipped.
+SCORE_PROJECTIONS = frozenset({"q_proj", "k_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa"})
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 EXPERT_ROLES = ("gate", "up", "down")
 
@@ -261,9 +307,21 @@ class Adapter:
     def attention(self, layer: nn.Module) -> nn.Module:
         return layer.self_attn
 
+    @property
+    def attention_kind(self) -> str:
+        """``mha`` (q/k/v/o, grouped-query included) or ``mla`` (multi-head latent attention)."""
+        return self.spec.attention
+
+    def attention_sites(self, layer: nn.Module) -> tuple[tuple[AttentionSite, ...], ...]:
+        """The attention projections in GPTQ's sequential stages, grouped by shared input."""
+        if self.spec.attention == "mha":
+            return MHA_SITES
+        return MLA_SITES if layer.self_attn.q_proj is None else MLA_FULL_QUERY_SITES
+
     def attention_projections(self, layer: nn.Module) -> dict[str, nn.Linear]:
         attn = layer.self_attn
-        return {name: getattr(attn, name) for name in ATTENTION_PROJECTIONS}
+        return {name: getattr(attn, name) for stage in self.attention_sites(layer)
+                for site in stage for name in site.projections}
 
     def input_norm(self, layer: nn.Module) -> nn.Module:
         return layer.input_layernorm
@@ -370,7 +428,8 @@ class Adapter:
         return key.startswith(DISK_LAYERS + ".")
 
     def disk_attention_key(self, layer_idx: int, name: str) -> str:
-        """``name`` in ``q_proj|k_proj|v_proj|o_proj|q_norm|k_norm`` of layer ``layer_idx``."""
+        """``name`` in ``q_proj|k_proj|v_proj|o_proj|q_norm|k_norm`` (MLA: ``q_a_proj|q_b_proj|
+        kv_a_proj_with_mqa|kv_b_proj|q_a_layernorm|kv_a_layernorm``) of layer ``layer_idx``."""
         return f"{self.disk_layer_prefix(layer_idx)}self_attn.{name}"
 
     def disk_input_norm_key(self, layer_idx: int) -> str:

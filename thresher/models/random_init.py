@@ -3,14 +3,15 @@
 Small enough to build in a second; real enough to exercise each family's layout (Qwen2-MoE's
 shared expert, Mixtral's block_sparse_moe names, OLMoE's full-width q/k norms, GLM-4.5's sigmoid
 router with score correction and two expert groups, its dense first layer, shared expert, partial
-rotary, q/k/v biases and q/k norms).
+rotary, q/k/v biases and q/k norms; DeepSeek-V3's multi-head latent attention with a query rank,
+decoupled interleaved rotary under yarn scaling, on GLM's router layout).
 """
 
 from __future__ import annotations
 
 from transformers import AutoConfig
 
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3")
 DENSE_FAMILIES = ("llama", "qwen2", "qwen3")
 
 
@@ -43,5 +44,18 @@ def random_config(model_type: str, hidden_size: int = 64, num_layers: int = 2,
                   n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                   partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True,
                   num_nextn_predict_layers=1)
+    elif model_type == "deepseek_v3":
+        # GLM's router layout (dense first layer, shared expert, two groups) with latent
+        # attention: a query rank, a kv latent of 32 plus a 16-wide rotary key per token, and
+        # yarn rope scaling with mscale, as DeepSeek-V3 and Kimi-K2 ship
+        kw.update(n_routed_experts=num_experts, num_experts_per_tok=top_k,
+                  moe_intermediate_size=intermediate_size, n_shared_experts=1,
+                  num_hidden_layers=num_layers + 1, first_k_dense_replace=1,
+                  n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                  num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
+                  qk_nope_head_dim=16, v_head_dim=16, num_nextn_predict_layers=1,
+                  rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                       original_max_position_embeddings=128, beta_fast=32,
+                                       beta_slow=1, mscale=1.0, mscale_all_dim=1.0))
     kw.update(overrides)
     return AutoConfig.for_model(model_type, **kw)

@@ -48,6 +48,7 @@ from thresher.serve_kernels.modeling.linear import (
     pack_for_cpu,
     packed_bytes,
 )
+from thresher.serve_kernels.modeling.mla import LatentAttention
 from thresher.serve_kernels.modeling.moe import MoE, stack_experts
 
 log = logging.getLogger(__name__)
@@ -122,14 +123,33 @@ def _moe(b: _Builder, adapter: Adapter, config, i: int) -> MoE:
                rule)
 
 
-def _spec(config) -> ModelSpec:
+def _latent_attention(b: _Builder, adapter: Adapter, config, i: int) -> LatentAttention:
+    """DeepSeek-V3's attention of layer ``i``; kv_b is dequantized once (it is absorbed into
+    the query and the output, see ``modeling.mla``)."""
+    def key(name: str) -> str:
+        return adapter.disk_attention_key(i, name)
+
+    has_q_rank = b.has_linear(key("q_a_proj"))
+    return LatentAttention(
+        config, b.linear(key("q_a_proj")) if has_q_rank else None,
+        b.tensor(key("q_a_layernorm") + ".weight") if has_q_rank else None,
+        b.linear(key("q_b_proj" if has_q_rank else "q_proj")), b.linear(key("kv_a_proj_with_mqa")),
+        b.tensor(key("kv_a_layernorm") + ".weight"),
+        b.linear(key("kv_b_proj")).dequantized().to(b.dtype), b.linear(key("o_proj")))
+
+
+def _spec(config, adapter: Adapter) -> ModelSpec:
     heads = config.num_attention_heads
+    if adapter.attention_kind == "mla":  # one cache row per token: latent plus rotary key
+        kv_heads, head_dim, tensors = 1, config.kv_lora_rank + config.qk_rope_head_dim, 1
+    else:
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim, tensors = getattr(config, "head_dim", None) or config.hidden_size // heads, 2
     return ModelSpec(
         num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_heads=heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        vocab_size=config.vocab_size, rms_norm_eps=float(config.rms_norm_eps),
-        max_position_embeddings=config.max_position_embeddings,
+        num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=config.vocab_size,
+        rms_norm_eps=float(config.rms_norm_eps),
+        max_position_embeddings=config.max_position_embeddings, kv_tensors=tensors,
     )
 
 
@@ -146,7 +166,7 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
     quant = packed_format(config, path)
     if quant is not None:
         del config.quantization_config
-    spec = _spec(config)
+    spec = _spec(config, adapter)
     reader = CheckpointReader(path)
     expected = expected_tensors(config)
     reader.check_against_config(config, expected)
@@ -156,12 +176,16 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
 
     layers = []
     for i in tqdm(range(spec.num_layers), desc="loading layers", disable=not show_progress):
-        norm_keys = {n: adapter.disk_attention_key(i, n) + ".weight" for n in ("q_norm", "k_norm")}
-        attn_norms = {n: b.tensor(key) for n, key in norm_keys.items() if key in reader}
-        attn = Attention(spec, *(b.linear(adapter.disk_attention_key(i, n))
-                                 for n in ATTENTION_PROJECTIONS),
-                         attn_norms.get("q_norm"), attn_norms.get("k_norm"),
-                         getattr(config, "clip_qkv", None), rotary_dim)
+        if adapter.attention_kind == "mla":
+            attn = _latent_attention(b, adapter, config, i)
+        else:
+            norm_keys = {n: adapter.disk_attention_key(i, n) + ".weight"
+                         for n in ("q_norm", "k_norm")}
+            attn_norms = {n: b.tensor(key) for n, key in norm_keys.items() if key in reader}
+            attn = Attention(spec, *(b.linear(adapter.disk_attention_key(i, n))
+                                     for n in ATTENTION_PROJECTIONS),
+                             attn_norms.get("q_norm"), attn_norms.get("k_norm"),
+                             getattr(config, "clip_qkv", None), rotary_dim)
         if adapter.is_moe and b.has_linear(adapter.disk_router_key(i)):
             mlp = _moe(b, adapter, config, i)
         else:
@@ -190,6 +214,7 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
         "bits": 16 if quant is None else "mixed" if quant.mixed else quant.bits,
         "dtype": str(dtype).removeprefix("torch."),
         "model_type": config.model_type,
+        "attention": adapter.attention_kind,
         "num_experts": adapter.num_experts(config),  # the largest layer's, with per-layer counts
         "layer_num_experts": getattr(config, "layer_num_experts", None),
         "params": b.params,

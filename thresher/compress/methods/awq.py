@@ -45,6 +45,7 @@ from thresher.compress.targets import (
 from thresher.formats.awq import AWQ, BITS
 from thresher.formats.gptq import GPTQ
 from thresher.formats.registry import format_for
+from thresher.models.adapters import SCORE_PROJECTIONS
 from thresher.recipe import AWQStage
 
 Inputs = tuple[list[torch.Tensor], list[torch.Tensor | None]]  # per batch: inputs, expert gates
@@ -110,7 +111,8 @@ class AWQMethod:
         apply_scale(group, best.scale)
 
     def _clip(self, job: LayerJob) -> None:
-        """Search each weight's clipping range on its (scaled) input; q/k are left unclipped."""
+        """Search each weight's clipping range on its (scaled) input; projections that make
+        attention scores (queries, keys) are left unclipped."""
         sites = [s for stage in sequential_stages(job.parts) for s in stage]
         inputs: dict[str, list[torch.Tensor]] = {s.name: [] for s in sites}
 
@@ -127,7 +129,7 @@ class AWQMethod:
             x = torch.cat(fit)
             check = torch.cat(held) if held is not fit else None
             for t in site.targets:
-                if t.role in ("q_proj", "k_proj"):
+                if t.role in SCORE_PROJECTIONS:
                     continue
                 max_val = search_clip(t.weight, x, self.grid, self.stage.group_size,
                                       check=check)

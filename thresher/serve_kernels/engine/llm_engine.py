@@ -165,6 +165,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer, loaded.path)
         self.vocab_size = spec.vocab_size
         self.model_info = {**loaded.info, "kv_cache_bytes": num_kv_blocks * per_block,
+                           "kv_bytes_per_token": per_block // block_size,
                            "kv_blocks": num_kv_blocks, "block_size": block_size,
                            "max_model_len": self.max_model_len, "device": str(self.device),
                            "cuda_graphs": self.runner.decode_graphs is not None,

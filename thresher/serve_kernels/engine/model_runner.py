@@ -1,7 +1,7 @@
 """Runs one scheduled batch through the model: the paged-KV inputs, the forward, the logits.
 
 Owns the KV cache tensors (one K and one V cache per layer, [num_blocks, block_size, kv_heads,
-head_dim]). For a batch it packs each sequence's new tokens, their positions and cache slots and
+head_dim]; latent attention's one [c, k_rope] cache per layer). For a batch it packs each sequence's new tokens, their positions and cache slots and
 the context lengths (one upload, pinned and asynchronous on CUDA), takes the block tables from
 the persistent ``BlockTables`` rows the block manager keeps current, runs the model once, and
 computes logits only where they are needed: the last position of every sequence that samples,
@@ -79,8 +79,8 @@ class ModelRunner:
         self.tables = tables  # the block manager writes them; a step gathers its rows
         spec = model.spec
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device))
+        self.kv_caches = [tuple(torch.zeros(shape, dtype=dtype, device=device)
+                                for _ in range(spec.kv_tensors))
                           for _ in range(spec.num_layers)]
         self.decode_graphs: DecodeGraphs | None = None
 
@@ -136,7 +136,8 @@ class ModelRunner:
     @staticmethod
     def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
         s = model.spec
-        return 2 * s.num_layers * block_size * s.num_kv_heads * s.head_dim * dtype.itemsize
+        return (s.kv_tensors * s.num_layers * block_size * s.num_kv_heads * s.head_dim
+                * dtype.itemsize)
 
     def hidden_states(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Run the batch's new tokens: final hidden states [T, H] and new-token offsets [B + 1].

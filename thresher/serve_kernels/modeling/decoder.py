@@ -6,7 +6,9 @@ config by the loader rather than from the family name: q/k RMSNorm per head (Qwe
 full projection width (OLMoE), q/k/v biases (Qwen2, GLM-4.5), a shared expert with a sigmoid
 gate (Qwen2-MoE) or without one (GLM-4.5), top-k renormalization, ``clip_qkv`` (OLMoE), dense
 layers inside an MoE, rotary over the first part of each head only (GLM-4.5's partial rotary),
-sigmoid routing with a correction bias and expert groups (GLM-4.5).
+sigmoid routing with a correction bias and expert groups (GLM-4.5). Latent attention
+(DeepSeek-V3) is ``mla.LatentAttention`` in the attention's place, chosen by the loader from the
+family's adapter.
 
 The model works on a flat batch of new tokens ([T] ids and positions) and reads and writes the
 paged KV cache, so any mix of prefill chunks and decode tokens runs in one forward.
@@ -37,6 +39,9 @@ class ModelSpec:
     vocab_size: int
     rms_norm_eps: float
     max_position_embeddings: int
+    # cache tensors per layer, each [blocks, block_size, num_kv_heads, head_dim]: K and V (2), or
+    # latent attention's one [c, k_rope] row per token (1, with 1 x (kv_lora_rank + rope dim))
+    kv_tensors: int = 2
 
 
 class Attention(nn.Module):
@@ -145,7 +150,7 @@ class DenseMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block; the residual add is fused into the following RMSNorm."""
 
-    def __init__(self, attn: Attention, mlp: nn.Module, input_norm: torch.Tensor,
+    def __init__(self, attn: nn.Module, mlp: nn.Module, input_norm: torch.Tensor,
                  post_attention_norm: torch.Tensor, eps: float):
         super().__init__()
         self.attn, self.mlp = attn, mlp
@@ -154,7 +159,7 @@ class DecoderLayer(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                rope: Rope, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                rope: Rope, kv_cache: tuple[torch.Tensor, ...],
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, h = x, rms_norm(x, self.input_norm, self.eps)
@@ -180,7 +185,7 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                kv_caches: list[tuple[torch.Tensor, ...]],
                 meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [T, H] of the new tokens; their K/V land in ``kv_caches``."""
         x = nn.functional.embedding(input_ids, self.embed_tokens)
