@@ -44,6 +44,7 @@ class RoutingRule:
     its decision for any subset of the experts without running the model.
 
     ``softmax``: softmax over the experts, top-k, renormalized if ``renormalize``.
+    ``topk_softmax`` (gpt-oss): top-k of the raw logits, then softmax over the k selected.
     ``sigmoid`` (GLM-4.5, DeepSeek-V3): sigmoid scores; experts are *selected* on the scores plus
     the score-correction ``bias``, within the ``topk_group`` best of ``n_group`` groups (a group
     ranked by its two best biased scores); the gate values are the unbiased scores of the
@@ -69,6 +70,11 @@ class RoutingRule:
         router has its group limit dropped, see ``Adapter.set_num_experts``). ``bias`` stands
         in for the rule's own (a module's buffer, on the logits' device)."""
         pruned = kept is not None and not bool(kept.all())
+        if self.scoring == "topk_softmax":
+            if pruned:
+                logits = logits.masked_fill(~kept, float("-inf"))
+            top, index = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top.float(), dim=-1), index
         if self.scoring == "softmax":
             if pruned:
                 logits = logits.masked_fill(~kept, float("-inf"))
@@ -108,7 +114,7 @@ class FamilySpec:
     shared_expert: bool = False
     shared_expert_name: str = "shared_expert"  # GLM-4.5: shared_experts
     always_renormalize: bool = False  # the forward renormalizes top-k regardless of config
-    router: str = "softmax"  # or "sigmoid": see RoutingRule
+    router: str = "softmax"  # or "sigmoid", "topk_softmax": see RoutingRule
     router_correction: str | None = None  # the router's selection-only bias (GLM-4.5)
     # config key counting extra trailing layers (multi-token prediction) that thresher drops
     extra_layers_key: str | None = None
@@ -141,6 +147,14 @@ FAMILIES: dict[str, FamilySpec] = {
         extra_layers_key="num_nextn_predict_layers",
         dense_layers_key="first_k_dense_replace",
     ),
+    # gpt-oss: biased router with softmax after top-k, fused experts with biases and a clamped
+    # SwiGLU, attention sinks and alternating sliding-window layers (models/gpt_oss.py).
+    "gpt_oss": FamilySpec(
+        ("gpt_oss",),
+        moe=True,
+        num_experts_key="num_local_experts",
+        router="topk_softmax",
+    ),
     "llama": FamilySpec(("llama",), moe=False),
     "qwen2": FamilySpec(("qwen2",), moe=False),
     "qwen3": FamilySpec(("qwen3",), moe=False),
@@ -164,6 +178,11 @@ MEMORY_DOWN = MEMORY_EXPERTS_PREFIX + "down_proj"  # [E, H, I]
 
 class Adapter:
     """Uniform access to one model family's modules (Llama-style decoder layout)."""
+
+    # transformers' attention path for layer-by-layer calibration (SDPA: causal without a mask)
+    attention_implementation = "sdpa"
+    # whether checkpoints keep the experts fused (gpt-oss) rather than one tensor per expert
+    fused_experts_on_disk = False
 
     def __init__(self, spec: FamilySpec, model_type: str):
         self.spec = spec
@@ -273,6 +292,11 @@ class Adapter:
 
     def mlp(self, layer: nn.Module) -> nn.Module:
         return layer.mlp
+
+    def layer_attention_mask(self, config, layer_idx: int, hidden: torch.Tensor
+                             ) -> torch.Tensor | None:
+        """The mask a decoder layer's attention takes for ``hidden`` [B, S, H] (None: causal)."""
+        return None
 
     def is_moe_layer(self, layer: nn.Module) -> bool:
         return self.is_moe and hasattr(layer.mlp, "experts")
@@ -447,10 +471,20 @@ def supported_model_types() -> list[str]:
 def get_adapter(config_or_type) -> Adapter:
     """The adapter for a transformers config (or a ``model_type`` string)."""
     model_type = config_or_type if isinstance(config_or_type, str) else config_or_type.model_type
-    for spec in FAMILIES.values():
+    for family, spec in FAMILIES.items():
         if model_type in spec.model_types:
-            return Adapter(spec, model_type)
+            return _adapter_class(family)(spec, model_type)
     raise UnsupportedArchitectureError(
         f"model type {model_type!r} has no thresher adapter; supported: "
         + ", ".join(supported_model_types())
     )
+
+
+def _adapter_class(family: str) -> type[Adapter]:
+    """The Adapter subclass of a family whose modules are not Llama-shaped (imported on use:
+    those modules build on this one)."""
+    if family == "gpt_oss":
+        from thresher.models.gpt_oss import GptOssAdapter
+
+        return GptOssAdapter
+    return Adapter

@@ -21,10 +21,12 @@ from transformers import AutoModelForCausalLM
 
 from thresher.errors import CheckpointError, ModelError
 from thresher.formats.dtypes import SAFETENSORS_DTYPES
+from thresher.models import mxfp4
 from thresher.models.adapters import (
     DISK_LAYERS,
     EXPERT_ROLES,
     MEMORY_DOWN,
+    MEMORY_EXPERTS_PREFIX,
     MEMORY_GATE_UP,
     Adapter,
     get_adapter,
@@ -224,7 +226,8 @@ def read_layer_state(reader: CheckpointReader, adapter: Adapter, layer_idx: int,
     """The in-memory state dict (keys relative to the layer) of decoder layer ``layer_idx``.
 
     Floating tensors are converted to ``dtype`` when given. Experts are copied one at a time into
-    preallocated fused tensors, so reading a layer holds about one copy of it, not three.
+    preallocated fused tensors, so reading a layer holds about one copy of it, not three. MXFP4
+    weights (``<name>_blocks`` with ``<name>_scales``, gpt-oss on the hub) are dequantized.
     """
     prefix = adapter.disk_layer_prefix(layer_idx)
     expert_keys: dict[tuple[int, str], str] = {}
@@ -235,7 +238,13 @@ def read_layer_state(reader: CheckpointReader, adapter: Adapter, layer_idx: int,
 
     for key in reader.with_prefix(prefix):
         expert = adapter.parse_disk_expert_key(key.removesuffix(".weight"))
-        if expert is not None and key.endswith(".weight"):
+        if key.endswith(mxfp4.SCALES_SUFFIX):
+            continue  # read beside its blocks
+        if key.endswith(mxfp4.BLOCKS_SUFFIX):
+            name = key.removesuffix(mxfp4.BLOCKS_SUFFIX)
+            state[adapter.memory_key_from_disk(name)[len(prefix):]] = _read_mxfp4(
+                reader, name, dtype or torch.bfloat16)
+        elif expert is not None and key.endswith(".weight"):
             expert_keys[expert[1:]] = key
         else:
             state[adapter.memory_key_from_disk(key)[len(prefix) :]] = convert(reader.get(key))
@@ -259,13 +268,27 @@ def read_layer_state(reader: CheckpointReader, adapter: Adapter, layer_idx: int,
     return state
 
 
+def _read_mxfp4(reader: CheckpointReader, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """The dequantized weight ``name`` from its ``_blocks`` and ``_scales`` tensors."""
+    scales = name + mxfp4.SCALES_SUFFIX
+    file = reader.path / reader.weight_map[name + mxfp4.BLOCKS_SUFFIX]
+    if scales not in reader:
+        raise CheckpointError(f"{file}: MXFP4 tensor {name}{mxfp4.BLOCKS_SUFFIX} has no "
+                              f"{scales} beside it; the checkpoint is incomplete")
+    return mxfp4.dequantize(reader.get(name + mxfp4.BLOCKS_SUFFIX), reader.get(scales), dtype,
+                            f"{file}: {name}")
+
+
 def canonical_layer_state(adapter: Adapter, layer_idx: int, state: dict[str, torch.Tensor]
                           ) -> dict[str, torch.Tensor]:
-    """In-memory layer state (relative keys) -> hub-canonical absolute keys, experts split."""
+    """In-memory layer state (relative keys) -> hub-canonical absolute keys, experts split
+    (kept fused for families whose hub checkpoints keep them so)."""
     out: dict[str, torch.Tensor] = {}
     prefix = adapter.disk_layer_prefix(layer_idx)
     for key, tensor in state.items():
-        if key == MEMORY_GATE_UP:
+        if adapter.fused_experts_on_disk and key.startswith(MEMORY_EXPERTS_PREFIX):
+            out[adapter.disk_key_from_memory(prefix + key)] = tensor
+        elif key == MEMORY_GATE_UP:
             inter = tensor.shape[1] // 2
             for e in range(tensor.shape[0]):
                 out[adapter.disk_expert_key(layer_idx, e, "gate") + ".weight"] = tensor[e, :inter]

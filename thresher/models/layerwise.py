@@ -60,6 +60,13 @@ def _glibc():
 _LIBC = _glibc()
 
 
+def is_mxfp4(config) -> bool:
+    """Whether ``config`` describes MXFP4 experts (gpt-oss on the hub), dequantized on read."""
+    qc = getattr(config, "quantization_config", None) or {}
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    return qc.get("quant_method") == "mxfp4"
+
+
 def load_config(path: str | Path):
     """A checkpoint's config.json as transformers reads it; an unreadable one is named."""
     try:
@@ -80,8 +87,10 @@ class LayerwiseModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.config = load_config(self.path)
-        self.config._attn_implementation = "sdpa"
         self.adapter: Adapter = get_adapter(self.config)
+        self.config._attn_implementation = self.adapter.attention_implementation
+        if is_mxfp4(self.config):  # dequantized as read: the model in memory is not quantized
+            del self.config.quantization_config
         with torch.device("meta"):
             self.model = AutoModelForCausalLM.from_config(self.config, dtype=dtype)
         self.model.eval()
@@ -166,7 +175,8 @@ class LayerwiseModel:
         """Run resident layer ``i`` on ``hidden`` [B, S, H] with a causal mask."""
         if position_embeddings is None:
             position_embeddings = self.position_embeddings(hidden)
-        out = self.layer(i)(hidden, attention_mask=None, position_embeddings=position_embeddings)
+        mask = self.adapter.layer_attention_mask(self.config, i, hidden)
+        out = self.layer(i)(hidden, attention_mask=mask, position_embeddings=position_embeddings)
         return out[0] if isinstance(out, tuple) else out
 
     @torch.no_grad()

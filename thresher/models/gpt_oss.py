@@ -1,0 +1,130 @@
+"""The gpt-oss family's adapter: where its modules differ from the Llama-shaped families.
+
+gpt-oss keeps its experts fused on the hub as well as in memory (``mlp.experts.gate_up_proj``
+[E, H, 2I] with gate and up in alternating columns, ``down_proj`` [E, I, H], a bias for each),
+routes with a biased ``mlp.router`` (top-k of the logits, then a softmax over the k), gates with
+a clamped SwiGLU (``(up + 1) * gate * sigmoid(alpha * gate)``, gate clamped above and up on both
+sides at ``limit``), and attends with a learned per-head sink logit in the softmax denominator,
+every other layer over a sliding window. Its sinks need the eager attention path of transformers
+(SDPA has no place for them), which takes an explicit mask, so the adapter builds each layer's
+causal or sliding-window mask.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from thresher.models.adapters import Adapter, ExpertWeights, Routing, RoutingRule
+
+SLIDING = "sliding_attention"
+
+
+class GptOssAdapter(Adapter):
+    """gpt-oss (``gpt_oss``): see the module docstring."""
+
+    attention_implementation = "eager"
+    fused_experts_on_disk = True
+
+    # -- routing ------------------------------------------------------------------------------
+
+    def router(self, layer: nn.Module) -> nn.Module:
+        return layer.mlp.router
+
+    def rule(self, config, correction: torch.Tensor | None = None) -> RoutingRule:
+        return RoutingRule(self.top_k(config), renormalize=False, scoring="topk_softmax")
+
+    def route(self, layer: nn.Module, hidden: torch.Tensor, config) -> Routing:
+        router = self.router(layer)
+        logits = torch.nn.functional.linear(hidden, router.weight, router.bias)
+        top_w, top_i = self.rule(config).select(logits)
+        return Routing(logits=logits, probs=torch.softmax(logits.float(), dim=-1),
+                       top_k_index=top_i, top_k_weights=top_w)
+
+    def saliency_gates(self, routing: Routing, config) -> torch.Tensor:
+        """The gate values the forward multiplies by: softmax over the selected logits."""
+        return routing.top_k_weights.float()
+
+    def norm_topk_prob(self, config) -> bool:
+        return False
+
+    def forward_renormalizes(self, config) -> bool:
+        return False
+
+    # -- experts ------------------------------------------------------------------------------
+
+    def expert_view(self, layer: nn.Module, e: int) -> ExpertWeights:
+        experts = self.experts(layer)
+        gate_up = experts.gate_up_proj.data[e]  # [H, 2I], gate in even columns, up in odd
+        return ExpertWeights(gate=gate_up[:, 0::2].t(), up=gate_up[:, 1::2].t(),
+                             down=experts.down_proj.data[e].t())
+
+    def expert_biases(self, layer: nn.Module, e: int) -> ExpertWeights:
+        """Expert ``e``'s biases (gate [I], up [I], down [H]), views like ``expert_view``."""
+        experts = self.experts(layer)
+        gate_up = experts.gate_up_proj_bias.data[e]
+        return ExpertWeights(gate=gate_up[0::2], up=gate_up[1::2],
+                             down=experts.down_proj_bias.data[e])
+
+    def expert_hidden(self, layer: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
+        """The clamped SwiGLU of expert ``e``: the input of its down projection."""
+        w, b = self.expert_view(layer, e), self.expert_biases(layer, e)
+        experts = self.experts(layer)
+        gate = torch.nn.functional.linear(x, w.gate, b.gate)
+        up = torch.nn.functional.linear(x, w.up, b.up)
+        return clamped_swiglu(gate, up, experts.alpha, experts.limit)
+
+    def expert_forward(self, layer: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(self.expert_hidden(layer, e, x),
+                                          self.expert_view(layer, e).down,
+                                          self.expert_biases(layer, e).down)
+
+    def resize_experts(self, layer: nn.Module, n: int) -> None:
+        experts, router = self.experts(layer), self.router(layer)
+        with torch.device("meta"):
+            for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+                old = getattr(experts, name)
+                setattr(experts, name, nn.Parameter(torch.empty(n, *old.shape[1:],
+                                                                dtype=old.dtype)))
+            router.weight = nn.Parameter(torch.empty(n, router.weight.shape[1],
+                                                     dtype=router.weight.dtype))
+            router.bias = nn.Parameter(torch.empty(n, dtype=router.bias.dtype))
+        experts.num_experts = router.num_experts = n
+
+    # -- attention ----------------------------------------------------------------------------
+
+    def sliding_window(self, config, layer_idx: int) -> int | None:
+        """The attention window of layer ``layer_idx`` (None: full causal attention)."""
+        return int(config.sliding_window) if config.layer_types[layer_idx] == SLIDING else None
+
+    def layer_attention_mask(self, config, layer_idx: int, hidden: torch.Tensor
+                             ) -> torch.Tensor | None:
+        """The additive [1, 1, S, S] mask of layer ``layer_idx`` for ``hidden`` [B, S, H]."""
+        return causal_mask(hidden.shape[1], self.sliding_window(config, layer_idx),
+                           hidden.dtype, hidden.device)
+
+    # -- on-disk names ------------------------------------------------------------------------
+
+    def disk_router_key(self, layer_idx: int) -> str:
+        return f"{self._disk_moe(layer_idx)}.router"
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
+                   ) -> torch.Tensor:
+    """gpt-oss's activation: gate clamped above, up on both sides, at ``limit``."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+
+def causal_mask(length: int, window: int | None, dtype: torch.dtype,
+                device: torch.device | str = "cpu") -> torch.Tensor:
+    """Additive causal mask [1, 1, S, S]; with ``window``, each query sees its last ``window``
+    positions (itself included), as transformers' sliding-window mask does."""
+    q = torch.arange(length, device=device)[:, None]
+    k = torch.arange(length, device=device)[None, :]
+    allowed = k <= q
+    if window is not None:
+        allowed &= k > q - window
+    mask = torch.zeros(length, length, dtype=dtype, device=device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
