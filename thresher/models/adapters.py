@@ -376,6 +376,14 @@ class Adapter:
         return torch.nn.functional.linear(self.expert_hidden(layer, e, x),
                                           self.expert_view(layer, e).down)
 
+    def expert_down_bias(self, layer: nn.Module, e: int) -> torch.Tensor | None:
+        """Expert ``e``'s down-projection bias [H] (gpt-oss), or None."""
+        return None
+
+    def down_to_fused(self, down: torch.Tensor) -> torch.Tensor:
+        """One expert's down projection [H, I] as the fused ``down_proj`` holds it."""
+        return down
+
     def expert_hidden(self, layer: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
         """act(gate x) * up x: the input of expert ``e``'s down projection, for tokens x [T, H]."""
         w = self.expert_view(layer, e)

@@ -66,6 +66,12 @@ class GptOssAdapter(Adapter):
         return ExpertWeights(gate=gate_up[0::2], up=gate_up[1::2],
                              down=experts.down_proj_bias.data[e])
 
+    def expert_down_bias(self, layer: nn.Module, e: int) -> torch.Tensor | None:
+        return self.experts(layer).down_proj_bias.data[e]
+
+    def down_to_fused(self, down: torch.Tensor) -> torch.Tensor:
+        return down.t()
+
     def expert_hidden(self, layer: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
         """The clamped SwiGLU of expert ``e``: the input of its down projection."""
         w, b = self.expert_view(layer, e), self.expert_biases(layer, e)

@@ -373,7 +373,8 @@ def _write_refit_checkpoint(lw: LayerwiseModel, kept: dict[int, list[int]], wind
         if i in kept:
             state = prune_layer_state(adapter, i, state, kept[i], num_experts)
             for pos, e in enumerate(kept[i]):
-                state[MEMORY_DOWN][pos] = results[i].down[e].to(state[MEMORY_DOWN].dtype).cpu()
+                down = adapter.down_to_fused(results[i].down[e])
+                state[MEMORY_DOWN][pos] = down.to(state[MEMORY_DOWN].dtype).cpu()
             adapter.resize_experts(layer, len(kept[i]))
             layer.load_state_dict({k: v.to(lw.device, lw.dtype) if v.is_floating_point()
                                    else v.to(lw.device) for k, v in state.items()},
