@@ -11,6 +11,7 @@ gives per-expert views of the fused tensors and the canonical on-disk names of e
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -183,6 +184,9 @@ class Adapter:
     attention_implementation = "sdpa"
     # whether checkpoints keep the experts fused (gpt-oss) rather than one tensor per expert
     fused_experts_on_disk = False
+    # whether an expert's down-projection input is linear in its up projection, so that AWQ can
+    # divide the up rows by the down scales (not under gpt-oss's clamped (up + 1) gating)
+    expert_up_absorbs_scales = True
 
     def __init__(self, spec: FamilySpec, model_type: str):
         self.spec = spec
@@ -379,6 +383,11 @@ class Adapter:
     def expert_down_bias(self, layer: nn.Module, e: int) -> torch.Tensor | None:
         """Expert ``e``'s down-projection bias [H] (gpt-oss), or None."""
         return None
+
+    def glu(self, experts: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """(gate x, up x) -> the input of an expert's down projection, for ``experts``' family."""
+        act = experts.act_fn
+        return lambda gate, up: act(gate) * up
 
     def down_to_fused(self, down: torch.Tensor) -> torch.Tensor:
         """One expert's down projection [H, I] as the fused ``down_proj`` holds it."""

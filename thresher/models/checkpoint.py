@@ -279,16 +279,22 @@ def _read_mxfp4(reader: CheckpointReader, name: str, dtype: torch.dtype) -> torc
                             f"{file}: {name}")
 
 
-def canonical_layer_state(adapter: Adapter, layer_idx: int, state: dict[str, torch.Tensor]
-                          ) -> dict[str, torch.Tensor]:
+def canonical_layer_state(adapter: Adapter, layer_idx: int, state: dict[str, torch.Tensor],
+                          per_expert: bool = False) -> dict[str, torch.Tensor]:
     """In-memory layer state (relative keys) -> hub-canonical absolute keys, experts split
-    (kept fused for families whose hub checkpoints keep them so)."""
+    (kept fused for families whose hub checkpoints keep them so, unless ``per_expert``: the
+    per-expert modules of a quantized checkpoint)."""
     out: dict[str, torch.Tensor] = {}
     prefix = adapter.disk_layer_prefix(layer_idx)
+    if adapter.fused_experts_on_disk:
+        fused = {k: v for k, v in state.items() if k.startswith(MEMORY_EXPERTS_PREFIX)}
+        state = {k: v for k, v in state.items() if k not in fused}
+        if per_expert and fused:
+            out.update(adapter.per_expert_state(layer_idx, fused))
+        else:
+            out.update({adapter.disk_key_from_memory(prefix + k): v for k, v in fused.items()})
     for key, tensor in state.items():
-        if adapter.fused_experts_on_disk and key.startswith(MEMORY_EXPERTS_PREFIX):
-            out[adapter.disk_key_from_memory(prefix + key)] = tensor
-        elif key == MEMORY_GATE_UP:
+        if key == MEMORY_GATE_UP:
             inter = tensor.shape[1] // 2
             for e in range(tensor.shape[0]):
                 out[adapter.disk_expert_key(layer_idx, e, "gate") + ".weight"] = tensor[e, :inter]

@@ -12,10 +12,19 @@ causal or sliding-window mask.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
-from thresher.models.adapters import Adapter, ExpertWeights, Routing, RoutingRule
+from thresher.models.adapters import (
+    MEMORY_DOWN,
+    MEMORY_EXPERTS_PREFIX,
+    Adapter,
+    ExpertWeights,
+    Routing,
+    RoutingRule,
+)
 
 SLIDING = "sliding_attention"
 
@@ -25,6 +34,7 @@ class GptOssAdapter(Adapter):
 
     attention_implementation = "eager"
     fused_experts_on_disk = True
+    expert_up_absorbs_scales = False
 
     # -- routing ------------------------------------------------------------------------------
 
@@ -72,6 +82,9 @@ class GptOssAdapter(Adapter):
     def down_to_fused(self, down: torch.Tensor) -> torch.Tensor:
         return down.t()
 
+    def glu(self, experts: nn.Module):
+        return partial(clamped_swiglu, alpha=experts.alpha, limit=experts.limit)
+
     def expert_hidden(self, layer: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
         """The clamped SwiGLU of expert ``e``: the input of its down projection."""
         w, b = self.expert_view(layer, e), self.expert_biases(layer, e)
@@ -113,6 +126,24 @@ class GptOssAdapter(Adapter):
 
     def disk_router_key(self, layer_idx: int) -> str:
         return f"{self._disk_moe(layer_idx)}.router"
+
+    def per_expert_state(self, layer_idx: int, fused: dict[str, torch.Tensor]
+                         ) -> dict[str, torch.Tensor]:
+        """The fused experts (relative keys) as per-expert modules with their biases:
+        ``mlp.experts.E.{gate,up,down}_proj.{weight,bias}`` in nn.Linear layout, the names of
+        vLLM's per-expert mapping for gpt-oss (quantized checkpoints; docs/architecture.md)."""
+        gate_up, down = fused[MEMORY_EXPERTS_PREFIX + "gate_up_proj"], fused[MEMORY_DOWN]
+        gate_up_bias = fused[MEMORY_EXPERTS_PREFIX + "gate_up_proj_bias"]
+        down_bias = fused[MEMORY_EXPERTS_PREFIX + "down_proj_bias"]
+        out: dict[str, torch.Tensor] = {}
+        for e in range(gate_up.shape[0]):
+            parts = {"gate": (gate_up[e][:, 0::2].t(), gate_up_bias[e][0::2]),
+                     "up": (gate_up[e][:, 1::2].t(), gate_up_bias[e][1::2]),
+                     "down": (down[e].t(), down_bias[e])}
+            for role, (weight, bias) in parts.items():
+                key = self.disk_expert_key(layer_idx, e, role)
+                out[f"{key}.weight"], out[f"{key}.bias"] = weight.contiguous(), bias.contiguous()
+        return out
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
