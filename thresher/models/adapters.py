@@ -297,6 +297,10 @@ class Adapter:
     def mlp(self, layer: nn.Module) -> nn.Module:
         return layer.mlp
 
+    def sliding_window(self, config, layer_idx: int) -> int | None:
+        """The attention window of layer ``layer_idx`` (None: full causal attention)."""
+        return None
+
     def layer_attention_mask(self, config, layer_idx: int, hidden: torch.Tensor
                              ) -> torch.Tensor | None:
         """The mask a decoder layer's attention takes for ``hidden`` [B, S, H] (None: causal)."""

@@ -33,6 +33,7 @@ from thresher.models.layerwise import load_config
 from thresher.models.manifest import verify_artifact
 from thresher.models.source import resolve_model
 from thresher.serve_kernels.kernels import cpu_native, rotary_cos_sin
+from thresher.serve_kernels.modeling import gpt_oss
 from thresher.serve_kernels.modeling.decoder import (
     Attention,
     CausalLM,
@@ -40,6 +41,7 @@ from thresher.serve_kernels.modeling.decoder import (
     DenseMLP,
     ModelSpec,
 )
+from thresher.serve_kernels.modeling.gpt_oss import SinkAttention
 from thresher.serve_kernels.modeling.linear import (
     DenseLinear,
     Linear,
@@ -155,12 +157,19 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
     for i in tqdm(range(spec.num_layers), desc="loading layers", disable=not show_progress):
         norm_keys = {n: adapter.disk_attention_key(i, n) + ".weight" for n in ("q_norm", "k_norm")}
         attn_norms = {n: b.tensor(key) for n, key in norm_keys.items() if key in reader}
-        attn = Attention(spec, *(b.linear(adapter.disk_attention_key(i, n))
-                                 for n in ATTENTION_PROJECTIONS),
-                         attn_norms.get("q_norm"), attn_norms.get("k_norm"),
-                         getattr(config, "clip_qkv", None), rotary_dim)
+        attn_args = (spec, *(b.linear(adapter.disk_attention_key(i, n))
+                             for n in ATTENTION_PROJECTIONS),
+                     attn_norms.get("q_norm"), attn_norms.get("k_norm"),
+                     getattr(config, "clip_qkv", None), rotary_dim)
+        sinks = adapter.disk_attention_key(i, "sinks")
+        if sinks in reader:  # gpt-oss: sinks, and a window in sliding layers
+            attn = SinkAttention(*attn_args, sinks=b.tensor(sinks),
+                                 window=adapter.sliding_window(config, i))
+        else:
+            attn = Attention(*attn_args)
         if adapter.is_moe and b.has_linear(adapter.disk_router_key(i)):
-            mlp = _moe(b, adapter, config, i)
+            mlp = (gpt_oss.build_moe(b, adapter, config, i)
+                   if adapter.rule(config).scoring == "topk_softmax" else _moe(b, adapter, config, i))
         else:
             mlp = DenseMLP(*(b.linear(adapter.disk_dense_mlp_key(i, n)) for n in MLP_PROJECTIONS))
         layers.append(DecoderLayer(attn, mlp, b.tensor(adapter.disk_input_norm_key(i) + ".weight"),
