@@ -458,6 +458,11 @@ class Adapter:
     def disk_shared_expert_gate_key(self, layer_idx: int) -> str:
         return f"{self._disk_moe(layer_idx)}.shared_expert_gate"
 
+    def per_expert_reader(self, reader):
+        """``reader`` (a CheckpointReader) with experts under per-expert names: itself, except
+        where the family keeps them fused on disk (gpt-oss)."""
+        return reader
+
     def disk_embeddings_key(self) -> str:
         return DISK_EMBEDDINGS
 

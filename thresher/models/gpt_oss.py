@@ -27,6 +27,9 @@ from thresher.models.adapters import (
 )
 
 SLIDING = "sliding_attention"
+FUSED_GATE_UP = "mlp.experts.gate_up_proj"
+FUSED_DOWN = "mlp.experts.down_proj"
+FUSED = (FUSED_GATE_UP, FUSED_GATE_UP + "_bias", FUSED_DOWN, FUSED_DOWN + "_bias")
 
 
 class GptOssAdapter(Adapter):
@@ -127,6 +130,9 @@ class GptOssAdapter(Adapter):
     def disk_router_key(self, layer_idx: int) -> str:
         return f"{self._disk_moe(layer_idx)}.router"
 
+    def per_expert_reader(self, reader):
+        return PerExpertReader(reader, self)
+
     def per_expert_state(self, layer_idx: int, fused: dict[str, torch.Tensor]
                          ) -> dict[str, torch.Tensor]:
         """The fused experts (relative keys) as per-expert modules with their biases:
@@ -165,3 +171,83 @@ def causal_mask(length: int, window: int | None, dtype: torch.dtype,
         allowed &= k > q - window
     mask = torch.zeros(length, length, dtype=dtype, device=device)
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+class PerExpertReader:
+    """A gpt-oss checkpoint's fused experts seen one expert at a time, under the per-expert names
+    of ``GptOssAdapter.per_expert_state`` (weights [out, in], biases beside them), for readers
+    that stack experts themselves (GGUF export). Other tensors pass through; the fused tensor
+    last read is kept, so walking its experts reads it once."""
+
+    def __init__(self, reader, adapter: GptOssAdapter):
+        self.reader, self.path = reader, reader.path
+        self._views: dict[str, tuple[str, int, str]] = {}  # key -> (fused key, expert, part)
+        self._fused: set[str] = set()
+        self._last: tuple[str, torch.Tensor] | None = None
+        for name in reader.tensor_names():
+            if not name.endswith(FUSED_GATE_UP):
+                continue
+            layer_prefix = name.removesuffix(FUSED_GATE_UP)
+            layer_idx = int(layer_prefix.rstrip(".").rsplit(".", 1)[1])
+            self._fused |= {layer_prefix + k for k in FUSED}
+            for e in range(reader.shape(name)[0]):
+                for role, fused in (("gate", FUSED_GATE_UP), ("up", FUSED_GATE_UP),
+                                    ("down", FUSED_DOWN)):
+                    key = adapter.disk_expert_key(layer_idx, e, role)
+                    self._views[f"{key}.weight"] = (layer_prefix + fused, e, role)
+                    self._views[f"{key}.bias"] = (layer_prefix + fused + "_bias", e, role)
+
+    def tensor_names(self) -> list[str]:
+        return [k for k in self.reader.tensor_names() if k not in self._fused] + list(self._views)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._views or (key in self.reader and key not in self._fused)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        if key not in self._views:
+            return self.reader.shape(key)
+        fused, _, role = self._views[key]
+        shape = self.reader.shape(fused)  # [E, H, 2I], [E, 2I], [E, I, H] or [E, H]
+        if len(shape) == 2:
+            return (shape[1] // 2,) if role != "down" else (shape[1],)
+        return (shape[2] // 2, shape[1]) if role != "down" else (shape[2], shape[1])
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self._views:
+            return self.reader.get(key)
+        fused, e, role = self._views[key]
+        if self._last is None or self._last[0] != fused:
+            self._last = (fused, self.reader.get(fused))
+        t = self._last[1][e]
+        if role == "down":
+            return t.t() if t.dim() == 2 else t
+        cols = slice(0, None, 2) if role == "gate" else slice(1, None, 2)
+        return t[:, cols].t() if t.dim() == 2 else t[cols]
+
+    def close(self) -> None:
+        self._last = None
+        self.reader.close()
+
+    def fuse(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The inverse: per-expert tensors (all of a layer's) back to the fused hub tensors."""
+        parts: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+        out = {}
+        for key, t in tensors.items():
+            if key not in self._views:
+                out[key] = t
+                continue
+            fused, e, role = self._views[key]
+            parts.setdefault(fused, {})[(e, role)] = t
+        for fused, pieces in parts.items():
+            n = 1 + max(e for e, _ in pieces)
+            if fused.endswith(FUSED_DOWN) or fused.endswith(FUSED_DOWN + "_bias"):
+                rows = [pieces[(e, "down")] for e in range(n)]
+                out[fused] = torch.stack([r.t() if r.dim() == 2 else r for r in rows])
+                continue
+            stacked = []
+            for e in range(n):
+                gate, up = pieces[(e, "gate")], pieces[(e, "up")]
+                inter = torch.stack([gate, up], dim=1).flatten(0, 1)  # rows g0, u0, g1, u1, ...
+                stacked.append(inter.t() if inter.dim() == 2 else inter)
+            out[fused] = torch.stack(stacked)
+        return out
