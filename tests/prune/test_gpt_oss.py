@@ -84,3 +84,21 @@ def test_pruned_gpt_oss_loads_in_transformers_and_matches_thresher_evaluation(gp
         removed = {r.layer: r.removed for r in report.layers}
         with torch.no_grad(), experts_disabled(model, removed):
             torch.testing.assert_close(model(input_ids=ids).logits, got, rtol=1e-4, atol=1e-4)
+
+
+def test_mxfp4_input_prunes_to_a_plain_checkpoint(gpt_oss, tmp_path, tiny_tokenizer):
+    """A hub-layout MXFP4 checkpoint: pruned from its dequantized experts, written plain (no
+    mxfp4 quantization_config), and plain transformers computes what thresher evaluates."""
+    from tests.models.test_gpt_oss import _write_mxfp4
+
+    _, base = gpt_oss
+    _write_mxfp4(base, tmp_path / "mxfp4")
+    tiny_tokenizer.save_pretrained(tmp_path / "mxfp4")
+    out = tmp_path / "pruned"
+    prune_model(tmp_path / "mxfp4", PruneStage(method="reap", ratio=0.5), CAL, out,
+                show_progress=False)
+    assert "quantization_config" not in AutoModelForCausalLM.from_pretrained(out).config.to_dict()
+    ids = torch.randint(0, 512, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits,
+                                   layerwise_logits(out, ids), rtol=1e-4, atol=1e-4)

@@ -67,14 +67,18 @@ def is_mxfp4(config) -> bool:
     return qc.get("quant_method") == "mxfp4"
 
 
-def load_config(path: str | Path):
-    """A checkpoint's config.json as transformers reads it; an unreadable one is named."""
+def load_config(path: str | Path, dequantized: bool = False):
+    """A checkpoint's config.json as transformers reads it; an unreadable one is named. With
+    ``dequantized``, the config of the model as thresher reads it: MXFP4 experts are dequantized
+    on read, so their quantization_config is dropped (a checkpoint written from it is plain)."""
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{Path(path) / 'config.json'}: cannot read it "
                               f"({type(err).__name__}: {err})") from None
     get_adapter(config)  # unsupported families fail here, before any weights are read
+    if dequantized and is_mxfp4(config):
+        del config.quantization_config
     return config
 
 
@@ -86,11 +90,9 @@ class LayerwiseModel:
         self.path = Path(path)
         self.dtype = dtype
         self.device = torch.device(device)
-        self.config = load_config(self.path)
+        self.config = load_config(self.path, dequantized=True)
         self.adapter: Adapter = get_adapter(self.config)
         self.config._attn_implementation = self.adapter.attention_implementation
-        if is_mxfp4(self.config):  # dequantized as read: the model in memory is not quantized
-            del self.config.quantization_config
         with torch.device("meta"):
             self.model = AutoModelForCausalLM.from_config(self.config, dtype=dtype)
         self.model.eval()

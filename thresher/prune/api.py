@@ -154,7 +154,8 @@ class PruneReport:
 def check_prune(model_dir: Path, stage: PruneStage) -> tuple[PretrainedConfig, int]:
     """Refuse, before any compute, a stage that does not fit the model: unsupported family, dense
     model, ratio or keep out of range, fewer experts left than top-k. Returns (config, kept)."""
-    config = load_config(model_dir)  # UnsupportedArchitectureError for families without adapter
+    # UnsupportedArchitectureError for families without adapter; MXFP4 input is written plain
+    config = load_config(model_dir, dequantized=True)
     adapter = get_adapter(config)
     if not adapter.is_moe:
         raise CompressionError(

@@ -140,7 +140,7 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
     path = resolve_model(str(source))
     manifest = verify_artifact(path)
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    config = load_config(path)
+    config = load_config(path, dequantized=True)  # MXFP4 experts: dequantized as read
     adapter = get_adapter(config)
     quant = packed_format(config, path)
     if quant is not None:

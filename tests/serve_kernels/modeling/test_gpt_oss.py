@@ -4,6 +4,8 @@ dequantizing loader (4-bit) give them, over prompts longer than the window and b
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -70,3 +72,14 @@ def test_four_bit_matches_the_dequantizing_loader(base, tmp_path, method, monkey
     assert rel_err(fast, expected) < 2e-2
     monkeypatch.setenv("THRESHER_KERNELS", "torch")  # the dequantizing references, in fp32
     _check(out, reference)
+
+
+def test_mxfp4_checkpoint_serves_dequantized(base, tmp_path, tiny_demo):
+    """The hub's MXFP4 layout: the engine dequantizes the experts as it loads them."""
+    from tests.models.test_gpt_oss import _write_mxfp4
+
+    _, path = base
+    _write_mxfp4(path, tmp_path / "mxfp4")
+    for f in tiny_demo.glob("tokenizer*"):
+        shutil.copy(f, tmp_path / "mxfp4" / f.name)
+    _check(tmp_path / "mxfp4", load_model(tmp_path / "mxfp4"))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from thresher.models import mxfp4
 from thresher.models.adapters import EXPERT_ROLES
 from thresher.models.gpt_oss import clamped_swiglu
 from thresher.serve_kernels.modeling.attention import AttentionMetadata, _gather
@@ -99,10 +100,11 @@ def build_moe(b, adapter, config, i: int) -> GptOssMoE:
     checkpoints), or per expert with their biases (quantized ones)."""
     count = adapter.layer_num_experts(config, i)
     prefix = f"{adapter.disk_layer_prefix(i)}mlp.experts."
-    if f"{prefix}gate_up_proj" in b.reader:
-        gate_up, gate_up_bias = b.tensor(prefix + "gate_up_proj"), b.tensor(
-            prefix + "gate_up_proj_bias")
-        down, down_bias = b.tensor(prefix + "down_proj"), b.tensor(prefix + "down_proj_bias")
+    fused = {name: _fused(b, prefix + name) for name in ("gate_up_proj", "gate_up_proj_bias",
+                                                          "down_proj", "down_proj_bias")}
+    if all(t is not None for t in fused.values()):
+        gate_up, gate_up_bias = fused["gate_up_proj"], fused["gate_up_proj_bias"]
+        down, down_bias = fused["down_proj"], fused["down_proj_bias"]
         roles = {"gate": [DenseLinear(gate_up[e][:, 0::2].t().contiguous(), gate_up_bias[e][0::2])
                           for e in range(count)],
                  "up": [DenseLinear(gate_up[e][:, 1::2].t().contiguous(), gate_up_bias[e][1::2])
@@ -115,3 +117,15 @@ def build_moe(b, adapter, config, i: int) -> GptOssMoE:
     return GptOssMoE(b.linear(adapter.disk_router_key(i)), roles["gate"], roles["up"],
                      roles["down"], adapter.top_k(config), float(config.swiglu_alpha),
                      float(config.swiglu_limit))
+
+
+def _fused(b, key: str) -> torch.Tensor | None:
+    """A fused expert tensor as on the hub, its MXFP4 blocks dequantized; None if absent."""
+    if key in b.reader:
+        return b.tensor(key)
+    if key + mxfp4.BLOCKS_SUFFIX not in b.reader:
+        return None
+    t = mxfp4.dequantize(b.reader.get(key + mxfp4.BLOCKS_SUFFIX),
+                         b.reader.get(key + mxfp4.SCALES_SUFFIX), b.dtype, f"{b.reader.path}: {key}")
+    b.params += t.numel()
+    return t
