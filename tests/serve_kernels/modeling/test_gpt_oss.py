@@ -83,3 +83,16 @@ def test_mxfp4_checkpoint_serves_dequantized(base, tmp_path, tiny_demo):
     for f in tiny_demo.glob("tokenizer*"):
         shutil.copy(f, tmp_path / "mxfp4" / f.name)
     _check(tmp_path / "mxfp4", load_model(tmp_path / "mxfp4"))
+
+
+def test_gpu_path_in_tritons_interpreter_matches_the_cpu_path(base, monkeypatch):
+    """The GPU path (Triton's rotary and norms through its interpreter; sinks and windows in
+    PyTorch on every device) gives the CPU path's greedy tokens past the window."""
+    _, path = base
+    llm = LLM(path, block_size=4, dtype="float32", num_kv_blocks=32, max_model_len=64,
+              enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = llm.generate([PROMPT[:9]], params)[0].token_ids
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("THRESHER_KERNELS", "triton")
+    assert llm.generate([PROMPT[:9]], params)[0].token_ids == expected
