@@ -85,3 +85,46 @@ def test_llama_cpp_computes_thresher_logits(gpt_oss, tmp_path, tiny_tokenizer, v
     got = _llama_logits(tmp_path / "f.gguf", ids, tmp_path)
     assert (got - want).abs().mean() < bound
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95
+
+
+def test_importance_matrix_covers_every_gpt_oss_matrix(gpt_oss, tmp_path):
+    """The imatrix reaches the deinterleaved gate and up and the clamped SwiGLU's output (the
+    down projections' input), and weights an importance-aware export."""
+    from thresher.export import compute_importance, gguf_importance
+
+    _, base = gpt_oss
+    importance = compute_importance(base, CAL, show_progress=False)
+    rows = gguf_importance(base, importance)
+    for name in ("blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight",
+                 "blk.1.ffn_down_exps.weight", "blk.1.attn_q.weight"):
+        assert any(v is not None for v in rows[name]), name
+    result = export_gguf(base, tmp_path / "q.gguf", "q4_0", importance=importance,
+                         show_progress=False)
+    assert result.imatrix and result.types["blk.0.ffn_up_exps.weight"] == "Q4_0"
+
+
+def test_gptq_codes_handed_to_q4_1_are_the_artifacts_weights(gpt_oss, tmp_path):
+    """Without llama.cpp: the Q4_1 matrices of a 4-bit gpt-oss hand-off dequantize to the GPTQ
+    artifact's own weights, and its expert biases travel as they are."""
+    from thresher.models.quantized import write_dequantized
+
+    _, base = gpt_oss
+    source = tmp_path / "gptq"
+    quantize_model(base, QuantizeStage(method="gptq", group_size=32, sym=False), CAL, source,
+                   show_progress=False)
+    export_gguf(source, tmp_path / "q.gguf", "q4_1", show_progress=False)
+    tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "q.gguf").tensors}
+    plain = CheckpointReader(write_dequantized(source, tmp_path / "dequantized"))
+    expert = "model.layers.1.mlp.experts.{e}.{p}.{t}"
+    expected = {
+        "blk.1.attn_v.weight": plain.get("model.layers.1.self_attn.v_proj.weight"),
+        "blk.1.ffn_up_exps.weight": torch.stack([
+            plain.get(expert.format(e=e, p="up_proj", t="weight")) for e in range(8)]),
+        "blk.1.ffn_down_exps.bias": torch.stack([
+            plain.get(expert.format(e=e, p="down_proj", t="bias")) for e in range(8)])}
+    for name, want in expected.items():
+        t = tensors[name]
+        got = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+        torch.testing.assert_close(got.reshape(want.shape), want.float(), rtol=0, atol=1e-3)
+    assert tensors["blk.1.ffn_up_exps.weight"].tensor_type == gguf.GGMLQuantizationType.Q4_1
+    assert tensors["blk.1.ffn_down_exps.bias"].tensor_type == gguf.GGMLQuantizationType.F32
