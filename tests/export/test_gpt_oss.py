@@ -128,3 +128,22 @@ def test_gptq_codes_handed_to_q4_1_are_the_artifacts_weights(gpt_oss, tmp_path):
         torch.testing.assert_close(got.reshape(want.shape), want.float(), rtol=0, atol=1e-3)
     assert tensors["blk.1.ffn_up_exps.weight"].tensor_type == gguf.GGMLQuantizationType.Q4_1
     assert tensors["blk.1.ffn_down_exps.bias"].tensor_type == gguf.GGMLQuantizationType.F32
+
+
+def test_mxfp4_checkpoint_exports_its_dequantized_experts(gpt_oss, tmp_path, tiny_tokenizer):
+    """A hub-layout MXFP4 checkpoint exports as the model thresher loads from it."""
+    from tests.models.test_gpt_oss import _write_mxfp4
+
+    _, base = gpt_oss
+    rounded = _write_mxfp4(base, tmp_path / "mxfp4")
+    tiny_tokenizer.save_pretrained(tmp_path / "mxfp4")
+    export_gguf(tmp_path / "mxfp4", tmp_path / "f.gguf", "f32", show_progress=False)
+    tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "f.gguf").tensors}
+    down = torch.from_numpy(tensors["blk.1.ffn_down_exps.weight"].data.copy())
+    want = rounded["model.layers.1.mlp.experts.down_proj"].transpose(1, 2)
+    torch.testing.assert_close(down.reshape(want.shape), want)
+    back = dequantize_gguf(tmp_path / "f.gguf", tmp_path / "mxfp4", tmp_path / "back")
+    ids = torch.randint(0, len(tiny_tokenizer), (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(back)(input_ids=ids).logits,
+                                   load_model(tmp_path / "mxfp4")(input_ids=ids).logits)

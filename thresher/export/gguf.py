@@ -239,7 +239,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", 
     takes the block scales from the plain fit instead."""
     model_dir, out, gguf_type = Path(model_dir), Path(out), gguf_type.lower()
     gtype = _gguf_type(gguf_type)
-    config = load_config(model_dir)
+    config = load_config(model_dir, dequantized=True)  # MXFP4 experts: read dequantized
     if getattr(config, "layer_num_experts", None):
         raise ExportError(f"{model_dir}: its layers keep different numbers of experts (a 'damage' "
                           "budget prune); GGUF holds one expert count per model")
@@ -301,7 +301,7 @@ def gguf_importance(model_dir: str | Path, importance: ImportanceMatrix
     one vector per matrix (per expert of ``ffn_*_exps``; None where no calibration token reached
     it). The export weights each tensor's rounding with exactly these vectors."""
     model_dir = Path(model_dir)
-    config = load_config(model_dir)
+    config = load_config(model_dir, dequantized=True)  # MXFP4 experts: read dequantized
     adapter = get_adapter(config)
     reader = adapter.per_expert_reader(CheckpointReader(model_dir))
     try:
@@ -317,7 +317,7 @@ def dequantize_gguf(gguf_path: str | Path, model_dir: str | Path, out_dir: str |
     into a plain checkpoint at ``out_dir`` (config and tokenizer copied): thresher's evaluation
     of it is the evaluation of the very weights llama.cpp runs."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    config = load_config(model_dir)
+    config = load_config(model_dir, dequantized=True)  # MXFP4 experts: read dequantized
     adapter = get_adapter(config)
     reader = adapter.per_expert_reader(CheckpointReader(model_dir))
     plan = _plan(reader, adapter, config, _architecture(adapter, config, model_dir),

@@ -17,6 +17,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from thresher.models import mxfp4
 from thresher.models.adapters import (
     MEMORY_DOWN,
     MEMORY_EXPERTS_PREFIX,
@@ -176,8 +177,9 @@ def causal_mask(length: int, window: int | None, dtype: torch.dtype,
 class PerExpertReader:
     """A gpt-oss checkpoint's fused experts seen one expert at a time, under the per-expert names
     of ``GptOssAdapter.per_expert_state`` (weights [out, in], biases beside them), for readers
-    that stack experts themselves (GGUF export). Other tensors pass through; the fused tensor
-    last read is kept, so walking its experts reads it once."""
+    that stack experts themselves (GGUF export). MXFP4 experts are dequantized (fp32). Other
+    tensors pass through; the fused tensor last read is kept, so walking its experts reads it
+    once."""
 
     def __init__(self, reader, adapter: GptOssAdapter):
         self.reader, self.path = reader, reader.path
@@ -185,12 +187,14 @@ class PerExpertReader:
         self._fused: set[str] = set()
         self._last: tuple[str, torch.Tensor] | None = None
         for name in reader.tensor_names():
+            name = name.removesuffix(mxfp4.BLOCKS_SUFFIX)
             if not name.endswith(FUSED_GATE_UP):
                 continue
             layer_prefix = name.removesuffix(FUSED_GATE_UP)
             layer_idx = int(layer_prefix.rstrip(".").rsplit(".", 1)[1])
-            self._fused |= {layer_prefix + k for k in FUSED}
-            for e in range(reader.shape(name)[0]):
+            self._fused |= {layer_prefix + k + suffix for k in FUSED
+                            for suffix in ("", mxfp4.BLOCKS_SUFFIX, mxfp4.SCALES_SUFFIX)}
+            for e in range(self._fused_shape(name)[0]):
                 for role, fused in (("gate", FUSED_GATE_UP), ("up", FUSED_GATE_UP),
                                     ("down", FUSED_DOWN)):
                     key = adapter.disk_expert_key(layer_idx, e, role)
@@ -203,11 +207,24 @@ class PerExpertReader:
     def __contains__(self, key: str) -> bool:
         return key in self._views or (key in self.reader and key not in self._fused)
 
+    def _fused_shape(self, fused: str) -> tuple[int, ...]:
+        if fused in self.reader:
+            return self.reader.shape(fused)
+        blocks = self.reader.shape(fused + mxfp4.BLOCKS_SUFFIX)  # [E, rows, cols / 32, 16]
+        return (blocks[0], blocks[2] * mxfp4.BLOCK, blocks[1])
+
+    def _fused_get(self, fused: str) -> torch.Tensor:
+        if fused in self.reader:
+            return self.reader.get(fused)
+        return mxfp4.dequantize(self.reader.get(fused + mxfp4.BLOCKS_SUFFIX),
+                                self.reader.get(fused + mxfp4.SCALES_SUFFIX), torch.float32,
+                                f"{self.path}: {fused}")
+
     def shape(self, key: str) -> tuple[int, ...]:
         if key not in self._views:
             return self.reader.shape(key)
         fused, _, role = self._views[key]
-        shape = self.reader.shape(fused)  # [E, H, 2I], [E, 2I], [E, I, H] or [E, H]
+        shape = self._fused_shape(fused)  # [E, H, 2I], [E, 2I], [E, I, H] or [E, H]
         if len(shape) == 2:
             return (shape[1] // 2,) if role != "down" else (shape[1],)
         return (shape[2] // 2, shape[1]) if role != "down" else (shape[2], shape[1])
@@ -217,7 +234,7 @@ class PerExpertReader:
             return self.reader.get(key)
         fused, e, role = self._views[key]
         if self._last is None or self._last[0] != fused:
-            self._last = (fused, self.reader.get(fused))
+            self._last = (fused, self._fused_get(fused))
         t = self._last[1][e]
         if role == "down":
             return t.t() if t.dim() == 2 else t
