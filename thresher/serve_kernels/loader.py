@@ -41,7 +41,6 @@ from thresher.serve_kernels.modeling.decoder import (
     DenseMLP,
     ModelSpec,
 )
-from thresher.serve_kernels.modeling.gpt_oss import SinkAttention
 from thresher.serve_kernels.modeling.linear import (
     DenseLinear,
     Linear,
@@ -163,8 +162,8 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
                      getattr(config, "clip_qkv", None), rotary_dim)
         sinks = adapter.disk_attention_key(i, "sinks")
         if sinks in reader:  # gpt-oss: sinks, and a window in sliding layers
-            attn = SinkAttention(*attn_args, sinks=b.tensor(sinks),
-                                 window=adapter.sliding_window(config, i))
+            attn = gpt_oss.SinkAttention(*attn_args, sinks=b.tensor(sinks),
+                                         window=adapter.sliding_window(config, i))
         else:
             attn = Attention(*attn_args)
         if adapter.is_moe and b.has_linear(adapter.disk_router_key(i)):
