@@ -120,6 +120,12 @@ def build_random_model(model_type: str, seed: int = 0, **kw):
                 p.uniform_(0.5, 1.5)  # distinct per channel, so a wrong mapping shows up
             elif "gate.weight" in name and p.dim() == 2 and "gate_proj" not in name:
                 p.normal_(0, 0.5)  # routers start at zero in some families
+            elif ".router." in name:  # gpt-oss: weight and bias
+                p.normal_(0, 0.5)
+            elif name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+                p.normal_(0, 0.1)  # gpt-oss's expert biases start at zero
+            elif name.endswith("self_attn.sinks"):  # gpt-oss: large enough to matter
+                p.normal_(0, 1.0)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # starts at zero: make it choose
                 b.uniform_(-0.2, 0.2)

@@ -24,7 +24,9 @@ output to OUT/gpu_suite.log; a failing section reports its error and the next on
    and their GPTQ/AWQ/NF4 artifacts from the bundle (transformers runs the dequantized weights),
    and a random GLM-4.5 (sigmoid router with correction bias and groups, dense first layer,
    shared experts, partial rotary) and a random DeepSeek-V3 (the same router, latent attention
-   from a latent cache) with their GPTQ-4 artifacts.
+   from a latent cache) with their GPTQ-4 artifacts, and a random gpt-oss (attention sinks,
+   sliding-window layers, biased router and experts, clamped SwiGLU, YaRN) with its GPTQ-4
+   artifact.
 6. gptq: GPTQ-4 of the random MoE with ``thresher quantize --device cuda``, and the same command
    with ``--device cpu`` on a one-layer slice of it (the identical first layer; the whole model on
    the CPU would not fit the time), limited to 2 threads like the 2-core machine and again with
@@ -679,6 +681,8 @@ def prepare(bundle: Path, demos: list[str]) -> None:
         if not (bundle / "artifacts" / f"{family}-random").exists():
             write_random_glm(bundle / "artifacts" / f"{family}-random", build_demo_model("tiny"),
                              family)
+    if not (bundle / "artifacts" / "gpt_oss-random").exists():
+        write_random_gpt_oss(bundle / "artifacts" / "gpt_oss-random", build_demo_model("tiny"))
     total = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file())
     print(f"bundle {bundle}: {total / 2**20:.1f} MiB")
 
@@ -706,6 +710,36 @@ def write_random_glm(out: Path, tokenizer_dir: Path, model_type: str = "glm4_moe
                 t.normal_(0, 0.5)
             elif name.endswith("e_score_correction_bias"):
                 t.uniform_(-0.2, 0.2)
+    save_model(model, None, out)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy2(tokenizer_dir / name, out / name)
+    cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(out), "--out",
+           f"{out}-gptq4", *DEMO_QUANT["gptq4"], "--samples", "8", "--seq-len", "64"]
+    subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def write_random_gpt_oss(out: Path, tokenizer_dir: Path) -> None:
+    """A random gpt-oss checkpoint (a 16-token window, so that the parity prompts cross it) and
+    its GPTQ-4 artifact (``out`` and ``out``-gptq4) for the parity section: router, biases and
+    sinks drawn wide enough to matter."""
+    from transformers import AutoModelForCausalLM
+
+    from thresher.models import save_model
+    from thresher.models.random_init import random_config
+
+    torch.manual_seed(0)
+    config = random_config("gpt_oss", hidden_size=128, vocab_size=4096, intermediate_size=64,
+                           num_layers=4, sliding_window=16, initializer_range=0.08)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            if ".router." in name:
+                t.normal_(0, 0.5)
+            elif name.endswith("_bias") and ".experts." in name:
+                t.normal_(0, 0.1)
+            elif name.endswith("self_attn.sinks"):
+                t.normal_(0, 1.0)
     save_model(model, None, out)
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
@@ -755,6 +789,7 @@ def run_sections(out: Path, bundle: Path | None) -> None:
         shutil.copytree(tokenizer_dir, parity_dir / "demo-models" / tokenizer_dir.name)
         for family in SIGMOID_ROUTED:
             write_random_glm(parity_dir / "artifacts" / f"{family}-random", tokenizer_dir, family)
+        write_random_gpt_oss(parity_dir / "artifacts" / "gpt_oss-random", tokenizer_dir)
     sections = [("1. tests", lambda: section_tests(sizes, log)),
                 ("2. W4A16 / NF4 GEMV at M=1", lambda: section_gemv(sizes, log)),
                 ("2b. fused W4A16 MoE kernel at decode shapes",

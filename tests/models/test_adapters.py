@@ -7,7 +7,8 @@ from thresher.models import get_adapter
 from thresher.models.random_init import DENSE_FAMILIES, MOE_FAMILIES
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+# gpt-oss's transposed, interleaved experts: tests/models/test_gpt_oss.py
+@pytest.mark.parametrize("family", [f for f in MOE_FAMILIES if f != "gpt_oss"])
 def test_moe_adapter_exposes_modules_and_expert_views(family):
     model = build_random_model(family)
     ad = get_adapter(model.config)
@@ -54,7 +55,8 @@ def test_route_and_expert_forward_reproduce_the_moe_block(family):
     if shared is not None:
         out += shared(x) if shared_gate is None else torch.sigmoid(shared_gate(x)) * shared(x)
     with torch.no_grad():
-        ref = ad.mlp(layer)(x.unsqueeze(0))[0]
+        ref = ad.mlp(layer)(x.unsqueeze(0))
+    ref = (ref[0] if isinstance(ref, tuple) else ref)[0]  # gpt-oss also returns its gates
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 

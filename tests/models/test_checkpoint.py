@@ -39,7 +39,8 @@ def test_save_reload_identical_logits(family, tmp_path):
                                    rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+# gpt-oss keeps its experts fused on the hub too: tests/models/test_gpt_oss.py
+@pytest.mark.parametrize("family", [f for f in MOE_FAMILIES if f != "gpt_oss"])
 def test_saved_keys_are_hub_canonical(family, tmp_path):
     model = build_random_model(family)
     ad = get_adapter(model.config)

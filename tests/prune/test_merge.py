@@ -64,6 +64,10 @@ def test_merged_checkpoint_loads_in_transformers_and_serves_like_it(family, meth
                                                                     tmp_path):
     model, base = saved_family(family)
     out = tmp_path / "merged"
+    if family == "gpt_oss" and method == "m_smoe":  # biases beside the fused experts: refused
+        with pytest.raises(CompressionError, match="merge with permute: false"):
+            merge_model(base, MergeStage(method=method, ratio=0.5), CAL, out, show_progress=False)
+        return
     report = merge_model(base, MergeStage(method=method, ratio=0.5), CAL, out, show_progress=False)
 
     adapter = get_adapter(model.config)

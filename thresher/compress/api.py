@@ -251,7 +251,7 @@ def _write_checkpoint(model_dir: Path, stage: QuantizeStage, calibration: Calibr
     writer = CheckpointWriter(out, max_shard_bytes)
 
     def write_layer(i: int, layer: torch.nn.Module, quantized: dict) -> None:
-        state = canonical_layer_state(lw.adapter, i, layer.state_dict())
+        state = canonical_layer_state(lw.adapter, i, layer.state_dict(), per_expert=True)
         state = {k: v.to(store_dtype) if v.is_floating_point() else v for k, v in state.items()}
         for key, q in quantized.items():
             del state[f"{key}.weight"]

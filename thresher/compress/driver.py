@@ -94,7 +94,9 @@ class SequentialQuantizer:
                            capture=partial(self._collect, parts, hidden),
                            commit=partial(self._commit, record, quantized),
                            position_embeddings=self.lw.position_embeddings,
-                           progress=self._progress, store_dtype=self.store_dtype)
+                           progress=self._progress, store_dtype=self.store_dtype,
+                           attention_mask=partial(self.lw.adapter.layer_attention_mask,
+                                                  self.lw.config, i))
             with torch.no_grad():
                 self.method.quantize_layer(job)
             if calibrated:

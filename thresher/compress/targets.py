@@ -192,7 +192,8 @@ def scaling_groups(parts: LayerParts) -> list[ScalingGroup]:
                                "module", block=mlp, prev_norm=adapter.post_attention_norm(layer),
                                compensate=compensate))
     for site in sites.values():
-        if site.name.endswith(" down"):
+        if site.name.endswith(" down") and (site.expert is None
+                                            or adapter.expert_up_absorbs_scales):
             up = _up_weight_of(parts, site)
             groups.append(ScalingGroup(site.name, site, "linear", prev_weight=up))
     return groups

@@ -104,7 +104,7 @@ class GGUFArchitecture:
     post_attention_norm: Role = Role.FFN_NORM  # glm4moe: post_attention_norm
     # the router's rule travels as metadata (gating function, weights scale and norm, groups)
     router_metadata: bool = False
-    yarn: bool = False  # the graph applies yarn rope scaling from the metadata (deepseek2)
+    rope_types: tuple[str, ...] = ("default",)  # the config's rope types llama.cpp's graph takes
 
 
 # Keyed by the adapter's model_type. Mixtral runs on llama.cpp's llama graph (with experts).
@@ -115,7 +115,12 @@ GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "olmoe": GGUFArchitecture(gguf.MODEL_ARCH.OLMOE, renormalizes_top_k=False),
     "glm4_moe": GGUFArchitecture(gguf.MODEL_ARCH.GLM4_MOE, post_attention_norm=Role.ATTN_POST_NORM,
                                  router_metadata=True),
-    "deepseek_v3": GGUFArchitecture(gguf.MODEL_ARCH.DEEPSEEK2, router_metadata=True, yarn=True),
+    "deepseek_v3": GGUFArchitecture(gguf.MODEL_ARCH.DEEPSEEK2, router_metadata=True,
+                                    rope_types=("default", "yarn")),
+    # gpt-oss: softmax over the selected logits is the renormalized softmax of the top-k
+    "gpt_oss": GGUFArchitecture(gguf.MODEL_ARCH.GPT_OSS, renormalizes_top_k=False,
+                                post_attention_norm=Role.ATTN_POST_NORM,
+                                rope_types=("default", "yarn")),
     "llama": GGUFArchitecture(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
     "qwen3": GGUFArchitecture(gguf.MODEL_ARCH.QWEN3),
     "qwen2": GGUFArchitecture(gguf.MODEL_ARCH.QWEN2),
@@ -264,7 +269,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", 
     takes the block scales from the plain fit instead."""
     model_dir, out, gguf_type = Path(model_dir), Path(out), gguf_type.lower()
     gtype = _gguf_type(gguf_type)
-    config = load_config(model_dir)
+    config = load_config(model_dir, dequantized=True)  # MXFP4 experts: read dequantized
     if getattr(config, "layer_num_experts", None):
         raise ExportError(f"{model_dir}: its layers keep different numbers of experts (a 'damage' "
                           "budget prune); GGUF holds one expert count per model")
@@ -280,6 +285,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, gguf_type: str = "f16", 
         raise ExportError(f"{out} already exists; choose a new output file or remove it")
     reader = CheckpointReader(model_dir)
     reader.check_against_config(config)
+    reader = adapter.per_expert_reader(reader)  # gpt-oss's fused experts, one at a time
     plan = _plan(reader, adapter, config, arch, gtype, fmt, imatrix=importance is not None)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
@@ -325,9 +331,9 @@ def gguf_importance(model_dir: str | Path, importance: ImportanceMatrix
     one vector per matrix (per expert of ``ffn_*_exps``; None where no calibration token reached
     it). The export weights each tensor's rounding with exactly these vectors."""
     model_dir = Path(model_dir)
-    config = load_config(model_dir)
+    config = load_config(model_dir, dequantized=True)  # MXFP4 experts: read dequantized
     adapter = get_adapter(config)
-    reader = CheckpointReader(model_dir)
+    reader = adapter.per_expert_reader(CheckpointReader(model_dir))
     try:
         plan = _plan(reader, adapter, config, _architecture(adapter, config, model_dir),
                      GGUF_TYPES["f32"], None)
@@ -341,9 +347,9 @@ def dequantize_gguf(gguf_path: str | Path, model_dir: str | Path, out_dir: str |
     into a plain checkpoint at ``out_dir`` (config and tokenizer copied): thresher's evaluation
     of it is the evaluation of the very weights llama.cpp runs."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    config = load_config(model_dir)
+    config = load_config(model_dir, dequantized=True)  # MXFP4 experts: read dequantized
     adapter = get_adapter(config)
-    reader = CheckpointReader(model_dir)
+    reader = adapter.per_expert_reader(CheckpointReader(model_dir))
     plan = _plan(reader, adapter, config, _architecture(adapter, config, model_dir),
                  GGUF_TYPES["f32"], None)
     tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
@@ -351,26 +357,34 @@ def dequantize_gguf(gguf_path: str | Path, model_dir: str | Path, out_dir: str |
         raise ExportError(f"{gguf_path} lacks {missing[:4]}; was it exported from {model_dir}?")
     writer = CheckpointWriter(out_dir)
     key_parts: dict[str, np.ndarray] = {}  # latent attention's attn_k_b, until its attn_v_b
-    for t in plan:
+    layer: dict[str, torch.Tensor] = {}  # one block's tensors, fused back where the family fuses
+    for n, t in enumerate(plan):
         data = gguf.quants.dequantize(tensors[t.name].data, tensors[t.name].tensor_type)
-        if t.kv_b is not None:
-            if not t.kv_b.value:
-                key_parts[t.keys[0]] = data.reshape(t.shape)
-                continue
+        if t.kv_b is not None and not t.kv_b.value:
+            key_parts[t.keys[0]] = data.reshape(t.shape)
+        elif t.kv_b is not None:
             joined = t.kv_b.join(key_parts.pop(t.keys[0]), data.reshape(t.shape))
-            writer.add({t.keys[0]: torch.from_numpy(joined.copy())})
-            continue
-        if t.rotary_heads:
-            data = _from_llama_rotary(data.reshape(t.shape), t.rotary_heads)
-        parts = data.reshape(t.shape) if t.stacked else [data]
-        writer.add({key: torch.from_numpy(np.array(part)).reshape(reader.shape(key))
-                    for key, part in zip(t.keys, parts, strict=True)})
+            layer[t.keys[0]] = torch.from_numpy(joined.copy())
+        else:
+            if t.rotary_heads:
+                data = _from_llama_rotary(data.reshape(t.shape), t.rotary_heads)
+            parts = data.reshape(t.shape) if t.stacked else [data]
+            layer.update({key: torch.from_numpy(np.array(part)).reshape(reader.shape(key))
+                          for key, part in zip(t.keys, parts, strict=True)})
+        if n + 1 == len(plan) or _block(plan[n + 1].name) != _block(t.name):
+            writer.add(reader.fuse(layer) if hasattr(reader, "fuse") else layer)
+            layer = {}
     writer.close()
     reader.close()
     for f in model_dir.iterdir():
         if f.is_file() and ".safetensors" not in f.name and f.name != "thresher.json":
             shutil.copy2(f, out_dir / f.name)
     return out_dir
+
+
+def _block(name: str) -> str:
+    """The ``blk.N`` of a GGUF tensor name ("" outside the blocks)."""
+    return name.split(".", 2)[1] if name.startswith("blk.") else ""
 
 
 HANDOFF = "hand-off"  # GPTQ/AWQ codes become the Q4_1 blocks as they are
@@ -492,10 +506,9 @@ def _architecture(adapter: Adapter, config, model_dir: Path) -> GGUFArchitecture
         raise ExportError(f"{model_dir}: llama.cpp's deepseek2 graph rotates adjacent channel "
                           "pairs (rope_interleave: true, as DeepSeek-V3 and Kimi-K2 ship); this "
                           "config rotates halves")
-    if rope.get("rope_type", "default") not in ("default", *(("yarn",) if arch.yarn else ())):
+    if rope.get("rope_type", "default") not in arch.rope_types:
         raise ExportError(f"{model_dir}: rope type {rope['rope_type']!r} is not exported to GGUF "
-                          "yet; only the default rotary embedding is"
-                          + (" (and yarn)" if arch.yarn else ""))
+                          f"for {adapter.model_type} yet; only {', '.join(arch.rope_types)}")
     return arch
 
 
@@ -558,6 +571,9 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
             for role, name in ((Role.ATTN_Q_NORM, "q_norm"), (Role.ATTN_K_NORM, "k_norm")):
                 if adapter.disk_attention_key(i, name) + ".weight" in reader:
                     add(role, [adapter.disk_attention_key(i, name)], i)
+            if adapter.disk_attention_key(i, "sinks") in reader:  # gpt-oss: one logit per head
+                add(Role.ATTN_SINKS, [adapter.disk_attention_key(i, "sinks").rsplit(".", 1)[0]],
+                    i, suffix="sinks", gguf_suffix="weight")
         add(arch.post_attention_norm, [adapter.disk_post_attention_norm_key(i)], i)
         if not adapter.is_moe or i < adapter.leading_dense_layers(config):
             for role, proj in ((Role.FFN_GATE, "gate_proj"), (Role.FFN_UP, "up_proj"),
@@ -568,6 +584,8 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
             raise ExportError(f"{reader.path}: layer {i} has no router; llama.cpp's "
                               f"{gguf.MODEL_ARCH_NAMES[arch.arch]} expects experts in every layer")
         add(Role.FFN_GATE_INP, [adapter.disk_router_key(i)], i)
+        if adapter.disk_router_key(i) + ".bias" in reader:  # gpt-oss
+            add(Role.FFN_GATE_INP, [adapter.disk_router_key(i)], i, suffix="bias")
         correction = adapter.disk_router_correction_key(i)
         if correction is not None and correction in reader:  # selection-only bias, F32
             add(Role.FFN_EXP_PROBS_B, [adapter.disk_router_key(i)], i,
@@ -576,6 +594,9 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
                            (Role.FFN_DOWN_EXP, "down")):
             add(role, [adapter.disk_expert_key(i, e, proj) for e in range(n_experts)], i,
                 stacked=True)
+            if adapter.disk_expert_key(i, 0, proj) + ".bias" in reader:  # gpt-oss, F32
+                add(role, [adapter.disk_expert_key(i, e, proj) for e in range(n_experts)], i,
+                    stacked=True, suffix="bias")
         if adapter.disk_shared_expert_gate_key(i) + ".weight" in reader:
             add(Role.FFN_GATE_INP_SHEXP, [adapter.disk_shared_expert_gate_key(i)], i)
         shared = adapter.disk_shared_expert_key(i, "gate_proj")
@@ -748,6 +769,13 @@ def _write_metadata(writer: gguf.GGUFWriter, model_dir: Path, config, adapter: A
         if rotary_dim != head_dim:  # partial rotary (GLM-4.5): the first channels of each head
             writer.add_rope_dimension_count(rotary_dim)
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    windows = {adapter.sliding_window(config, i) for i in range(int(config.num_hidden_layers))}
+    if windows - {None}:  # gpt-oss: llama.cpp alternates sliding and full layers, sliding first
+        writer.add_sliding_window(max(windows - {None}))
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
     if adapter.is_moe:
         moe = adapter.leading_dense_layers(config)  # the first MoE layer
         expert_ffn = shape(adapter.disk_expert_key(moe, 0, "gate"))[0]
@@ -767,7 +795,7 @@ def _write_latent_attention_metadata(writer: gguf.GGUFWriter, config, rope: dict
     """deepseek2's MLA keys, as llama.cpp's converter writes them: attention runs as one kv
     head whose key is the latent plus the rotary key and whose value is the latent
     (key/value_length), over heads of qk_nope + qk_rope keys and v values (the ``_mla`` lengths);
-    yarn scaling with its mscale (0.1 x mscale_all_dim as the log multiplier) and its betas."""
+    yarn's mscale (0.1 x mscale_all_dim as the log multiplier) and its betas."""
     rank, rope_dim = int(config.kv_lora_rank), int(config.qk_rope_head_dim)
     if config.q_lora_rank:
         writer.add_q_lora_rank(int(config.q_lora_rank))
@@ -778,10 +806,7 @@ def _write_latent_attention_metadata(writer: gguf.GGUFWriter, config, rope: dict
     writer.add_key_length_mla(int(config.qk_nope_head_dim) + rope_dim)
     writer.add_value_length_mla(int(config.v_head_dim))
     writer.add_rope_dimension_count(rope_dim)
-    if rope.get("rope_type") == "yarn":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(float(rope["factor"]))
-        writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+    if rope.get("rope_type") == "yarn":  # type, factor and context: _write_metadata
         writer.add_rope_scaling_yarn_log_mul(0.1 * float(rope.get("mscale_all_dim", 0) or 0))
         # llama.cpp's defaults are DeepSeek-V3's 32 and 1; Kimi-K2 ships 1 and 1
         writer.add_rope_scaling_yarn_beta_fast(float(rope.get("beta_fast", 32)))

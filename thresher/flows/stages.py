@@ -262,7 +262,7 @@ def publish_gguf(artifact: str, content_hash: str, dest_root: str, variant: str,
         recorded = json.loads(stamp.read_text())
         if recorded.get("source") == source:
             return recorded["result"]
-    config = load_config(artifact)
+    config = load_config(artifact, dequantized=True)  # MXFP4 base: exported dequantized
     fmt = packed_format(config, artifact)
     qc = getattr(config, "quantization_config", None) or {}
     in_order = not (qc if isinstance(qc, dict) else qc.to_dict()).get("desc_act", False)

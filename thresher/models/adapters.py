@@ -11,6 +11,7 @@ gives per-expert views of the fused tensors and the canonical on-disk names of e
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,7 @@ class RoutingRule:
     its decision for any subset of the experts without running the model.
 
     ``softmax``: softmax over the experts, top-k, renormalized if ``renormalize``.
+    ``topk_softmax`` (gpt-oss): top-k of the raw logits, then softmax over the k selected.
     ``sigmoid`` (GLM-4.5, DeepSeek-V3): sigmoid scores; experts are *selected* on the scores plus
     the score-correction ``bias``, within the ``topk_group`` best of ``n_group`` groups (a group
     ranked by its two best biased scores); the gate values are the unbiased scores of the
@@ -69,6 +71,11 @@ class RoutingRule:
         router has its group limit dropped, see ``Adapter.set_num_experts``). ``bias`` stands
         in for the rule's own (a module's buffer, on the logits' device)."""
         pruned = kept is not None and not bool(kept.all())
+        if self.scoring == "topk_softmax":
+            if pruned:
+                logits = logits.masked_fill(~kept, float("-inf"))
+            top, index = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top.float(), dim=-1), index
         if self.scoring == "softmax":
             if pruned:
                 logits = logits.masked_fill(~kept, float("-inf"))
@@ -108,7 +115,7 @@ class FamilySpec:
     shared_expert: bool = False
     shared_expert_name: str = "shared_expert"  # GLM-4.5: shared_experts
     always_renormalize: bool = False  # the forward renormalizes top-k regardless of config
-    router: str = "softmax"  # or "sigmoid": see RoutingRule
+    router: str = "softmax"  # or "sigmoid", "topk_softmax": see RoutingRule
     router_correction: str | None = None  # the router's selection-only bias (GLM-4.5)
     # config key counting extra trailing layers (multi-token prediction) that thresher drops
     extra_layers_key: str | None = None
@@ -155,6 +162,14 @@ FAMILIES: dict[str, FamilySpec] = {
         extra_layers_key="num_nextn_predict_layers",
         dense_layers_key="first_k_dense_replace",
         attention="mla",
+    ),
+    # gpt-oss: biased router with softmax after top-k, fused experts with biases and a clamped
+    # SwiGLU, attention sinks and alternating sliding-window layers (models/gpt_oss.py).
+    "gpt_oss": FamilySpec(
+        ("gpt_oss",),
+        moe=True,
+        num_experts_key="num_local_experts",
+        router="topk_softmax",
     ),
     "llama": FamilySpec(("llama",), moe=False),
     "qwen2": FamilySpec(("qwen2",), moe=False),
@@ -210,6 +225,14 @@ MEMORY_DOWN = MEMORY_EXPERTS_PREFIX + "down_proj"  # [E, H, I]
 
 class Adapter:
     """Uniform access to one model family's modules (Llama-style decoder layout)."""
+
+    # transformers' attention path for layer-by-layer calibration (SDPA: causal without a mask)
+    attention_implementation = "sdpa"
+    # whether checkpoints keep the experts fused (gpt-oss) rather than one tensor per expert
+    fused_experts_on_disk = False
+    # whether an expert's down-projection input is linear in its up projection, so that AWQ can
+    # divide the up rows by the down scales (not under gpt-oss's clamped (up + 1) gating)
+    expert_up_absorbs_scales = True
 
     def __init__(self, spec: FamilySpec, model_type: str):
         self.spec = spec
@@ -332,6 +355,15 @@ class Adapter:
     def mlp(self, layer: nn.Module) -> nn.Module:
         return layer.mlp
 
+    def sliding_window(self, config, layer_idx: int) -> int | None:
+        """The attention window of layer ``layer_idx`` (None: full causal attention)."""
+        return None
+
+    def layer_attention_mask(self, config, layer_idx: int, hidden: torch.Tensor
+                             ) -> torch.Tensor | None:
+        """The mask a decoder layer's attention takes for ``hidden`` [B, S, H] (None: causal)."""
+        return None
+
     def is_moe_layer(self, layer: nn.Module) -> bool:
         return self.is_moe and hasattr(layer.mlp, "experts")
 
@@ -410,6 +442,19 @@ class Adapter:
         return torch.nn.functional.linear(self.expert_hidden(layer, e, x),
                                           self.expert_view(layer, e).down)
 
+    def expert_down_bias(self, layer: nn.Module, e: int) -> torch.Tensor | None:
+        """Expert ``e``'s down-projection bias [H] (gpt-oss), or None."""
+        return None
+
+    def glu(self, experts: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """(gate x, up x) -> the input of an expert's down projection, for ``experts``' family."""
+        act = experts.act_fn
+        return lambda gate, up: act(gate) * up
+
+    def down_to_fused(self, down: torch.Tensor) -> torch.Tensor:
+        """One expert's down projection [H, I] as the fused ``down_proj`` holds it."""
+        return down
+
     def expert_hidden(self, layer: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
         """act(gate x) * up x: the input of expert ``e``'s down projection, for tokens x [T, H]."""
         w = self.expert_view(layer, e)
@@ -472,6 +517,11 @@ class Adapter:
     def disk_shared_expert_gate_key(self, layer_idx: int) -> str:
         return f"{self._disk_moe(layer_idx)}.shared_expert_gate"
 
+    def per_expert_reader(self, reader):
+        """``reader`` (a CheckpointReader) with experts under per-expert names: itself, except
+        where the family keeps them fused on disk (gpt-oss)."""
+        return reader
+
     def disk_embeddings_key(self) -> str:
         return DISK_EMBEDDINGS
 
@@ -506,10 +556,20 @@ def supported_model_types() -> list[str]:
 def get_adapter(config_or_type) -> Adapter:
     """The adapter for a transformers config (or a ``model_type`` string)."""
     model_type = config_or_type if isinstance(config_or_type, str) else config_or_type.model_type
-    for spec in FAMILIES.values():
+    for family, spec in FAMILIES.items():
         if model_type in spec.model_types:
-            return Adapter(spec, model_type)
+            return _adapter_class(family)(spec, model_type)
     raise UnsupportedArchitectureError(
         f"model type {model_type!r} has no thresher adapter; supported: "
         + ", ".join(supported_model_types())
     )
+
+
+def _adapter_class(family: str) -> type[Adapter]:
+    """The Adapter subclass of a family whose modules are not Llama-shaped (imported on use:
+    those modules build on this one)."""
+    if family == "gpt_oss":
+        from thresher.models.gpt_oss import GptOssAdapter
+
+        return GptOssAdapter
+    return Adapter

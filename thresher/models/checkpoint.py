@@ -21,10 +21,12 @@ from transformers import AutoModelForCausalLM
 
 from thresher.errors import CheckpointError, ModelError
 from thresher.formats.dtypes import SAFETENSORS_DTYPES
+from thresher.models import mxfp4
 from thresher.models.adapters import (
     DISK_LAYERS,
     EXPERT_ROLES,
     MEMORY_DOWN,
+    MEMORY_EXPERTS_PREFIX,
     MEMORY_GATE_UP,
     Adapter,
     get_adapter,
@@ -224,7 +226,8 @@ def read_layer_state(reader: CheckpointReader, adapter: Adapter, layer_idx: int,
     """The in-memory state dict (keys relative to the layer) of decoder layer ``layer_idx``.
 
     Floating tensors are converted to ``dtype`` when given. Experts are copied one at a time into
-    preallocated fused tensors, so reading a layer holds about one copy of it, not three.
+    preallocated fused tensors, so reading a layer holds about one copy of it, not three. MXFP4
+    weights (``<name>_blocks`` with ``<name>_scales``, gpt-oss on the hub) are dequantized.
     """
     prefix = adapter.disk_layer_prefix(layer_idx)
     expert_keys: dict[tuple[int, str], str] = {}
@@ -235,7 +238,13 @@ def read_layer_state(reader: CheckpointReader, adapter: Adapter, layer_idx: int,
 
     for key in reader.with_prefix(prefix):
         expert = adapter.parse_disk_expert_key(key.removesuffix(".weight"))
-        if expert is not None and key.endswith(".weight"):
+        if key.endswith(mxfp4.SCALES_SUFFIX):
+            continue  # read beside its blocks
+        if key.endswith(mxfp4.BLOCKS_SUFFIX):
+            name = key.removesuffix(mxfp4.BLOCKS_SUFFIX)
+            state[adapter.memory_key_from_disk(name)[len(prefix):]] = _read_mxfp4(
+                reader, name, dtype or torch.bfloat16)
+        elif expert is not None and key.endswith(".weight"):
             expert_keys[expert[1:]] = key
         else:
             state[adapter.memory_key_from_disk(key)[len(prefix) :]] = convert(reader.get(key))
@@ -259,11 +268,31 @@ def read_layer_state(reader: CheckpointReader, adapter: Adapter, layer_idx: int,
     return state
 
 
-def canonical_layer_state(adapter: Adapter, layer_idx: int, state: dict[str, torch.Tensor]
-                          ) -> dict[str, torch.Tensor]:
-    """In-memory layer state (relative keys) -> hub-canonical absolute keys, experts split."""
+def _read_mxfp4(reader: CheckpointReader, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """The dequantized weight ``name`` from its ``_blocks`` and ``_scales`` tensors."""
+    scales = name + mxfp4.SCALES_SUFFIX
+    file = reader.path / reader.weight_map[name + mxfp4.BLOCKS_SUFFIX]
+    if scales not in reader:
+        raise CheckpointError(f"{file}: MXFP4 tensor {name}{mxfp4.BLOCKS_SUFFIX} has no "
+                              f"{scales} beside it; the checkpoint is incomplete")
+    return mxfp4.dequantize(reader.get(name + mxfp4.BLOCKS_SUFFIX), reader.get(scales), dtype,
+                            f"{file}: {name}")
+
+
+def canonical_layer_state(adapter: Adapter, layer_idx: int, state: dict[str, torch.Tensor],
+                          per_expert: bool = False) -> dict[str, torch.Tensor]:
+    """In-memory layer state (relative keys) -> hub-canonical absolute keys, experts split
+    (kept fused for families whose hub checkpoints keep them so, unless ``per_expert``: the
+    per-expert modules of a quantized checkpoint)."""
     out: dict[str, torch.Tensor] = {}
     prefix = adapter.disk_layer_prefix(layer_idx)
+    if adapter.fused_experts_on_disk:
+        fused = {k: v for k, v in state.items() if k.startswith(MEMORY_EXPERTS_PREFIX)}
+        state = {k: v for k, v in state.items() if k not in fused}
+        if per_expert and fused:
+            out.update(adapter.per_expert_state(layer_idx, fused))
+        else:
+            out.update({adapter.disk_key_from_memory(prefix + k): v for k, v in fused.items()})
     for key, tensor in state.items():
         if key == MEMORY_GATE_UP:
             inter = tensor.shape[1] // 2

@@ -60,14 +60,25 @@ def _glibc():
 _LIBC = _glibc()
 
 
-def load_config(path: str | Path):
-    """A checkpoint's config.json as transformers reads it; an unreadable one is named."""
+def is_mxfp4(config) -> bool:
+    """Whether ``config`` describes MXFP4 experts (gpt-oss on the hub), dequantized on read."""
+    qc = getattr(config, "quantization_config", None) or {}
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    return qc.get("quant_method") == "mxfp4"
+
+
+def load_config(path: str | Path, dequantized: bool = False):
+    """A checkpoint's config.json as transformers reads it; an unreadable one is named. With
+    ``dequantized``, the config of the model as thresher reads it: MXFP4 experts are dequantized
+    on read, so their quantization_config is dropped (a checkpoint written from it is plain)."""
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{Path(path) / 'config.json'}: cannot read it "
                               f"({type(err).__name__}: {err})") from None
     get_adapter(config)  # unsupported families fail here, before any weights are read
+    if dequantized and is_mxfp4(config):
+        del config.quantization_config
     return config
 
 
@@ -79,9 +90,9 @@ class LayerwiseModel:
         self.path = Path(path)
         self.dtype = dtype
         self.device = torch.device(device)
-        self.config = load_config(self.path)
-        self.config._attn_implementation = "sdpa"
+        self.config = load_config(self.path, dequantized=True)
         self.adapter: Adapter = get_adapter(self.config)
+        self.config._attn_implementation = self.adapter.attention_implementation
         with torch.device("meta"):
             self.model = AutoModelForCausalLM.from_config(self.config, dtype=dtype)
         self.model.eval()
@@ -166,7 +177,8 @@ class LayerwiseModel:
         """Run resident layer ``i`` on ``hidden`` [B, S, H] with a causal mask."""
         if position_embeddings is None:
             position_embeddings = self.position_embeddings(hidden)
-        out = self.layer(i)(hidden, attention_mask=None, position_embeddings=position_embeddings)
+        mask = self.adapter.layer_attention_mask(self.config, i, hidden)
+        out = self.layer(i)(hidden, attention_mask=mask, position_embeddings=position_embeddings)
         return out[0] if isinstance(out, tuple) else out
 
     @torch.no_grad()

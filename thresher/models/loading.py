@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from thresher.errors import ModelError
 from thresher.formats.dtypes import DTYPES
 from thresher.models.checkpoint import CheckpointReader
-from thresher.models.layerwise import LayerwiseModel, load_config
+from thresher.models.layerwise import LayerwiseModel, is_mxfp4, load_config
 from thresher.models.manifest import verify_artifact
 from thresher.models.quantized import load_quantized_model
 from thresher.models.source import resolve_model
@@ -34,20 +34,22 @@ def load_model(source: str | Path, dtype: torch.dtype | str = torch.float32) -> 
     path = resolve_model(str(source))
     verify_artifact(path)  # a published artifact must match its manifest
     config = load_config(path)  # refuses unsupported families with the list of supported ones
+    if is_mxfp4(config):
+        return _load_layerwise(path, dtype)
     if getattr(config, "quantization_config", None) is not None:
         return load_quantized_model(path, dtype)
     if getattr(config, "layer_num_experts", None):
-        return _load_per_layer_experts(path, dtype)
+        return _load_layerwise(path, dtype)
     CheckpointReader(path).check_against_config(config)  # a bad file named, not a traceback
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
     return model
 
 
-def _load_per_layer_experts(path: Path, dtype: torch.dtype) -> nn.Module:
+def _load_layerwise(path: Path, dtype: torch.dtype) -> nn.Module:
     """A checkpoint whose MoE layers have different expert counts (pruned with a damage budget):
     transformers builds every layer with ``num_experts``, so the layers are resized and loaded
-    one by one."""
+    one by one; or one with MXFP4 experts (gpt-oss), dequantized as each layer is read."""
     lw = LayerwiseModel(path, dtype)
     lw.load_outer()
     for i in range(lw.num_layers):

@@ -61,10 +61,11 @@ class QuantizedExperts(nn.Module):
     """Routed experts with quantized per-expert projections (transformers' experts interface)."""
 
     def __init__(self, gate: list[DequantLinear], up: list[DequantLinear],
-                 down: list[DequantLinear], act_fn: nn.Module):
+                 down: list[DequantLinear],
+                 glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
         super().__init__()
         self.gate, self.up, self.down = nn.ModuleList(gate), nn.ModuleList(up), nn.ModuleList(down)
-        self.act_fn = act_fn
+        self.glu = glu  # (gate x, up x) -> the down projection's input (Adapter.glu)
         self.num_experts = len(gate)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -74,7 +75,7 @@ class QuantizedExperts(nn.Module):
             mask = top_k_index == e
             rows = mask.any(dim=1).nonzero().squeeze(1)
             x = hidden_states[rows]
-            h = self.act_fn(self.gate[e](x)) * self.up[e](x)
+            h = self.glu(self.gate[e](x), self.up[e](x))
             gate = (top_k_weights * mask).sum(dim=1)[rows].unsqueeze(1)
             out.index_add_(0, rows, (self.down[e](h) * gate).to(out.dtype))
         return out
@@ -153,7 +154,8 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -
         if n_layer != adapter.num_experts(config):  # a damage-budget prune: fewer experts here
             adapter.resize_experts(layers[i], n_layer)
         fused = adapter.experts(layers[i])
-        n_exp, inter, hidden = fused.down_proj.shape[0], fused.down_proj.shape[2], fused.down_proj.shape[1]
+        n_exp = fused.down_proj.shape[0]
+        hidden, inter = adapter.expert_view(layers[i], 0).down.shape
         missing = [(e, r) for e in range(n_exp) for r in EXPERT_ROLES if (e, r) not in mods]
         if missing:
             raise ArtifactError(f"{path}: layer {i} lacks quantized experts {missing[:4]}")
@@ -163,7 +165,7 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -
             _check_shape(path, key, _module_format(fmt, key, path), mod.packed(), n, k)
         adapter.mlp(layers[i]).experts = QuantizedExperts(
             [mods[(e, "gate")] for e in range(n_exp)], [mods[(e, "up")] for e in range(n_exp)],
-            [mods[(e, "down")] for e in range(n_exp)], fused.act_fn)
+            [mods[(e, "down")] for e in range(n_exp)], adapter.glu(fused))
 
     plain = {adapter.memory_key_from_disk(k): reader.get(k).to(dtype)
              for k in reader.tensor_names() if k not in packed_keys}

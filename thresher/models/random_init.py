@@ -4,14 +4,17 @@ Small enough to build in a second; real enough to exercise each family's layout 
 shared expert, Mixtral's block_sparse_moe names, OLMoE's full-width q/k norms, GLM-4.5's sigmoid
 router with score correction and two expert groups, its dense first layer, shared expert, partial
 rotary, q/k/v biases and q/k norms; DeepSeek-V3's multi-head latent attention with a query rank,
-decoupled interleaved rotary under yarn scaling, on GLM's router layout).
+decoupled interleaved rotary under yarn scaling, on GLM's router layout; gpt-oss's biased router
+and experts, attention sinks and sliding-window layers with a window shorter than the test
+prompts, and YaRN rotary).
 """
 
 from __future__ import annotations
 
 from transformers import AutoConfig
 
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3",
+                "gpt_oss")
 DENSE_FAMILIES = ("llama", "qwen2", "qwen3")
 
 
@@ -57,5 +60,13 @@ def random_config(model_type: str, hidden_size: int = 64, num_layers: int = 2,
                   rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
                                        original_max_position_embeddings=128, beta_fast=32,
                                        beta_slow=1, mscale=1.0, mscale_all_dim=1.0))
+    elif model_type == "gpt_oss":
+        # sliding, full, ... layers; a 4-token window; YaRN stretching 64 positions
+        kw.update(num_local_experts=num_experts, num_experts_per_tok=top_k,
+                  intermediate_size=intermediate_size, head_dim=hidden_size // 4,
+                  sliding_window=4, attention_bias=True,
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                                   "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                   "original_max_position_embeddings": 64})
     kw.update(overrides)
     return AutoConfig.for_model(model_type, **kw)

@@ -154,7 +154,8 @@ class PruneReport:
 def check_prune(model_dir: Path, stage: PruneStage) -> tuple[PretrainedConfig, int]:
     """Refuse, before any compute, a stage that does not fit the model: unsupported family, dense
     model, ratio or keep out of range, fewer experts left than top-k. Returns (config, kept)."""
-    config = load_config(model_dir)  # UnsupportedArchitectureError for families without adapter
+    # UnsupportedArchitectureError for families without adapter; MXFP4 input is written plain
+    config = load_config(model_dir, dequantized=True)
     adapter = get_adapter(config)
     if not adapter.is_moe:
         raise CompressionError(
@@ -373,7 +374,8 @@ def _write_refit_checkpoint(lw: LayerwiseModel, kept: dict[int, list[int]], wind
         if i in kept:
             state = prune_layer_state(adapter, i, state, kept[i], num_experts)
             for pos, e in enumerate(kept[i]):
-                state[MEMORY_DOWN][pos] = results[i].down[e].to(state[MEMORY_DOWN].dtype).cpu()
+                down = adapter.down_to_fused(results[i].down[e])
+                state[MEMORY_DOWN][pos] = down.to(state[MEMORY_DOWN].dtype).cpu()
             adapter.resize_experts(layer, len(kept[i]))
             layer.load_state_dict({k: v.to(lw.device, lw.dtype) if v.is_floating_point()
                                    else v.to(lw.device) for k, v in state.items()},

@@ -120,7 +120,7 @@ def experts_after_merge(num_experts: int, top_k: int, stage: MergeStage, model: 
 def check_merge(model_dir: Path, stage: MergeStage) -> tuple[PretrainedConfig, int]:
     """Refuse, before any compute, a stage that does not fit the model (unsupported family,
     dense model, amount out of range). Returns (config, experts kept per layer)."""
-    config = load_config(model_dir)
+    config = load_config(model_dir, dequantized=True)  # MXFP4 input is written plain
     adapter = get_adapter(config)
     if not adapter.is_moe:
         raise CompressionError(f"{model_dir}: {config.model_type} is a dense model (no experts to "

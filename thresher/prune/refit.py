@@ -6,10 +6,10 @@ calibration tokens as a residual between the unpruned block's routed output y(x)
 block's. Given the pruned routing, the pruned block's routed output is linear in the kept
 experts' down projections:
 
-    y_pruned(x) = sum over kept j routed for x of  W_j (g'_j(x) h_j(x))
+    y_pruned(x) = sum over kept j routed for x of  W_j (g'_j(x) h_j(x))  (+ g'_j(x) b_j)
 
-with h_j(x) = act(gate_j x) * up_j x the input of expert j's down projection and g'_j(x) its gate
-among the kept experts. ``refit_down`` solves the ridge least-squares problem
+with h_j(x) = act(gate_j x) * up_j x the input of expert j's down projection, g'_j(x) its gate
+among the kept experts and b_j its down bias (gpt-oss; kept as it is). ``refit_down`` solves the ridge least-squares problem
 
     min over W  sum_x ||y(x) - y_pruned(x)||^2  +  sum_j lambda_j ||W_j - W_j_original||_F^2
 
@@ -81,6 +81,9 @@ def refit_down(adapter: Adapter, layer: nn.Module, config, x: torch.Tensor, kept
     for j in kept:
         original = adapter.expert_view(layer, j).down
         token, slot = (index == j).nonzero(as_tuple=True)
+        bias = adapter.expert_down_bias(layer, j)
+        if bias is not None and token.numel():  # gpt-oss: a fixed part of the prediction
+            pred.index_add_(0, token, weights[token, slot][:, None].float() * bias.float())
         if token.numel() == 0:  # no calibration token reaches it: nothing to fit
             down[j] = original.clone()
             continue

@@ -34,6 +34,7 @@ from thresher.models.layerwise import load_config
 from thresher.models.manifest import verify_artifact
 from thresher.models.source import resolve_model
 from thresher.serve_kernels.kernels import cpu_native, rotary_cos_sin
+from thresher.serve_kernels.modeling import gpt_oss
 from thresher.serve_kernels.modeling.decoder import (
     Attention,
     CausalLM,
@@ -161,7 +162,7 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
     path = resolve_model(str(source))
     manifest = verify_artifact(path)
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    config = load_config(path)
+    config = load_config(path, dequantized=True)  # MXFP4 experts: dequantized as read
     adapter = get_adapter(config)
     quant = packed_format(config, path)
     if quant is not None:
@@ -182,12 +183,19 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
             norm_keys = {n: adapter.disk_attention_key(i, n) + ".weight"
                          for n in ("q_norm", "k_norm")}
             attn_norms = {n: b.tensor(key) for n, key in norm_keys.items() if key in reader}
-            attn = Attention(spec, *(b.linear(adapter.disk_attention_key(i, n))
-                                     for n in ATTENTION_PROJECTIONS),
-                             attn_norms.get("q_norm"), attn_norms.get("k_norm"),
-                             getattr(config, "clip_qkv", None), rotary_dim)
+            attn_args = (spec, *(b.linear(adapter.disk_attention_key(i, n))
+                                 for n in ATTENTION_PROJECTIONS),
+                         attn_norms.get("q_norm"), attn_norms.get("k_norm"),
+                         getattr(config, "clip_qkv", None), rotary_dim)
+            sinks = adapter.disk_attention_key(i, "sinks")
+            if sinks in reader:  # gpt-oss: sinks, and a window in sliding layers
+                attn = gpt_oss.SinkAttention(*attn_args, sinks=b.tensor(sinks),
+                                             window=adapter.sliding_window(config, i))
+            else:
+                attn = Attention(*attn_args)
         if adapter.is_moe and b.has_linear(adapter.disk_router_key(i)):
-            mlp = _moe(b, adapter, config, i)
+            mlp = (gpt_oss.build_moe(b, adapter, config, i)
+                   if adapter.rule(config).scoring == "topk_softmax" else _moe(b, adapter, config, i))
         else:
             mlp = DenseMLP(*(b.linear(adapter.disk_dense_mlp_key(i, n)) for n in MLP_PROJECTIONS))
         layers.append(DecoderLayer(attn, mlp, b.tensor(adapter.disk_input_norm_key(i) + ".weight"),

@@ -173,17 +173,21 @@ def _inspector(job: LayerJob, group: ScalingGroup, xs: list[torch.Tensor],
     if group.inspect == "attention":
         attn = group.block
         pes = [job.position_embeddings(x) for x in xs]
+        masks = [job.attention_mask(x) for x in xs]
 
         def run_attention() -> torch.Tensor:
             return torch.cat([attn(hidden_states=x, position_embeddings=pe,
-                                   attention_mask=None)[0].reshape(-1, x.shape[-1])
-                              for x, pe in zip(xs, pes, strict=True)])
+                                   attention_mask=mask)[0].reshape(-1, x.shape[-1])
+                              for x, pe, mask in zip(xs, pes, masks, strict=True)])
         return run_attention
     if group.inspect == "module":
         block = group.block
 
         def run_block() -> torch.Tensor:
-            return torch.cat([block(x).reshape(-1, x.shape[-1]) for x in xs])
+            outs = [block(x) for x in xs]  # gpt-oss's MLP also returns its router scores
+            outs = [out[0] if isinstance(out, tuple) else out for out in outs]
+            return torch.cat([out.reshape(-1, x.shape[-1]) for out, x in zip(outs, xs,
+                                                                             strict=True)])
         return run_block
     x = torch.cat([x.reshape(-1, group.site.columns) for x in xs])
     gate = None if gates[0] is None else torch.cat(gates).unsqueeze(1)

@@ -77,6 +77,8 @@ class LayerJob:
     position_embeddings: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     progress: Callable[[list, str], Iterable]  # wraps a loop in a progress bar
     store_dtype: torch.dtype  # the dtype the checkpoint holds float weights in
+    # the layer's attention mask for hidden [B, S, H] (None: causal; gpt-oss: sliding or full)
+    attention_mask: Callable[[torch.Tensor], torch.Tensor | None] = lambda hidden: None
 
 
 class LayerPass(Protocol):

@@ -158,7 +158,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(loaded.model, num_kv_blocks, block_size, torch_dtype,
                                   self.device, tables)
-        if self.device.type == "cuda" and not enforce_eager:
+        if self.device.type == "cuda" and not enforce_eager and loaded.model.graph_safe:
             self.runner.capture_decode_graphs(max_num_seqs, self.max_model_len)
         self.sampler = Sampler()
         self.detokenizer = Detokenizer(self.tokenizer)

@@ -99,8 +99,13 @@ class Attention(nn.Module):
             q, k = qk.split([hq, hkv], dim=1)
         k_cache, v_cache = kv_cache
         store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, all_stored=meta.host_exact)
-        o = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        o = self.attend(q, k_cache, v_cache, meta)
         return self.o_proj(o.reshape(tokens, hq * d))
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Paged attention of the rotated queries over the cache (sinks: ``gpt_oss``)."""
+        return paged_attention(q, k_cache, v_cache, meta, self.scale)
 
     def _partial(self, rotate, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``rotate`` applied to the first ``rotary_dim`` channels of each head of ``xs``
@@ -182,6 +187,9 @@ class CausalLM(nn.Module):
         self.register_buffer("norm", norm)
         self.lm_head = lm_head
         self.register_buffer("cos_sin", cos_sin)
+        # whether decode may replay CUDA graphs (not with attention that reads host lengths)
+        self.graph_safe = not any(getattr(layer.attn, "reads_host_lengths", False)
+                                  for layer in layers)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
