@@ -72,7 +72,8 @@ def test_demo_recipe_shares_prefixes():
         (lambda r: r.update(validate={"concurrency": [4, 0]}), "validate.concurrency.1",
          "greater than 0"),
         (lambda r: r["variants"][1].update(validate={"draft": "r-q"}),
-         "variants.1.validate.draft", "no variant named 'r-q' in this recipe (variants: base, r-g)"),
+         "variants.1.validate.draft", "no variant named 'r-q' in this recipe (variants: base, "
+         "r-g)"),
         (lambda r: r["variants"][1].update(validate={"draft": "r-g"}),
          "variants.1.validate.draft", "cannot be its own draft"),
         (lambda r: r["variants"][1].update(validate={"drafts": "base"}),

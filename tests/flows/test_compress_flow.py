@@ -184,9 +184,9 @@ def test_rerun_uses_the_cache(first_run, flow_env, prefect_server):
     first = {r["variant"]: r["perplexity"] for r in first_run["variants"]}
     assert {r["variant"]: r["perplexity"] for r in again["variants"]} == first
     # draft scores come from the store too: the same numbers, timings included
-    scored = {r["variant"]: r.get("validate/speculative_tokens_per_s") for r in first_run["variants"]}
-    assert {r["variant"]: r.get("validate/speculative_tokens_per_s")
-            for r in again["variants"]} == scored
+    key = "validate/speculative_tokens_per_s"
+    scored = {r["variant"]: r.get(key) for r in first_run["variants"]}
+    assert {r["variant"]: r.get(key) for r in again["variants"]} == scored
     assert len(list((store / "drafts").glob("*.json"))) == 4  # three of the base, one named
 
 

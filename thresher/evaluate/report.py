@@ -8,10 +8,10 @@ plot's data is returned beside its file, so a test (or a notebook) can check wha
 The compress flow builds the records as it runs; ``collect_from_mlflow`` builds the same records
 from MLflow runs logged under the flow's naming contract: metrics ``perplexity``, ``size_bytes``,
 ``bits_per_param``, ``compression_ratio``, ``experts_kept``, ``task/<task>/<metric>`` (and
-``..._stderr``), ``validate/<measure>`` (``validate/draft_acceptance_rate``, ``validate/speculative_tokens_per_s``
-and ``validate/speculative_speedup``: the variant as a speculative-decoding draft of the base;
-``validate/with_draft/<measure>``: the variant served with its own draft); params ``variant``,
-``stages`` and ``validate.draft``; tags
+``..._stderr``), ``validate/<measure>`` (``validate/draft_acceptance_rate``,
+``validate/speculative_tokens_per_s`` and ``validate/speculative_speedup``: the variant as a
+speculative-decoding draft of the base; ``validate/with_draft/<measure>``: the variant served
+with its own draft); params ``variant``, ``stages`` and ``validate.draft``; tags
 ``thresher.artifact_dir`` and ``thresher.model_uri``; the artifact ``prune_report.json`` holding
 ``{"layers": [{"layer": i, "saliency": [...], "removed": [...]}]}``; ``window_nll.json`` (the
 per-window NLLs the perplexity change from the base is paired on); ``gguf/<type>/<measure>`` for

@@ -352,10 +352,10 @@ def score_draft(target: str, target_hash: str, draft: str, draft_hash: str,
     else:
         from thresher.serve_kernels.draft_score import draft_acceptance, plain_tokens_per_second
 
-        score = draft_acceptance(target, draft, num_speculative_tokens=
-                                 validate_cfg.num_speculative_tokens,
-                                 max_tokens=validate_cfg.max_tokens, dtype=dtype)
-        plain = plain_tokens_per_second(target, max_tokens=validate_cfg.max_tokens, dtype=dtype)
+        k, max_tokens = validate_cfg.num_speculative_tokens, validate_cfg.max_tokens
+        score = draft_acceptance(target, draft, num_speculative_tokens=k, max_tokens=max_tokens,
+                                 dtype=dtype)
+        plain = plain_tokens_per_second(target, max_tokens=max_tokens, dtype=dtype)
         measured = {**score.metrics(prefix=""),
                     "speculative_speedup": score.tokens_per_second / plain}
         write_text_atomically(cache, json.dumps(measured))

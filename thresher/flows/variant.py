@@ -65,7 +65,8 @@ def _draft_scores(recipe: Recipe, variant: Variant, artifact: str, content_hash:
                             label=f"{draft.name}/{i}-{stage.kind}", execution=recipe.execution)
             path, draft_hash = out["path"], out["content_hash"]
         metrics.update(score_draft(artifact, content_hash, path, draft_hash, recipe.validate_,
-                                   recipe.dtype, store_root, label=f"{draft.name}-of-{variant.name}",
+                                   recipe.dtype, store_root,
+                                   label=f"{draft.name}-of-{variant.name}",
                                    prefix=DRAFTED_PREFIX))
     return metrics
 
