@@ -71,6 +71,20 @@ def test_demo_recipe_shares_prefixes():
         (lambda r: r.update(validate={"rounds": 0}), "validate.rounds", "greater than 0"),
         (lambda r: r.update(validate={"concurrency": [4, 0]}), "validate.concurrency.1",
          "greater than 0"),
+        (lambda r: r["variants"][1].update(validate={"draft": "r-q"}),
+         "variants.1.validate.draft", "no variant named 'r-q' in this recipe (variants: base, "
+         "r-g)"),
+        (lambda r: r["variants"][1].update(validate={"draft": "r-g"}),
+         "variants.1.validate.draft", "cannot be its own draft"),
+        (lambda r: r["variants"][1].update(validate={"drafts": "base"}),
+         "variants.1.validate.drafts", "unknown key"),
+        (lambda r: (r["variants"][0].update(validate={"draft": "r-g"}),
+                    r.update(validate={"enabled": False})),
+         "variants.0.validate.draft", "validate.enabled is false"),
+        (lambda r: r.update(validate={"enabled": False, "draft_of_base": True}),
+         "validate.draft_of_base", "validate.enabled is false"),
+        (lambda r: r.update(validate={"num_speculative_tokens": 17}),
+         "validate.num_speculative_tokens", "less than or equal to 16"),
     ],
 )
 def test_errors_name_the_field(mutate, field, words):
@@ -81,6 +95,21 @@ def test_errors_name_the_field(mutate, field, words):
     text = str(exc.value)
     assert f"  {field}:" in text, text
     assert words in text, text
+
+
+def test_a_variant_names_another_as_its_draft():
+    """The draft names another variant (a base may draft for a compressed variant too); a
+    variant without its own validation settings dumps as it did, so its recipe hash holds."""
+    data = base_recipe()
+    data["variants"][0]["validate"] = {"draft": "r-g"}
+    data["validate"] = {"draft_of_base": True}
+    recipe = parse_recipe(data)
+    assert recipe.variants[0].validate_.draft == "r-g" and recipe.variants[1].validate_ is None
+    assert recipe.validate_.draft_of_base and recipe.validate_.num_speculative_tokens == 4
+    dumped = recipe.model_dump(mode="json", by_alias=True)
+    assert dumped["variants"][0]["validate"] == {"draft": "r-g"}
+    assert set(dumped["variants"][1]) == {"name", "stages"}
+    assert parse_recipe(dumped) == recipe
 
 
 def test_yaml_errors(tmp_path):

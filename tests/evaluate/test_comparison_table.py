@@ -27,6 +27,13 @@ def validated(agreement: float, tok_s: float, ttft: float) -> dict:
             "validate/ttft_p50_ms_c16": ttft * 5}
 
 
+def drafted(acceptance: float, tok_s: float, speedup: float,
+            prefix: str = "validate/") -> dict:
+    return {f"{prefix}draft_acceptance_rate": acceptance,
+            f"{prefix}draft_mean_accepted_length": 1 + 4 * acceptance,
+            f"{prefix}speculative_tokens_per_s": tok_s, f"{prefix}speculative_speedup": speedup}
+
+
 def test_validation_columns_pick_highest_throughput_and_lowest_ttft():
     rows = [row("base", "base", 10.0, **validated(1.0, 300.0, 40.0)),
             row("gptq4", "quantize gptq 4-bit g128", 10.5, **validated(0.8125, 250.0, 55.0))]
@@ -37,6 +44,29 @@ def test_validation_columns_pick_highest_throughput_and_lowest_ttft():
     assert lines[0].endswith("| agreement | tok/s @c16 | TTFT p50 ms @c1 |")
     assert lines[1].count("---") == 10
     assert lines[3].endswith("| +5.00% | 0.812 | 250.0 | 55 |")
+
+
+def test_speculative_columns_appear_where_a_variant_was_scored_as_a_draft():
+    """Acceptance as a draft of the base and the base's speculative tokens/s (with the ratio to
+    plain decoding), and a variant served with its own draft, each only when measured."""
+    base = row("base", "base", 10.0, **validated(1.0, 300.0, 40.0))
+    gptq = row("gptq4", "quantize gptq 4-bit g128", 10.5, **validated(0.8, 250.0, 55.0),
+               **drafted(0.7234, 412.5, 1.375))
+    assert list(validation_columns([base, row("nf4", "quantize nf4", 11.0,
+                                              **validated(0.7, 200.0, 60.0))])) == [
+        "agreement", "tok/s @c16", "TTFT p50 ms @c1"]
+    cols = validation_columns([base, gptq])
+    assert cols["acceptance as draft"] == ["-", "0.723"]
+    assert cols["speculative tok/s (base, this draft)"] == ["-", "412.5 (1.38x)"]
+    assert "with its draft: acceptance" not in cols
+    served = row("p50", "prune reap ratio=0.5", 12.0, **validated(0.6, 280.0, 50.0),
+                 **drafted(0.5, 90.0, 0.8, prefix="validate/with_draft/"))
+    cols = validation_columns([base, gptq, served])
+    assert cols["with its draft: acceptance"] == ["-", "-", "0.500"]
+    assert cols["with its draft: speculative tok/s"] == ["-", "-", "90.0 (0.80x)"]
+    header = comparison_markdown([base, gptq, served]).splitlines()[0]
+    assert header.endswith("| acceptance as draft | speculative tok/s (base, this draft) | "
+                           "with its draft: acceptance | with its draft: speculative tok/s |")
 
 
 def test_no_validation_no_columns():
@@ -83,9 +113,11 @@ def _windows(shift: float, n: int = 64) -> list[float]:
     return [3.0 + 0.2 * ((i * 7) % 5) + shift + 0.001 * ((i * 13) % 3) for i in range(n)]
 
 
-def test_demo_recipe_terminal_table_fits_120_columns():
+@pytest.mark.parametrize("drafts", [False, True])
+def test_demo_recipe_terminal_table_fits_120_columns(drafts):
     """Every variant of the demo recipe on one line each, task names in the key, the base row
-    marked as the reference and every other row's perplexity change with its interval."""
+    marked as the reference and every other row's perplexity change with its interval; with the
+    variants scored as drafts of the base, their acceptance rate in a last column."""
     from thresher.cli import DEMO_RECIPE
     from thresher.evaluate.report import terminal_table
     from thresher.recipe import load_recipe
@@ -98,6 +130,8 @@ def test_demo_recipe_terminal_table_fits_120_columns():
         extra = {f"task/{k}": 0.4 - 0.01 * i for k in metrics}
         extra.update({f"task/{k}_stderr": 0.02 for k in metrics})
         extra.update(validated(0.9, 300.0 - i, 40.0))
+        if drafts and v.stages:
+            extra.update(drafted(0.61 + 0.01 * i, 150.0, 0.5))
         r = row(v.name, stages, 10.0 + i, **extra)
         r.window_nll = {"perplexity": _windows(0.01 * i)}
         records.append(r)
@@ -113,6 +147,10 @@ def test_demo_recipe_terminal_table_fits_120_columns():
     for i, k in enumerate(sorted(metrics)):
         assert f"T{i + 1}: {k}" in text
     assert "reference: the base model (base)" in text
+    assert re.search(r"tok/s +acc$" if drafts else r"tok/s$", lines[0]), lines[0]
+    assert ("acc: acceptance rate as a speculative-decoding draft" in text) == drafts
+    if drafts:
+        assert table[0].endswith("-") and table[1].endswith("0.62") and table[7].endswith("0.68")
 
 
 def test_gguf_rows_and_a_reference_from_windows():

@@ -34,7 +34,11 @@ def _records() -> list[VariantRecord]:
         VariantRecord("bad", size_bytes=4.0e6, bits_per_param=16, perplexity=400.0,
                       tasks={"stdlib_next_line/acc": 0.30, "stdlib_identifier/acc": 0.28}),
         VariantRecord("gptq4", size_bytes=1.2e6, bits_per_param=4.2, perplexity=170.0,
-                      tasks={"stdlib_next_line/acc": 0.58}, throughput_tok_s=812.5),
+                      tasks={"stdlib_next_line/acc": 0.58}, throughput_tok_s=812.5,
+                      validation={"agreement": 0.9, "throughput_c4_tok_s": 812.5,
+                                  "ttft_p50_ms_c1": 12.0, "draft_acceptance_rate": 0.7234,
+                                  "speculative_tokens_per_s": 412.5,
+                                  "speculative_speedup": 0.51}),
     ]
 
 
@@ -169,6 +173,12 @@ def test_collect_from_mlflow_and_log(tmp_path, mlflow_store):
                                       "--tracking-uri", mlflow_store, "--log-to", by_name["base"].run_id])
     assert result.exit_code == 0, result.output
     assert "| reap50 |" in (tmp_path / "cli" / "comparison.md").read_text()
+    # speculative decoding's columns: the variant as a draft of the base
+    table = (tmp_path / "cli" / "comparison.md").read_text().splitlines()
+    assert "| acceptance as draft | speculative tok/s (base, this draft) |" in table[0]
+    assert next(r for r in table if r.startswith("| gptq4 |")).endswith(
+        "| 0.723 | 412.5 (0.51x) |")
+    assert "0.723" in result.output and "412.5" in result.output
     assert (tmp_path / "cli" / "report.html").stat().st_size > 0 and "variants" in result.output
     assert any(a.path == "comparison/comparison.md" for a in MlflowClient(mlflow_store)
                .list_artifacts(by_name["base"].run_id, "comparison"))

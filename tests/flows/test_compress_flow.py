@@ -37,13 +37,15 @@ def recipe_dict(model: Path, name: str = "ft") -> dict:
             {"name": "p25", "stages": [{"prune": {"method": "frequency", "ratio": 0.25}}]},
             {"name": "p25-rtn4", "stages": [{"prune": {"method": "frequency", "ratio": 0.25}},
                                             {"quantize": {"method": "rtn", "bits": 4,
-                                                          "group_size": 64}}]},
+                                                          "group_size": 64}}],
+             "validate": {"draft": "rtn4"}},  # a draft listed after its target
             {"name": "rtn4", "stages": [{"quantize": {"method": "rtn", "bits": 4,
                                                       "group_size": 64}}]},
         ],
         "publish": {"registry_name": name, "formats": ["hf", "gguf"],
                     "gguf_types": ["q8_0", "q4_k_m"], "gguf_imatrix": True},
-        "validate": {"concurrency": [1, 4], "max_tokens": 8, "rounds": 1},
+        "validate": {"concurrency": [1, 4], "max_tokens": 8, "rounds": 1,
+                     "draft_of_base": True, "num_speculative_tokens": 3},
     }
 
 
@@ -123,6 +125,24 @@ def test_runs_metrics_and_registry(first_run, flow_env, prefect_server):
     header = Path(table).read_text().splitlines()[0]
     assert "agreement" in header and "tok/s @c4" in header and "TTFT p50 ms @c1" in header
     assert ", Δ " in Path(table).read_text()
+    # every compressed variant scored as a speculative-decoding draft of the base
+    for name in ("p25", "p25-rtn4", "rtn4"):
+        m = by_name[name].data.metrics
+        assert 0 <= m["validate/draft_acceptance_rate"] <= 1, name
+        assert 1 <= m["validate/draft_mean_accepted_length"] <= 4, name  # k = 3
+        assert m["validate/speculative_tokens_per_s"] > 0
+        assert m["validate/speculative_speedup"] > 0
+    assert "validate/draft_acceptance_rate" not in by_name["base"].data.metrics
+    # p25-rtn4 served with rtn4 as its draft: logged on the target's run, the draft named
+    drafted = by_name["p25-rtn4"].data
+    assert drafted.params["validate.draft"] == "rtn4"
+    assert 0 <= drafted.metrics["validate/with_draft/draft_acceptance_rate"] <= 1
+    assert "validate/with_draft/draft_acceptance_rate" not in by_name["rtn4"].data.metrics
+    assert {"acceptance as draft", "speculative tok/s (base, this draft)",
+            "with its draft: acceptance"} <= {c.strip() for c in header.split("|")}
+    rtn4_row = next(row for row in Path(table).read_text().splitlines()
+                    if row.startswith("| rtn4 |"))
+    assert f"{by_name['rtn4'].data.metrics['validate/draft_acceptance_rate']:.3f}" in rtn4_row
     # every published variant is registered and models:/ resolves back to the artifact
     mlflow.set_tracking_uri(flow_env["uri"])
     mlflow.set_registry_uri(flow_env["uri"])
@@ -163,6 +183,11 @@ def test_rerun_uses_the_cache(first_run, flow_env, prefect_server):
         assert row.get("model_uri", "").endswith("/1") or row["variant"] == "base"
     first = {r["variant"]: r["perplexity"] for r in first_run["variants"]}
     assert {r["variant"]: r["perplexity"] for r in again["variants"]} == first
+    # draft scores come from the store too: the same numbers, timings included
+    key = "validate/speculative_tokens_per_s"
+    scored = {r["variant"]: r.get(key) for r in first_run["variants"]}
+    assert {r["variant"]: r.get(key) for r in again["variants"]} == scored
+    assert len(list((store / "drafts").glob("*.json"))) == 4  # three of the base, one named
 
 
 def test_tampered_published_artifact_is_refused(first_run, tmp_path):

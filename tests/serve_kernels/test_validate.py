@@ -76,4 +76,4 @@ def test_draft_acceptance_scores_a_draft_of_a_target(tiny_demo):
     assert 0 < lookup.acceptance_rate < 1
     assert set(lookup.metrics()) == {"validate/draft_acceptance_rate",
                                      "validate/draft_mean_accepted_length",
-                                     "validate/draft_speculative_tok_s"}
+                                     "validate/speculative_tokens_per_s"}

@@ -8,7 +8,10 @@ plot's data is returned beside its file, so a test (or a notebook) can check wha
 The compress flow builds the records as it runs; ``collect_from_mlflow`` builds the same records
 from MLflow runs logged under the flow's naming contract: metrics ``perplexity``, ``size_bytes``,
 ``bits_per_param``, ``compression_ratio``, ``experts_kept``, ``task/<task>/<metric>`` (and
-``..._stderr``), ``validate/<measure>``; params ``variant`` and ``stages``; tags
+``..._stderr``), ``validate/<measure>`` (``validate/draft_acceptance_rate``,
+``validate/speculative_tokens_per_s`` and ``validate/speculative_speedup``: the variant as a
+speculative-decoding draft of the base; ``validate/with_draft/<measure>``: the variant served
+with its own draft); params ``variant``, ``stages`` and ``validate.draft``; tags
 ``thresher.artifact_dir`` and ``thresher.model_uri``; the artifact ``prune_report.json`` holding
 ``{"layers": [{"layer": i, "saliency": [...], "removed": [...]}]}``; ``window_nll.json`` (the
 per-window NLLs the perplexity change from the base is paired on); ``gguf/<type>/<measure>`` for
@@ -57,6 +60,10 @@ from thresher.tracking import ARTIFACT_DIR_TAG, MODEL_URI_TAG, Tracker
 log = logging.getLogger(__name__)
 
 VALIDATE_PREFIX = "validate/"
+DRAFT_ACCEPTANCE = "draft_acceptance_rate"  # validate/...: the variant as a draft of the base
+SPECULATIVE_TOK_S = "speculative_tokens_per_s"  # validate/...: the base with it drafting
+SPECULATIVE_SPEEDUP = "speculative_speedup"  # ... over the base's plain decoding
+DRAFTED_PREFIX = "validate/with_draft/"  # the variant served with its own named draft
 THROUGHPUT_METRIC = "validate/throughput_c16_tok_s"
 BASE_STAGES = "base"  # the stage chain of a variant without stages
 GGUF_PREFIX = "gguf/"  # gguf/<type>/<measure>: a published GGUF file of the variant
@@ -500,11 +507,35 @@ def validation_columns(records: list[VariantRecord]) -> dict[str, list[str]]:
     def cells(key: str, fmt: str) -> list[str]:
         return [format(m[key], fmt) if key in m else "-" for m in measured]
 
-    return {
+    columns = {
         "agreement": cells("validate/agreement", ".3f"),
         f"tok/s @c{hi}": cells(f"validate/throughput_c{hi}_tok_s", ".1f"),
         f"TTFT p50 ms @c{lo}": cells(f"validate/ttft_p50_ms_c{lo}", ".0f"),
     }
+    return columns | speculative_columns(measured)
+
+
+def speculative_columns(measured: list[dict[str, float]]) -> dict[str, list[str]]:
+    """Speculative decoding's columns, each only where some variant has it: the variant's
+    acceptance rate as a draft of the base, the base's tokens/s with it drafting (and the ratio
+    to plain decoding), and the variant served with its own draft (``validate.draft``)."""
+    def spec(m: dict[str, float], prefix: str) -> str:
+        rate = m.get(f"{prefix}{SPECULATIVE_TOK_S}")
+        if rate is None:
+            return "-"
+        speedup = m.get(f"{prefix}{SPECULATIVE_SPEEDUP}")
+        return f"{rate:.1f}" + (f" ({speedup:.2f}x)" if speedup is not None else "")
+
+    columns: dict[str, list[str]] = {}
+    own = VALIDATE_PREFIX
+    if any(f"{own}{DRAFT_ACCEPTANCE}" in m for m in measured):
+        columns["acceptance as draft"] = [_fmt(m.get(f"{own}{DRAFT_ACCEPTANCE}")) for m in measured]
+        columns["speculative tok/s (base, this draft)"] = [spec(m, own) for m in measured]
+    if any(f"{DRAFTED_PREFIX}{DRAFT_ACCEPTANCE}" in m for m in measured):
+        columns["with its draft: acceptance"] = [_fmt(m.get(f"{DRAFTED_PREFIX}{DRAFT_ACCEPTANCE}"))
+                                                 for m in measured]
+        columns["with its draft: speculative tok/s"] = [spec(m, DRAFTED_PREFIX) for m in measured]
+    return columns
 
 
 def paired_deltas(records: list[VariantRecord]) -> dict[str, dict[str, PairedDifference]]:
@@ -646,6 +677,7 @@ def terminal_table(records: list[VariantRecord], width: int = TERMINAL_WIDTH) ->
     speed = sorted(k for r in records for k in r.validation if k.startswith("throughput_c"))
     speed_key = max(speed, key=lambda k: int(k.removeprefix("throughput_c").removesuffix(
         "_tok_s")), default=None)
+    accept = int(any(DRAFT_ACCEPTANCE in r.validation for r in records))
     rows: list[list[str]] = []
     for r in records:
         cells = [r.name, _fmt(_mb(r.size_bytes), 2), _fmt(r.bits_per_param, 2),
@@ -653,22 +685,24 @@ def terminal_table(records: list[VariantRecord], width: int = TERMINAL_WIDTH) ->
         for k in tasks:
             d = paired.get(r.name, {}).get(k)
             cells.append(_fmt(r.tasks.get(k)) + ("*" if d is not None and d.beyond_noise else ""))
-        rows.append(cells + [_fmt(r.validation.get(speed_key) if speed_key else None, 0)])
+        cells.append(_fmt(r.validation.get(speed_key) if speed_key else None, 0))
+        rows.append(cells + ([_fmt(r.validation.get(DRAFT_ACCEPTANCE), 2)] if accept else []))
         for g in r.gguf_files():
             rows.append([f" └ {g.type}.gguf", _fmt(_mb(g.size_bytes), 2),
                          _fmt(g.bits_per_param, 2), _fmt(g.perplexity, 2),
                          _vs_base(base, r, g.perplexity, g.nll_key),
-                         *["-"] * len(tasks), "-"])
+                         *["-"] * (len(tasks) + 1 + accept)])
     header = ["variant", "MB", "bits", "ppl", "ppl vs base (95% CI)",
-              *[f"T{i + 1}" for i in range(len(tasks))], "tok/s"]
+              *[f"T{i + 1}" for i in range(len(tasks))], "tok/s", *["acc"] * accept]
+    tail = 1 + accept  # tok/s (and acc) stay; task columns give way
     left = {0}  # the variant column reads from the left, the numbers from the right
     widths = [max(len(row[c]) for row in [header, *rows]) for c in range(len(header))]
     spare = width - (sum(widths) + 2 * (len(widths) - 1))
     if spare < 0:  # long variant names give way first
         widths[0] = max(12, widths[0] + spare)
     cols = list(range(len(header)))
-    while len(cols) > 6 and sum(widths[c] for c in cols) + 2 * (len(cols) - 1) > width:
-        cols.pop(-2)  # then the last task columns (still in the full table)
+    while len(cols) > 5 + tail and sum(widths[c] for c in cols) + 2 * (len(cols) - 1) > width:
+        cols.pop(-1 - tail)  # then the last task columns (still in the full table)
 
     def line(cells: list[str]) -> str:
         out = []
@@ -681,8 +715,8 @@ def terminal_table(records: list[VariantRecord], width: int = TERMINAL_WIDTH) ->
     ref = f"the base model ({base.name})" if base is not None else "none (no base row)"
     lines += [f"reference: {ref}", "ppl vs base: the perplexity change from the reference, "
               "95% interval paired over the evaluation windows (* beyond noise)"]
-    kept = [tasks[c - 5] for c in cols[5:-1]]
-    for c in cols[5:-1]:
+    kept = [tasks[c - 5] for c in cols[5:-tail]]
+    for c in cols[5:-tail]:
         lines.append(f"{header[c]}: {tasks[c - 5]} (* differs from the reference beyond noise)")
     if len(kept) < len(tasks):
         lines.append(f"{len(tasks) - len(kept)} more task scores: in the full table "
@@ -690,6 +724,8 @@ def terminal_table(records: list[VariantRecord], width: int = TERMINAL_WIDTH) ->
     if speed_key:
         level = speed_key.removeprefix("throughput_c").removesuffix("_tok_s")
         lines.append(f"tok/s: the serving engine's throughput at {level} concurrent requests")
+    if accept:
+        lines.append("acc: acceptance rate as a speculative-decoding draft of the base (greedy)")
     return "\n".join(line_.rstrip() for line_ in lines) + "\n"
 
 

@@ -329,3 +329,34 @@ def validate_variant(path: str, base_path: str, perplexity_cfg: PerplexityConfig
     from thresher.serve_kernels.validate import validate_artifact
 
     return validate_artifact(path, base_path, perplexity_cfg, validate_cfg, dtype=dtype)
+
+
+@task(name="score-draft", retries=1, retry_delay_seconds=5,
+      retry_condition_fn=_retry_unless_user_error, task_run_name="score-draft-{label}")
+def score_draft(target: str, target_hash: str, draft: str, draft_hash: str,
+                validate_cfg: ValidateConfig, dtype: str, store_root: str, label: str,
+                prefix: str = "validate/") -> dict[str, float]:
+    """``draft`` as the speculative-decoding draft of ``target``, greedy over the validation
+    prompts: ``<prefix>draft_acceptance_rate``, ``draft_mean_accepted_length``,
+    ``speculative_tokens_per_s`` and ``speculative_speedup`` (over the target's plain decoding,
+    measured beside it). Cached by both content hashes, like an evaluation, so a rerun after a
+    crash does not serve the pair again."""
+    blob = json.dumps({"target": target_hash, "draft": draft_hash, "dtype": dtype,
+                       "k": validate_cfg.num_speculative_tokens,
+                       "max_tokens": validate_cfg.max_tokens, "thresher": __version__},
+                      sort_keys=True)
+    cache = Path(store_root) / "drafts" / f"{hashlib.sha256(blob.encode()).hexdigest()}.json"
+    if cache.is_file():
+        log.info("%s: draft score found in the store, not recomputed", label)
+        measured = json.loads(cache.read_text())
+    else:
+        from thresher.serve_kernels.draft_score import draft_acceptance, plain_tokens_per_second
+
+        k, max_tokens = validate_cfg.num_speculative_tokens, validate_cfg.max_tokens
+        score = draft_acceptance(target, draft, num_speculative_tokens=k, max_tokens=max_tokens,
+                                 dtype=dtype)
+        plain = plain_tokens_per_second(target, max_tokens=max_tokens, dtype=dtype)
+        measured = {**score.metrics(prefix=""),
+                    "speculative_speedup": score.tokens_per_second / plain}
+        write_text_atomically(cache, json.dumps(measured))
+    return {f"{prefix}{k}": float(v) for k, v in measured.items()}

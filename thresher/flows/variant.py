@@ -12,7 +12,7 @@ from pathlib import Path
 from prefect import get_run_logger
 
 from thresher import __version__
-from thresher.evaluate.report import BASE_STAGES, OWN_NLL, VariantRecord
+from thresher.evaluate.report import BASE_STAGES, DRAFTED_PREFIX, OWN_NLL, VariantRecord
 from thresher.flows.stages import (
     TASK_SAMPLES_KEY,
     WINDOW_NLL_KEY,
@@ -20,6 +20,7 @@ from thresher.flows.stages import (
     publish_artifact,
     publish_gguf,
     run_stage,
+    score_draft,
     validate_variant,
 )
 from thresher.formats.artifact import PRUNE_REPORT, STAGE_REPORTS, TASK_SAMPLES, WINDOW_NLL
@@ -46,6 +47,30 @@ def artifact_facts(path: str) -> dict[str, float]:
     return facts
 
 
+def _draft_scores(recipe: Recipe, variant: Variant, artifact: str, content_hash: str,
+                  base_path: str, base_hash: str, store_root: str) -> dict[str, float]:
+    """The variant as a draft of the base (``validate.draft_of_base``) and the variant served
+    with its own draft (``validate: {draft: NAME}``, metrics under ``DRAFTED_PREFIX``)."""
+    metrics: dict[str, float] = {}
+    if recipe.validate_.draft_of_base and variant.stages:
+        metrics.update(score_draft(base_path, base_hash, artifact, content_hash,
+                                   recipe.validate_, recipe.dtype, store_root,
+                                   label=f"{variant.name}-of-base"))
+    draft_name = variant.validate_.draft if variant.validate_ is not None else None
+    if draft_name is not None:
+        draft = next(v for v in recipe.variants if v.name == draft_name)
+        path, draft_hash = base_path, base_hash
+        for i, stage in enumerate(draft.stages):  # from the store when the draft ran already
+            out = run_stage(path, draft_hash, stage, recipe.calibration, store_root,
+                            label=f"{draft.name}/{i}-{stage.kind}", execution=recipe.execution)
+            path, draft_hash = out["path"], out["content_hash"]
+        metrics.update(score_draft(artifact, content_hash, path, draft_hash, recipe.validate_,
+                                   recipe.dtype, store_root,
+                                   label=f"{draft.name}-of-{variant.name}",
+                                   prefix=DRAFTED_PREFIX))
+    return metrics
+
+
 def run_variant(recipe: Recipe, variant: Variant, base_path: str, base_hash: str,
                 base_facts: dict[str, float], tracker: Tracker, parent: str, store_root: str,
                 publish_root: Path) -> VariantRecord:
@@ -58,6 +83,8 @@ def run_variant(recipe: Recipe, variant: Variant, base_path: str, base_hash: str
         chain = " -> ".join(s.describe() for s in variant.stages) or BASE_STAGES
         tracker.log_params(run_id, {"variant": variant.name, "stages": chain,
                                     "calibration": recipe.calibration.model_dump(mode="json")})
+        if variant.validate_ is not None and variant.validate_.draft is not None:
+            tracker.log_params(run_id, {"validate.draft": variant.validate_.draft})
         for i, stage in enumerate(variant.stages):
             tracker.log_params(run_id, {f"stage{i}.{stage.kind}": stage.options.model_dump(
                 mode="json", exclude_none=True)})
@@ -124,6 +151,8 @@ def run_variant(recipe: Recipe, variant: Variant, base_path: str, base_hash: str
         if recipe.validate_.enabled:
             metrics.update(validate_variant(artifact, base_path, recipe.eval.perplexity,
                                             recipe.validate_, recipe.dtype, label=variant.name))
+            metrics.update(_draft_scores(recipe, variant, artifact, content_hash, base_path,
+                                         base_hash, store_root))
         tracker.log_metrics(run_id, metrics)
         tracker.log_text(run_id, json.dumps(window_nll), WINDOW_NLL)
         prune_report = Path(artifact) / PRUNE_REPORT

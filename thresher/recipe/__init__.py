@@ -53,6 +53,7 @@ from thresher.recipe.stages import (
     RTNStage,
     Stage,
     Variant,
+    VariantValidate,
 )
 from thresher.recipe.sweep import SweepConfig, check_choice
 
@@ -62,7 +63,7 @@ __all__ = [
     "ExecutionConfig", "FilesSource", "GGUFTypeName", "GPTQStage", "HFDatasetSource",
     "MergeStage", "NF4Stage", "PerplexityConfig", "PlanStep", "PruneStage", "PublishConfig",
     "QuantizeStage", "RTNStage", "Recipe", "Split", "Stage", "StrictModel", "SweepConfig",
-    "TextSource", "TrackingConfig", "ValidateConfig", "Variant", "check_choice",
+    "TextSource", "TrackingConfig", "ValidateConfig", "Variant", "VariantValidate", "check_choice",
     "format_validation_error", "load_recipe", "parse_recipe", "recipe_json_schema",
     "shared_text", "stdlib_root", "stdlib_split_of",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
+from thresher.recipe.base import FieldError
 from thresher.recipe.stages import QUANTIZE_STAGES
 
 
@@ -16,6 +17,9 @@ def format_validation_error(err: ValidationError, where: str, as_options: bool =
     methods = ", ".join(QUANTIZE_STAGES)
     for e in err.errors():
         parts, method = readable_loc(e["loc"])
+        error = e.get("ctx", {}).get("error")
+        if isinstance(error, FieldError):
+            parts = [*parts, *error.path.split(".")]
         if as_options:
             loc = "--" + "-".join(p.replace("_", "-") for p in parts) if parts else "(options)"
         else:

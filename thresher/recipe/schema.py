@@ -15,7 +15,7 @@ from pydantic import (
     model_validator,
 )
 
-from thresher.recipe.base import StrictModel
+from thresher.recipe.base import FieldError, StrictModel
 from thresher.recipe.settings import ExecutionConfig, PublishConfig, TrackingConfig, ValidateConfig
 from thresher.recipe.sources import CalibrationConfig, EvalConfig, shared_text
 from thresher.recipe.stages import Stage, Variant
@@ -69,6 +69,32 @@ class Recipe(StrictModel):
         if uneven and "gguf" in self.publish.formats:
             raise ValueError(f"publish.formats: gguf holds one expert count per model, and "
                              f"{', '.join(uneven)} prune with a 'damage' budget")
+        return self
+
+    @model_validator(mode="after")
+    def _drafts_are_other_variants(self) -> Recipe:
+        """A variant's draft is another variant of this recipe. Every variant derives from the
+        same base by stages that keep the vocabulary and tokenizer, so the draft's proposals are
+        in the target's tokens (the engine checks the vocabulary again when it loads both)."""
+        names = [v.name for v in self.variants]
+        for i, v in enumerate(self.variants):
+            draft = v.validate_.draft if v.validate_ is not None else None
+            if draft is None:
+                continue
+            path = f"variants.{i}.validate.draft"
+            if draft == v.name:
+                raise FieldError(path, f"variant {v.name!r} cannot be its own draft: a draft "
+                                 "is another, cheaper variant of the same base")
+            if draft not in names:
+                raise FieldError(path, f"no variant named {draft!r} in this recipe (variants: "
+                                 f"{', '.join(names)}); a draft shares the target's vocabulary "
+                                 "only as a variant of the same base")
+            if not self.validate_.enabled:
+                raise FieldError(path, "drafts are scored by the validation run, and "
+                                 "validate.enabled is false")
+        if self.validate_.draft_of_base and not self.validate_.enabled:
+            raise FieldError("validate.draft_of_base", "drafts are scored by the validation "
+                             "run, and validate.enabled is false")
         return self
 
     @model_validator(mode="after")

@@ -46,6 +46,12 @@ class ValidateConfig(StrictModel):
     max_tokens: int = Field(64, gt=0, description="tokens generated per agreement prompt and "
                             "per load-test request")
     rounds: int = Field(2, gt=0, description="requests each load-test client sends in turn")
+    draft_of_base: bool = Field(
+        False, description="score every variant as a speculative-decoding draft of the base: "
+        "the base served with the variant proposing, greedy over the agreement prompts "
+        "(acceptance rate, mean accepted length, tokens/s and speedup over plain decoding)")
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="tokens a draft proposes "
+                                        "per verify step when a variant is scored as a draft")
 
 
 class TrackingConfig(StrictModel):

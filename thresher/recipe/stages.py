@@ -10,7 +10,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, TypeAdapter, field_validator, model_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    TypeAdapter,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from thresher.recipe.base import StrictModel
 
@@ -410,11 +418,31 @@ class Stage(StrictModel):
         return self.options.describe()
 
 
+class VariantValidate(StrictModel):
+    """A variant's own validation settings, beside the recipe's ``validate`` section."""
+
+    draft: str | None = Field(None, description="another variant of the recipe served as this "
+                              "variant's speculative-decoding draft during validation (its "
+                              "acceptance rate and the speculative tokens/s are logged here)")
+
+
 class Variant(StrictModel):
     """One model to derive from the base: its name and its chain of stages (none: the base)."""
 
+    model_config = ConfigDict(populate_by_name=True)
+
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     stages: list[Stage] = Field(default_factory=list)
+    validate_: VariantValidate | None = Field(None, alias="validate")
+
+    @model_serializer(mode="wrap")
+    def _validate_when_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A variant without its own validation settings dumps as before (name and stages)."""
+        data = handler(self)
+        if self.validate_ is None:
+            data.pop("validate", None)
+            data.pop("validate_", None)
+        return data
 
     @field_validator("stages")
     @classmethod

@@ -35,11 +35,11 @@ class DraftScore:
     num_accepted_tokens: int
     tokens_per_second: float  # generated tokens over the generation's wall time
 
-    def metrics(self, prefix: str = "validate/draft_") -> dict[str, float]:
-        """As MLflow metrics (``validate/draft_acceptance_rate``...)."""
-        return {f"{prefix}acceptance_rate": self.acceptance_rate,
-                f"{prefix}mean_accepted_length": self.mean_accepted_length,
-                f"{prefix}speculative_tok_s": self.tokens_per_second}
+    def metrics(self, prefix: str = "validate/") -> dict[str, float]:
+        """As MLflow metrics (``validate/draft_acceptance_rate``...), the names the flow logs."""
+        return {f"{prefix}draft_acceptance_rate": self.acceptance_rate,
+                f"{prefix}draft_mean_accepted_length": self.mean_accepted_length,
+                f"{prefix}speculative_tokens_per_s": self.tokens_per_second}
 
 
 def draft_acceptance(target: str | Path, draft: str | Path, *, temperature: float = 0.0,
@@ -65,3 +65,17 @@ def draft_acceptance(target: str | Path, draft: str | Path, *, temperature: floa
     del llm
     gc.collect()
     return score
+
+
+def plain_tokens_per_second(target: str | Path, *, max_tokens: int = 64,
+                            prompts: list[str] | None = None, dtype: str = "float32") -> float:
+    """``target``'s tokens/s without speculation, generating as ``draft_acceptance`` does (greedy,
+    the same prompts in one batch): the denominator of a speculative speedup."""
+    llm = LLM(target, dtype=dtype)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts or PROMPTS, params)
+    seconds = time.perf_counter() - start
+    del llm
+    gc.collect()
+    return sum(len(o.token_ids) for o in outs) / seconds
