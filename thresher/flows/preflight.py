@@ -25,6 +25,7 @@ from thresher.errors import CompressionError, ExportError, RecipeError, Thresher
 from thresher.export import check_gguf_architecture, check_gguf_widths, gguf_route
 from thresher.formats.config import PackedFormat, packed_format
 from thresher.models.adapters import Adapter, get_adapter
+from thresher.models.layerwise import is_mxfp4
 from thresher.models.source import parse_model_source
 from thresher.prune.mask import experts_to_keep
 from thresher.prune.merge_api import experts_after_merge
@@ -156,7 +157,8 @@ def preflight(recipe: Recipe) -> Preflight:
         return result
     try:
         adapter = get_adapter(config)
-        packed_format(config, where)  # weights no stage can read (an FP8 hub checkpoint)
+        if not is_mxfp4(config):  # MXFP4 experts are dequantized as they are read
+            packed_format(config, where)  # weights no stage can read (an FP8 hub checkpoint)
     except ThresherError as err:
         raise RecipeError(f"model: {err}") from None
     with torch.device("meta"):
