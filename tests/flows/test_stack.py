@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 
 from thresher.flows.stack import STATE_FILE, Stack, _spawn, process_identity, read_stack, stop_stack
 
@@ -39,7 +40,10 @@ def test_stop_ends_its_own_processes_and_leaves_a_reused_pid_alone(tmp_path):
 def test_identity_is_start_time_and_command_line():
     proc = subprocess.Popen(["sleep", "30"])
     try:
-        first = process_identity(proc.pid)
+        deadline = time.monotonic() + 10  # until the child has exec'd (a loaded machine is slow)
+        while (first := process_identity(proc.pid)) and first[1:] != ["sleep", "30"]:
+            assert time.monotonic() < deadline, first
+            time.sleep(0.01)
         assert first is not None and first[1:] == ["sleep", "30"] and first[0].isdigit()
         assert process_identity(proc.pid) == first
     finally:

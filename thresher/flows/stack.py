@@ -85,8 +85,9 @@ def _spawn(name: str, cmd: list[str], stack: Stack, env: dict[str, str]) -> None
     stack.pids[name] = proc.pid
     identity = process_identity(proc.pid)
     deadline = time.time() + 5
-    while identity is not None and len(identity) == 1 and time.time() < deadline:
-        time.sleep(0.01)  # the new program's command line appears a moment after the exec
+    # until the exec: before it the child shows its parent's command line, or none
+    while identity is not None and identity[1:] != cmd and time.time() < deadline:
+        time.sleep(0.01)
         identity = process_identity(proc.pid)
     if identity is not None:
         stack.identities[name] = identity
