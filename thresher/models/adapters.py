@@ -85,8 +85,11 @@ class RoutingRule:
             scores = self.scores(logits)
             if bias is None:
                 weights, index = torch.topk(scores, self.top_k, dim=-1)
-            else:
-                index = torch.topk(scores + bias.to(scores.device).float(), self.top_k, dim=-1)[1]
+            else:  # removed experts score 0, so they are masked again after the bias
+                choice = scores + bias.to(scores.device).float()
+                if pruned:
+                    choice = choice.masked_fill(~kept, float("-inf"))
+                index = torch.topk(choice, self.top_k, dim=-1)[1]
                 weights = scores.gather(-1, index)
             if self.renormalize:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
