@@ -259,6 +259,8 @@ class Adapter:
     # whether an expert's down-projection input is linear in its up projection, so that AWQ can
     # divide the up rows by the down scales (not under gpt-oss's clamped (up + 1) gating)
     expert_up_absorbs_scales = True
+    # whether rotary turns channel pairs (2i, 2i + 1) of each head rather than (i, i + D/2)
+    interleaved_rotary = False
 
     def __init__(self, spec: FamilySpec, model_type: str):
         self.spec = spec

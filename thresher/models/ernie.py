@@ -6,7 +6,8 @@ score-correction bias and gates with the softmax values of the selected experts,
 in ``mlp.moe_statics.e_score_correction_bias`` on the hub, so its expert axis is the last one.
 Which layers are MoE follows ``moe_layer_start_index`` / ``moe_layer_interval`` /
 ``moe_layer_end_index`` (the 21B and 300B models: every layer from the second on); the others,
-and the always-on ``shared_experts``, are dense SwiGLU MLPs.
+and the always-on ``shared_experts``, are dense SwiGLU MLPs. Rotary turns interleaved channel
+pairs (2i, 2i + 1) of each head, over the full head.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ DISK_STATICS = ".mlp.moe_statics."
 
 class ErnieAdapter(Adapter):
     """ERNIE-4.5-MoE (``ernie4_5_moe``): see the module docstring."""
+
+    interleaved_rotary = True
 
     def norm_topk_prob(self, config) -> bool:
         """The forward renormalizes the selected gate values whatever the config says."""

@@ -186,7 +186,8 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
             attn_args = (spec, *(b.linear(adapter.disk_attention_key(i, n))
                                  for n in ATTENTION_PROJECTIONS),
                          attn_norms.get("q_norm"), attn_norms.get("k_norm"),
-                         getattr(config, "clip_qkv", None), rotary_dim)
+                         getattr(config, "clip_qkv", None), rotary_dim,
+                         adapter.interleaved_rotary)
             sinks = adapter.disk_attention_key(i, "sinks")
             if sinks in reader:  # gpt-oss: sinks, and a window in sliding layers
                 attn = gpt_oss.SinkAttention(*attn_args, sinks=b.tensor(sinks),
