@@ -347,6 +347,10 @@ class Adapter:
         key = self.spec.dense_layers_key
         return int(getattr(config, key, 0) or 0) if key and self.is_moe else 0
 
+    def moe_layer_step(self, config) -> int:
+        """Every how many layers, after the dense leading ones, an MoE layer comes (1: all)."""
+        return 1
+
     def top_k(self, config) -> int:
         return int(config.num_experts_per_tok) if self.is_moe else 0
 

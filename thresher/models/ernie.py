@@ -38,6 +38,9 @@ class ErnieAdapter(Adapter):
         return next((i for i in range(config.num_hidden_layers)
                      if (i + 1) % interval == 0 and i >= start), config.num_hidden_layers)
 
+    def moe_layer_step(self, config) -> int:
+        return int(config.moe_layer_interval)
+
     def correction(self, layer: nn.Module) -> torch.Tensor:
         return self.router(layer).moe_statics.e_score_correction_bias
 
