@@ -2,6 +2,8 @@
 from the gates the forward multiplies by, every criterion, ``auto``, damage budgets and the refit,
 and a pruned checkpoint transformers loads and thresher evaluates alike."""
 
+import shutil
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -81,3 +83,22 @@ def test_pruned_ernie_loads_in_transformers_and_matches_thresher_evaluation(erni
         plain = AutoModelForCausalLM.from_pretrained(out).eval()
         with torch.no_grad():
             torch.testing.assert_close(plain(input_ids=ids).logits, got, rtol=0, atol=0)
+
+
+def test_the_multi_token_prediction_block_is_not_carried(ernie, tmp_path):
+    """A hub checkpoint's ``model.mtp_*`` tensors (which transformers does not load) stay out of
+    the pruned artifact, which then loads with no unexpected tensors."""
+    from safetensors.torch import load_file, save_file
+
+    _, base = ernie
+    hub = tmp_path / "hub"
+    shutil.copytree(base, hub)
+    tensors = load_file(hub / "model.safetensors")
+    tensors["model.mtp_linear_proj.0.weight"] = torch.zeros(64, 128)
+    save_file(tensors, hub / "model.safetensors", metadata={"format": "pt"})
+    (hub / "thresher.json").unlink(missing_ok=True)
+    out = tmp_path / "pruned"
+    prune_model(hub, PruneStage(method="frequency", ratio=0.5), CAL, out, show_progress=False)
+    names = CheckpointReader(out).tensor_names()
+    assert not any(n.startswith("model.mtp") for n in names)
+    assert "model.embed_tokens.weight" in names

@@ -19,6 +19,7 @@ from thresher.models.adapters import Adapter, RoutingRule
 
 MEMORY_STATICS = ".mlp.gate.moe_statics."
 DISK_STATICS = ".mlp.moe_statics."
+MTP_PREFIX = "model.mtp"
 
 
 class ErnieAdapter(Adapter):
@@ -57,6 +58,12 @@ class ErnieAdapter(Adapter):
             statics.e_score_correction_bias = nn.Parameter(
                 torch.empty(1, n, dtype=statics.e_score_correction_bias.dtype),
                 requires_grad=False)
+
+    def is_disk_layer_key(self, key: str) -> bool:
+        """Decoder-layer tensors, and the multi-token-prediction block (``model.mtp_*``, which
+        transformers does not load): neither is copied as a model-level tensor, so MTP is not
+        carried into artifacts."""
+        return super().is_disk_layer_key(key) or key.startswith(MTP_PREFIX)
 
     def disk_router_correction_key(self, layer_idx: int) -> str:
         return f"{self._disk_moe(layer_idx)}.moe_statics.e_score_correction_bias"
