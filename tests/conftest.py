@@ -126,6 +126,8 @@ def build_random_model(model_type: str, seed: int = 0, **kw):
                 p.normal_(0, 0.1)  # gpt-oss's expert biases start at zero
             elif name.endswith("self_attn.sinks"):  # gpt-oss: large enough to matter
                 p.normal_(0, 1.0)
+            elif name.endswith("e_score_correction_bias"):  # ERNIE-4.5's is a parameter
+                p.uniform_(-0.1, 0.1)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # starts at zero: make it choose
                 b.uniform_(-0.2, 0.2)

@@ -677,7 +677,7 @@ def prepare(bundle: Path, demos: list[str]) -> None:
             cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(base), "--out",
                    str(out), *args, "--samples", "8", "--seq-len", "64"]
             subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    for family in SIGMOID_ROUTED:
+    for family in CORRECTION_ROUTED:
         if not (bundle / "artifacts" / f"{family}-random").exists():
             write_random_glm(bundle / "artifacts" / f"{family}-random", build_demo_model("tiny"),
                              family)
@@ -687,12 +687,13 @@ def prepare(bundle: Path, demos: list[str]) -> None:
     print(f"bundle {bundle}: {total / 2**20:.1f} MiB")
 
 
-# Families with GLM-4.5's sigmoid router in the parity section (DeepSeek-V3 adds latent attention).
-SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3")
+# Families whose router selects with a score-correction bias, in the parity section: GLM-4.5's
+# sigmoid router (DeepSeek-V3 adds latent attention) and ERNIE-4.5's softmax one.
+CORRECTION_ROUTED = ("glm4_moe", "deepseek_v3", "ernie4_5_moe")
 
 
 def write_random_glm(out: Path, tokenizer_dir: Path, model_type: str = "glm4_moe") -> None:
-    """A random GLM-4.5 (or DeepSeek-V3) checkpoint and its GPTQ-4 artifact (``out`` and
+    """A random GLM-4.5 (or DeepSeek-V3, ERNIE-4.5) checkpoint and its GPTQ-4 artifact (``out`` and
     ``out``-gptq4) for the parity section: routers and correction biases drawn wide enough to
     route unevenly, weights wide enough that the greedy tokens are not near ties."""
     from transformers import AutoModelForCausalLM
@@ -787,7 +788,7 @@ def run_sections(out: Path, bundle: Path | None) -> None:
         parity_dir = work / "parity"
         (parity_dir / "demo-models").mkdir(parents=True)
         shutil.copytree(tokenizer_dir, parity_dir / "demo-models" / tokenizer_dir.name)
-        for family in SIGMOID_ROUTED:
+        for family in CORRECTION_ROUTED:
             write_random_glm(parity_dir / "artifacts" / f"{family}-random", tokenizer_dir, family)
         write_random_gpt_oss(parity_dir / "artifacts" / "gpt_oss-random", tokenizer_dir)
     sections = [("1. tests", lambda: section_tests(sizes, log)),

@@ -186,7 +186,7 @@ def test_lossless_q4_1_matches_the_quantized_artifact(packed, windows, tmp_path,
 FAMILY_CONFIGS = {
     "qwen3_moe": {}, "qwen2_moe": {"norm_topk_prob": False}, "mixtral": {},
     "olmoe": {"norm_topk_prob": False, "num_key_value_heads": 4}, "llama": {}, "qwen3": {},
-    "qwen2": {}, "glm4_moe": {}, "deepseek_v3": {}}
+    "qwen2": {}, "glm4_moe": {}, "deepseek_v3": {}, "ernie4_5_moe": {}}
 
 
 @pytest.mark.parametrize("family", list(FAMILY_CONFIGS))

@@ -35,7 +35,7 @@ def test_moe_adapter_exposes_modules_and_expert_views(family):
         # a view, not a copy: writing through it changes the model
         assert view.down.data_ptr() == experts.down_proj[e].data_ptr()
     assert (ad.shared_expert(layer) is not None) == (family in ("qwen2_moe", "glm4_moe",
-                                                                 "deepseek_v3"))
+                                                                 "deepseek_v3", "ernie4_5_moe"))
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -97,6 +97,27 @@ def test_glm_router_selects_with_the_correction_bias_and_gates_without_it(family
     unbiased = torch.topk(routing.probs, 2, dim=-1).indices.sort(-1).values
     assert not torch.equal(unbiased, order.values)  # the bias (or the group) chose otherwise
     assert torch.equal(ad.saliency_gates(routing, model.config), routing.top_k_weights)
+
+
+def test_ernie_router_selects_with_the_statics_bias_and_gates_with_the_softmax():
+    """ERNIE-4.5's router: softmax scores; the [1, E] ``moe_statics`` bias changes which experts
+    are chosen, and the gates are the chosen softmax values renormalized; REAP's gates are those
+    the forward multiplies by."""
+    model = build_random_model("ernie4_5_moe")
+    ad = get_adapter(model.config)
+    layer = first_moe_layer(ad, model)
+    assert ad.leading_dense_layers(model.config) == 1 and not ad.is_moe_layer(ad.layers(model)[0])
+    x = torch.randn(256, model.config.hidden_size)
+    routing = ad.route(layer, x, model.config)
+    with torch.no_grad():
+        _, ref_w, ref_i = ad.router(layer)(x)
+    assert torch.equal(routing.top_k_index, ref_i)
+    torch.testing.assert_close(routing.top_k_weights, ref_w)
+    torch.testing.assert_close(routing.top_k_weights.sum(-1), torch.ones(256))
+    unbiased = torch.topk(routing.probs, 2, dim=-1).indices
+    assert not torch.equal(unbiased, routing.top_k_index)  # the bias chose otherwise
+    torch.testing.assert_close(ad.saliency_gates(routing, model.config), routing.top_k_weights)
+    assert ad.disk_router_correction_key(1) == "model.layers.1.mlp.moe_statics.e_score_correction_bias"
 
 
 def test_mla_sites_follow_the_attention_inputs():

@@ -99,6 +99,8 @@ def test_pruned_checkpoint_reloads_in_transformers_and_computes_the_masked_model
                     assert adapter.disk_expert_key(i, e, proj) + ".weight" in names
             assert adapter.disk_expert_key(i, 4, "gate") + ".weight" not in names
         assert reader.get(adapter.disk_router_key(i) + ".weight").shape[0] == 4
+        correction = adapter.disk_router_correction_key(i)  # [E] (GLM-4.5) or [1, E] (ERNIE)
+        assert correction is None or reader.shape(correction)[-1] == 4
     assert adapter.fused_experts_on_disk or not any(".experts.gate_up_proj" in n for n in names)
 
     ids = torch.randint(0, model.config.vocab_size, (2, 24))

@@ -4,7 +4,8 @@ Families: Qwen3-MoE (llama.cpp's ``qwen3moe``), Qwen2-MoE (``qwen2moe``, with it
 expert), Mixtral (``llama`` with experts), OLMoE (``olmoe``), GLM-4.5 (``glm4moe``: dense leading
 layers, shared experts, the sigmoid router's correction bias as ``exp_probs_b``), DeepSeek-V3 and
 Kimi-K2 (``deepseek2``: GLM's router with multi-head latent attention, kv_b split into
-``attn_k_b``/``attn_v_b`` as llama.cpp's absorbed MLA reads it) and the dense Llama, Qwen3 and
+``attn_k_b``/``attn_v_b`` as llama.cpp's absorbed MLA reads it), ERNIE-4.5-MoE (``ernie4_5-moe``:
+its [1, E] selection bias as ``exp_probs_b``, the MoE layer step as metadata) and the dense Llama, Qwen3 and
 Qwen2 (``llama``, ``qwen3``, ``qwen2``); llama.cpp's llama graph wants q/k rows in its rotary
 layout.
 
@@ -105,6 +106,8 @@ class GGUFArchitecture:
     # the router's rule travels as metadata (gating function, weights scale and norm, groups)
     router_metadata: bool = False
     rope_types: tuple[str, ...] = ("default",)  # the config's rope types llama.cpp's graph takes
+    # which layers are MoE travels as metadata (dense leading layers, the MoE layer step)
+    moe_layout_metadata: bool = False
 
 
 # Keyed by the adapter's model_type. Mixtral runs on llama.cpp's llama graph (with experts).
@@ -121,6 +124,9 @@ GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "gpt_oss": GGUFArchitecture(gguf.MODEL_ARCH.GPT_OSS, renormalizes_top_k=False,
                                 post_attention_norm=Role.ATTN_POST_NORM,
                                 rope_types=("default", "yarn")),
+    # ERNIE-4.5: llama.cpp's graph rotates adjacent pairs, as the checkpoint does (no permute)
+    "ernie4_5_moe": GGUFArchitecture(gguf.MODEL_ARCH.ERNIE4_5_MOE, renormalizes_top_k=True,
+                                     moe_layout_metadata=True),
     "llama": GGUFArchitecture(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
     "qwen3": GGUFArchitecture(gguf.MODEL_ARCH.QWEN3),
     "qwen2": GGUFArchitecture(gguf.MODEL_ARCH.QWEN2),
@@ -132,8 +138,9 @@ QWEN2_PRE_TOKENIZER_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p
 
 # Kept in F32 whatever the file type, as llama.cpp's converter does (1-D tensors are F32 too).
 _F32_ROLES = frozenset({Role.FFN_GATE_INP, Role.FFN_GATE_INP_SHEXP})
-# Stored as vectors: the shared expert's gate is a [1, H] matrix in the checkpoint, {H} in llama.cpp.
-_VECTOR_ROLES = frozenset({Role.FFN_GATE_INP_SHEXP})
+# Stored as vectors: the shared expert's gate is a [1, H] matrix in the checkpoint, {H} in llama.cpp
+# (and ERNIE-4.5's selection bias [1, E], {E}).
+_VECTOR_ROLES = frozenset({Role.FFN_GATE_INP_SHEXP, Role.FFN_EXP_PROBS_B})
 
 
 @dataclass
@@ -588,8 +595,8 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
             add(Role.FFN_GATE_INP, [adapter.disk_router_key(i)], i, suffix="bias")
         correction = adapter.disk_router_correction_key(i)
         if correction is not None and correction in reader:  # selection-only bias, F32
-            add(Role.FFN_EXP_PROBS_B, [adapter.disk_router_key(i)], i,
-                suffix=correction.rsplit(".", 1)[1], gguf_suffix="bias")
+            module, name = correction.rsplit(".", 1)
+            add(Role.FFN_EXP_PROBS_B, [module], i, suffix=name, gguf_suffix="bias")
         for role, proj in ((Role.FFN_GATE_EXP, "gate"), (Role.FFN_UP_EXP, "up"),
                            (Role.FFN_DOWN_EXP, "down")):
             add(role, [adapter.disk_expert_key(i, e, proj) for e in range(n_experts)], i,
@@ -789,6 +796,10 @@ def _write_metadata(writer: gguf.GGUFWriter, model_dir: Path, config, adapter: A
             writer.add_expert_shared_feed_forward_length(shared_ffn)
         if arch.router_metadata:
             _write_router_metadata(writer, config, adapter, shared_ffn // expert_ffn)
+        if arch.moe_layout_metadata:
+            writer.add_leading_dense_block_count(moe)
+            writer.add_interleave_moe_layer_step(adapter.moe_layer_step(config))
+            writer.add_expert_shared_count(shared_ffn // expert_ffn)
 
 
 def _write_latent_attention_metadata(writer: gguf.GGUFWriter, config, rope: dict) -> None:

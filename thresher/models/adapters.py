@@ -44,7 +44,9 @@ class RoutingRule:
     """How one router turns logits into (gate values, experts): everything needed to recompute
     its decision for any subset of the experts without running the model.
 
-    ``softmax``: softmax over the experts, top-k, renormalized if ``renormalize``.
+    ``softmax``: softmax over the experts, top-k, renormalized if ``renormalize``; with a
+    ``bias`` (ERNIE-4.5), experts are selected on the softmax plus the bias and gated by the
+    softmax alone.
     ``topk_softmax`` (gpt-oss): top-k of the raw logits, then softmax over the k selected.
     ``sigmoid`` (GLM-4.5, DeepSeek-V3): sigmoid scores; experts are *selected* on the scores plus
     the score-correction ``bias``, within the ``topk_group`` best of ``n_group`` groups (a group
@@ -76,15 +78,23 @@ class RoutingRule:
                 logits = logits.masked_fill(~kept, float("-inf"))
             top, index = torch.topk(logits, self.top_k, dim=-1)
             return torch.softmax(top.float(), dim=-1), index
+        bias = self.bias if bias is None else bias
         if self.scoring == "softmax":
             if pruned:
                 logits = logits.masked_fill(~kept, float("-inf"))
-            weights, index = torch.topk(self.scores(logits), self.top_k, dim=-1)
+            scores = self.scores(logits)
+            if bias is None:
+                weights, index = torch.topk(scores, self.top_k, dim=-1)
+            else:  # removed experts score 0, so they are masked again after the bias
+                choice = scores + bias.to(scores.device).float()
+                if pruned:
+                    choice = choice.masked_fill(~kept, float("-inf"))
+                index = torch.topk(choice, self.top_k, dim=-1)[1]
+                weights = scores.gather(-1, index)
             if self.renormalize:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
             return weights, index
         scores = self.scores(logits)
-        bias = self.bias if bias is None else bias
         choice = scores if bias is None else scores + bias.to(scores.device).float()
         if pruned:
             choice = choice.masked_fill(~kept, float("-inf"))
@@ -121,6 +131,7 @@ class FamilySpec:
     extra_layers_key: str | None = None
     dense_layers_key: str | None = None  # config key counting the dense layers before the MoE ones
     attention: str = "mha"  # or "mla": multi-head latent attention (DeepSeek-V3), see MLA_SITES
+    fp32_router: bool = False  # the forward computes the router's logits in fp32 (GLM-4.5)
 
 
 FAMILIES: dict[str, FamilySpec] = {
@@ -146,6 +157,7 @@ FAMILIES: dict[str, FamilySpec] = {
         shared_expert_name="shared_experts",
         router="sigmoid",
         router_correction="e_score_correction_bias",
+        fp32_router=True,
         extra_layers_key="num_nextn_predict_layers",
         dense_layers_key="first_k_dense_replace",
     ),
@@ -159,6 +171,7 @@ FAMILIES: dict[str, FamilySpec] = {
         shared_expert_name="shared_experts",
         router="sigmoid",
         router_correction="e_score_correction_bias",
+        fp32_router=True,
         extra_layers_key="num_nextn_predict_layers",
         dense_layers_key="first_k_dense_replace",
         attention="mla",
@@ -170,6 +183,19 @@ FAMILIES: dict[str, FamilySpec] = {
         moe=True,
         num_experts_key="num_local_experts",
         router="topk_softmax",
+    ),
+    # ERNIE-4.5-MoE: softmax router whose selection adds a score-correction bias (``moe_statics``,
+    # [1, E] beside the router on the hub), gates renormalized always; dense first layers and
+    # always-on shared experts (models/ernie.py).
+    "ernie4_5_moe": FamilySpec(
+        ("ernie4_5_moe",),
+        moe=True,
+        num_experts_key="moe_num_experts",
+        shared_expert=True,
+        shared_expert_name="shared_experts",
+        always_renormalize=True,
+        router_correction="e_score_correction_bias",
+        fp32_router=True,
     ),
     "llama": FamilySpec(("llama",), moe=False),
     "qwen2": FamilySpec(("qwen2",), moe=False),
@@ -233,6 +259,8 @@ class Adapter:
     # whether an expert's down-projection input is linear in its up projection, so that AWQ can
     # divide the up rows by the down scales (not under gpt-oss's clamped (up + 1) gating)
     expert_up_absorbs_scales = True
+    # whether rotary turns channel pairs (2i, 2i + 1) of each head rather than (i, i + D/2)
+    interleaved_rotary = False
 
     def __init__(self, spec: FamilySpec, model_type: str):
         self.spec = spec
@@ -309,10 +337,19 @@ class Adapter:
             if hasattr(module, "num_experts"):
                 module.num_experts = n
 
+    def router_expert_dim(self, key: str) -> int:
+        """The expert axis of the router tensor ``key`` (layer-relative, in memory): 0, except
+        for a correction bias kept as a [1, E] row (ERNIE-4.5)."""
+        return 0
+
     def leading_dense_layers(self, config) -> int:
         """How many decoder layers before the first MoE one have a dense MLP (GLM-4.5: 1)."""
         key = self.spec.dense_layers_key
         return int(getattr(config, key, 0) or 0) if key and self.is_moe else 0
+
+    def moe_layer_step(self, config) -> int:
+        """Every how many layers, after the dense leading ones, an MoE layer comes (1: all)."""
+        return 1
 
     def top_k(self, config) -> int:
         return int(config.num_experts_per_tok) if self.is_moe else 0
@@ -404,11 +441,14 @@ class Adapter:
 
     def rule(self, config, correction: torch.Tensor | None = None) -> RoutingRule:
         """The routing rule of ``config``'s MoE layers, with one layer's score-correction bias."""
+        if correction is not None:
+            correction = correction.detach().float().reshape(-1).clone()
         if self.spec.router == "softmax":
-            return RoutingRule(self.top_k(config), self.forward_renormalizes(config))
+            return RoutingRule(self.top_k(config), self.forward_renormalizes(config),
+                               bias=correction)
         return RoutingRule(
             self.top_k(config), self.norm_topk_prob(config), scoring="sigmoid",
-            bias=None if correction is None else correction.detach().float().clone(),
+            bias=correction,
             n_group=int(getattr(config, "n_group", 1) or 1),
             topk_group=int(getattr(config, "topk_group", 1) or 1),
             scaling=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0))
@@ -416,7 +456,7 @@ class Adapter:
     def route(self, layer: nn.Module, hidden: torch.Tensor, config) -> Routing:
         """Routing of ``hidden`` [T, H] (the MoE block's input) exactly as the forward does it."""
         router = self.router(layer)
-        if self.spec.router == "sigmoid":  # the forward computes this router in fp32
+        if self.spec.fp32_router:
             logits = torch.nn.functional.linear(hidden.float(), router.weight.float())
         else:
             logits = torch.nn.functional.linear(hidden, router.weight)
@@ -572,4 +612,8 @@ def _adapter_class(family: str) -> type[Adapter]:
         from thresher.models.gpt_oss import GptOssAdapter
 
         return GptOssAdapter
+    if family == "ernie4_5_moe":
+        from thresher.models.ernie import ErnieAdapter
+
+        return ErnieAdapter
     return Adapter

@@ -6,7 +6,8 @@ router with score correction and two expert groups, its dense first layer, share
 rotary, q/k/v biases and q/k norms; DeepSeek-V3's multi-head latent attention with a query rank,
 decoupled interleaved rotary under yarn scaling, on GLM's router layout; gpt-oss's biased router
 and experts, attention sinks and sliding-window layers with a window shorter than the test
-prompts, and YaRN rotary).
+prompts, and YaRN rotary; ERNIE-4.5's softmax router with a selection bias, its dense first
+layer, two shared experts' worth of always-on MLP and interleaved rotary).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from transformers import AutoConfig
 
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3",
-                "gpt_oss")
+                "gpt_oss", "ernie4_5_moe")
 DENSE_FAMILIES = ("llama", "qwen2", "qwen3")
 
 
@@ -68,5 +69,11 @@ def random_config(model_type: str, hidden_size: int = 64, num_layers: int = 2,
                   rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
                                    "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                    "original_max_position_embeddings": 64})
+    elif model_type == "ernie4_5_moe":
+        # one dense layer before the MoE ones (moe_layer_start_index 1), as ERNIE-4.5 has
+        kw.update(moe_num_experts=num_experts, moe_k=top_k,
+                  moe_intermediate_size=intermediate_size, moe_num_shared_experts=2,
+                  num_hidden_layers=num_layers + 1, moe_layer_start_index=1,
+                  moe_layer_interval=1, moe_layer_end_index=num_layers)
     kw.update(overrides)
     return AutoConfig.for_model(model_type, **kw)

@@ -66,11 +66,12 @@ def prune_layer_state(adapter: Adapter, layer_idx: int, state: dict[str, torch.T
     out: dict[str, torch.Tensor] = {}
     for key, tensor in state.items():
         if key.startswith((router, MEMORY_EXPERTS_PREFIX)):
-            if tensor.dim() == 0 or tensor.shape[0] != num_experts:
+            dim = adapter.router_expert_dim(key) if key.startswith(router) else 0
+            if tensor.dim() == 0 or tensor.shape[dim] != num_experts:
                 raise CompressionError(
                     f"layer {layer_idx}: {key} has shape {tuple(tensor.shape)}, expected "
-                    f"{num_experts} experts along its first dimension")
-            out[key] = tensor.index_select(0, index).contiguous()
+                    f"{num_experts} experts along its dimension {dim}")
+            out[key] = tensor.index_select(dim, index).contiguous()
         else:
             out[key] = tensor
     if not (any(k.startswith(router) for k in state)

@@ -67,11 +67,15 @@ def merge_layer_state(adapter: Adapter, layer_idx: int, state: dict[str, torch.T
             f"layer {layer_idx}: neuron alignment knows gate_up_proj and down_proj, the experts "
             f"also hold {sorted(set(expert_keys) - {MEMORY_GATE_UP, MEMORY_DOWN})}; merge with "
             "permute: false")
+    # router tensors with the experts along their first axis (ERNIE's [1, E] bias moved)
+    routers = {k: v.movedim(adapter.router_expert_dim(k), 0) for k, v in state.items()
+               if k.startswith(router_key) and v.dim() > 0}
     for key in expert_keys + [k for k in state if k.startswith(router_key)]:
-        if state[key].dim() == 0 or state[key].shape[0] != num_experts:
+        tensor = routers.get(key, state[key])
+        if tensor.dim() == 0 or tensor.shape[0] != num_experts:
             raise CompressionError(
                 f"layer {layer_idx}: {key} has shape {tuple(state[key].shape)}, expected "
-                f"{num_experts} experts along its first dimension")
+                f"{num_experts} experts along its dimension {adapter.router_expert_dim(key)}")
     experts = {k: [] for k in expert_keys}
     for members in groups:
         tensors = {k: [state[k][e] for e in members] for k in expert_keys}
@@ -89,10 +93,11 @@ def merge_layer_state(adapter: Adapter, layer_idx: int, state: dict[str, torch.T
         if key in experts:
             out[key] = torch.stack(experts[key]).contiguous()
         elif key.startswith(router_key):
+            rows = routers[key]
             out[key] = torch.stack([
-                tensor[members[0]] if router == "leader" or len(members) == 1
-                else _average([tensor[e] for e in members], group_weights(members, frequency))
-                for members in groups]).contiguous()
+                rows[members[0]] if router == "leader" or len(members) == 1
+                else _average([rows[e] for e in members], group_weights(members, frequency))
+                for members in groups]).movedim(0, adapter.router_expert_dim(key)).contiguous()
         else:
             out[key] = tensor
     return out

@@ -117,7 +117,7 @@ def _moe(b: _Builder, adapter: Adapter, config, i: int) -> MoE:
     correction = adapter.disk_router_correction_key(i)
     has_correction = correction is not None and correction in b.reader
     rule = adapter.rule(config, b.reader.get(correction) if has_correction else None)
-    router_dtype = torch.float32 if rule.scoring == "sigmoid" else None  # as the family computes it
+    router_dtype = torch.float32 if adapter.spec.fp32_router else None  # as the family computes it
     return MoE(b.linear(adapter.disk_router_key(i), router_dtype),
                stack_experts(*(experts[r] for r in EXPERT_ROLES)),
                adapter.top_k(config), adapter.forward_renormalizes(config), shared, shared_gate,
@@ -186,7 +186,8 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
             attn_args = (spec, *(b.linear(adapter.disk_attention_key(i, n))
                                  for n in ATTENTION_PROJECTIONS),
                          attn_norms.get("q_norm"), attn_norms.get("k_norm"),
-                         getattr(config, "clip_qkv", None), rotary_dim)
+                         getattr(config, "clip_qkv", None), rotary_dim,
+                         adapter.interleaved_rotary)
             sinks = adapter.disk_attention_key(i, "sinks")
             if sinks in reader:  # gpt-oss: sinks, and a window in sliding layers
                 attn = gpt_oss.SinkAttention(*attn_args, sinks=b.tensor(sinks),

@@ -6,7 +6,9 @@ config by the loader rather than from the family name: q/k RMSNorm per head (Qwe
 full projection width (OLMoE), q/k/v biases (Qwen2, GLM-4.5), a shared expert with a sigmoid
 gate (Qwen2-MoE) or without one (GLM-4.5), top-k renormalization, ``clip_qkv`` (OLMoE), dense
 layers inside an MoE, rotary over the first part of each head only (GLM-4.5's partial rotary),
-sigmoid routing with a correction bias and expert groups (GLM-4.5). Latent attention
+sigmoid routing with a correction bias and expert groups (GLM-4.5), rotary over interleaved
+channel pairs (ERNIE-4.5: q and k de-interleaved per head first, which leaves their dot products
+as they were), softmax routing with a selection bias (ERNIE-4.5). Latent attention
 (DeepSeek-V3) is ``mla.LatentAttention`` in the attention's place, chosen by the loader from the
 family's adapter.
 
@@ -54,7 +56,7 @@ class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, q_proj: Linear, k_proj: Linear, v_proj: Linear,
                  o_proj: Linear, q_norm: torch.Tensor | None = None,
                  k_norm: torch.Tensor | None = None, clip_qkv: float | None = None,
-                 rotary_dim: int | None = None):
+                 rotary_dim: int | None = None, interleaved_rotary: bool = False):
         super().__init__()
         self.qkv = merge_linears([q_proj, k_proj, v_proj])
         self.o_proj = o_proj
@@ -70,6 +72,7 @@ class Attention(nn.Module):
         self.register_buffer("qk_norm", joint)
         self.clip_qkv = clip_qkv
         self.rotary_dim = spec.head_dim if rotary_dim is None else rotary_dim
+        self.interleaved_rotary = interleaved_rotary
         self.eps = spec.rms_norm_eps
         self.scale = spec.head_dim ** -0.5
 
@@ -87,6 +90,8 @@ class Attention(nn.Module):
         tokens = x.shape[0]
         qkv = qkv.view(tokens, hq + 2 * hkv, d)
         qk, v = qkv[:, : hq + hkv], qkv[:, hq + hkv :]
+        if self.interleaved_rotary:  # pairs (0, 1), (2, 3), ... -> halves (0, 2, ...), (1, 3, ...)
+            qk = qk.unflatten(-1, (d // 2, 2)).transpose(-1, -2).reshape(tokens, hq + hkv, d)
         if use_triton(x):
             q, k = qk[:, :hq], qk[:, hq:]
             if self.per_head_norm:

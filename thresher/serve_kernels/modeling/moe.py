@@ -350,8 +350,9 @@ def _stack_packed(first: list[Linear], second: list[Linear] | None, names: tuple
 
 class MoE(nn.Module):
     """Top-k routing over the experts, plus a shared expert (sigmoid-gated or always on) if
-    present. Softmax routing by default; with a sigmoid ``rule`` (GLM-4.5) the router runs in
-    fp32, as the family's forward does, and selects with its correction bias and groups."""
+    present. Softmax routing by default; with a sigmoid ``rule`` (GLM-4.5), or a softmax one
+    with a selection bias (ERNIE-4.5), the router runs in fp32, as the family's forward does, and
+    selects with its correction bias (and groups)."""
 
     def __init__(self, router: Linear, experts: nn.Module, top_k: int, renormalize: bool,
                  shared_expert: nn.Module | None = None, shared_gate: Linear | None = None,
@@ -360,7 +361,8 @@ class MoE(nn.Module):
         self.router, self.experts = router, experts
         self.top_k, self.renormalize = top_k, renormalize
         self.shared_expert, self.shared_gate = shared_expert, shared_gate
-        self.rule = rule if rule is not None and rule.scoring == "sigmoid" else None
+        biased = rule is not None and (rule.scoring == "sigmoid" or rule.bias is not None)
+        self.rule = rule if biased else None
         # the correction bias as a buffer, so that it follows the model to its device
         self.register_buffer("correction", None if self.rule is None else self.rule.bias)
 
