@@ -4,12 +4,11 @@ in a local directory stands in for the download."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import yaml
 from typer.testing import CliRunner
 
+from tests.flows.recipe_check import check_against
 from thresher.cli import app
 
 RECIPE = Path(__file__).parents[2] / "configs" / "deepseek-v3.yaml"
@@ -32,18 +31,7 @@ DEEPSEEK_V3 = {
 
 
 def _check(tmp_path, config=DEEPSEEK_V3, **quantize) -> tuple[int, str]:
-    model = tmp_path / "DeepSeek-V3"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(config))
-    recipe = yaml.safe_load(RECIPE.read_text())
-    recipe["model"] = str(model)
-    for variant in recipe["variants"]:
-        for stage in variant["stages"]:
-            stage.get("quantize", {}).update(quantize)
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    result = CliRunner().invoke(app, ["check", str(path)])
-    return result.exit_code, " ".join(result.output.split())
+    return check_against(RECIPE, config, tmp_path / "DeepSeek-V3", **quantize)
 
 
 def test_the_recipe_fits_deepseek_v3s_shapes(tmp_path):

@@ -3,12 +3,11 @@ values, written here; `check` reads no weights) in a local directory stands in f
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import yaml
 from typer.testing import CliRunner
 
+from tests.flows.recipe_check import check_against
 from thresher.cli import app
 
 RECIPE = Path(__file__).parents[2] / "configs" / "ernie45-moe.yaml"
@@ -25,18 +24,7 @@ ERNIE45_21B = {
 
 
 def _check(tmp_path, **quantize) -> tuple[int, str]:
-    model = tmp_path / "ERNIE-4.5-21B-A3B-PT"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(ERNIE45_21B))
-    recipe = yaml.safe_load(RECIPE.read_text())
-    recipe["model"] = str(model)
-    for variant in recipe["variants"]:
-        for stage in variant["stages"]:
-            stage.get("quantize", {}).update(quantize)
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    result = CliRunner().invoke(app, ["check", str(path)])
-    return result.exit_code, " ".join(result.output.split())
+    return check_against(RECIPE, ERNIE45_21B, tmp_path / "ERNIE-4.5-21B-A3B-PT", **quantize)
 
 
 def test_the_recipe_fits_ernie45s_shapes(tmp_path):

@@ -3,12 +3,11 @@ written here; `check` reads no weights) in a local directory stands in for the d
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import yaml
 from typer.testing import CliRunner
 
+from tests.flows.recipe_check import check_against
 from thresher.cli import app
 
 RECIPE = Path(__file__).parents[2] / "configs" / "glm45-air.yaml"
@@ -26,18 +25,7 @@ GLM45_AIR = {
 
 
 def _check(tmp_path, **quantize) -> tuple[int, str]:
-    model = tmp_path / "GLM-4.5-Air"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(GLM45_AIR))
-    recipe = yaml.safe_load(RECIPE.read_text())
-    recipe["model"] = str(model)
-    for variant in recipe["variants"]:
-        for stage in variant["stages"]:
-            stage.get("quantize", {}).update(quantize)
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    result = CliRunner().invoke(app, ["check", str(path)])
-    return result.exit_code, " ".join(result.output.split())
+    return check_against(RECIPE, GLM45_AIR, tmp_path / "GLM-4.5-Air", **quantize)
 
 
 def test_the_recipe_fits_glm45_airs_shapes(tmp_path):

@@ -3,12 +3,11 @@ written here; `check` reads no weights) in a local directory stands in for the d
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import yaml
 from typer.testing import CliRunner
 
+from tests.flows.recipe_check import check_against
 from thresher.cli import app
 
 RECIPE = Path(__file__).parents[2] / "configs" / "gpt-oss-20b.yaml"
@@ -31,18 +30,7 @@ GPT_OSS_20B = {
 
 
 def _check(tmp_path, **quantize) -> tuple[int, str]:
-    model = tmp_path / "gpt-oss-20b"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(GPT_OSS_20B))
-    recipe = yaml.safe_load(RECIPE.read_text())
-    recipe["model"] = str(model)
-    for variant in recipe["variants"]:
-        for stage in variant["stages"]:
-            stage.get("quantize", {}).update(quantize)
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    result = CliRunner().invoke(app, ["check", str(path)])
-    return result.exit_code, " ".join(result.output.split())
+    return check_against(RECIPE, GPT_OSS_20B, tmp_path / "gpt-oss-20b", **quantize)
 
 
 def test_the_recipe_fits_gpt_oss_20bs_shapes(tmp_path):

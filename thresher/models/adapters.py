@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -134,6 +134,19 @@ class FamilySpec:
     fp32_router: bool = False  # the forward computes the router's logits in fp32 (GLM-4.5)
 
 
+_GLM4_MOE = FamilySpec(
+    ("glm4_moe",),
+    moe=True,
+    num_experts_key="n_routed_experts",
+    shared_expert=True,
+    shared_expert_name="shared_experts",
+    router="sigmoid",
+    router_correction="e_score_correction_bias",
+    fp32_router=True,
+    extra_layers_key="num_nextn_predict_layers",
+    dense_layers_key="first_k_dense_replace",
+)
+
 FAMILIES: dict[str, FamilySpec] = {
     "qwen3_moe": FamilySpec(("qwen3_moe",), moe=True),
     "qwen2_moe": FamilySpec(("qwen2_moe",), moe=True, shared_expert=True),
@@ -149,33 +162,10 @@ FAMILIES: dict[str, FamilySpec] = {
     # GLM-4.5: sigmoid router with score correction and groups, dense first layers, an always-on
     # shared expert, and a multi-token-prediction layer after the decoder (dropped: it only
     # serves speculative decoding, and transformers' forward does not run it).
-    "glm4_moe": FamilySpec(
-        ("glm4_moe",),
-        moe=True,
-        num_experts_key="n_routed_experts",
-        shared_expert=True,
-        shared_expert_name="shared_experts",
-        router="sigmoid",
-        router_correction="e_score_correction_bias",
-        fp32_router=True,
-        extra_layers_key="num_nextn_predict_layers",
-        dense_layers_key="first_k_dense_replace",
-    ),
+    "glm4_moe": _GLM4_MOE,
     # DeepSeek-V3 (and Kimi-K2, the same architecture): GLM-4.5's router, dense first layers and
     # shared experts, with multi-head latent attention.
-    "deepseek_v3": FamilySpec(
-        ("deepseek_v3",),
-        moe=True,
-        num_experts_key="n_routed_experts",
-        shared_expert=True,
-        shared_expert_name="shared_experts",
-        router="sigmoid",
-        router_correction="e_score_correction_bias",
-        fp32_router=True,
-        extra_layers_key="num_nextn_predict_layers",
-        dense_layers_key="first_k_dense_replace",
-        attention="mla",
-    ),
+    "deepseek_v3": replace(_GLM4_MOE, model_types=("deepseek_v3",), attention="mla"),
     # gpt-oss: biased router with softmax after top-k, fused experts with biases and a clamped
     # SwiGLU, attention sinks and alternating sliding-window layers (models/gpt_oss.py).
     "gpt_oss": FamilySpec(
