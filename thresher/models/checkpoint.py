@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import shutil
 from collections.abc import Iterable
@@ -34,6 +35,13 @@ from thresher.models.adapters import (
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+# A multimodal hub checkpoint (Qwen3.5-MoE) keeps its language model under this prefix; the
+# reader shows those tensors under the causal LM's names (``model.layers.N...``) and leaves out
+# the parts thresher does not carry: the vision tower and the multi-token-prediction block.
+LANGUAGE_MODEL_PREFIX = "model.language_model."
+NOT_CARRIED_PREFIXES = ("model.visual.", "mtp.")
+
+log = logging.getLogger(__name__)
 
 
 # Bytes per element of the safetensors dtypes (the names the header spells).
@@ -126,8 +134,31 @@ class CheckpointReader:
             if key not in self.headers[name]:
                 raise CheckpointError(f"{self.path / name}: has no tensor {key!r}, which "
                                       f"{INDEX_NAME} places there")
-        self.weight_map: dict[str, str] = weight_map
+        self._stored: dict[str, str] = {}  # name shown -> name in the file, where they differ
+        self.weight_map: dict[str, str] = self._language_model_names(weight_map)
         self._handles: dict[str, object] = {}
+
+    def _language_model_names(self, weight_map: dict[str, str]) -> dict[str, str]:
+        """``weight_map`` under the causal LM's names: a multimodal checkpoint's
+        ``model.language_model.*`` tensors as ``model.*``, its vision tower and MTP block left
+        out (logged); any other checkpoint unchanged."""
+        if not any(k.startswith(LANGUAGE_MODEL_PREFIX) for k in weight_map):
+            return weight_map
+        out: dict[str, str] = {}
+        dropped = 0
+        for key, file in weight_map.items():
+            if key.startswith(NOT_CARRIED_PREFIXES):
+                dropped += 1
+                continue
+            name = key
+            if key.startswith(LANGUAGE_MODEL_PREFIX):
+                name = "model." + key[len(LANGUAGE_MODEL_PREFIX):]
+                self._stored[name] = key
+            out[name] = file
+        if dropped:
+            log.info("%s: reading the language model only; %d tensors of the vision tower and "
+                     "the multi-token-prediction block are not carried", self.path, dropped)
+        return out
 
     def tensor_names(self) -> list[str]:
         return list(self.weight_map)
@@ -137,7 +168,7 @@ class CheckpointReader:
 
     def get(self, key: str) -> torch.Tensor:
         try:
-            return self._handle(key).get_tensor(key)  # type: ignore[attr-defined]
+            return self._handle(key).get_tensor(self._stored.get(key, key))  # type: ignore[attr-defined]
         except SafetensorError as err:
             raise CheckpointError(f"{self.path / self.weight_map[key]}: cannot read tensor "
                                   f"{key!r} ({err})") from None
@@ -159,7 +190,7 @@ class CheckpointReader:
 
     def entry(self, key: str) -> dict:
         """The header entry of tensor ``key``: dtype (safetensors' name), shape, offsets."""
-        return self.headers[self.weight_map[key]][key]
+        return self.headers[self.weight_map[key]][self._stored.get(key, key)]
 
     def shape(self, key: str) -> tuple[int, ...]:
         """The shape of tensor ``key``, read from the file header without loading its data."""
