@@ -157,10 +157,13 @@ def preflight(recipe: Recipe) -> Preflight:
         return result
     try:
         adapter = get_adapter(config)
+        config = adapter.language_config(config)  # a multimodal hub config's language model
         if not is_mxfp4(config):  # MXFP4 experts are dequantized as they are read
             packed_format(config, where)  # weights no stage can read (an FP8 hub checkpoint)
     except ThresherError as err:
         raise RecipeError(f"model: {err}") from None
+    if recipe.validate_.enabled and adapter.engine_refusal:
+        raise RecipeError(f"validate.enabled: {config.model_type}: {adapter.engine_refusal}")
     with torch.device("meta"):
         from transformers import AutoModelForCausalLM
 

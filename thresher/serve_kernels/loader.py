@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 
-from thresher.errors import ArtifactError, CheckpointError
+from thresher.errors import ArtifactError, CheckpointError, UnsupportedArchitectureError
 from thresher.formats.config import PackedFormat, packed_format
 from thresher.formats.dtypes import DTYPES
 from thresher.formats.registry import FORMATS
@@ -164,6 +164,8 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     config = load_config(path, dequantized=True)  # MXFP4 experts: dequantized as read
     adapter = get_adapter(config)
+    if adapter.engine_refusal:
+        raise UnsupportedArchitectureError(f"{path}: {config.model_type}: {adapter.engine_refusal}")
     quant = packed_format(config, path)
     if quant is not None:
         del config.quantization_config
