@@ -389,6 +389,11 @@ class Adapter:
         return {name: getattr(attn, name) for stage in self.attention_sites(layer)
                 for site in stage for name in site.projections}
 
+    def attention_takes_positions(self, layer: nn.Module) -> bool:
+        """Whether ``layer``'s token mixer is called with rotary position embeddings (not a
+        Gated DeltaNet)."""
+        return True
+
     def attention_float_inputs(self, layer: nn.Module) -> list[nn.Linear]:
         """16-bit linears that read the attention's input beside the quantized ones (none here)."""
         return []

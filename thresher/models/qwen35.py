@@ -72,6 +72,9 @@ class Qwen35Adapter(Adapter):
     def attention_sites(self, layer: nn.Module):
         return DELTANET_SITES if self.is_linear_attention(layer) else MHA_SITES
 
+    def attention_takes_positions(self, layer: nn.Module) -> bool:
+        return not self.is_linear_attention(layer)
+
     def attention_float_inputs(self, layer: nn.Module) -> list[nn.Linear]:
         """16-bit linears reading the same input as the first attention site (AWQ multiplies
         them by its scale so the float model is unchanged)."""
