@@ -389,6 +389,10 @@ class Adapter:
         return {name: getattr(attn, name) for stage in self.attention_sites(layer)
                 for site in stage for name in site.projections}
 
+    def linear_attention_layers(self, config) -> list[int]:
+        """Indices of the layers whose token mixer is a linear-attention recurrence (none)."""
+        return []
+
     def attention_takes_positions(self, layer: nn.Module) -> bool:
         """Whether ``layer``'s token mixer is called with rotary position embeddings (not a
         Gated DeltaNet)."""

@@ -66,6 +66,16 @@ class Qwen35Adapter(Adapter):
         """Indices of the Gated DeltaNet layers."""
         return [i for i, t in enumerate(config.layer_types) if t == LINEAR_ATTENTION]
 
+    def full_attention_interval(self, config) -> int | None:
+        """Every how many layers a full-attention one comes (the last of each period), as
+        llama.cpp's hybrid graphs lay layers out; None if ``layer_types`` is not so periodic."""
+        types = list(config.layer_types)
+        if "full_attention" not in types:
+            return None
+        n = types.index("full_attention") + 1
+        periodic = all((t == "full_attention") == ((i + 1) % n == 0) for i, t in enumerate(types))
+        return n if periodic else None
+
     def attention(self, layer: nn.Module) -> nn.Module:
         return layer.linear_attn if self.is_linear_attention(layer) else layer.self_attn
 
