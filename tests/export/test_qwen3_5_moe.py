@@ -76,12 +76,15 @@ def test_names_conversions_and_hybrid_metadata_are_llama_cpps(qwen35, tmp_path):
 
 @needs_llama
 @pytest.mark.parametrize(("variant", "gguf_type", "bound"), [
-    ("base", "f32", 2e-4), ("reap50", "f32", 2e-4), ("gptq4", "q4_1", 2e-3)])
+    ("base", "f32", 5e-4), ("base", "f16", 1.5e-3), ("reap50", "f32", 5e-4),
+    ("gptq4", "q4_1", 2e-3)])
 def test_llama_cpp_computes_thresher_logits(qwen35, tmp_path, tiny_tokenizer, variant, gguf_type,
                                             bound):
     """llama.cpp's qwen35moe graph (Gated DeltaNet recurrence, gated attention, renormalized
-    softmax routing, gated shared expert) gives thresher's logits: F32 files to float rounding,
-    the GPTQ codes handed to Q4_1 to within llama.cpp's 8-bit activation rounding."""
+    softmax routing, gated shared expert) gives thresher's logits: F32 files to float rounding
+    carried along the recurrence (mean |difference| 2e-4: transformers runs the prefill's delta
+    rule chunked, llama.cpp token by token), F16 to its rounding, the GPTQ codes handed to Q4_1
+    to within llama.cpp's 8-bit activation rounding."""
     _, base = qwen35
     source = base
     if variant == "reap50":

@@ -53,19 +53,19 @@ def test_groups_that_do_not_divide_the_expert_widths_are_refused(tmp_path):
     assert code == 2 and "does not divide the 512 inputs of model.layers.0.mlp.shared_expert.down_proj" in out
 
 
-def test_validation_in_the_engine_is_refused_for_the_family(tmp_path):
-    """The engine has no Gated DeltaNet layers: a recipe that asks to validate is refused by
-    `check`, naming the field, before any download."""
-    recipe = yaml.safe_load(RECIPE.read_text())
-    recipe["validate"] = {"enabled": True}
+def test_speculative_drafts_are_refused_for_the_recurrent_layers(tmp_path):
+    """The engine cannot take back a recurrent state's rejected draft tokens: a recipe that
+    scores variants as drafts of this base is refused by `check`, naming the field."""
     model = tmp_path / "Qwen3.5-35B-A3B"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(QWEN35_35B))
+    recipe = yaml.safe_load(RECIPE.read_text())
     recipe["model"] = str(model)
+    recipe["validate"]["draft_of_base"] = True
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
     result = CliRunner().invoke(app, ["check", str(tmp_path / "r.yaml")])
-    assert result.exit_code == 2 and "validate.enabled" in result.output
-    assert "Gated DeltaNet" in " ".join(result.output.split())
+    out = " ".join(result.output.split())
+    assert result.exit_code == 2 and "validate.draft_of_base" in out and "Gated DeltaNet" in out
 
 
 def test_the_committed_recipe_is_valid_without_the_download():

@@ -261,8 +261,8 @@ class Adapter:
     interleaved_rotary = False
     # RMSNorms multiply by (offset + weight): 1 for zero-centered norms (Qwen3.5), else 0
     norm_weight_offset = 0.0
-    # why the serving engine cannot build this family (None: it can)
-    engine_refusal: str | None = None
+    # whether q_proj emits each head's query and an output gate (Qwen3.5's full attention)
+    gated_attention = False
 
     def __init__(self, spec: FamilySpec, model_type: str):
         self.spec = spec

@@ -43,11 +43,7 @@ class Qwen35Adapter(Adapter):
     """Qwen3.5-MoE (``qwen3_5_moe`` / ``qwen3_5_moe_text``): see the module docstring."""
 
     norm_weight_offset = 1.0
-    engine_refusal = (
-        "the serving engine has no Gated DeltaNet (linear-attention) layers yet, which need a "
-        "per-sequence recurrent state beside the paged KV cache; evaluate the artifact with "
-        "transformers (perplexity, tasks), serve it in vLLM, and set `validate: {enabled: false}` "
-        "in the recipe")
+    gated_attention = True
 
     def language_config(self, config):
         """The text model's config: the hub's multimodal config carries it as ``text_config``."""

@@ -24,14 +24,11 @@ from thresher.serve_kernels.modeling.linear import (
 )
 from thresher.serve_kernels.modeling.moe import ExpertLoop, FusedExperts
 
-# Qwen3.5-MoE's Gated DeltaNet layers are refused by the engine: tests/serve_kernels/modeling/
-# test_qwen3_5_moe.py
-SERVED_MOE = [f for f in MOE_FAMILIES if f != "qwen3_5_moe"]
 PROMPT = [5, 17, 300, 42, 9, 77, 1023, 4000, 12, 3, 250, 61, 8, 99, 1500, 31, 7, 2, 640]
 CAL = CalibrationConfig(source=FilesSource(files=[CALIBRATION_FILE]), samples=2, seq_len=16)
 
 
-@pytest.mark.parametrize("family", SERVED_MOE + DENSE_FAMILIES)
+@pytest.mark.parametrize("family", MOE_FAMILIES + DENSE_FAMILIES)
 def test_family_logits_and_greedy_match_transformers(family, tiny_demo, tmp_path):
     kw = {"attention_bias": True} if family == "llama" else {}
     if family == "olmoe":
@@ -49,7 +46,7 @@ def test_family_logits_and_greedy_match_transformers(family, tiny_demo, tmp_path
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("family", SERVED_MOE + DENSE_FAMILIES)
+@pytest.mark.parametrize("family", MOE_FAMILIES + DENSE_FAMILIES)
 def test_family_logits_in_16_bit_are_as_close_as_transformers_own(family, dtype, tiny_demo,
                                                                   tmp_path):
     """In 16-bit the engine's logits stay within twice the distance of transformers' 16-bit

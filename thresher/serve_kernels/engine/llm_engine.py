@@ -121,6 +121,12 @@ class LLMEngine:
         path = resolve_model(str(model))
         dtype = resolve_dtype(dtype, self.device, weight_bytes(path))
         loaded = load_engine_model(path, dtype, self.device)
+        if loaded.model.recurrent:
+            if speculative is not None:
+                raise ValueError(f"{path}: {loaded.config.model_type} has recurrent (Gated "
+                                 "DeltaNet) layers, whose state cannot take back rejected "
+                                 "speculative tokens; serve it without speculative decoding")
+            enable_prefix_caching = False  # a cached prefix would skip the recurrence's tokens
         self.path = loaded.path
         self.tokenizer = load_tokenizer(loaded.path)
         spec = loaded.model.spec

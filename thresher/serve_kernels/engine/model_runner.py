@@ -175,6 +175,7 @@ class ModelRunner:
             num_decodes=sum(1 for n in query_lens if n == 1),
             query_lens=list(query_lens), context_lens_list=context_lens,
             max_query_len=max(query_lens), max_context_len=max(context_lens),
+            state_rows=rows,
         )
         return self.model(ids, pos, self.kv_caches, meta), cu_list
 
