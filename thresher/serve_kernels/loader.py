@@ -169,6 +169,7 @@ def _spec(config, adapter: Adapter) -> ModelSpec:
         num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=config.vocab_size,
         rms_norm_eps=float(config.rms_norm_eps),
         max_position_embeddings=config.max_position_embeddings, kv_tensors=tensors,
+        recurrent_layers=tuple(adapter.linear_attention_layers(config)),
     )
 
 

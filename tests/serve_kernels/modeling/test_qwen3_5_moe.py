@@ -134,3 +134,15 @@ def test_gpu_path_in_tritons_interpreter_matches_the_cpu_path(qwen35, monkeypatc
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("THRESHER_KERNELS", "triton")
     assert llm.generate([PROMPT[:9]], params)[0].token_ids == expected
+
+
+def test_only_full_attention_layers_hold_kv_blocks(qwen35):
+    """The paged cache is sized and allocated for the two gated-attention layers; the DeltaNet
+    layers' entries are empty (their state is per sequence, not per token)."""
+    _, path = qwen35
+    llm = LLM(path, block_size=4, num_kv_blocks=16, max_model_len=64)
+    runner = llm.engine.runner
+    assert [c[0].numel() > 0 for c in runner.kv_caches] == [False, True] * 2
+    spec = runner.model.spec
+    per_block = 2 * 2 * 4 * spec.num_kv_heads * spec.head_dim * 4  # K and V, 2 layers, fp32
+    assert runner.kv_bytes_per_block(runner.model, 4, torch.float32) == per_block

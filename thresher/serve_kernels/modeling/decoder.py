@@ -44,6 +44,13 @@ class ModelSpec:
     # cache tensors per layer, each [blocks, block_size, num_kv_heads, head_dim]: K and V (2), or
     # latent attention's one [c, k_rope] row per token (1, with 1 x (kv_lora_rank + rope dim))
     kv_tensors: int = 2
+    # layers that keep a recurrent state instead of a KV cache (Qwen3.5's Gated DeltaNet)
+    recurrent_layers: tuple[int, ...] = ()
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers that read and write the paged KV cache."""
+        return self.num_layers - len(self.recurrent_layers)
 
 
 class Attention(nn.Module):

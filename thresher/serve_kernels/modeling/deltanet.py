@@ -9,7 +9,8 @@ matrix updated token by token by the gated delta rule (decay ``exp(g)``, write s
 preempted and recomputed) starts from zeros, and each chunk of a chunked prefill and each decode
 step continues from the state the previous one left. The recurrence runs token by token in
 plain torch (decode's one step; prefill's loop), so a batch of prefill chunks and decode tokens
-goes through it one sequence at a time. Prefix caching and speculative decoding cannot skip or
+goes through it one sequence at a time. The paged KV cache holds the full-attention layers only
+(``ModelSpec.recurrent_layers`` have empty entries). Prefix caching and speculative decoding cannot skip or
 undo tokens of a recurrence: the engine turns the first off and refuses the second for such a
 model.
 
