@@ -101,3 +101,25 @@ def test_awq_scales_leave_the_float_layer_unchanged():
             apply_scale(g, torch.rand(g.site.columns) + 0.5)
         torch.testing.assert_close(layer(x, position_embeddings=pe), before, rtol=1e-4,
                                    atol=1e-5)
+
+
+def test_a_hub_checkpoint_quantizes_to_the_text_model(qwen35_dir, tmp_path):
+    """From the multimodal hub layout the quantized artifact is the text model: its config
+    (``qwen3_5_moe_text`` with the quantization_config), no vision or MTP tensors, and it loads to
+    the driver's in-memory model."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.test_qwen35 import write_hub_checkpoint
+
+    model = AutoModelForCausalLM.from_pretrained(qwen35_dir).eval()
+    hub = write_hub_checkpoint(model, tmp_path / "hub")
+    for f in qwen35_dir.glob("tokenizer*"):
+        shutil.copy(f, hub / f.name)
+    out = tmp_path / "out"
+    _quantize_and_check_reload(hub, QuantizeStage(method="rtn", group_size=32), out)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_moe_text" and "text_config" not in config
+    assert config["quantization_config"]["bits"] == 4
+    names = _names(out)
+    assert not any(n.startswith(("model.visual.", "mtp.", "model.language_model.")) for n in names)
+    assert "model.layers.0.mlp.experts.5.down_proj.qweight" in names

@@ -127,3 +127,20 @@ def test_gptq_codes_hand_off_to_q4_1_with_value_heads_tiled(qwen35, tmp_path):
         assert t.tensor_type == gguf.GGMLQuantizationType.Q4_1, name
         got = gguf.quants.dequantize(t.data, t.tensor_type).reshape(w.shape)
         np.testing.assert_allclose(got, w, rtol=0, atol=2e-3, err_msg=name)
+
+
+def test_the_hub_checkpoint_exports_as_its_text_model(qwen35, tmp_path, tiny_tokenizer):
+    """From the multimodal hub layout (fused experts, vision tower, MTP block) the GGUF file is
+    the one the text artifact gives, tensor for tensor."""
+    from tests.models.test_qwen35 import write_hub_checkpoint
+
+    model, base = qwen35
+    hub = write_hub_checkpoint(model, tmp_path / "hub")
+    tiny_tokenizer.save_pretrained(hub)
+    export_gguf(hub, tmp_path / "hub.gguf", "f32", show_progress=False)
+    export_gguf(base, tmp_path / "base.gguf", "f32", show_progress=False)
+    got = {t.name: t for t in gguf.GGUFReader(tmp_path / "hub.gguf").tensors}
+    want = {t.name: t for t in gguf.GGUFReader(tmp_path / "base.gguf").tensors}
+    assert set(got) == set(want)
+    for name, t in want.items():
+        np.testing.assert_array_equal(got[name].data, t.data, err_msg=name)

@@ -83,3 +83,23 @@ def test_written_text_model_loads_in_transformers(qwen35, tmp_path):
         want = qwen35(input_ids=ids).logits
         torch.testing.assert_close(again(input_ids=ids).logits, want, rtol=0, atol=0)
     torch.testing.assert_close(_layerwise_logits(tmp_path, ids), want, rtol=1e-5, atol=1e-5)
+
+
+def test_hub_fused_experts_read_one_expert_at_a_time(qwen35, tmp_path):
+    """The hub's fused experts ([E, 2I, H] gate|up, [E, H, I] down) appear under per-expert names
+    with their own shapes, so readers that go expert by expert (the engine, GGUF export) read the
+    hub checkpoint as they read thresher's."""
+    hub = write_hub_checkpoint(qwen35, tmp_path / "hub")
+    reader = CheckpointReader(hub)
+    experts = qwen35.model.layers[2].mlp.experts
+    inter = experts.down_proj.shape[-1]
+    assert "model.layers.2.mlp.experts.gate_up_proj" not in reader
+    for e in (0, 7):
+        key = f"model.layers.2.mlp.experts.{e}."
+        torch.testing.assert_close(reader.get(key + "gate_proj.weight"),
+                                   experts.gate_up_proj[e, :inter])
+        torch.testing.assert_close(reader.get(key + "up_proj.weight"),
+                                   experts.gate_up_proj[e, inter:])
+        torch.testing.assert_close(reader.get(key + "down_proj.weight"), experts.down_proj[e])
+        assert reader.shape(key + "up_proj.weight") == (inter, qwen35.config.hidden_size)
+    reader.check_against_config(load_config(hub))

@@ -12,6 +12,7 @@ import copy
 import json
 import logging
 import math
+import re
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -40,6 +41,9 @@ SINGLE_NAME = "model.safetensors"
 # the parts thresher does not carry: the vision tower and the multi-token-prediction block.
 LANGUAGE_MODEL_PREFIX = "model.language_model."
 NOT_CARRIED_PREFIXES = ("model.visual.", "mtp.")
+# Its experts may be stored fused as transformers 5 holds them ([E, 2I, H] gate|up, [E, H, I]
+# down); the reader shows them one expert at a time under the per-expert names.
+_FUSED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +139,9 @@ class CheckpointReader:
                 raise CheckpointError(f"{self.path / name}: has no tensor {key!r}, which "
                                       f"{INDEX_NAME} places there")
         self._stored: dict[str, str] = {}  # name shown -> name in the file, where they differ
+        # per-expert name -> (fused name shown, expert, rows of it): a hub's fused experts
+        self._views: dict[str, tuple[str, int, slice]] = {}
+        self._fused: dict[str, torch.Tensor] = {}  # fused tensors read for the current layer
         self.weight_map: dict[str, str] = self._language_model_names(weight_map)
         self._handles: dict[str, object] = {}
 
@@ -154,7 +161,19 @@ class CheckpointReader:
             if key.startswith(LANGUAGE_MODEL_PREFIX):
                 name = "model." + key[len(LANGUAGE_MODEL_PREFIX):]
                 self._stored[name] = key
-            out[name] = file
+            fused = _FUSED_EXPERTS.fullmatch(name)
+            if fused is None:
+                out[name] = file
+                continue
+            self._stored[name] = key
+            experts, second = self.headers[file][key]["shape"][:2]
+            parts = ((("down_proj", slice(None)),) if fused.group(2) == "down_proj" else
+                     (("gate_proj", slice(0, second // 2)), ("up_proj", slice(second // 2, None))))
+            for e in range(experts):
+                for proj, rows in parts:
+                    view = f"{fused.group(1)}.{e}.{proj}.weight"
+                    self._views[view] = (name, e, rows)
+                    out[view] = file
         if dropped:
             log.info("%s: reading the language model only; %d tensors of the vision tower and "
                      "the multi-token-prediction block are not carried", self.path, dropped)
@@ -167,6 +186,14 @@ class CheckpointReader:
         return key in self.weight_map
 
     def get(self, key: str) -> torch.Tensor:
+        if key in self._views:
+            fused, e, rows = self._views[key]
+            if fused not in self._fused:  # read once per layer: its experts come one by one
+                layer = fused.rsplit(".", 1)[0]
+                self._fused = {k: v for k, v in self._fused.items()
+                               if k.rsplit(".", 1)[0] == layer}
+                self._fused[fused] = self._handle(key).get_tensor(self._stored[fused])
+            return self._fused[fused][e, rows].clone()
         try:
             return self._handle(key).get_tensor(self._stored.get(key, key))  # type: ignore[attr-defined]
         except SafetensorError as err:
@@ -189,7 +216,13 @@ class CheckpointReader:
         return handle
 
     def entry(self, key: str) -> dict:
-        """The header entry of tensor ``key``: dtype (safetensors' name), shape, offsets."""
+        """The header entry of tensor ``key``: dtype (safetensors' name), shape, offsets (one
+        expert of a fused tensor: its dtype and shape)."""
+        if key in self._views:
+            fused, _, rows = self._views[key]
+            entry = self.headers[self.weight_map[key]][self._stored[fused]]
+            _, out_rows, cols = entry["shape"]
+            return {"dtype": entry["dtype"], "shape": [len(range(out_rows)[rows]), cols]}
         return self.headers[self.weight_map[key]][self._stored.get(key, key)]
 
     def shape(self, key: str) -> tuple[int, ...]:
@@ -202,6 +235,7 @@ class CheckpointReader:
         """Close the open files. Their pages are mapped into this process and count toward its
         resident set until closed, so a layer-by-layer walk closes them after every layer."""
         self._handles.clear()
+        self._fused.clear()
 
     def with_prefix(self, prefix: str) -> list[str]:
         return [k for k in self.weight_map if k.startswith(prefix)]

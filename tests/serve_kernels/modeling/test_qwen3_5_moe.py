@@ -146,3 +146,18 @@ def test_only_full_attention_layers_hold_kv_blocks(qwen35):
     spec = runner.model.spec
     per_block = 2 * 2 * 4 * spec.num_kv_heads * spec.head_dim * 4  # K and V, 2 layers, fp32
     assert runner.kv_bytes_per_block(runner.model, 4, torch.float32) == per_block
+
+
+def test_the_hub_checkpoint_serves_like_its_text_model(qwen35, tmp_path, tiny_demo):
+    """The multimodal hub layout (language model under ``model.language_model.``, fused experts,
+    a vision tower and an MTP block beside it) serves as the base variant does in validation."""
+    from tests.models.test_qwen35 import write_hub_checkpoint
+
+    hf, _ = qwen35
+    hub = write_hub_checkpoint(hf, tmp_path / "hub")
+    for f in tiny_demo.glob("tokenizer*"):
+        (hub / f.name).write_bytes(f.read_bytes())
+    llm = LLM(hub, block_size=4)
+    with torch.no_grad():
+        expected = hf(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(prompt_logits(llm, PROMPT), expected, atol=1e-4, rtol=1e-4)
