@@ -8,8 +8,8 @@ matrix updated token by token by the gated delta rule (decay ``exp(g)``, write s
 (``AttentionMetadata.state_rows``): a sequence that starts at position 0 (a new one, or one
 preempted and recomputed) starts from zeros, and each chunk of a chunked prefill and each decode
 step continues from the state the previous one left. The recurrence runs token by token in
-plain torch (decode's one step; prefill's loop), so a batch of prefill chunks and decode tokens
-goes through it one sequence at a time. The paged KV cache holds the full-attention layers only
+plain torch: a batch's decode tokens take their step together (their states gathered from their
+slots and written back), each prefill chunk loops over its tokens. The paged KV cache holds the full-attention layers only
 (``ModelSpec.recurrent_layers`` have empty entries). Prefix caching and speculative decoding cannot skip or
 undo tokens of a recurrence: the engine turns the first off and refuses the second for such a
 model.
@@ -48,70 +48,93 @@ class GatedDeltaNet(nn.Module):
         self.register_buffer("norm", norm)
         self.num_k, self.num_v, self.dk, self.dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
         self.eps = eps
-        self.states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> (conv, delta)
+        # per slot (block-table row): the conv's last inputs and the delta-rule state, grown
+        # to the highest slot seen
+        self.conv_state = torch.empty(0, self.conv_weight.shape[0], self.conv_weight.shape[1] - 1)
+        self.delta_state = torch.empty(0, num_v_heads, head_k_dim, head_v_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
                 kv_cache: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
         if meta.state_rows is None:
             raise RuntimeError("a Gated DeltaNet layer needs each sequence's state slot "
                                "(AttentionMetadata.state_rows)")
+        self._reserve(max(meta.state_rows) + 1, x)
+        fresh = [row for row, n, ctx in zip(meta.state_rows, meta.query_lens,
+                                            meta.context_lens_list, strict=True) if ctx == n]
+        if fresh:  # a sequence at position 0 (new, or recomputed after preemption)
+            self.conv_state[fresh] = 0
+            self.delta_state[fresh] = 0
         mixed = self.in_proj_qkv(x)
         z = self.in_proj_z(x)
         beta = torch.sigmoid(self.in_proj_b(x).float())
         g = self.neg_a * nn.functional.softplus(self.in_proj_a(x).float() + self.dt_bias)
         out = torch.empty(x.shape[0], self.num_v, self.dv, dtype=torch.float32, device=x.device)
-        start = 0
-        for row, n, context in zip(meta.state_rows, meta.query_lens, meta.context_lens_list,
-                                   strict=True):
+        nd = meta.num_decodes  # the batch's first sequences, one token each: one step together
+        if nd:
+            self._run(meta.state_rows[:nd], mixed[:nd, None], g[:nd, None], beta[:nd, None],
+                      out[:nd, None])
+        start = nd
+        for row, n in zip(meta.state_rows[nd:], meta.query_lens[nd:], strict=True):
             span = slice(start, start + n)
-            conv, delta = self._state(row, fresh=context == n, like=x)
-            qkv, conv = self._conv(mixed[span], conv)
-            out[span], delta = self._delta_rule(qkv, g[span], beta[span], delta)
-            self.states[row] = (conv, delta)
+            self._run([row], mixed[None, span], g[None, span], beta[None, span], out[None, span])
             start += n
         o = rms_norm(out.to(x.dtype), self.norm, self.eps)  # per value head
         o = (o.float() * nn.functional.silu(z.view_as(o).float())).to(x.dtype)
         return self.out_proj(o.reshape(x.shape[0], -1))
 
-    def _state(self, row: int, fresh: bool, like: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        if fresh or row not in self.states:
-            channels, taps = self.conv_weight.shape
-            return (torch.zeros(channels, taps - 1, dtype=like.dtype, device=like.device),
-                    torch.zeros(self.num_v, self.dk, self.dv, dtype=torch.float32,
-                                device=like.device))
-        return self.states[row]
+    def _reserve(self, rows: int, like: torch.Tensor) -> None:
+        """Room for slots 0 .. rows - 1 (new slots zeroed; existing states kept)."""
+        have = self.conv_state.shape[0]
+        if have >= rows and self.conv_state.device == like.device:
+            return
+        conv = torch.zeros(max(rows, have), *self.conv_state.shape[1:], dtype=like.dtype,
+                           device=like.device)
+        delta = torch.zeros(max(rows, have), *self.delta_state.shape[1:], dtype=torch.float32,
+                            device=like.device)
+        conv[:have] = self.conv_state.to(conv)
+        delta[:have] = self.delta_state.to(delta)
+        self.conv_state, self.delta_state = conv, delta
+
+    def _run(self, rows: list[int], mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             out: torch.Tensor) -> None:
+        """Sequences ``rows`` with n new tokens each (mixed [B, n, C], g and beta [B, n, Hv]):
+        outputs into ``out`` [B, n, Hv, Dv], states updated in their slots."""
+        qkv, conv = self._conv(mixed, self.conv_state[rows])
+        out[:], delta = self._delta_rule(qkv, g, beta, self.delta_state[rows])
+        self.conv_state[rows] = conv
+        self.delta_state[rows] = delta
 
     def _conv(self, mixed: torch.Tensor, conv: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Depthwise causal conv + SiLU of one sequence's new inputs [n, C] continuing from its
-        last inputs ``conv`` [C, kernel - 1]; returns the outputs and the new conv state."""
+        """Depthwise causal conv + SiLU of new inputs [B, n, C] continuing from each sequence's
+        last inputs ``conv`` [B, C, kernel - 1]; returns the outputs and the new conv state."""
         taps = self.conv_weight.shape[1]
-        seq = torch.cat([conv, mixed.t()], dim=1)  # [C, kernel - 1 + n]
-        windows = seq.unfold(1, taps, 1)  # [C, n, kernel]
+        seq = torch.cat([conv, mixed.transpose(1, 2).to(conv.dtype)], dim=2)  # [B, C, k-1+n]
+        windows = seq.unfold(2, taps, 1)  # [B, C, n, kernel]
         y = (windows * self.conv_weight[:, None, :]).sum(-1)
-        return nn.functional.silu(y).t(), seq[:, seq.shape[1] - (taps - 1):].contiguous()
+        return nn.functional.silu(y).transpose(1, 2), seq[:, :, seq.shape[2] - (taps - 1):]
 
     def _delta_rule(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The gated delta rule over one sequence's tokens in fp32: per token, decay the state,
-        write v's correction against what the state recalls for k, read it with q."""
-        n = qkv.shape[0]
+        """The gated delta rule over [B, n] tokens in fp32 from states [B, Hv, Dk, Dv]: per
+        token, decay the state, write v's correction against what the state recalls for k, read
+        it with q."""
+        b, n = qkv.shape[:2]
         kd = self.num_k * self.dk
         q, k, v = qkv.float().split([kd, kd, self.num_v * self.dv], dim=-1)
         rep = self.num_v // self.num_k
-        q = q.view(n, self.num_k, self.dk).repeat_interleave(rep, dim=1)
-        k = k.view(n, self.num_k, self.dk).repeat_interleave(rep, dim=1)
-        v = v.view(n, self.num_v, self.dv)
+        q = q.view(b, n, self.num_k, self.dk).repeat_interleave(rep, dim=2)
+        k = k.view(b, n, self.num_k, self.dk).repeat_interleave(rep, dim=2)
+        v = v.view(b, n, self.num_v, self.dv)
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) / self.dk ** 0.5
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-        out = torch.empty(n, self.num_v, self.dv, dtype=torch.float32, device=qkv.device)
+        out = torch.empty(b, n, self.num_v, self.dv, dtype=torch.float32, device=qkv.device)
         for t in range(n):
-            state = state * g[t].exp()[:, None, None]
-            recalled = (state * k[t][:, :, None]).sum(1)
-            correction = (v[t] - recalled) * beta[t][:, None]
-            state = state + k[t][:, :, None] * correction[:, None, :]
-            out[t] = (state * q[t][:, :, None]).sum(1)
+            state = state * g[:, t].exp()[..., None, None]
+            recalled = (state * k[:, t, :, :, None]).sum(2)
+            correction = (v[:, t] - recalled) * beta[:, t, :, None]
+            state = state + k[:, t, :, :, None] * correction[:, :, None, :]
+            out[:, t] = (state * q[:, t, :, :, None]).sum(2)
         return out, state
 
 
