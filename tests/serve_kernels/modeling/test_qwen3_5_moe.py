@@ -138,7 +138,8 @@ def test_gpu_path_in_tritons_interpreter_matches_the_cpu_path(qwen35, monkeypatc
 
 def test_only_full_attention_layers_hold_kv_blocks(qwen35):
     """The paged cache is sized and allocated for the two gated-attention layers; the DeltaNet
-    layers' entries are empty (their state is per sequence, not per token)."""
+    layers' entries are empty (their state is per sequence, not per token, and is allocated for
+    every sequence slot before the cache is sized)."""
     _, path = qwen35
     llm = LLM(path, block_size=4, num_kv_blocks=16, max_model_len=64)
     runner = llm.engine.runner
@@ -146,7 +147,11 @@ def test_only_full_attention_layers_hold_kv_blocks(qwen35):
     spec = runner.model.spec
     per_block = 2 * 2 * 4 * spec.num_kv_heads * spec.head_dim * 4  # K and V, 2 layers, fp32
     assert runner.kv_bytes_per_block(runner.model, 4, torch.float32) == per_block
-
+    # every slot's state is allocated up front: 2 DeltaNet layers x 64 slots x (fp32 delta state
+    # of 4 heads x 16 x 16, conv's last 3 inputs of 128 channels)
+    size = runner.model.embed_tokens.element_size()
+    assert llm.engine.model_info["recurrent_state_bytes"] == 2 * 64 * (4 * 16 * 16 * 4
+                                                                        + 128 * 3 * size)
 
 def test_the_hub_checkpoint_serves_like_its_text_model(qwen35, tmp_path, tiny_demo):
     """The multimodal hub layout (language model under ``model.language_model.``, fused experts,

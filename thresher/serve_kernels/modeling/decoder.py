@@ -214,6 +214,16 @@ class CausalLM(nn.Module):
         # its tokens can be neither skipped (prefix caching) nor taken back (speculation)
         self.recurrent = any(getattr(layer.attn, "recurrent", False) for layer in layers)
 
+    def reserve_states(self, slots: int) -> int:
+        """Allocate every recurrent layer's per-sequence state for ``slots`` sequences now (so
+        that device memory left for the KV cache is measured after it); returns its bytes."""
+        total = 0
+        for layer in self.layers:
+            if getattr(layer.attn, "recurrent", False):
+                layer.attn.reserve(slots, self.embed_tokens)
+                total += layer.attn.state_bytes()
+        return total
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, ...]],

@@ -58,7 +58,7 @@ class GatedDeltaNet(nn.Module):
         if meta.state_rows is None:
             raise RuntimeError("a Gated DeltaNet layer needs each sequence's state slot "
                                "(AttentionMetadata.state_rows)")
-        self._reserve(max(meta.state_rows) + 1, x)
+        self.reserve(max(meta.state_rows) + 1, x)
         fresh = [row for row, n, ctx in zip(meta.state_rows, meta.query_lens,
                                             meta.context_lens_list, strict=True) if ctx == n]
         if fresh:  # a sequence at position 0 (new, or recomputed after preemption)
@@ -82,7 +82,7 @@ class GatedDeltaNet(nn.Module):
         o = (o.float() * nn.functional.silu(z.view_as(o).float())).to(x.dtype)
         return self.out_proj(o.reshape(x.shape[0], -1))
 
-    def _reserve(self, rows: int, like: torch.Tensor) -> None:
+    def reserve(self, rows: int, like: torch.Tensor) -> None:
         """Room for slots 0 .. rows - 1 (new slots zeroed; existing states kept)."""
         have = self.conv_state.shape[0]
         if have >= rows and self.conv_state.device == like.device:
@@ -94,6 +94,9 @@ class GatedDeltaNet(nn.Module):
         conv[:have] = self.conv_state.to(conv)
         delta[:have] = self.delta_state.to(delta)
         self.conv_state, self.delta_state = conv, delta
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv_state, self.delta_state))
 
     def _run(self, rows: list[int], mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              out: torch.Tensor) -> None:
