@@ -18,6 +18,8 @@ def test_moe_adapter_exposes_modules_and_expert_views(family):
     if ad.attention_kind == "mla":
         assert set(projs) == {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}
         assert projs["kv_b_proj"].in_features == model.config.kv_lora_rank
+    elif hasattr(layer, "linear_attn"):  # Qwen3.5's Gated DeltaNet (in_proj_a/b stay 16-bit)
+        assert set(projs) == {"in_proj_qkv", "in_proj_z", "out_proj"}
     else:
         assert set(projs) == {"q_proj", "k_proj", "v_proj", "o_proj"}
     assert projs[next(iter(projs))].in_features == model.config.hidden_size
@@ -35,7 +37,8 @@ def test_moe_adapter_exposes_modules_and_expert_views(family):
         # a view, not a copy: writing through it changes the model
         assert view.down.data_ptr() == experts.down_proj[e].data_ptr()
     assert (ad.shared_expert(layer) is not None) == (family in ("qwen2_moe", "glm4_moe",
-                                                                 "deepseek_v3", "ernie4_5_moe"))
+                                                                 "deepseek_v3", "ernie4_5_moe",
+                                                                 "qwen3_5_moe"))
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)

@@ -98,7 +98,7 @@ def test_merged_checkpoint_loads_in_transformers_and_serves_like_it(family, meth
     assert saved["method"] == method and saved["metrics"]["experts_kept"] == 4.0
     llm = LLM(out)
     assert [layer.mlp.router.out_features for layer in llm.engine.runner.model.layers
-            if hasattr(layer.mlp, "router")] == [4, 4]
+            if hasattr(layer.mlp, "router")] == [4] * len(report.layers)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == greedy_transformers(out, PROMPTS)
 
 

@@ -269,6 +269,8 @@ def _write_checkpoint(model_dir: Path, stage: QuantizeStage, calibration: Calibr
                 if not lw.adapter.is_disk_layer_key(k)})
     writer.close()
     config = json.loads((model_dir / "config.json").read_text())
+    if config.get("model_type") != lw.config.model_type:  # a multimodal hub config: the text part
+        config = lw.config.to_dict()
     config["quantization_config"] = method.quantization_config(skip)
     config.update(lw.adapter.written_config())
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))

@@ -72,6 +72,7 @@ class ScalingGroup:
     inspect: str
     block: nn.Module | None = None
     prev_norm: nn.Module | None = None
+    norm_offset: float = 0.0  # prev_norm multiplies by (norm_offset + weight): Qwen3.5's 1
     prev_weight: torch.Tensor | None = None  # [C, in]: rows divided by s
     prev_bias: torch.Tensor | None = None
     compensate: list[torch.Tensor] = field(default_factory=list)  # [*, C]: multiplied by s
@@ -167,13 +168,21 @@ def scaling_groups(parts: LayerParts) -> list[ScalingGroup]:
     if "attention" not in parts.keep:
         attn = adapter.attention(layer)
         first, *inner, _ = adapter.attention_sites(layer)
+        # a Gated DeltaNet has no positions: its whole block is inspected like an MLP, and its
+        # 16-bit input projections are compensated like a router
+        inspect = "attention" if adapter.attention_takes_positions(layer) else "module"
         groups.append(ScalingGroup(f"{p} {first[0].label}", sites[f"{p} {first[0].label}"],
-                                   "attention", block=attn, prev_norm=adapter.input_norm(layer)))
+                                   inspect, block=attn, prev_norm=adapter.input_norm(layer),
+                                   norm_offset=adapter.norm_weight_offset,
+                                   compensate=[m.weight.data for m in
+                                               adapter.attention_float_inputs(layer)]))
         for site in (s for stage in inner for s in stage if s.norm):  # MLA's low-rank norms
             groups.append(ScalingGroup(f"{p} {site.label}", sites[f"{p} {site.label}"], "linear",
                                        prev_norm=getattr(attn, site.norm)))
-        v, o = parts.attn.get("v_proj"), parts.attn["o_proj"]
-        if v is not None and v.weight.shape[0] == o.weight.shape[1]:  # not with GQA (nor MLA)
+        # o_proj's input folds into v_proj's rows, not with GQA (nor MLA, nor a DeltaNet's
+        # out_proj, whose gated norm shares one weight across heads)
+        v, o = parts.attn.get("v_proj"), parts.attn.get("o_proj")
+        if v is not None and o is not None and v.weight.shape[0] == o.weight.shape[1]:
             groups.append(ScalingGroup(f"{p} o_proj", sites[f"{p} o_proj"], "linear",
                                        prev_weight=v.weight.data,
                                        prev_bias=None if v.bias is None else v.bias.data))
@@ -190,7 +199,7 @@ def scaling_groups(parts: LayerParts) -> list[ScalingGroup]:
     mlp = adapter.mlp(layer)
     groups.append(ScalingGroup(f"{p} mlp gate/up", InputSite(f"{p} mlp input", mlp_in, mlp),
                                "module", block=mlp, prev_norm=adapter.post_attention_norm(layer),
-                               compensate=compensate))
+                               norm_offset=adapter.norm_weight_offset, compensate=compensate))
     for site in sites.values():
         if site.name.endswith(" down") and (site.expert is None
                                             or adapter.expert_up_absorbs_scales):
@@ -214,7 +223,8 @@ def apply_scale(group: ScalingGroup, s: torch.Tensor) -> None:
     weights that read the same input but stay in float (the router) are multiplied by s too, so
     the float model, and therefore every routing decision, is unchanged."""
     if group.prev_norm is not None:
-        group.prev_norm.weight.data.div_(s)
+        offset = group.norm_offset
+        group.prev_norm.weight.data.add_(offset).div_(s).sub_(offset)
     if group.prev_weight is not None:
         group.prev_weight.div_(s.unsqueeze(1))
     if group.prev_bias is not None:

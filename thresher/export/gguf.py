@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 from thresher.errors import ExportError, UnsupportedArchitectureError
 from thresher.export.block_gptq import GPTQ_TYPES, gptq_quantize
 from thresher.export.block_quants import IMPORTANCE_WEIGHTED, QK_K, quantize
+from thresher.export.gguf_convert import Conversion, plan_deltanet, write_deltanet_metadata
 from thresher.export.imatrix import ImportanceMatrix
 from thresher.formats.config import PackedFormat, packed_format
 from thresher.models.adapters import Adapter, get_adapter
@@ -108,6 +109,8 @@ class GGUFArchitecture:
     rope_types: tuple[str, ...] = ("default",)  # the config's rope types llama.cpp's graph takes
     # which layers are MoE travels as metadata (dense leading layers, the MoE layer step)
     moe_layout_metadata: bool = False
+    # Gated DeltaNet layers between full-attention ones (qwen35moe), see export/gguf_convert.py
+    hybrid: bool = False
 
 
 # Keyed by the adapter's model_type. Mixtral runs on llama.cpp's llama graph (with experts).
@@ -127,6 +130,10 @@ GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     # ERNIE-4.5: llama.cpp's graph rotates adjacent pairs, as the checkpoint does (no permute)
     "ernie4_5_moe": GGUFArchitecture(gguf.MODEL_ARCH.ERNIE4_5_MOE, renormalizes_top_k=True,
                                      moe_layout_metadata=True),
+    # Qwen3.5-MoE: Gated DeltaNet and gated full attention (q_proj's query and gate per head, as
+    # the checkpoint has them), renormalized softmax routing, a sigmoid-gated shared expert
+    "qwen3_5_moe_text": GGUFArchitecture(gguf.MODEL_ARCH.QWEN35MOE, renormalizes_top_k=True,
+                                         post_attention_norm=Role.ATTN_POST_NORM, hybrid=True),
     "llama": GGUFArchitecture(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
     "qwen3": GGUFArchitecture(gguf.MODEL_ARCH.QWEN3),
     "qwen2": GGUFArchitecture(gguf.MODEL_ARCH.QWEN2),
@@ -137,7 +144,7 @@ QWEN2_PRE_TOKENIZER_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p
                              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 # Kept in F32 whatever the file type, as llama.cpp's converter does (1-D tensors are F32 too).
-_F32_ROLES = frozenset({Role.FFN_GATE_INP, Role.FFN_GATE_INP_SHEXP})
+_F32_ROLES = frozenset({Role.FFN_GATE_INP, Role.FFN_GATE_INP_SHEXP, Role.SSM_CONV1D})
 # Stored as vectors: the shared expert's gate is a [1, H] matrix in the checkpoint, {H} in llama.cpp
 # (and ERNIE-4.5's selection bias [1, E], {E}).
 _VECTOR_ROLES = frozenset({Role.FFN_GATE_INP_SHEXP, Role.FFN_EXP_PROBS_B})
@@ -195,6 +202,7 @@ class _Tensor:
     rotary_heads: int = 0  # > 0: rows permuted from HF's rotary layout to llama.cpp's
     # latent attention: this tensor is kv_b's key part (transposed) or value part, see _KVBPart
     kv_b: _KVBPart | None = None
+    conversion: Conversion | None = None  # values transformed as llama.cpp's converter does
 
     def declare(self, writer: gguf.GGUFWriter) -> None:
         if self.qtype in _PLAIN_NUMPY:
@@ -213,6 +221,8 @@ class _Tensor:
                                                                 self.kv_b.fmt)))
         if not self.stacked:
             data = reader.get(self.keys[0]).float().numpy().reshape(self.shape)
+            if self.conversion is not None:
+                data = self.conversion.apply(data)
             return _to_llama_rotary(data, self.rotary_heads) if self.rotary_heads else data
         out = np.empty(self.shape, dtype=np.float32)
         for e, key in enumerate(self.keys):
@@ -228,6 +238,12 @@ class _Tensor:
             blocks = np.stack([_handoff_q4_1(reader, key, self.packed) for key in self.keys])
             if self.rotary_heads:  # rows move whole: a block lies within one row
                 blocks = _to_llama_rotary(blocks[0], self.rotary_heads)[None]
+            if self.conversion is not None:
+                try:
+                    blocks = self.conversion.permute_blocks(blocks[0], self.shape[-1],
+                                                            HANDOFF_GROUP, self.keys[0])[None]
+                except ValueError as err:
+                    raise ExportError(f"{reader.path}: {err}") from None
             return blocks.reshape(gguf.quant_shape_to_byte_shape(self.shape, self.qtype))
         weights = self.read(reader)
         if importance is None or self.qtype not in IMPORTANCE_WEIGHTED:
@@ -375,6 +391,8 @@ def dequantize_gguf(gguf_path: str | Path, model_dir: str | Path, out_dir: str |
         else:
             if t.rotary_heads:
                 data = _from_llama_rotary(data.reshape(t.shape), t.rotary_heads)
+            if t.conversion is not None:
+                data = t.conversion.invert(data.reshape(t.shape))
             parts = data.reshape(t.shape) if t.stacked else [data]
             layer.update({key: torch.from_numpy(np.array(part)).reshape(reader.shape(key))
                           for key, part in zip(t.keys, parts, strict=True)})
@@ -509,6 +527,15 @@ def _architecture(adapter: Adapter, config, model_dir: Path) -> GGUFArchitecture
                           f"{config.hidden_size} channels, so it needs as many k/v heads as q heads "
                           f"({config.num_key_value_heads} vs {config.num_attention_heads})")
     rope = getattr(config, "rope_parameters", None) or {}
+    if arch.hybrid and adapter.full_attention_interval(config) is None:
+        raise ExportError(f"{model_dir}: llama.cpp's {gguf.MODEL_ARCH_NAMES[arch.arch]} graph "
+                          "takes a full-attention layer every N layers (the last of each N); "
+                          f"layer_types {list(config.layer_types)} is not laid out so")
+    if arch.hybrid and config.linear_key_head_dim != config.linear_value_head_dim:
+        raise ExportError(f"{model_dir}: llama.cpp's {gguf.MODEL_ARCH_NAMES[arch.arch]} graph "
+                          "takes one head width for the DeltaNet's keys and values "
+                          f"({config.linear_key_head_dim} and {config.linear_value_head_dim} "
+                          "here)")
     if adapter.attention_kind == "mla" and not getattr(config, "rope_interleave", True):
         raise ExportError(f"{model_dir}: llama.cpp's deepseek2 graph rotates adjacent channel "
                           "pairs (rope_interleave: true, as DeepSeek-V3 and Kimi-K2 ship); this "
@@ -536,7 +563,8 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
                            imatrix=imatrix)
 
     def add(role: Role, modules: list[str], bid: int | None = None, stacked: bool = False,
-            suffix: str = "weight", gguf_suffix: str | None = None) -> None:
+            suffix: str = "weight", gguf_suffix: str | None = None,
+            shape: tuple[int, ...] | None = None, conversion: Conversion | None = None) -> None:
         if role not in allowed:
             raise ExportError(f"llama.cpp's {gguf.MODEL_ARCH_NAMES[arch.arch]} has no "
                               f"{role.name} tensor")
@@ -544,6 +572,7 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
         packed = fmt if (fmt is not None and keys[0] not in reader
                          and f"{modules[0]}.{fmt.format.marker}" in reader) else None
         first = _matrix_shape(reader, modules[0], packed) if packed else reader.shape(keys[0])
+        first = shape or first  # a conv kernel [C, 1, K] stored as [C, K]
         shape = (len(keys), *first) if stacked else first
         if role in _VECTOR_ROLES:
             shape = (math.prod(shape),)
@@ -556,18 +585,25 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
         if ttype not in _PLAIN_NUMPY and shape[-1] % gguf.GGML_QUANT_SIZES[ttype][0]:
             raise ExportError(f"{reader.path}: {keys[0]} has rows of {shape[-1]} values, not a "
                               f"multiple of the {ttype.name} block; choose f16 or bf16")
-        name = f"{gguf.TENSOR_NAMES[role].format(bid=bid)}.{gguf_suffix or suffix}"
+        suffix_out = suffix if gguf_suffix is None else gguf_suffix
+        name = gguf.TENSOR_NAMES[role].format(bid=bid) + (f".{suffix_out}" if suffix_out else "")
         heads = 0
         if arch.permute_qk and role in (Role.ATTN_Q, Role.ATTN_K):
             heads = int(config.num_attention_heads if role == Role.ATTN_Q
                         else config.num_key_value_heads)
-        plan.append(_Tensor(name, keys, stacked, shape, ttype, packed, heads))
+        plan.append(_Tensor(name, keys, stacked, shape, ttype, packed, heads,
+                            conversion=conversion))
 
     n_experts = adapter.num_experts(config)
+    # zero-centered norms (Qwen3.5) multiply by 1 + weight; llama.cpp's graph by the weight
+    norm = Conversion(offset=adapter.norm_weight_offset) if adapter.norm_weight_offset else None
+    linear = set(adapter.linear_attention_layers(config))
     add(Role.TOKEN_EMBD, [adapter.disk_embeddings_key()])
     for i in range(config.num_hidden_layers):
-        add(Role.ATTN_NORM, [adapter.disk_input_norm_key(i)], i)
-        if adapter.attention_kind == "mla":
+        add(Role.ATTN_NORM, [adapter.disk_input_norm_key(i)], i, conversion=norm)
+        if i in linear:
+            plan_deltanet(add, adapter, config, i)
+        elif adapter.attention_kind == "mla":
             _plan_latent_attention(plan, add, reader, adapter, config, fmt, i)
         else:
             for role, proj in ((Role.ATTN_Q, "q_proj"), (Role.ATTN_K, "k_proj"),
@@ -577,11 +613,12 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
                     add(role, [adapter.disk_attention_key(i, proj)], i, suffix="bias")
             for role, name in ((Role.ATTN_Q_NORM, "q_norm"), (Role.ATTN_K_NORM, "k_norm")):
                 if adapter.disk_attention_key(i, name) + ".weight" in reader:
-                    add(role, [adapter.disk_attention_key(i, name)], i)
+                    add(role, [adapter.disk_attention_key(i, name)], i, conversion=norm)
             if adapter.disk_attention_key(i, "sinks") in reader:  # gpt-oss: one logit per head
                 add(Role.ATTN_SINKS, [adapter.disk_attention_key(i, "sinks").rsplit(".", 1)[0]],
                     i, suffix="sinks", gguf_suffix="weight")
-        add(arch.post_attention_norm, [adapter.disk_post_attention_norm_key(i)], i)
+        add(arch.post_attention_norm, [adapter.disk_post_attention_norm_key(i)], i,
+            conversion=norm)
         if not adapter.is_moe or i < adapter.leading_dense_layers(config):
             for role, proj in ((Role.FFN_GATE, "gate_proj"), (Role.FFN_UP, "up_proj"),
                                (Role.FFN_DOWN, "down_proj")):
@@ -611,7 +648,7 @@ def _plan(reader: CheckpointReader, adapter: Adapter, config, arch: GGUFArchitec
             for role, proj in ((Role.FFN_GATE_SHEXP, "gate_proj"), (Role.FFN_UP_SHEXP, "up_proj"),
                                (Role.FFN_DOWN_SHEXP, "down_proj")):
                 add(role, [adapter.disk_shared_expert_key(i, proj)], i)
-    add(Role.OUTPUT_NORM, [adapter.disk_final_norm_key()])
+    add(Role.OUTPUT_NORM, [adapter.disk_final_norm_key()], conversion=norm)
     head = adapter.disk_lm_head_key() + ".weight"
     if not tied:
         add(Role.OUTPUT, [adapter.disk_lm_head_key()])
@@ -762,13 +799,18 @@ def _write_metadata(writer: gguf.GGUFWriter, model_dir: Path, config, adapter: A
     writer.add_context_length(int(config.max_position_embeddings))
     writer.add_embedding_length(int(config.hidden_size))
     writer.add_block_count(int(config.num_hidden_layers))
-    writer.add_feed_forward_length(int(config.intermediate_size))
+    dense_ffn = getattr(config, "intermediate_size", None)  # Qwen3.5-MoE has no dense MLP
+    if isinstance(dense_ffn, int):
+        writer.add_feed_forward_length(dense_ffn)
     writer.add_head_count(heads)
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
     if adapter.attention_kind == "mla":
         _write_latent_attention_metadata(writer, config, rope)
     else:
-        head_dim = shape(adapter.disk_attention_key(0, "q_proj"))[0] // heads
+        full = next(i for i in range(int(config.num_hidden_layers))
+                    if i not in set(adapter.linear_attention_layers(config)))
+        head_dim = getattr(config, "head_dim", None) or (
+            shape(adapter.disk_attention_key(full, "q_proj"))[0] // heads)
         writer.add_head_count_kv(int(config.num_key_value_heads))
         writer.add_key_length(int(head_dim))
         writer.add_value_length(int(head_dim))
@@ -783,6 +825,8 @@ def _write_metadata(writer: gguf.GGUFWriter, model_dir: Path, config, adapter: A
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(float(rope["factor"]))
         writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+    if arch.hybrid:
+        write_deltanet_metadata(writer, config, adapter)
     if adapter.is_moe:
         moe = adapter.leading_dense_layers(config)  # the first MoE layer
         expert_ffn = shape(adapter.disk_expert_key(moe, 0, "gate"))[0]

@@ -157,10 +157,12 @@ def preflight(recipe: Recipe) -> Preflight:
         return result
     try:
         adapter = get_adapter(config)
+        config = adapter.language_config(config)  # a multimodal hub config's language model
         if not is_mxfp4(config):  # MXFP4 experts are dequantized as they are read
             packed_format(config, where)  # weights no stage can read (an FP8 hub checkpoint)
     except ThresherError as err:
         raise RecipeError(f"model: {err}") from None
+    _check_drafts(recipe, adapter, config)
     with torch.device("meta"):
         from transformers import AutoModelForCausalLM
 
@@ -183,6 +185,19 @@ def preflight(recipe: Recipe) -> Preflight:
     if result.gguf:
         _check_gguf(recipe, config, meta)
     return result
+
+
+def _check_drafts(recipe: Recipe, adapter: Adapter, config) -> None:
+    """Refuse speculative decoding for a model with recurrent (linear-attention) layers: their
+    state cannot take back rejected draft tokens, so the engine does not draft for them."""
+    if not adapter.linear_attention_layers(config):
+        return
+    asked = ["validate.draft_of_base"] if recipe.validate_.draft_of_base else []
+    asked += [f"variants.{i}.validate.draft" for i, v in enumerate(recipe.variants)
+              if v.validate_ is not None and v.validate_.draft is not None]
+    if asked:
+        raise RecipeError(f"{asked[0]}: {config.model_type} has recurrent (Gated DeltaNet) "
+                          "layers, which the engine serves without speculative decoding")
 
 
 def _check_prune(prune, adapter: Adapter, config, experts: int, at: str) -> int:

@@ -187,6 +187,14 @@ FAMILIES: dict[str, FamilySpec] = {
         router_correction="e_score_correction_bias",
         fp32_router=True,
     ),
+    # Qwen3.5-MoE: Gated DeltaNet and gated full-attention layers, softmax router renormalized
+    # always, a sigmoid-gated shared expert; the hub checkpoint is multimodal (models/qwen35.py).
+    "qwen3_5_moe": FamilySpec(
+        ("qwen3_5_moe_text", "qwen3_5_moe"),
+        moe=True,
+        shared_expert=True,
+        always_renormalize=True,
+    ),
     "llama": FamilySpec(("llama",), moe=False),
     "qwen2": FamilySpec(("qwen2",), moe=False),
     "qwen3": FamilySpec(("qwen3",), moe=False),
@@ -251,6 +259,10 @@ class Adapter:
     expert_up_absorbs_scales = True
     # whether rotary turns channel pairs (2i, 2i + 1) of each head rather than (i, i + D/2)
     interleaved_rotary = False
+    # RMSNorms multiply by (offset + weight): 1 for zero-centered norms (Qwen3.5), else 0
+    norm_weight_offset = 0.0
+    # whether q_proj emits each head's query and an output gate (Qwen3.5's full attention)
+    gated_attention = False
 
     def __init__(self, spec: FamilySpec, model_type: str):
         self.spec = spec
@@ -284,6 +296,10 @@ class Adapter:
         return model.lm_head
 
     # -- config -------------------------------------------------------------------------------
+
+    def language_config(self, config):
+        """The config of the causal LM thresher compresses (a multimodal hub config's text part)."""
+        return config
 
     def num_experts(self, config) -> int:
         if not self.is_moe:
@@ -369,9 +385,22 @@ class Adapter:
         return MLA_SITES if layer.self_attn.q_proj is None else MLA_FULL_QUERY_SITES
 
     def attention_projections(self, layer: nn.Module) -> dict[str, nn.Linear]:
-        attn = layer.self_attn
+        attn = self.attention(layer)
         return {name: getattr(attn, name) for stage in self.attention_sites(layer)
                 for site in stage for name in site.projections}
+
+    def linear_attention_layers(self, config) -> list[int]:
+        """Indices of the layers whose token mixer is a linear-attention recurrence (none)."""
+        return []
+
+    def attention_takes_positions(self, layer: nn.Module) -> bool:
+        """Whether ``layer``'s token mixer is called with rotary position embeddings (not a
+        Gated DeltaNet)."""
+        return True
+
+    def attention_float_inputs(self, layer: nn.Module) -> list[nn.Linear]:
+        """16-bit linears that read the attention's input beside the quantized ones (none here)."""
+        return []
 
     def input_norm(self, layer: nn.Module) -> nn.Module:
         return layer.input_layernorm
@@ -606,4 +635,8 @@ def _adapter_class(family: str) -> type[Adapter]:
         from thresher.models.ernie import ErnieAdapter
 
         return ErnieAdapter
+    if family == "qwen3_5_moe":
+        from thresher.models.qwen35 import Qwen35Adapter
+
+        return Qwen35Adapter
     return Adapter

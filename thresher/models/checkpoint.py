@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
+import re
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -34,6 +36,16 @@ from thresher.models.adapters import (
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+# A multimodal hub checkpoint (Qwen3.5-MoE) keeps its language model under this prefix; the
+# reader shows those tensors under the causal LM's names (``model.layers.N...``) and leaves out
+# the parts thresher does not carry: the vision tower and the multi-token-prediction block.
+LANGUAGE_MODEL_PREFIX = "model.language_model."
+NOT_CARRIED_PREFIXES = ("model.visual.", "mtp.")
+# Its experts may be stored fused as transformers 5 holds them ([E, 2I, H] gate|up, [E, H, I]
+# down); the reader shows them one expert at a time under the per-expert names.
+_FUSED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
+
+log = logging.getLogger(__name__)
 
 
 # Bytes per element of the safetensors dtypes (the names the header spells).
@@ -126,8 +138,46 @@ class CheckpointReader:
             if key not in self.headers[name]:
                 raise CheckpointError(f"{self.path / name}: has no tensor {key!r}, which "
                                       f"{INDEX_NAME} places there")
-        self.weight_map: dict[str, str] = weight_map
+        self._stored: dict[str, str] = {}  # name shown -> name in the file, where they differ
+        # per-expert name -> (fused name shown, expert, rows of it): a hub's fused experts
+        self._views: dict[str, tuple[str, int, slice]] = {}
+        self._fused: dict[str, torch.Tensor] = {}  # fused tensors read for the current layer
+        self.weight_map: dict[str, str] = self._language_model_names(weight_map)
         self._handles: dict[str, object] = {}
+
+    def _language_model_names(self, weight_map: dict[str, str]) -> dict[str, str]:
+        """``weight_map`` under the causal LM's names: a multimodal checkpoint's
+        ``model.language_model.*`` tensors as ``model.*``, its vision tower and MTP block left
+        out (logged); any other checkpoint unchanged."""
+        if not any(k.startswith(LANGUAGE_MODEL_PREFIX) for k in weight_map):
+            return weight_map
+        out: dict[str, str] = {}
+        dropped = 0
+        for key, file in weight_map.items():
+            if key.startswith(NOT_CARRIED_PREFIXES):
+                dropped += 1
+                continue
+            name = key
+            if key.startswith(LANGUAGE_MODEL_PREFIX):
+                name = "model." + key[len(LANGUAGE_MODEL_PREFIX):]
+                self._stored[name] = key
+            fused = _FUSED_EXPERTS.fullmatch(name)
+            if fused is None:
+                out[name] = file
+                continue
+            self._stored[name] = key
+            experts, second = self.headers[file][key]["shape"][:2]
+            parts = ((("down_proj", slice(None)),) if fused.group(2) == "down_proj" else
+                     (("gate_proj", slice(0, second // 2)), ("up_proj", slice(second // 2, None))))
+            for e in range(experts):
+                for proj, rows in parts:
+                    view = f"{fused.group(1)}.{e}.{proj}.weight"
+                    self._views[view] = (name, e, rows)
+                    out[view] = file
+        if dropped:
+            log.info("%s: reading the language model only; %d tensors of the vision tower and "
+                     "the multi-token-prediction block are not carried", self.path, dropped)
+        return out
 
     def tensor_names(self) -> list[str]:
         return list(self.weight_map)
@@ -136,8 +186,16 @@ class CheckpointReader:
         return key in self.weight_map
 
     def get(self, key: str) -> torch.Tensor:
+        if key in self._views:
+            fused, e, rows = self._views[key]
+            if fused not in self._fused:  # read once per layer: its experts come one by one
+                layer = fused.rsplit(".", 1)[0]
+                self._fused = {k: v for k, v in self._fused.items()
+                               if k.rsplit(".", 1)[0] == layer}
+                self._fused[fused] = self._handle(key).get_tensor(self._stored[fused])
+            return self._fused[fused][e, rows].clone()
         try:
-            return self._handle(key).get_tensor(key)  # type: ignore[attr-defined]
+            return self._handle(key).get_tensor(self._stored.get(key, key))  # type: ignore[attr-defined]
         except SafetensorError as err:
             raise CheckpointError(f"{self.path / self.weight_map[key]}: cannot read tensor "
                                   f"{key!r} ({err})") from None
@@ -158,8 +216,14 @@ class CheckpointReader:
         return handle
 
     def entry(self, key: str) -> dict:
-        """The header entry of tensor ``key``: dtype (safetensors' name), shape, offsets."""
-        return self.headers[self.weight_map[key]][key]
+        """The header entry of tensor ``key``: dtype (safetensors' name), shape, offsets (one
+        expert of a fused tensor: its dtype and shape)."""
+        if key in self._views:
+            fused, _, rows = self._views[key]
+            entry = self.headers[self.weight_map[key]][self._stored[fused]]
+            _, out_rows, cols = entry["shape"]
+            return {"dtype": entry["dtype"], "shape": [len(range(out_rows)[rows]), cols]}
+        return self.headers[self.weight_map[key]][self._stored.get(key, key)]
 
     def shape(self, key: str) -> tuple[int, ...]:
         """The shape of tensor ``key``, read from the file header without loading its data."""
@@ -171,6 +235,7 @@ class CheckpointReader:
         """Close the open files. Their pages are mapped into this process and count toward its
         resident set until closed, so a layer-by-layer walk closes them after every layer."""
         self._handles.clear()
+        self._fused.clear()
 
     def with_prefix(self, prefix: str) -> list[str]:
         return [k for k in self.weight_map if k.startswith(prefix)]

@@ -76,7 +76,9 @@ def load_config(path: str | Path, dequantized: bool = False):
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{Path(path) / 'config.json'}: cannot read it "
                               f"({type(err).__name__}: {err})") from None
-    get_adapter(config)  # unsupported families fail here, before any weights are read
+    # unsupported families fail here, before any weights are read; a multimodal hub config
+    # gives way to its language model's
+    config = get_adapter(config).language_config(config)
     if dequantized and is_mxfp4(config):
         del config.quantization_config
     return config

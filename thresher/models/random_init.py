@@ -7,7 +7,9 @@ rotary, q/k/v biases and q/k norms; DeepSeek-V3's multi-head latent attention wi
 decoupled interleaved rotary under yarn scaling, on GLM's router layout; gpt-oss's biased router
 and experts, attention sinks and sliding-window layers with a window shorter than the test
 prompts, and YaRN rotary; ERNIE-4.5's softmax router with a selection bias, its dense first
-layer, two shared experts' worth of always-on MLP and interleaved rotary).
+layer, two shared experts' worth of always-on MLP and interleaved rotary; Qwen3.5-MoE's Gated
+DeltaNet and gated full-attention layers alternating, with partial rotary, zero-centered norms and
+a gated shared expert, built as the text model the hub's multimodal checkpoint carries).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 from transformers import AutoConfig
 
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3",
-                "gpt_oss", "ernie4_5_moe")
+                "gpt_oss", "ernie4_5_moe", "qwen3_5_moe")
 DENSE_FAMILIES = ("llama", "qwen2", "qwen3")
 
 
@@ -75,5 +77,20 @@ def random_config(model_type: str, hidden_size: int = 64, num_layers: int = 2,
                   moe_intermediate_size=intermediate_size, moe_num_shared_experts=2,
                   num_hidden_layers=num_layers + 1, moe_layer_start_index=1,
                   moe_layer_interval=1, moe_layer_end_index=num_layers)
+    elif model_type == "qwen3_5_moe":
+        # linear, full, linear, full: both token mixers twice; 4 value heads over 2 key heads
+        # (the hub models' 2:1), a 4-tap conv, rotary over a quarter of each 32-wide head
+        layers = max(num_layers, 4)
+        model_type = "qwen3_5_moe_text"
+        kw.update(num_experts=num_experts, num_experts_per_tok=top_k, num_hidden_layers=layers,
+                  moe_intermediate_size=intermediate_size, head_dim=32,
+                  shared_expert_intermediate_size=intermediate_size * 2,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                  linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                  layer_types=["linear_attention", "full_attention"] * (layers // 2),
+                  rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                       partial_rotary_factor=0.25, mrope_section=[2, 1, 1],
+                                       mrope_interleaved=True))
+        del kw["intermediate_size"]
     kw.update(overrides)
     return AutoConfig.for_model(model_type, **kw)

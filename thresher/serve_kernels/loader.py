@@ -42,6 +42,7 @@ from thresher.serve_kernels.modeling.decoder import (
     DenseMLP,
     ModelSpec,
 )
+from thresher.serve_kernels.modeling.deltanet import GatedAttention, GatedDeltaNet
 from thresher.serve_kernels.modeling.linear import (
     DenseLinear,
     Linear,
@@ -139,6 +140,23 @@ def _latent_attention(b: _Builder, adapter: Adapter, config, i: int) -> LatentAt
         b.linear(key("kv_b_proj")).dequantized().to(b.dtype), b.linear(key("o_proj")))
 
 
+def _deltanet(b: _Builder, adapter: Adapter, config, i: int) -> GatedDeltaNet:
+    """Qwen3.5's Gated DeltaNet of layer ``i`` (in_proj_a / in_proj_b, conv1d and the decay
+    parameters as stored; the projections quantized or not)."""
+    def key(name: str) -> str:
+        return f"{adapter.disk_layer_prefix(i)}linear_attn.{name}"
+
+    return GatedDeltaNet(
+        b.linear(key("in_proj_qkv")), b.linear(key("in_proj_z")), b.linear(key("in_proj_b")),
+        b.linear(key("in_proj_a")), b.tensor(key("conv1d.weight")),
+        b.reader.get(key("A_log")).float(), b.reader.get(key("dt_bias")).float(),
+        b.tensor(key("norm.weight")), b.linear(key("out_proj")),
+        num_k_heads=int(config.linear_num_key_heads),
+        num_v_heads=int(config.linear_num_value_heads),
+        head_k_dim=int(config.linear_key_head_dim), head_v_dim=int(config.linear_value_head_dim),
+        eps=float(config.rms_norm_eps))
+
+
 def _spec(config, adapter: Adapter) -> ModelSpec:
     heads = config.num_attention_heads
     if adapter.attention_kind == "mla":  # one cache row per token: latent plus rotary key
@@ -151,6 +169,7 @@ def _spec(config, adapter: Adapter) -> ModelSpec:
         num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=config.vocab_size,
         rms_norm_eps=float(config.rms_norm_eps),
         max_position_embeddings=config.max_position_embeddings, kv_tensors=tensors,
+        recurrent_layers=tuple(adapter.linear_attention_layers(config)),
     )
 
 
@@ -175,10 +194,23 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
     inv_freq, scaling = _rotary(config, adapter)
     rotary_dim = 2 * inv_freq.numel()  # less than head_dim with partial rotary (GLM-4.5)
 
+    def norm(key: str) -> torch.Tensor:  # zero-centered norms (Qwen3.5) multiply by 1 + weight
+        return b.tensor(key) + adapter.norm_weight_offset if adapter.norm_weight_offset else \
+            b.tensor(key)
+
     layers = []
+    linear = set(adapter.linear_attention_layers(config))
     for i in tqdm(range(spec.num_layers), desc="loading layers", disable=not show_progress):
-        if adapter.attention_kind == "mla":
+        if i in linear:
+            attn = _deltanet(b, adapter, config, i)
+        elif adapter.attention_kind == "mla":
             attn = _latent_attention(b, adapter, config, i)
+        elif adapter.gated_attention:
+            attn = GatedAttention(spec, *(b.linear(adapter.disk_attention_key(i, n))
+                                          for n in ATTENTION_PROJECTIONS),
+                                  norm(adapter.disk_attention_key(i, "q_norm") + ".weight"),
+                                  norm(adapter.disk_attention_key(i, "k_norm") + ".weight"),
+                                  rotary_dim=rotary_dim)
         else:
             norm_keys = {n: adapter.disk_attention_key(i, n) + ".weight"
                          for n in ("q_norm", "k_norm")}
@@ -199,8 +231,8 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
                    if adapter.rule(config).scoring == "topk_softmax" else _moe(b, adapter, config, i))
         else:
             mlp = DenseMLP(*(b.linear(adapter.disk_dense_mlp_key(i, n)) for n in MLP_PROJECTIONS))
-        layers.append(DecoderLayer(attn, mlp, b.tensor(adapter.disk_input_norm_key(i) + ".weight"),
-                                   b.tensor(adapter.disk_post_attention_norm_key(i) + ".weight"),
+        layers.append(DecoderLayer(attn, mlp, norm(adapter.disk_input_norm_key(i) + ".weight"),
+                                   norm(adapter.disk_post_attention_norm_key(i) + ".weight"),
                                    spec.rms_norm_eps))
 
     embed = b.tensor(adapter.disk_embeddings_key() + ".weight")
@@ -211,7 +243,7 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
     else:
         raise ArtifactError(f"{path}: no lm_head.weight and tie_word_embeddings is off")
     cos_sin = rotary_cos_sin(inv_freq, spec.max_position_embeddings, scaling)
-    model = CausalLM(spec, embed, layers, b.tensor(adapter.disk_final_norm_key() + ".weight"),
+    model = CausalLM(spec, embed, layers, norm(adapter.disk_final_norm_key() + ".weight"),
                      lm_head, cos_sin)
     weight_bytes = packed_bytes(model) - cos_sin.numel() * cos_sin.element_size()
     model = model.to(device).eval()

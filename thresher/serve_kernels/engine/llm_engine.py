@@ -121,6 +121,14 @@ class LLMEngine:
         path = resolve_model(str(model))
         dtype = resolve_dtype(dtype, self.device, weight_bytes(path))
         loaded = load_engine_model(path, dtype, self.device)
+        if loaded.model.recurrent:
+            if speculative is not None:
+                raise ValueError(f"{path}: {loaded.config.model_type} has recurrent (Gated "
+                                 "DeltaNet) layers, whose state cannot take back rejected "
+                                 "speculative tokens; serve it without speculative decoding")
+            enable_prefix_caching = False  # a cached prefix would skip the recurrence's tokens
+        # each sequence slot's recurrent state, allocated before the KV cache is sized
+        state_bytes = loaded.model.reserve_states(max_num_seqs)
         self.path = loaded.path
         self.tokenizer = load_tokenizer(loaded.path)
         spec = loaded.model.spec
@@ -165,6 +173,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer, loaded.path)
         self.vocab_size = spec.vocab_size
         self.model_info = {**loaded.info, "kv_cache_bytes": num_kv_blocks * per_block,
+                           "recurrent_state_bytes": state_bytes,
                            "kv_bytes_per_token": per_block // block_size,
                            "kv_blocks": num_kv_blocks, "block_size": block_size,
                            "max_model_len": self.max_model_len, "device": str(self.device),

@@ -79,9 +79,11 @@ class ModelRunner:
         self.tables = tables  # the block manager writes them; a step gathers its rows
         spec = model.spec
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv_caches = [tuple(torch.zeros(shape, dtype=dtype, device=device)
+        # a recurrent layer keeps its state itself: its cache entry is empty
+        self.kv_caches = [tuple(torch.zeros(shape if i not in spec.recurrent_layers else (0,),
+                                            dtype=dtype, device=device)
                                 for _ in range(spec.kv_tensors))
-                          for _ in range(spec.num_layers)]
+                          for i in range(spec.num_layers)]
         self.decode_graphs: DecodeGraphs | None = None
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
@@ -136,7 +138,7 @@ class ModelRunner:
     @staticmethod
     def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
         s = model.spec
-        return (s.kv_tensors * s.num_layers * block_size * s.num_kv_heads * s.head_dim
+        return (s.kv_tensors * s.kv_layers * block_size * s.num_kv_heads * s.head_dim
                 * dtype.itemsize)
 
     def hidden_states(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
@@ -175,6 +177,7 @@ class ModelRunner:
             num_decodes=sum(1 for n in query_lens if n == 1),
             query_lens=list(query_lens), context_lens_list=context_lens,
             max_query_len=max(query_lens), max_context_len=max(context_lens),
+            state_rows=rows,
         )
         return self.model(ids, pos, self.kv_caches, meta), cu_list
 

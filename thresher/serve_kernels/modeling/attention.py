@@ -40,6 +40,8 @@ class AttentionMetadata:
     # the host lists are the lengths and every slot is stored (False in a captured decode
     # graph, whose host lists are bounds and whose padding rows have slot -1)
     host_exact: bool = True
+    # each sequence's slot (its block-table row): where recurrent layers keep its state
+    state_rows: list[int] | None = None
 
     @property
     def all_decode(self) -> bool:

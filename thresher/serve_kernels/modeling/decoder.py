@@ -10,7 +10,7 @@ sigmoid routing with a correction bias and expert groups (GLM-4.5), rotary over 
 channel pairs (ERNIE-4.5: q and k de-interleaved per head first, which leaves their dot products
 as they were), softmax routing with a selection bias (ERNIE-4.5). Latent attention
 (DeepSeek-V3) is ``mla.LatentAttention`` in the attention's place, chosen by the loader from the
-family's adapter.
+family's adapter; so are Qwen3.5-MoE's Gated DeltaNet and gated attention (``deltanet``).
 
 The model works on a flat batch of new tokens ([T] ids and positions) and reads and writes the
 paged KV cache, so any mix of prefill chunks and decode tokens runs in one forward.
@@ -44,6 +44,13 @@ class ModelSpec:
     # cache tensors per layer, each [blocks, block_size, num_kv_heads, head_dim]: K and V (2), or
     # latent attention's one [c, k_rope] row per token (1, with 1 x (kv_lora_rank + rope dim))
     kv_tensors: int = 2
+    # layers that keep a recurrent state instead of a KV cache (Qwen3.5's Gated DeltaNet)
+    recurrent_layers: tuple[int, ...] = ()
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers that read and write the paged KV cache."""
+        return self.num_layers - len(self.recurrent_layers)
 
 
 class Attention(nn.Module):
@@ -80,7 +87,7 @@ class Attention(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
                 ) -> torch.Tensor:
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv(x)
+        qkv = self.project(x)
         if self.q_norm is not None and not self.per_head_norm:  # over the full width (OLMoE)
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
             qkv = torch.cat([rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps),
@@ -105,7 +112,15 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, all_stored=meta.host_exact)
         o = self.attend(q, k_cache, v_cache, meta)
-        return self.o_proj(o.reshape(tokens, hq * d))
+        return self.o_proj(self.gate_output(o.reshape(tokens, hq * d)))
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """q|k|v [T, (Hq + 2 Hkv) D] of the new tokens (gated attention: the gate set apart)."""
+        return self.qkv(x)
+
+    def gate_output(self, o: torch.Tensor) -> torch.Tensor:
+        """The attention output before o_proj (gated attention multiplies by its gate)."""
+        return o
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
@@ -195,6 +210,19 @@ class CausalLM(nn.Module):
         # whether decode may replay CUDA graphs (not with attention that reads host lengths)
         self.graph_safe = not any(getattr(layer.attn, "reads_host_lengths", False)
                                   for layer in layers)
+        # whether some layer carries a per-sequence recurrent state (Qwen3.5's Gated DeltaNet):
+        # its tokens can be neither skipped (prefix caching) nor taken back (speculation)
+        self.recurrent = any(getattr(layer.attn, "recurrent", False) for layer in layers)
+
+    def reserve_states(self, slots: int) -> int:
+        """Allocate every recurrent layer's per-sequence state for ``slots`` sequences now (so
+        that device memory left for the KV cache is measured after it); returns its bytes."""
+        total = 0
+        for layer in self.layers:
+            if getattr(layer.attn, "recurrent", False):
+                layer.attn.reserve(slots, self.embed_tokens)
+                total += layer.attn.state_bytes()
+        return total
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
