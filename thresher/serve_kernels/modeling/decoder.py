@@ -24,9 +24,10 @@ import torch
 from torch import nn
 
 from thresher.serve_kernels.kernels import apply_rotary, rms_norm, silu_and_mul, store_kv_cache
-from thresher.serve_kernels.kernels.backend import use_triton
+from thresher.serve_kernels.kernels.backend import use_cpu_kernels, use_triton
 from thresher.serve_kernels.modeling.attention import AttentionMetadata, paged_attention
 from thresher.serve_kernels.modeling.linear import Linear, merge_linears
+from thresher.serve_kernels.modeling.native_step import NativeStep, enabled
 
 
 @dataclass(frozen=True)
@@ -195,12 +196,17 @@ class CausalLM(nn.Module):
         # whether decode may replay CUDA graphs (not with attention that reads host lengths)
         self.graph_safe = not any(getattr(layer.attn, "reads_host_lengths", False)
                                   for layer in layers)
+        self.native_step: NativeStep | None = None  # one C call per CPU decode step (loader)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, ...]],
                 meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [T, H] of the new tokens; their K/V land in ``kv_caches``."""
+        step = self.native_step
+        if (step is not None and enabled() and use_cpu_kernels(input_ids)
+                and step.applies(input_ids, positions, meta)):
+            return step(input_ids, positions, kv_caches, meta)
         x = nn.functional.embedding(input_ids, self.embed_tokens)
         residual = None
         rope = Rope(self.cos_sin, positions, self.embed_tokens.dtype)
