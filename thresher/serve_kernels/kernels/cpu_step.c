@@ -72,7 +72,9 @@ static void round_all(float *p, int64_t n, int bf16) {
 
 /* ---- dense matmul: y [m, n] = x [m, k] @ W.T, W fp32 or bf16, x and y fp32 ---- */
 
+#ifndef DROWS
 #define DROWS 4 /* weight rows per step: they share each activation load */
+#endif
 #ifndef DPREFETCH
 #define DPREFETCH 2048
 #endif
