@@ -25,9 +25,9 @@ same prompt pattern repeated), for the engine and llama.cpp alike. Engine rows r
 decode step (``modeling/native_step.py``) where it applies; ``--steps native ops`` adds each
 variant on the operator path (``THRESHER_CPU_STEP=off``) for comparison in the same run. Host
 ms / step (c=1, first context) = the decode steps' wall time minus the time inside the C step
-call (``NativeStep.seconds``) and the LM head (``CausalLM.logits``, a torch matmul), per step:
-the scheduling, metadata, sampling and Python around the native call; "-" on the operator path,
-whose host and kernel time interleave.
+call (``NativeStep.seconds``) and the LM head (``CausalLM.logits``, a torch matmul), the median
+over decode steps of the best round: the scheduling, metadata, sampling and Python around the
+native call; "-" on the operator path, whose host and kernel time interleave.
 
 Bandwidth use = weight bytes one decode step reads per sequence (attention, router, top-k of the
 experts, lm_head; the packed bytes a 4-bit layer's kernel reads; for GGUF the tensor bytes with
@@ -42,6 +42,7 @@ import argparse
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -152,46 +153,56 @@ def llama_rate_sample(llm: LlamaCppModel, tokens: int, context: int) -> float:
 
 
 class StepClock:
-    """Seconds an engine spends inside its C decode step and its LM head (see the docstring)."""
+    """Per engine step: wall time, and the time inside the C step and the LM head (see the
+    module docstring); wraps ``engine.step`` and ``CausalLM.logits``."""
 
     def __init__(self, llm: LLM):
-        self.model = llm.engine.runner.model
-        self.logits_seconds = 0.0
-        logits = self.model.logits
+        engine, model = llm.engine, llm.engine.runner.model
+        self.kernel = 0.0  # LM head seconds so far (the C step keeps its own)
+        self.host: list[float] = []  # per decode step, host seconds
+        logits, step = model.logits, engine.step
 
-        def timed(hidden: torch.Tensor) -> torch.Tensor:
+        def timed_logits(hidden: torch.Tensor) -> torch.Tensor:
             start = time.perf_counter()
             out = logits(hidden)
-            self.logits_seconds += time.perf_counter() - start
+            self.kernel += time.perf_counter() - start
             return out
 
-        self.model.logits = timed
+        def timed_step():
+            native = model.native_step
+            calls, inside = (native.calls, native.seconds) if native else (0, 0.0)
+            kernel, start = self.kernel, time.perf_counter()
+            out = step()
+            wall = time.perf_counter() - start
+            if native and native.calls == calls + 1:  # a decode step on the C path
+                self.host.append(wall - (native.seconds - inside) - (self.kernel - kernel))
+            return out
 
-    def kernel_seconds(self) -> float | None:
-        """C step plus LM head so far; None on the operator path."""
-        step = self.model.native_step
-        return None if step is None or step.calls == 0 else step.seconds + self.logits_seconds
+        model.logits, engine.step = timed_logits, timed_step
+
+    def take(self) -> list[float]:
+        """The host seconds of the decode steps since the last call."""
+        host, self.host = self.host, []
+        return host
 
 
 def engine_times(llm: LLM, clock: StepClock, concurrency: int, context: int, new_tokens: int
                  ) -> tuple[float, float, float | None]:
     """Seconds to generate 1 and ``new_tokens + 1`` tokens for ``concurrency`` sequences (their
-    difference is the decode time with prefill left out), and the host seconds of that
-    difference per decode step (None on the operator path)."""
+    difference is the decode time with prefill left out), and the median host seconds of the
+    decode steps (None on the operator path)."""
     prompts = [prompt_of(context, i) for i in range(concurrency)]
 
-    def run(n: int) -> tuple[float, float | None]:
+    def run(n: int) -> float:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        before = clock.kernel_seconds() or 0.0
         start = time.perf_counter()
         llm.generate(prompts, params)
-        wall = time.perf_counter() - start
-        after = clock.kernel_seconds()
-        return wall, None if after is None else after - before
+        return time.perf_counter() - start
 
-    (first, k1), (full, k2) = run(1), run(new_tokens + 1)
-    host = None if k1 is None or k2 is None else ((full - first) - (k2 - k1)) / new_tokens
-    return first, full, host
+    clock.take()
+    first, full = run(1), run(new_tokens + 1)
+    host = clock.take()
+    return first, full, statistics.median(host) if host else None
 
 
 def measure(engines: dict[str, LLM], llamas: dict[str, LlamaCppModel], cells: list[tuple[int, int]],
