@@ -25,7 +25,7 @@ same prompt pattern repeated), for the engine and llama.cpp alike. Engine rows r
 decode step (``modeling/native_step.py``) where it applies; ``--steps native ops`` adds each
 variant on the operator path (``THRESHER_CPU_STEP=off``) for comparison in the same run. Host
 ms / step (c=1, first context) = the decode steps' wall time minus the time inside the C step
-call (``NativeStep.seconds``) and the LM head (``CausalLM.logits``, a torch matmul), the median
+and LM head calls (``NativeStep.seconds``; ``CausalLM.logits`` where the head stays on torch), the median
 over decode steps of the best round: the scheduling, metadata, sampling and Python around the
 native call; "-" on the operator path, whose host and kernel time interleave.
 
@@ -163,9 +163,11 @@ class StepClock:
         logits, step = model.logits, engine.step
 
         def timed_logits(hidden: torch.Tensor) -> torch.Tensor:
-            start = time.perf_counter()
-            out = logits(hidden)
-            self.kernel += time.perf_counter() - start
+            native = model.native_step
+            inside, start = native.seconds if native else 0.0, time.perf_counter()
+            out = logits(hidden)  # the C LM head counts in native.seconds already
+            self.kernel += time.perf_counter() - start - (
+                native.seconds - inside if native else 0.0)
             return out
 
         def timed_step():

@@ -64,7 +64,7 @@ def _decode_pairs(llm: LLM, prompts: list[list[int]], steps: int, monkeypatch
             fast, _ = engine.runner.hidden_states(batch)
             monkeypatch.setenv(native_step.ENV, "off")
             ref, _ = engine.runner.hidden_states(batch)
-            pairs.append((fast.float(), ref.float()))
+            pairs.append((fast, ref))
     finally:
         for seq in seqs:
             engine.block_manager.free(seq)
@@ -90,7 +90,13 @@ def test_native_step_matches_operator_path(family, fmt, dtype, tmp_path, monkeyp
     tol = 1e-5 if dtype == "float32" else 2e-2
     for prompts in (PROMPTS[:1], PROMPTS):  # c=1, then c=3 (contexts cross blocks of 4)
         for fast, ref in _decode_pairs(llm, prompts, 3, monkeypatch):
-            assert (fast - ref).abs().max() <= tol * ref.abs().max()
+            assert (fast.float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
+    model = llm.engine.runner.model  # the LM head in C against torch's, on the same states
+    assert step.table.lm_head.kind != cpu_step.LIN_NONE
+    head = model.logits(fast)
+    monkeypatch.setenv(native_step.ENV, "off")
+    torch_head = model.logits(fast)
+    assert (head - torch_head).abs().max() <= tol * torch_head.abs().max()
     assert step.calls == 6  # every decode step ran the C step
 
 

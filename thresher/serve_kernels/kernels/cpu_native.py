@@ -114,6 +114,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.thr_dense_matmul.restype = cint
     lib.thr_decode_step.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr]
     lib.thr_decode_step.restype = cint
+    lib.thr_lm_head.argtypes = [ptr, ptr, i64, ptr]
+    lib.thr_lm_head.restype = cint
     return lib
 
 

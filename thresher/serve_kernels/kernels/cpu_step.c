@@ -61,6 +61,7 @@ typedef struct {
     const float *final_norm; /* fp32 [hidden] */
     const float *cos_sin;    /* fp32 [positions, rotary_dim]: cos | sin */
     const thr_layer *layer;
+    thr_linear lm_head; /* kind LIN_NONE: the LM head stays on torch */
 } thr_model;
 
 static inline float rnd(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
@@ -431,5 +432,18 @@ int thr_decode_step(const thr_model *m, int64_t t, const int64_t *ids, const int
     free(w.x), free(w.res), free(w.h), free(w.qkv), free(w.att), free(w.gu), free(w.act);
     free(w.mo), free(w.acc), free(w.xs), free(w.logits), free(w.tw), free(w.tid), free(w.qa);
     free(w.oa);
+    return rc;
+}
+
+/* fp32 logits [t, vocab] of final hidden states x [t, hidden] (serving dtype) through the LM
+ * head, rounded to the serving dtype first as the operator path's 16-bit matmul rounds them.
+ * Returns 0, -1 when out of memory. */
+int thr_lm_head(const thr_model *m, const void *x, int64_t t, float *y) {
+    int64_t hd = m->lm_head.k;
+    float *xf = malloc(sizeof(float) * (size_t)(t * hd));
+    if (!xf) return -1;
+    for (int64_t i = 0; i < t * hd; i++) xf[i] = load_f(x, i, m->bf16);
+    int rc = linear(&m->lm_head, xf, t, y, m->bf16);
+    free(xf);
     return rc;
 }

@@ -39,12 +39,12 @@ class ThrLayer(ctypes.Structure):
 
 
 class ThrModel(ctypes.Structure):
-    """The shapes, embeddings, final norm, rotary table and layers of one model."""
+    """The shapes, embeddings, final norm, rotary table, layers and LM head of one model."""
 
     _fields_ = [("layers", _i64), ("hidden", _i64), ("hq", _i64), ("hkv", _i64), ("d", _i64),
                 ("block_size", _i64), ("max_inter", _i64), ("eps", _f32), ("scale", _f32),
                 ("bf16", _i32), ("pad", _i32), ("embed", _ptr), ("final_norm", _ptr),
-                ("cos_sin", _ptr), ("layer", ctypes.POINTER(ThrLayer))]
+                ("cos_sin", _ptr), ("layer", ctypes.POINTER(ThrLayer)), ("lm_head", ThrLinear)]
 
 
 def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

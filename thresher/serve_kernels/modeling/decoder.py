@@ -218,4 +218,9 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, V] for selected final hidden states [N, H]."""
+        step = self.native_step
+        if step is not None and enabled() and use_cpu_kernels(hidden):
+            out = step.logits(hidden)
+            if out is not None:
+                return out
         return self.lm_head(hidden).float()

@@ -210,9 +210,14 @@ class NativeStep:
             eps=spec.rms_norm_eps, scale=spec.head_dim ** -0.5, bf16=int(dtype == torch.bfloat16),
             embed=self._keep.ptr(model.embed_tokens), final_norm=self._keep.f32(model.norm),
             cos_sin=self._keep.ptr(model.cos_sin.float()), layer=self.layers)
+        try:
+            self.table.lm_head = linear(model.lm_head, self._keep)
+        except Unsupported as e:
+            log.info("the LM head stays on torch: the C step does not run %s", e)
+        self.vocab = self.table.lm_head.n
         self._table_ref = ctypes.byref(self.table)
         self._bound: int | None = None
-        self.calls, self.seconds = 0, 0.0  # steps run, and their time inside the C call
+        self.calls, self.seconds = 0, 0.0  # steps run; time inside the C calls (LM head too)
 
     def _bind(self, kv_caches: list[tuple[torch.Tensor, ...]]) -> None:
         """Point each layer at its cache (the runner allocates them after the model loads)."""
@@ -242,6 +247,21 @@ class NativeStep:
         self.calls += 1
         if rc:
             raise MemoryError("cpu_step: out of memory for the step's buffers")
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits [N, V] of final hidden states [N, H] through the C LM head (None where it
+        stays on torch, or for a tensor it does not read)."""
+        if (self.table.lm_head.kind == LIN_NONE or hidden.dtype != self.dtype or hidden.is_cuda
+                or not hidden.is_contiguous()):
+            return None
+        out = torch.empty(hidden.shape[0], self.vocab)
+        start = time.perf_counter()
+        rc = loaded().thr_lm_head(self._table_ref, hidden.data_ptr(), hidden.shape[0],
+                                  out.data_ptr())
+        self.seconds += time.perf_counter() - start
+        if rc:
+            raise MemoryError("cpu_step: out of memory for the LM head's input")
         return out
 
     def applies(self, input_ids: torch.Tensor, positions: torch.Tensor,
