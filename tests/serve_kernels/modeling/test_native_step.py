@@ -22,9 +22,10 @@ from thresher.serve_kernels.modeling.native_step import NativeStep
 
 CAL = CalibrationConfig(source=FilesSource(files=[CALIBRATION_FILE]), samples=2, seq_len=16)
 PROMPTS = [[5, 17, 300, 42, 9, 77, 1023], [8, 99, 150], [12, 3, 250, 61, 7, 2, 640, 31, 4, 40]]
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "llama", "qwen3"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "llama", "qwen2", "qwen3"]
 STAGES = {"gptq4": QuantizeStage(method="rtn", group_size=32),
-          "awq4": QuantizeStage(method="awq", group_size=32)}
+          "awq4": QuantizeStage(method="awq", group_size=32),
+          "nf4": QuantizeStage(method="nf4", compute_dtype="float32")}
 
 
 @pytest.fixture(autouse=True)
@@ -107,6 +108,20 @@ def test_native_step_is_not_built_when_off_or_unsupported(tmp_path, monkeypatch,
     monkeypatch.delenv(native_step.ENV)
     assert LLM(path, block_size=4, dtype="float16").engine.runner.model.native_step is None
     assert LLM(path, block_size=4).engine.runner.model.native_step is not None
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3", "gpt_oss", "ernie4_5_moe"])
+def test_other_families_keep_the_operator_path(family, tmp_path, tiny_demo):
+    """Biased or sigmoid routing, latent attention, sinks, interleaved rotary: not in C."""
+    hf = build_random_model(family, vocab_size=4096, intermediate_size=64)
+    path = save_family(hf, tiny_demo, tmp_path / family)
+    assert LLM(path, block_size=4).engine.runner.model.native_step is None
+
+
+def test_nf4_experts_keep_the_operator_path(tmp_path, monkeypatch, tiny_demo):
+    path = _model_dir("qwen3_moe", "nf4", tmp_path, tiny_demo)
+    monkeypatch.setenv("THRESHER_CPU_DENSE_MAX", "0")  # NF4 experts on bitsandbytes' kernel
+    assert LLM(path, block_size=4).engine.runner.model.native_step is None
 
 
 def test_prefill_keeps_operator_path_and_greedy_tokens_agree(tmp_path, monkeypatch, tiny_demo):
