@@ -39,6 +39,7 @@ and the ratios against llama.cpp and the copy bandwidth; the files are deleted a
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shutil
@@ -70,6 +71,17 @@ QUANTIZE = {
     "nf4": ["--method", "nf4"],  # bitsandbytes' CPU NF4 kernel where the CPU has AVX512-BF16
 }
 NAMES = {"gptq4": "GPTQ-4 (RTN g128)", "awq4": "AWQ-4 g128", "nf4": "NF4"}
+
+
+def long_enough(model_dir: Path, positions: int) -> None:
+    """Raise a random model's ``max_position_embeddings`` to ``positions`` in its config.json
+    (the checkpoint builder's 512 is shorter than ``--contexts`` may ask; rotary angles are
+    computed from it at load, so no weight changes)."""
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    if config.get("max_position_embeddings", 0) < positions:
+        config["max_position_embeddings"] = positions
+        path.write_text(json.dumps(config, indent=2))
 
 
 def copy_bandwidth(mb: int = 512) -> float:
@@ -297,6 +309,7 @@ def main() -> None:
         if not (src / "config.json").is_file():
             build_checkpoint(src, args.layers, args.hidden, args.experts, args.intermediate,
                              args.top_k)
+        long_enough(src, max(args.contexts) + args.tokens + 8)
         size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
         variants = [(f"engine 16-bit ({d})", src, d, None) for d in args.dtypes]
         for fmt in args.formats:
@@ -307,6 +320,7 @@ def main() -> None:
             variants += [(f"engine {NAMES[fmt]} {d}" + (f" {k}" if k else ""), out, d, k)
                          for d in args.quant_dtypes for k in kernels]
             if (out / "config.json").is_file():
+                long_enough(out, max(args.contexts) + args.tokens + 8)
                 continue
             cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(src),
                    "--out", str(out), *QUANTIZE[fmt]]
