@@ -134,8 +134,11 @@ def test_prefill_keeps_operator_path_and_greedy_tokens_agree(tmp_path, monkeypat
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == first
 
 
+@pytest.mark.parametrize("bf16_values", [False, True])  # True: one row takes vdpbf16ps
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,n,k", [(1, 37, 1024), (3, 64, 1000), (16, 130, 96)])
-def test_dense_matmul_matches_torch(wdtype, m, n, k):
+@pytest.mark.parametrize("m,n,k", [(1, 37, 1024), (1, 6, 1000), (3, 64, 1000), (16, 130, 96)])
+def test_dense_matmul_matches_torch(wdtype, m, n, k, bf16_values):
     x, w = torch.randn(m, k), torch.randn(n, k).to(wdtype)
+    if bf16_values:
+        x = x.to(torch.bfloat16).float()
     torch.testing.assert_close(cpu_step.dense_matmul(x, w), x @ w.float().T, atol=1e-4, rtol=1e-4)

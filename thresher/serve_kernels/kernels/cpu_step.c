@@ -130,6 +130,92 @@ static void rows_f32(const float *w, int64_t k, int nr, const float *x, float *o
     }
     for (int r = 0; r < nr; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + dot_tail(x, w + r * k, 0, c, k);
 }
+
+/* Several activation rows (a decode batch): TOKENS rows x DROWS weight rows per pass, each weight
+ * vector loaded and widened once for all the rows, out [TOKENS][DROWS]. Weights in bf16 (x split
+ * into even and odd elements, `half` floats apart, rows `xstride` apart) or fp32. */
+#define TOKENS 4
+static inline __attribute__((always_inline)) void tile(const void *w, int wbf16, int64_t k, int nr,
+                                                       int nt, const float *x, int64_t xstride,
+                                                       int64_t half, float *out) {
+    __m512 acc[TOKENS][DROWS];
+    for (int t = 0; t < nt; t++)
+        for (int r = 0; r < nr; r++) acc[t][r] = _mm512_setzero_ps();
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    int64_t c = 0;
+    if (wbf16) {
+        const uint16_t *wb = (const uint16_t *)w;
+        for (; c + 32 <= k; c += 32) {
+            __m512 we[DROWS], wo[DROWS];
+            for (int r = 0; r < nr; r++) {
+                _mm_prefetch((const char *)(wb + r * k + c) + DPREFETCH, _MM_HINT_T0);
+                __m512i v = _mm512_loadu_si512((const void *)(wb + r * k + c));
+                we[r] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                wo[r] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+            }
+            for (int t = 0; t < nt; t++) {
+                __m512 xe = _mm512_loadu_ps(x + t * xstride + c / 2);
+                __m512 xo = _mm512_loadu_ps(x + t * xstride + half + c / 2);
+                for (int r = 0; r < nr; r++)
+                    acc[t][r] = _mm512_fmadd_ps(wo[r], xo, _mm512_fmadd_ps(we[r], xe, acc[t][r]));
+            }
+        }
+    } else {
+        const float *wf = (const float *)w;
+        for (; c + 16 <= k; c += 16) {
+            __m512 wv[DROWS];
+            for (int r = 0; r < nr; r++) {
+                _mm_prefetch((const char *)(wf + r * k + c) + DPREFETCH, _MM_HINT_T0);
+                wv[r] = _mm512_loadu_ps(wf + r * k + c);
+            }
+            for (int t = 0; t < nt; t++) {
+                __m512 xv = _mm512_loadu_ps(x + t * xstride + c);
+                for (int r = 0; r < nr; r++) acc[t][r] = _mm512_fmadd_ps(wv[r], xv, acc[t][r]);
+            }
+        }
+    }
+    for (int t = 0; t < nt; t++)
+        for (int r = 0; r < nr; r++) {
+            float s = _mm512_reduce_add_ps(acc[t][r]);
+            for (int64_t i = c; i < k; i++)
+                s += (wbf16 ? (i % 2 ? x[t * xstride + half + i / 2] : x[t * xstride + i / 2])
+                            : x[t * xstride + i]) * load_f(w, r * k + i, wbf16);
+            out[t * DROWS + r] = s;
+        }
+}
+#define HAVE_TILE 1
+
+#if defined(__AVX512BF16__)
+#define HAVE_DP 1
+/* bf16 weights times bf16-exact activations on vdpbf16ps: products exact, sums in fp32 as the
+ * fma chain's. xb: the activations' bf16 bits, rows k apart. */
+static inline __attribute__((always_inline)) void tile_dp(const uint16_t *w, int64_t k, int nr,
+                                                          int nt, const uint16_t *xb, float *out) {
+    __m512 acc[TOKENS][DROWS];
+    for (int t = 0; t < nt; t++)
+        for (int r = 0; r < nr; r++) acc[t][r] = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 32 <= k; c += 32) {
+        __m512i wv[DROWS];
+        for (int r = 0; r < nr; r++) {
+            _mm_prefetch((const char *)(w + r * k + c) + DPREFETCH, _MM_HINT_T0);
+            wv[r] = _mm512_loadu_si512((const void *)(w + r * k + c));
+        }
+        for (int t = 0; t < nt; t++) {
+            __m512i xv = _mm512_loadu_si512((const void *)(xb + t * k + c));
+            for (int r = 0; r < nr; r++)
+                acc[t][r] = _mm512_dpbf16_ps(acc[t][r], (__m512bh)wv[r], (__m512bh)xv);
+        }
+    }
+    for (int t = 0; t < nt; t++)
+        for (int r = 0; r < nr; r++) {
+            float s = _mm512_reduce_add_ps(acc[t][r]);
+            for (int64_t i = c; i < k; i++)
+                s += bf16_to_f32(xb[t * k + i]) * bf16_to_f32(w[r * k + i]);
+            out[t * DROWS + r] = s;
+        }
+}
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #define DENSE_ISA "avx2"
 #define VW 8
@@ -176,12 +262,57 @@ static void rows_f32(const float *w, int64_t k, int nr, const float *x, float *o
 #error "cpu_step.c needs AVX2 and FMA"
 #endif
 
-const char *thr_dense_isa(void) { return DENSE_ISA; }
+const char *thr_dense_isa(void) {
+#ifdef HAVE_DP
+    return DENSE_ISA "+bf16";
+#else
+    return DENSE_ISA;
+#endif
+}
+
+#ifdef HAVE_DP
+static int dense_dp(const float *x, int64_t k, const uint16_t *w, int64_t n, float *y) {
+    int64_t m = 1;
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(m * k));
+    if (!xb) return -1;
+    for (int64_t i = 0; i < m * k; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, 4);
+        xb[i] = (uint16_t)(u >> 16);
+    }
+    int64_t blocks = (n + DROWS - 1) / DROWS;
+#pragma omp parallel for schedule(static) if (n * k >= 65536)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t r0 = b * DROWS;
+        int nr = n - r0 < DROWS ? (int)(n - r0) : DROWS;
+        float acc[TOKENS * DROWS];
+        if (nr == DROWS)
+            tile_dp(w + r0 * k, k, DROWS, 1, xb, acc);
+        else
+            tile_dp(w + r0 * k, k, nr, 1, xb, acc);
+        for (int r = 0; r < nr; r++) y[r0 + r] = acc[r];
+    }
+    free(xb);
+    return 0;
+}
+#endif
 
 /* y [m, n] = x [m, k] @ W.T for W fp32 or bf16 [n, k]; x and y fp32, y not rounded.
  * Returns 0, or -1 when out of memory. */
 int thr_dense_matmul(const float *x, int64_t m, int64_t k, const void *w, int wbf16, int64_t n,
                      float *y) {
+#ifdef HAVE_DP
+    if (wbf16 && m == 1) { /* one row of bf16 values (a bf16 model's decode): vdpbf16ps; with
+                              * more rows the widening tile below measured faster */
+        int exact = 1;
+        for (int64_t i = 0; exact && i < m * k; i++) {
+            uint32_t u;
+            memcpy(&u, x + i, 4);
+            exact = (u & 0xffffu) == 0;
+        }
+        if (exact) return dense_dp(x, k, (const uint16_t *)w, n, y);
+    }
+#endif
     float *xs = NULL; /* bf16 weights: x's even and odd elements, per row */
     if (wbf16) {
         xs = malloc(sizeof(float) * (size_t)(m * (k + 1)));
@@ -196,7 +327,24 @@ int thr_dense_matmul(const float *x, int64_t m, int64_t k, const void *w, int wb
     for (int64_t b = 0; b < blocks; b++) {
         int64_t r0 = b * DROWS;
         int nr = n - r0 < DROWS ? (int)(n - r0) : DROWS;
-        for (int64_t i = 0; i < m; i++) {
+        int64_t i = 0;
+#ifdef HAVE_TILE
+        for (; m > 1 && i < m; i += TOKENS) { /* a batch: each weight vector widened once */
+            int nt = m - i < TOKENS ? (int)(m - i) : TOKENS;
+            const float *xi = wbf16 ? xs + i * 2 * half : x + i * k;
+            int64_t xstride = wbf16 ? 2 * half : k;
+            float acc[TOKENS * DROWS];
+            if (nt == TOKENS && nr == DROWS)
+                tile((const char *)w + r0 * k * (wbf16 ? 2 : 4), wbf16, k, DROWS, TOKENS, xi,
+                     xstride, half, acc);
+            else
+                tile((const char *)w + r0 * k * (wbf16 ? 2 : 4), wbf16, k, nr, nt, xi, xstride,
+                     half, acc);
+            for (int t = 0; t < nt; t++)
+                for (int r = 0; r < nr; r++) y[(i + t) * n + r0 + r] = acc[t * DROWS + r];
+        }
+#endif
+        for (; i < m; i++) {
             float acc[DROWS];
             if (wbf16)
                 rows_bf16((const uint16_t *)w + r0 * k, k, nr, xs + i * 2 * half,
