@@ -67,7 +67,8 @@ def main() -> None:
                 blocked = ([cpu_blocked.block(w) for w in copies]
                            if dtype != torch.float32 and cpu_blocked.blocked_supported(dtype)
                            else None)
-                x32, x = torch.randn(1, k), torch.randn(1, k).to(dtype)
+                x = torch.randn(1, k).to(dtype)
+                x32 = x.float()  # a bf16 model's activations are bf16 values (vdpbf16ps)
                 best = {"c": 0.0, "t": 0.0, "b": 0.0}
                 bw = 0.0
                 for _ in range(args.passes):
