@@ -20,19 +20,31 @@ GGUF exporter (``--gguf-types``, default f16 q8_0 q4_0) and decoded greedily by 
 (llama-cpp-python's ``Llama`` decodes one sequence; its c=16 cells are left empty). Without
 llama-cpp-python those rows are skipped with a message.
 
+``--contexts`` sets the prompt lengths: every concurrency at the first, c=1 at the others (the
+same prompt pattern repeated), for the engine and llama.cpp alike. Engine rows run the one-call C
+decode step (``modeling/native_step.py``) where it applies; ``--steps native ops`` adds each
+variant on the operator path (``THRESHER_CPU_STEP=off``) for comparison in the same run. Host
+ms / step (c=1, first context) = the decode steps' wall time minus the time inside the C step
+and LM head calls (``NativeStep.seconds``; ``CausalLM.logits`` where the head stays on torch), the median
+over decode steps of the best round: the scheduling, metadata, sampling and Python around the
+native call; "-" on the operator path, whose host and kernel time interleave.
+
 Bandwidth use = weight bytes one decode step reads per sequence (attention, router, top-k of the
 experts, lm_head; the packed bytes a 4-bit layer's kernel reads; for GGUF the tensor bytes with
 expert tensors scaled by top-k / experts, the embedding table left out) x tokens/s at
-concurrency 1, against a 512 MB copy (read + write bytes) timed in the same run. Prints one table
+concurrency 1, against a 512 MB copy (read + write bytes) timed before and after the runs (the
+faster of the two). Prints one table
 and the ratios against llama.cpp and the copy bandwidth; the files are deleted at the end unless --keep or --workdir.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,6 +60,7 @@ from thresher.export import export_gguf
 from thresher.export.llama_runtime import INSTALL_HINT, LLAMA_CPP_AVAILABLE, LlamaCppModel
 from thresher.serve_kernels import LLM, SamplingParams
 from thresher.serve_kernels.kernels import cpu_native, cpu_q4
+from thresher.serve_kernels.modeling import native_step
 from thresher.serve_kernels.modeling.linear import DenseLinear
 from thresher.serve_kernels.modeling.moe import ExpertLoop, FusedExperts
 
@@ -59,6 +72,17 @@ QUANTIZE = {
     "nf4": ["--method", "nf4"],  # bitsandbytes' CPU NF4 kernel where the CPU has AVX512-BF16
 }
 NAMES = {"gptq4": "GPTQ-4 (RTN g128)", "awq4": "AWQ-4 g128", "nf4": "NF4"}
+
+
+def long_enough(model_dir: Path, positions: int) -> None:
+    """Raise a random model's ``max_position_embeddings`` to ``positions`` in its config.json
+    (the checkpoint builder's 512 is shorter than ``--contexts`` may ask; rotary angles are
+    computed from it at load, so no weight changes)."""
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    if config.get("max_position_embeddings", 0) < positions:
+        config["max_position_embeddings"] = positions
+        path.write_text(json.dumps(config, indent=2))
 
 
 def copy_bandwidth(mb: int = 512) -> float:
@@ -125,15 +149,64 @@ def gguf_bytes_per_token(path: Path, experts: int, top_k: int) -> int:
     return total
 
 
-def llama_rate_sample(llm: LlamaCppModel, tokens: int) -> float:
+def prompt_of(context: int, shift: int = 0) -> list[int]:
+    """A prompt of ``context`` tokens: PROMPT's pattern repeated, shifted per sequence."""
+    return [(PROMPT[i % len(PROMPT)] + 7 * (i // len(PROMPT)) + shift) % 4000
+            for i in range(context)]
+
+
+def columns(concurrency: list[int], contexts: list[int]) -> list[tuple[int, int]]:
+    """(concurrency, context) cells: every concurrency at the first context, c=1 at the rest."""
+    return [(c, contexts[0]) for c in concurrency] + [(1, n) for n in contexts[1:]]
+
+
+def llama_rate_sample(llm: LlamaCppModel, tokens: int, context: int) -> float:
     """One llama.cpp greedy decode at batch 1: tokens per second, prompt excluded."""
-    return llm.greedy(PROMPT, tokens)[1].tokens_per_second
+    return llm.greedy(prompt_of(context), tokens)[1].tokens_per_second
 
 
-def engine_times(llm: LLM, concurrency: int, new_tokens: int) -> tuple[float, float]:
+class StepClock:
+    """Per engine step: wall time, and the time inside the C step and the LM head (see the
+    module docstring); wraps ``engine.step`` and ``CausalLM.logits``."""
+
+    def __init__(self, llm: LLM):
+        engine, model = llm.engine, llm.engine.runner.model
+        self.kernel = 0.0  # LM head seconds so far (the C step keeps its own)
+        self.host: list[float] = []  # per decode step, host seconds
+        logits, step = model.logits, engine.step
+
+        def timed_logits(hidden: torch.Tensor) -> torch.Tensor:
+            native = model.native_step
+            inside, start = native.seconds if native else 0.0, time.perf_counter()
+            out = logits(hidden)  # the C LM head counts in native.seconds already
+            self.kernel += time.perf_counter() - start - (
+                native.seconds - inside if native else 0.0)
+            return out
+
+        def timed_step():
+            native = model.native_step
+            calls, inside = (native.calls, native.seconds) if native else (0, 0.0)
+            kernel, start = self.kernel, time.perf_counter()
+            out = step()
+            wall = time.perf_counter() - start
+            if native and native.calls == calls + 1:  # a decode step on the C path
+                self.host.append(wall - (native.seconds - inside) - (self.kernel - kernel))
+            return out
+
+        model.logits, engine.step = timed_logits, timed_step
+
+    def take(self) -> list[float]:
+        """The host seconds of the decode steps since the last call."""
+        host, self.host = self.host, []
+        return host
+
+
+def engine_times(llm: LLM, clock: StepClock, concurrency: int, context: int, new_tokens: int
+                 ) -> tuple[float, float, float | None]:
     """Seconds to generate 1 and ``new_tokens + 1`` tokens for ``concurrency`` sequences (their
-    difference is the decode time with prefill left out)."""
-    prompts = [[(t + i) % 4000 for t in PROMPT] for i in range(concurrency)]
+    difference is the decode time with prefill left out), and the median host seconds of the
+    decode steps (None on the operator path)."""
+    prompts = [prompt_of(context, i) for i in range(concurrency)]
 
     def run(n: int) -> float:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -141,38 +214,50 @@ def engine_times(llm: LLM, concurrency: int, new_tokens: int) -> tuple[float, fl
         llm.generate(prompts, params)
         return time.perf_counter() - start
 
-    return run(1), run(new_tokens + 1)
+    clock.take()
+    first, full = run(1), run(new_tokens + 1)
+    host = clock.take()
+    return first, full, statistics.median(host) if host else None
 
 
-def measure(engines: dict[str, LLM], llamas: dict[str, LlamaCppModel],
-            concurrency: list[int], tokens: int, repeats: int) -> dict[str, list[float | None]]:
-    """Decode tokens per second of every variant at every concurrency (llama.cpp: batch 1).
+def measure(engines: dict[str, LLM], llamas: dict[str, LlamaCppModel], cells: list[tuple[int, int]],
+            tokens: int, repeats: int) -> tuple[dict[str, list[float | None]], dict[str, float]]:
+    """Decode tokens per second of every variant in every (concurrency, context) cell
+    (llama.cpp: batch 1), and each engine's host seconds per step in the first cell at c=1.
 
     The variants take turns, one timed run each per round, for ``repeats`` rounds, so a busy
     spell of a shared machine falls on all of them; each reports its best round (for the
     engine, the fastest 1-token and N+1-token runs)."""
-    times: dict[tuple[str, int], list[tuple[float, float]]] = {}
-    llama_rates: dict[str, list[float]] = {name: [] for name in llamas}
-    for llm in engines.values():  # warm up
-        for c in concurrency:
-            engine_times(llm, c, 2)
+    times: dict[tuple[str, tuple[int, int]], list[tuple[float, float, float | None]]] = {}
+    llama_rates: dict[tuple[str, int], list[float]] = {}
+    clocks = {name: StepClock(llm) for name, llm in engines.items()}
+    for name, llm in engines.items():  # warm up
+        for c, n in cells:
+            engine_times(llm, clocks[name], c, n, 2)
     for llm in llamas.values():
         llm.greedy(PROMPT, 4)
     for _ in range(repeats):
         for name, llm in engines.items():
-            for c in concurrency:
-                times.setdefault((name, c), []).append(engine_times(llm, c, tokens))
+            for cell in cells:
+                times.setdefault((name, cell), []).append(
+                    engine_times(llm, clocks[name], *cell, tokens))
         for name, llm in llamas.items():
-            llama_rates[name].append(llama_rate_sample(llm, tokens))
+            for c, n in cells:
+                if c == 1:
+                    llama_rates.setdefault((name, n), []).append(
+                        llama_rate_sample(llm, tokens, n))
     rates: dict[str, list[float | None]] = {}
+    host: dict[str, float] = {}
     for name in engines:
         rates[name] = []
-        for c in concurrency:
-            first, full = zip(*times[(name, c)], strict=True)
-            rates[name].append(c * tokens / (min(full) - min(first)))
-    for name, samples in llama_rates.items():
-        rates[name] = [max(samples) if c == 1 else None for c in concurrency]
-    return rates
+        for cell in cells:
+            first, full, hosts = zip(*times[(name, cell)], strict=True)
+            rates[name].append(cell[0] * tokens / (min(full) - min(first)))
+            if cell == (1, cells[0][1]) and None not in hosts:
+                host[name] = min(hosts)
+    for name in llamas:
+        rates[name] = [max(llama_rates[(name, n)]) if c == 1 else None for c, n in cells]
+    return rates, host
 
 
 def main() -> None:
@@ -187,6 +272,12 @@ def main() -> None:
                     help="rounds; every variant is timed once per round, in turn, and its best "
                          "round is reported (both runtimes)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[16],
+                    help="prompt lengths: every concurrency at the first, c=1 at the others "
+                         "(e.g. 16 256 1024)")
+    ap.add_argument("--steps", nargs="+", default=["native"], choices=["native", "ops"],
+                    help="engine decode steps: the one-call C step where it applies, and/or the "
+                         "operator path (THRESHER_CPU_STEP=off)")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                     help="engine dtypes of the 16-bit model")
     ap.add_argument("--formats", nargs="+", default=["gptq4", "awq4", "nf4"],
@@ -219,6 +310,7 @@ def main() -> None:
         if not (src / "config.json").is_file():
             build_checkpoint(src, args.layers, args.hidden, args.experts, args.intermediate,
                              args.top_k)
+        long_enough(src, max(args.contexts) + args.tokens + 8)
         size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
         variants = [(f"engine 16-bit ({d})", src, d, None) for d in args.dtypes]
         for fmt in args.formats:
@@ -229,6 +321,7 @@ def main() -> None:
             variants += [(f"engine {NAMES[fmt]} {d}" + (f" {k}" if k else ""), out, d, k)
                          for d in args.quant_dtypes for k in kernels]
             if (out / "config.json").is_file():
+                long_enough(out, max(args.contexts) + args.tokens + 8)
                 continue
             cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(src),
                    "--out", str(out), *QUANTIZE[fmt]]
@@ -236,6 +329,8 @@ def main() -> None:
             if proc.returncode:
                 sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-2000:])
                 raise SystemExit(f"quantize {fmt} failed with exit status {proc.returncode}")
+        variants = [(name + (" ops" if step == "ops" else ""), path, dtype, kernel, step)
+                    for name, path, dtype, kernel in variants for step in args.steps]
         ggufs = []
         if args.gguf_types and not LLAMA_CPP_AVAILABLE:
             print(f"llama.cpp rows skipped: {INSTALL_HINT}")
@@ -246,35 +341,45 @@ def main() -> None:
                     export_gguf(src, out, gguf_type, show_progress=False)
                 ggufs.append((f"llama.cpp {gguf_type.upper()}", out))
         bandwidth = copy_bandwidth()
-        rows: dict[str, tuple[int | None, list[float | None], str]] = {}
+        rows: dict[str, tuple[int | None, list[float | None], str, str]] = {}
         engines: dict[str, LLM] = {}
         setting = os.environ.get(cpu_native.ENV)
-        for name, path, dtype, kernel in variants:
+        cells = columns(args.concurrency, args.contexts)
+        max_len = max(args.contexts) + args.tokens + 8
+        for name, path, dtype, kernel, step in variants:
             if kernel == "torch":  # packs read the setting at load time
                 os.environ[cpu_native.ENV] = "off"
+            if step == "ops":  # at load: no C step built, the blocked layout kept
+                os.environ[native_step.ENV] = "off"
             try:
-                engines[name] = LLM(path, dtype=dtype, max_num_seqs=max(args.concurrency))
+                engines[name] = LLM(path, dtype=dtype, max_num_seqs=max(args.concurrency),
+                                    max_model_len=max_len)
             except Exception as exc:  # a dtype the engine cannot serve yet is reported, not fatal
-                rows[name] = (None, [], f"{type(exc).__name__}: {str(exc)[:60]}")
+                rows[name] = (None, [], "-", f"{type(exc).__name__}: {str(exc)[:60]}")
             finally:
                 os.environ.pop(cpu_native.ENV, None)
+                os.environ.pop(native_step.ENV, None)
                 if setting is not None:
                     os.environ[cpu_native.ENV] = setting
-        max_tokens = len(PROMPT) + args.tokens + 8
+        max_tokens = max_len
         llamas = {name: LlamaCppModel(path, n_ctx=max_tokens, n_threads=threads)
                   for name, path in ggufs}
         try:
-            rates = measure(engines, llamas, args.concurrency, args.tokens, args.repeats)
+            rates, host = measure(engines, llamas, cells, args.tokens, args.repeats)
+            bandwidth = max(bandwidth, copy_bandwidth())  # a busy spell may have hit the first
         finally:
             for llm in llamas.values():
                 llm.close()
         for name, llm in engines.items():
             per_token = bytes_per_token(llm)
-            rows[name] = (per_token, rates[name], "" if per_token else "dequantizing reference")
+            step = "C step" if llm.engine.runner.model.native_step else "operator path"
+            ms = f"{host[name] * 1e3:.2f}" if name in host else "-"
+            rows[name] = (per_token, rates[name], ms,
+                          step if per_token else "dequantizing reference")
         for name, path in ggufs:
-            rows[name] = (gguf_bytes_per_token(path, args.experts, args.top_k), rates[name],
+            rows[name] = (gguf_bytes_per_token(path, args.experts, args.top_k), rates[name], "-",
                           "batch 1 only")
-        print_table(args, size, bandwidth, threads, rows)
+        print_table(args, size, bandwidth, threads, rows, cells)
     finally:
         if keep:
             print(f"kept {root}")
@@ -283,43 +388,47 @@ def main() -> None:
 
 
 def ratios(rows: list[str]) -> list[tuple[str, str]]:
-    """(numerator row, denominator row): the comparisons issue 14 asks for, among ``rows``."""
-    pairs = [("engine 16-bit (bfloat16)", "llama.cpp F16"),
-             ("engine 16-bit (float32)", "engine 16-bit (bfloat16)")]
+    """(numerator row, denominator row): against llama.cpp, against the engine's bf16 row, and
+    the C step against the operator path, among ``rows``."""
+    bf16 = "engine 16-bit (bfloat16)"
+    pairs = [(bf16, "llama.cpp F16"), ("engine 16-bit (float32)", bf16)]
     for row in rows:
-        if row.startswith("engine GPTQ-4") or row.startswith("engine AWQ-4"):
+        if row.startswith(("engine GPTQ-4", "engine AWQ-4")) and not row.endswith(" ops"):
             pairs.append((row, "llama.cpp Q4_0"))
     for row in rows:
-        if row.startswith("engine") and "16-bit" not in row:
-            pairs.append((row, "engine 16-bit (bfloat16)"))
+        if row.startswith("engine") and "16-bit" not in row and not row.endswith(" ops"):
+            pairs.append((row, bf16))
+    pairs += [(row[:-4], row) for row in rows if row.endswith(" ops")]
     return pairs
 
 
 def print_table(args: argparse.Namespace, size: int, bandwidth: float, threads: int,
-                rows: dict[str, tuple[int | None, list[float | None], str]]) -> None:
+                rows: dict[str, tuple[int | None, list[float | None], str, str]],
+                cells: list[tuple[int, int]]) -> None:
     """The rates table, then each ratio whose two rows were measured."""
     print(f"\nrandom-init qwen3_moe, {args.layers} layers, hidden {args.hidden}, "
           f"{args.experts} experts x {args.intermediate} (top-{args.top_k}): {size / 1e9:.2f} GB "
           f"in bf16; {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, {threads} threads; copy bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s; load average {os.getloadavg()[0]:.1f}\n")
-    head = " | ".join(f"c={c} tok/s" for c in args.concurrency)
-    print(f"| variant | MB read / token | {head} | bandwidth use (c=1) | note |")
-    print("|---|---|" + "---|" * len(args.concurrency) + "---|---|")
-    for name, (per_token, rates, note) in rows.items():
-        cells = " | ".join("-" if r is None else f"{r:.2f}" for r in rates) if rates else \
-            " | ".join("-" for _ in args.concurrency)
+    heads = [f"c={c} ctx {n} tok/s" for c, n in cells]
+    print(f"| variant | MB read / token | {' | '.join(heads)} | bandwidth use (c=1) "
+          "| host ms / step | note |")
+    print("|---|---|" + "---|" * len(cells) + "---|---|---|")
+    for name, (per_token, rates, host, note) in rows.items():
+        text = " | ".join("-" if r is None else f"{r:.2f}" for r in rates) if rates else \
+            " | ".join("-" for _ in cells)
         use = f"{per_token * rates[0] / bandwidth:.1%}" if rates and rates[0] and per_token else "-"
         mb = f"{per_token / 2**20:.0f}" if per_token else "-"
-        print(f"| {name} | {mb} | {cells} | {use} | {note} |")
-    print(f"\n| ratio | {' | '.join(f'c={c}' for c in args.concurrency)} |")
-    print("|---|" + "---|" * len(args.concurrency))
+        print(f"| {name} | {mb} | {text} | {use} | {host} | {note} |")
+    print(f"\n| ratio | {' | '.join(heads)} |")
+    print("|---|" + "---|" * len(cells))
     for num, den in ratios(list(rows)):
         if not (rows.get(num, (0, []))[1] and rows.get(den, (0, []))[1]):
             continue
-        cells = [f"{a / b:.2f}x" if a and b else "-"
-                 for a, b in zip(rows[num][1], rows[den][1], strict=True)]
-        print(f"| {num} / {den} | {' | '.join(cells)} |")
+        text = [f"{a / b:.2f}x" if a and b else "-"
+                for a, b in zip(rows[num][1], rows[den][1], strict=True)]
+        print(f"| {num} / {den} | {' | '.join(text)} |")
 
 
 if __name__ == "__main__":

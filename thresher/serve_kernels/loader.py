@@ -34,7 +34,7 @@ from thresher.models.layerwise import load_config
 from thresher.models.manifest import verify_artifact
 from thresher.models.source import resolve_model
 from thresher.serve_kernels.kernels import cpu_native, rotary_cos_sin
-from thresher.serve_kernels.modeling import gpt_oss
+from thresher.serve_kernels.modeling import gpt_oss, native_step
 from thresher.serve_kernels.modeling.decoder import (
     Attention,
     CausalLM,
@@ -250,6 +250,7 @@ def load_engine_model(source: str | Path, dtype: str | torch.dtype = "float32",
     if torch.device(device).type == "cpu":
         cpu_native.library()  # thresher's C kernels, built on first use: packs and norms use them
         pack_for_cpu(model, dtype)
+        model.native_step = native_step.build(model)  # decode steps in one C call
     info = {
         "format": "bf16" if quant is None else quant.kind,
         "bits": 16 if quant is None else "mixed" if quant.mixed else quant.bits,

@@ -22,6 +22,7 @@ from thresher.serve_kernels import LLM, SamplingParams
 from thresher.serve_kernels.engine import llm_engine
 from thresher.serve_kernels.engine.llm_engine import CPU_BF16_MIN_BYTES, resolve_dtype
 from thresher.serve_kernels.kernels import cpu_blocked
+from thresher.serve_kernels.modeling import native_step
 
 PROMPTS = ["def main():\n    ", "import os\nimport sys\n", "class Foo(object):",
            "    return self.", "for i in range(10):\n"]
@@ -36,8 +37,9 @@ def pair(request, tiny_demo):
     serves in oneDNN's blocked layout (the default keeps `tiny`'s small matrices row-major)."""
     dtype, _, blocked = request.param.partition(" ")
     with pytest.MonkeyPatch.context() as mp:
-        if blocked:
+        if blocked:  # the operator path's layout: the one-call decode step reads row-major
             mp.setenv(cpu_blocked.ENV_VAR, "0")
+            mp.setenv(native_step.ENV, "off")
         llm = LLM(tiny_demo, dtype=dtype, max_model_len=128)
     model = llm.engine.runner.model
     assert (model.layers[0].attn.qkv.cpu_blocked is not None) == bool(blocked)

@@ -1,5 +1,5 @@
-"""thresher's C kernels for the CPU (``cpu_q4.c``, ``cpu_norm.c``, ``cpu_attention.c``): built
-once per machine.
+"""thresher's C kernels for the CPU (``cpu_q4.c``, ``cpu_norm.c``, ``cpu_attention.c``,
+``cpu_step.c``): built once per machine.
 
 A decode step on a CPU is a few hundred small operations; where torch's take tens of
 microseconds for a [1, 1024] row (its bf16 RMSNorm is half a dozen dispatched operators) or are
@@ -36,7 +36,7 @@ from thresher.paths import code_dir, fallback_code_dir, is_private
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_q4.c", "cpu_norm.c", "cpu_attention.c"))
+                for name in ("cpu_q4.c", "cpu_norm.c", "cpu_attention.c", "cpu_step.c"))
 HEADERS = (Path(__file__).with_name("cpu_common.h"),)  # included by the sources
 ENV = "THRESHER_CPU_NATIVE"  # "off" keeps torch's operators; a -march value overrides "native"
 REQUIRE_ENV = "THRESHER_REQUIRE_C_KERNELS"  # "1": a build failure raises instead of falling back
@@ -109,6 +109,13 @@ def load(path: Path) -> ctypes.CDLL:
     lib.thr_paged_decode.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64,
                                      ctypes.c_float, ptr, cint]
     lib.thr_paged_decode.restype = cint
+    lib.thr_dense_isa.restype = ctypes.c_char_p
+    lib.thr_dense_matmul.argtypes = [ptr, i64, i64, ptr, cint, i64, ptr]
+    lib.thr_dense_matmul.restype = cint
+    lib.thr_decode_step.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr]
+    lib.thr_decode_step.restype = cint
+    lib.thr_lm_head.argtypes = [ptr, ptr, i64, ptr]
+    lib.thr_lm_head.restype = cint
     return lib
 
 

@@ -11,6 +11,8 @@
  * Weight layout, per row: K / 64 chunks of 32 bytes; byte j of chunk c holds code 64c + j in
  * its low nibble and code 64c + 32 + j in its high nibble, so one load and two masks give the
  * 64 codes in order. Scales: float [N, 2, K / G], per row the group scales s, then s * z.
+ * Groups of a multiple of 128 read the packed bytes directly for up to DIRECT_ROWS activation
+ * rows (rows_dot_packed); other layouts unpack 4 rows at a time into a buffer first.
  * Requires K % 64 == 0 and G % 32 == 0 (G divides K). Built by cpu_q4.py with the host's
  * -march; threads are torch's (its libgomp is the one loaded in the process).
  */
@@ -52,6 +54,7 @@ static void quantize_row(const void *x, int x_bf16, int64_t k, int64_t g, int8_t
 }
 
 #define ROWS 4 /* weight rows per step: they share each activation load */
+#define DIRECT_ROWS 16 /* up to this many activation rows, groups of 128k read the packed bytes */
 #ifndef PREFETCH
 #define PREFETCH 4096
 #endif
@@ -133,6 +136,53 @@ static inline __attribute__((always_inline)) void rows_dot(
     }
     for (int r = 0; r < nr; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
+
+/* Groups of a multiple of 128: rows_dot straight from the packed bytes, no unpacked copy. One
+ * 64-byte load is two chunks (128 codes); its low nibbles are codes 0-31 and 64-95 of the
+ * segment, its high nibbles 32-63 and 96-127, so the activations are permuted to match once per
+ * call (``permute_segments``). Decode (a few rows) reads each weight byte once: unpacking it to
+ * a buffer first only added stores and loads. */
+#define Q4_DIRECT 1
+static void permute_segments(const int8_t *xq, int64_t k, int8_t *xp) {
+    for (int64_t s = 0; s < k / 128; s++) {
+        memcpy(xp + 128 * s, xq + 128 * s, 32);
+        memcpy(xp + 128 * s + 32, xq + 128 * s + 64, 32);
+        memcpy(xp + 128 * s + 64, xq + 128 * s + 32, 32);
+        memcpy(xp + 128 * s + 96, xq + 128 * s + 96, 32);
+    }
+}
+
+static inline __attribute__((always_inline)) void rows_dot_packed(
+    const uint8_t *w, int64_t stride, const float *sz, int64_t sz_stride, int64_t k, int64_t g,
+    int nr, const int8_t *xp, const float *d, float *out) {
+    __m512 acc[ROWS];
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
+    int64_t per_group = g / 128;
+    for (int64_t gi = 0; gi < k / g; gi++) {
+        __m512 gacc[ROWS];
+        for (int r = 0; r < nr; r++) gacc[r] = _mm512_setzero_ps();
+        for (int64_t s = gi * per_group; s < (gi + 1) * per_group; s++) {
+            __m512i xlo = _mm512_loadu_si512((const void *)(xp + 128 * s));
+            __m512i xhi = _mm512_loadu_si512((const void *)(xp + 128 * s + 64));
+            __m512 dlo = pair(d[4 * s], d[4 * s + 2]), dhi = pair(d[4 * s + 1], d[4 * s + 3]);
+            for (int r = 0; r < nr; r++) {
+                const uint8_t *p = w + r * stride + 64 * s;
+                _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);
+                __m512i v = _mm512_loadu_si512((const void *)p);
+                __m512i lo = _mm512_and_si512(v, mask);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+                __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo);
+                __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, xhi);
+                gacc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), dlo, gacc[r]);
+                gacc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), dhi, gacc[r]);
+            }
+        }
+        for (int r = 0; r < nr; r++)
+            acc[r] = _mm512_fmadd_ps(gacc[r], _mm512_set1_ps(sz[r * sz_stride + gi]), acc[r]);
+    }
+    for (int r = 0; r < nr; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #define Q4_ISA "avx2"
 static inline float zdot(const float *a, const float *b, int64_t n) {
@@ -192,6 +242,41 @@ int thr_q4_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t
                      d + i * blocks, gsum + i * groups);
     int64_t quads = (n + ROWS - 1) / ROWS;
     int failed = 0;
+#if defined(Q4_DIRECT) && !defined(Q4_NO_DIRECT)
+    if (g % 128 == 0 && m <= DIRECT_ROWS) {
+        int8_t *xp = aligned_alloc(64, (size_t)((m * k + 127) / 64 * 64));
+        if (!xp) {
+            free(xq), free(d), free(gsum);
+            return -1;
+        }
+        for (int64_t i = 0; i < m; i++) permute_segments(xq + i * k, k, xp + i * k);
+#pragma omp parallel for schedule(static) if (m * n * k > 262144)
+        for (int64_t qi = 0; qi < quads; qi++) {
+            int64_t r0 = qi * ROWS;
+            int nr = n - r0 < ROWS ? (int)(n - r0) : ROWS;
+            const float *szr = sz + r0 * 2 * groups;
+            for (int64_t i = 0; i < m; i++) {
+                float acc[ROWS];
+                if (nr == ROWS)
+                    rows_dot_packed(w + r0 * (k / 2), k / 2, szr, 2 * groups, k, g, ROWS,
+                                    xp + i * k, d + i * blocks, acc);
+                else
+                    rows_dot_packed(w + r0 * (k / 2), k / 2, szr, 2 * groups, k, g, nr,
+                                    xp + i * k, d + i * blocks, acc);
+                for (int r = 0; r < nr; r++) {
+                    float v = acc[r] - zdot(szr + r * 2 * groups + groups, gsum + i * groups,
+                                            groups);
+                    if (y_bf16)
+                        ((uint16_t *)y)[i * n + r0 + r] = f32_to_bf16(v);
+                    else
+                        ((float *)y)[i * n + r0 + r] = v;
+                }
+            }
+        }
+        free(xp), free(xq), free(d), free(gsum);
+        return 0;
+    }
+#endif
 #pragma omp parallel if (m * n * k > 262144)
     {
         uint8_t *wb = aligned_alloc(64, (size_t)(ROWS * k));

@@ -24,9 +24,10 @@ import torch
 from torch import nn
 
 from thresher.serve_kernels.kernels import apply_rotary, rms_norm, silu_and_mul, store_kv_cache
-from thresher.serve_kernels.kernels.backend import use_triton
+from thresher.serve_kernels.kernels.backend import use_cpu_kernels, use_triton
 from thresher.serve_kernels.modeling.attention import AttentionMetadata, paged_attention
 from thresher.serve_kernels.modeling.linear import Linear, merge_linears
+from thresher.serve_kernels.modeling.native_step import NativeStep, enabled
 
 
 @dataclass(frozen=True)
@@ -213,6 +214,7 @@ class CausalLM(nn.Module):
         # whether some layer carries a per-sequence recurrent state (Qwen3.5's Gated DeltaNet):
         # its tokens can be neither skipped (prefix caching) nor taken back (speculation)
         self.recurrent = any(getattr(layer.attn, "recurrent", False) for layer in layers)
+        self.native_step: NativeStep | None = None  # one C call per CPU decode step (loader)
 
     def reserve_states(self, slots: int) -> int:
         """Allocate every recurrent layer's per-sequence state for ``slots`` sequences now (so
@@ -229,6 +231,10 @@ class CausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, ...]],
                 meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [T, H] of the new tokens; their K/V land in ``kv_caches``."""
+        step = self.native_step
+        if (step is not None and enabled() and use_cpu_kernels(input_ids)
+                and step.applies(input_ids, positions, meta)):
+            return step(input_ids, positions, kv_caches, meta)
         x = nn.functional.embedding(input_ids, self.embed_tokens)
         residual = None
         rope = Rope(self.cos_sin, positions, self.embed_tokens.dtype)
@@ -240,4 +246,9 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, V] for selected final hidden states [N, H]."""
+        step = self.native_step
+        if step is not None and enabled() and use_cpu_kernels(hidden):
+            out = step.logits(hidden)
+            if out is not None:
+                return out
         return self.lm_head(hidden).float()

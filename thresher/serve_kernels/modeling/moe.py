@@ -103,6 +103,15 @@ class FusedExperts(nn.Module):
             self.cpu_gate_up, self.cpu_down = gate_up, down
             self.cpu_q4 = ExpertTable.build(gate_up, down)
 
+    def row_major(self) -> None:
+        """16-bit experts back from the blocked layout into the stacked row-major buffers (what
+        the one-call CPU decode step reads); the blocked copies are released."""
+        if self.format == "dense" and self.cpu_matmul is blocked_matmul:
+            self.gate_up_weight = torch.stack([unblock(w) for w in self.cpu_gate_up])
+            self.down_weight = torch.stack([unblock(w) for w in self.cpu_down])
+            self.cpu_gate_up = self.cpu_down = None
+            self.cpu_matmul, self.cpu_compute_dtype = int4_matmul, torch.bfloat16
+
     def _weights(self, proj: str) -> ExpertWeights:
         t = {name: getattr(self, f"{proj}_{name}") for name in self._names}
         if self.format == "dense" and self.cpu_matmul is blocked_matmul:  # read back, stacked

@@ -1,0 +1,144 @@
+"""The one-call CPU decode step (``cpu_step.c``) against the operator path it replaces: final
+hidden states of decode tokens at c=1 and c=3 across block boundaries, per family and format;
+which models and batches take it; its dense matmul against torch's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import CALIBRATION_FILE, build_random_model
+from tests.serve_kernels.conftest import save_family
+from thresher.compress.api import quantize_model
+from thresher.recipe import CalibrationConfig, FilesSource, QuantizeStage
+from thresher.serve_kernels import LLM, SamplingParams
+from thresher.serve_kernels.engine.scheduler import ScheduledBatch
+from thresher.serve_kernels.engine.sequence import Sequence
+from thresher.serve_kernels.kernels import cpu_native, cpu_step
+from thresher.serve_kernels.modeling import native_step
+from thresher.serve_kernels.modeling.native_step import NativeStep
+
+CAL = CalibrationConfig(source=FilesSource(files=[CALIBRATION_FILE]), samples=2, seq_len=16)
+PROMPTS = [[5, 17, 300, 42, 9, 77, 1023], [8, 99, 150], [12, 3, 250, 61, 7, 2, 640, 31, 4, 40]]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "llama", "qwen2", "qwen3"]
+STAGES = {"gptq4": QuantizeStage(method="rtn", group_size=32),
+          "awq4": QuantizeStage(method="awq", group_size=32),
+          "nf4": QuantizeStage(method="nf4", compute_dtype="float32")}
+
+
+@pytest.fixture(autouse=True)
+def _library():
+    if cpu_native.library() is None:
+        pytest.skip("thresher's C kernels do not build here")
+
+
+def _model_dir(family: str, fmt: str, root: Path, tokenizer: Path) -> Path:
+    kw = {"clip_qkv": 0.5} if family == "olmoe" else {}
+    hf = build_random_model(family, vocab_size=4096, intermediate_size=64, **kw)
+    save_family(hf, tokenizer, root / "bf16")
+    if fmt == "bf16":
+        return root / "bf16"
+    quantize_model(root / "bf16", STAGES[fmt], CAL, root / fmt, show_progress=False)
+    return root / fmt
+
+
+def _decode_pairs(llm: LLM, prompts: list[list[int]], steps: int, monkeypatch
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Prefill the prompts together, then ``steps`` decode steps of all of them; each step's
+    final hidden states through the C step and through the operator path (same cache state)."""
+    engine = llm.engine
+    extra = [100 + 7 * i for i in range(steps)]
+    seqs = [Sequence(f"s{i}", p + extra, SamplingParams(max_tokens=1), 1)
+            for i, p in enumerate(prompts)]
+    for seq in seqs:
+        assert engine.block_manager.allocate(seq, seq.num_tokens)
+    pairs = []
+    try:
+        engine.runner.hidden_states(ScheduledBatch(seqs, [len(p) for p in prompts]))
+        for s in range(steps):
+            for seq, p in zip(seqs, prompts, strict=True):
+                seq.num_computed_tokens = len(p) + s
+            batch = ScheduledBatch(seqs, [1] * len(seqs))
+            monkeypatch.delenv(native_step.ENV, raising=False)
+            fast, _ = engine.runner.hidden_states(batch)
+            monkeypatch.setenv(native_step.ENV, "off")
+            ref, _ = engine.runner.hidden_states(batch)
+            pairs.append((fast, ref))
+    finally:
+        for seq in seqs:
+            engine.block_manager.free(seq)
+    return pairs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fmt", ["bf16", "gptq4", "awq4"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_native_step_matches_operator_path(family, fmt, dtype, tmp_path, monkeypatch,
+                                           tiny_demo):
+    if fmt != "bf16" and family not in ("qwen3_moe", "qwen2_moe", "llama"):
+        pytest.skip("quantized formats on one family of each kind of MLP and shared expert")
+    path = _model_dir(family, fmt, tmp_path, tiny_demo)
+    monkeypatch.setenv("THRESHER_CPU_DENSE_MAX", "0")  # quantized matrices on cpu_q4's packs
+    llm = LLM(path, block_size=4, dtype=dtype, max_num_seqs=4)
+    step = llm.engine.runner.model.native_step
+    assert isinstance(step, NativeStep)
+    kinds = {L.qkv.kind for L in step.layers} | {L.gate_up[0].kind for L in step.layers}
+    assert (cpu_step.LIN_Q4 in kinds) == (fmt != "bf16")  # 4-bit matrices on cpu_q4's packs
+    # fp32: the same roundings, sums in another order (measured 5e-7); bf16: one bf16 step of
+    # the largest value where a sum's order flips a rounding (measured up to 1.3%)
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    for prompts in (PROMPTS[:1], PROMPTS):  # c=1, then c=3 (contexts cross blocks of 4)
+        for fast, ref in _decode_pairs(llm, prompts, 3, monkeypatch):
+            assert (fast.float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
+    model = llm.engine.runner.model  # the LM head in C against torch's, on the same states
+    assert step.table.lm_head.kind != cpu_step.LIN_NONE
+    head = model.logits(fast)
+    monkeypatch.setenv(native_step.ENV, "off")
+    torch_head = model.logits(fast)
+    assert (head - torch_head).abs().max() <= tol * torch_head.abs().max()
+    assert step.calls == 6  # every decode step ran the C step
+
+
+def test_native_step_is_not_built_when_off_or_unsupported(tmp_path, monkeypatch, tiny_demo):
+    path = _model_dir("qwen3_moe", "bf16", tmp_path, tiny_demo)
+    monkeypatch.setenv(native_step.ENV, "off")
+    assert LLM(path, block_size=4).engine.runner.model.native_step is None
+    monkeypatch.delenv(native_step.ENV)
+    assert LLM(path, block_size=4, dtype="float16").engine.runner.model.native_step is None
+    assert LLM(path, block_size=4).engine.runner.model.native_step is not None
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3", "gpt_oss", "ernie4_5_moe"])
+def test_other_families_keep_the_operator_path(family, tmp_path, tiny_demo):
+    """Biased or sigmoid routing, latent attention, sinks, interleaved rotary: not in C."""
+    hf = build_random_model(family, vocab_size=4096, intermediate_size=64)
+    path = save_family(hf, tiny_demo, tmp_path / family)
+    assert LLM(path, block_size=4).engine.runner.model.native_step is None
+
+
+def test_nf4_experts_keep_the_operator_path(tmp_path, monkeypatch, tiny_demo):
+    path = _model_dir("qwen3_moe", "nf4", tmp_path, tiny_demo)
+    monkeypatch.setenv("THRESHER_CPU_DENSE_MAX", "0")  # NF4 experts on bitsandbytes' kernel
+    assert LLM(path, block_size=4).engine.runner.model.native_step is None
+
+
+def test_prefill_keeps_operator_path_and_greedy_tokens_agree(tmp_path, monkeypatch, tiny_demo):
+    path = _model_dir("qwen3_moe", "bf16", tmp_path, tiny_demo)
+    llm = LLM(path, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert llm.engine.runner.model.native_step.calls == 3  # decode steps; not the prefill
+    monkeypatch.setenv(native_step.ENV, "off")
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == first
+
+
+@pytest.mark.parametrize("bf16_values", [False, True])  # True: one row takes vdpbf16ps
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(1, 37, 1024), (1, 6, 1000), (3, 64, 1000), (16, 130, 96)])
+def test_dense_matmul_matches_torch(wdtype, m, n, k, bf16_values):
+    x, w = torch.randn(m, k), torch.randn(n, k).to(wdtype)
+    if bf16_values:
+        x = x.to(torch.bfloat16).float()
+    torch.testing.assert_close(cpu_step.dense_matmul(x, w), x @ w.float().T, atol=1e-4, rtol=1e-4)

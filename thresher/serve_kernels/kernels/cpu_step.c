@@ -1,0 +1,597 @@
+/* A whole CPU decode step in one call: every decoder layer of a standard-attention model
+ * (pre-norm RMSNorm, rotary GQA over the paged KV cache, SwiGLU MLP or softmax top-k MoE with an
+ * optional shared expert), for T new tokens that each continue one sequence.
+ *
+ * The operator path pays Python and torch dispatch around each of a layer's dozen operations;
+ * that host cost stays fixed when memory gets faster. Here the model is a table of pointers
+ * prepared once (cpu_step.py) and one ctypes call runs all layers; OpenMP threads run inside the
+ * matmuls (thr_dense_matmul below, thr_q4_matmul) and the attention (thr_paged_decode).
+ *
+ * Activations live in fp32 buffers whose values are rounded to the serving dtype (bf16 or fp32)
+ * where the operator path rounds them, so the two paths agree to the order of fp32 sums: the
+ * norms' outputs and residual sums, every linear's output, q/k norms and each rotary product,
+ * the cache rows, attention, the router logits and weights, the SiLU product, the weighted sum
+ * of the experts (4-bit experts in bf16 whatever the serving dtype, as cpu_q4's expert path).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_common.h"
+
+int thr_q4_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *w,
+                  const float *sz, int64_t n, int64_t g, void *y, int y_bf16);
+int thr_paged_decode(const void *q, const void *k_cache, const void *v_cache,
+                     const int32_t *block_tables, int64_t table_stride,
+                     const int32_t *context_lens, int64_t batch, int64_t hq, int64_t hkv,
+                     int64_t d, int64_t block_size, float scale, void *out, int bf16);
+
+enum { LIN_NONE = 0, LIN_F32 = 1, LIN_BF16 = 2, LIN_Q4 = 3 };
+
+typedef struct {
+    int32_t kind, pad;
+    int64_t n, k, group;  /* out, in features; q4 group size */
+    const void *w;        /* dense [n, k] row-major, or cpu_q4's packed codes */
+    const float *sz;      /* q4: scales and scales * zeros */
+    const float *bias;    /* fp32 [n] or NULL */
+} thr_linear;
+
+typedef struct {
+    thr_linear qkv, o;
+    const float *in_norm, *post_norm; /* fp32 [hidden] */
+    const float *q_norm, *k_norm;     /* fp32, [d] per head or the full width; NULL: none */
+    int32_t qk_norm_full, pad;
+    float clip, pad2;                 /* clip_qkv (0: none) */
+    int64_t rotary_dim;
+    void *k_cache, *v_cache;          /* [blocks, block_size, hkv, d], serving dtype */
+    int32_t moe, top_k, experts, renorm, expert_bf16, pad3;
+    thr_linear router;
+    const thr_linear *gate_up, *down; /* [experts], or one (a dense MLP) */
+    thr_linear shared_gate_up, shared_down, shared_gate; /* kind LIN_NONE where absent */
+} thr_layer;
+
+typedef struct {
+    int64_t layers, hidden, hq, hkv, d, block_size, max_inter;
+    float eps, scale;
+    int32_t bf16, pad;
+    const void *embed;       /* [vocab, hidden], serving dtype */
+    const float *final_norm; /* fp32 [hidden] */
+    const float *cos_sin;    /* fp32 [positions, rotary_dim]: cos | sin */
+    const thr_layer *layer;
+    thr_linear lm_head; /* kind LIN_NONE: the LM head stays on torch */
+} thr_model;
+
+static inline float rnd(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+static void round_all(float *p, int64_t n, int bf16) {
+    if (bf16)
+        for (int64_t i = 0; i < n; i++) p[i] = bf16_to_f32(f32_to_bf16(p[i]));
+}
+
+/* ---- dense matmul: y [m, n] = x [m, k] @ W.T, W fp32 or bf16, x and y fp32 ---- */
+
+#ifndef DROWS
+#define DROWS 4 /* weight rows per step: they share each activation load */
+#endif
+#ifndef DPREFETCH
+#define DPREFETCH 2048
+#endif
+
+static float dot_tail(const float *x, const void *w, int wbf16, int64_t from, int64_t k) {
+    float s = 0.0f;
+    for (int64_t i = from; i < k; i++) s += x[i] * load_f(w, i, wbf16);
+    return s;
+}
+
+#if defined(__AVX512F__)
+#define DENSE_ISA "avx512"
+#define VW 16
+/* bf16 rows: a 64-byte load is 32 weights; as 16 int32 lanes, the low halves (<< 16) are the
+ * even weights and the high halves (masked) the odd ones, multiplied by x split the same way. */
+static void rows_bf16(const uint16_t *w, int64_t k, int nr, const float *xe, const float *xo,
+                      float *out) {
+    __m512 acc[2 * DROWS];
+    for (int r = 0; r < 2 * nr; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    int64_t c = 0;
+    for (; c + 32 <= k; c += 32) {
+        __m512 ve = _mm512_loadu_ps(xe + c / 2), vo = _mm512_loadu_ps(xo + c / 2);
+        for (int r = 0; r < nr; r++) {
+            const uint16_t *p = w + r * k + c;
+            _mm_prefetch((const char *)p + DPREFETCH, _MM_HINT_T0);
+            __m512i v = _mm512_loadu_si512((const void *)p);
+            acc[2 * r] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), ve,
+                                         acc[2 * r]);
+            acc[2 * r + 1] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, hi)), vo,
+                                             acc[2 * r + 1]);
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * r], acc[2 * r + 1]));
+        for (int64_t i = c; i < k; i++)
+            s += (i % 2 ? xo[i / 2] : xe[i / 2]) * bf16_to_f32(w[r * k + i]);
+        out[r] = s;
+    }
+}
+
+static void rows_f32(const float *w, int64_t k, int nr, const float *x, float *out) {
+    __m512 acc[DROWS];
+    for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 16 <= k; c += 16) {
+        __m512 xv = _mm512_loadu_ps(x + c);
+        for (int r = 0; r < nr; r++) {
+            _mm_prefetch((const char *)(w + r * k + c) + DPREFETCH, _MM_HINT_T0);
+            acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(w + r * k + c), xv, acc[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + dot_tail(x, w + r * k, 0, c, k);
+}
+
+/* Several activation rows (a decode batch): TOKENS rows x DROWS weight rows per pass, each weight
+ * vector loaded and widened once for all the rows, out [TOKENS][DROWS]. Weights in bf16 (x split
+ * into even and odd elements, `half` floats apart, rows `xstride` apart) or fp32. */
+#define TOKENS 4
+static inline __attribute__((always_inline)) void tile(const void *w, int wbf16, int64_t k, int nr,
+                                                       int nt, const float *x, int64_t xstride,
+                                                       int64_t half, float *out) {
+    __m512 acc[TOKENS][DROWS];
+    for (int t = 0; t < nt; t++)
+        for (int r = 0; r < nr; r++) acc[t][r] = _mm512_setzero_ps();
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    int64_t c = 0;
+    if (wbf16) {
+        const uint16_t *wb = (const uint16_t *)w;
+        for (; c + 32 <= k; c += 32) {
+            __m512 we[DROWS], wo[DROWS];
+            for (int r = 0; r < nr; r++) {
+                _mm_prefetch((const char *)(wb + r * k + c) + DPREFETCH, _MM_HINT_T0);
+                __m512i v = _mm512_loadu_si512((const void *)(wb + r * k + c));
+                we[r] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                wo[r] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+            }
+            for (int t = 0; t < nt; t++) {
+                __m512 xe = _mm512_loadu_ps(x + t * xstride + c / 2);
+                __m512 xo = _mm512_loadu_ps(x + t * xstride + half + c / 2);
+                for (int r = 0; r < nr; r++)
+                    acc[t][r] = _mm512_fmadd_ps(wo[r], xo, _mm512_fmadd_ps(we[r], xe, acc[t][r]));
+            }
+        }
+    } else {
+        const float *wf = (const float *)w;
+        for (; c + 16 <= k; c += 16) {
+            __m512 wv[DROWS];
+            for (int r = 0; r < nr; r++) {
+                _mm_prefetch((const char *)(wf + r * k + c) + DPREFETCH, _MM_HINT_T0);
+                wv[r] = _mm512_loadu_ps(wf + r * k + c);
+            }
+            for (int t = 0; t < nt; t++) {
+                __m512 xv = _mm512_loadu_ps(x + t * xstride + c);
+                for (int r = 0; r < nr; r++) acc[t][r] = _mm512_fmadd_ps(wv[r], xv, acc[t][r]);
+            }
+        }
+    }
+    for (int t = 0; t < nt; t++)
+        for (int r = 0; r < nr; r++) {
+            float s = _mm512_reduce_add_ps(acc[t][r]);
+            for (int64_t i = c; i < k; i++)
+                s += (wbf16 ? (i % 2 ? x[t * xstride + half + i / 2] : x[t * xstride + i / 2])
+                            : x[t * xstride + i]) * load_f(w, r * k + i, wbf16);
+            out[t * DROWS + r] = s;
+        }
+}
+#define HAVE_TILE 1
+
+#if defined(__AVX512BF16__)
+#define HAVE_DP 1
+/* bf16 weights times bf16-exact activations on vdpbf16ps: products exact, sums in fp32 as the
+ * fma chain's. xb: the activations' bf16 bits, rows k apart. */
+static inline __attribute__((always_inline)) void tile_dp(const uint16_t *w, int64_t k, int nr,
+                                                          int nt, const uint16_t *xb, float *out) {
+    __m512 acc[TOKENS][DROWS];
+    for (int t = 0; t < nt; t++)
+        for (int r = 0; r < nr; r++) acc[t][r] = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 32 <= k; c += 32) {
+        __m512i wv[DROWS];
+        for (int r = 0; r < nr; r++) {
+            _mm_prefetch((const char *)(w + r * k + c) + DPREFETCH, _MM_HINT_T0);
+            wv[r] = _mm512_loadu_si512((const void *)(w + r * k + c));
+        }
+        for (int t = 0; t < nt; t++) {
+            __m512i xv = _mm512_loadu_si512((const void *)(xb + t * k + c));
+            for (int r = 0; r < nr; r++)
+                acc[t][r] = _mm512_dpbf16_ps(acc[t][r], (__m512bh)wv[r], (__m512bh)xv);
+        }
+    }
+    for (int t = 0; t < nt; t++)
+        for (int r = 0; r < nr; r++) {
+            float s = _mm512_reduce_add_ps(acc[t][r]);
+            for (int64_t i = c; i < k; i++)
+                s += bf16_to_f32(xb[t * k + i]) * bf16_to_f32(w[r * k + i]);
+            out[t * DROWS + r] = s;
+        }
+}
+#endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#define DENSE_ISA "avx2"
+#define VW 8
+static void rows_bf16(const uint16_t *w, int64_t k, int nr, const float *xe, const float *xo,
+                      float *out) {
+    __m256 acc[2 * DROWS];
+    for (int r = 0; r < 2 * nr; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    int64_t c = 0;
+    for (; c + 16 <= k; c += 16) {
+        __m256 ve = _mm256_loadu_ps(xe + c / 2), vo = _mm256_loadu_ps(xo + c / 2);
+        for (int r = 0; r < nr; r++) {
+            const uint16_t *p = w + r * k + c;
+            _mm_prefetch((const char *)p + DPREFETCH, _MM_HINT_T0);
+            __m256i v = _mm256_loadu_si256((const __m256i *)p);
+            acc[2 * r] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), ve,
+                                         acc[2 * r]);
+            acc[2 * r + 1] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, hi)), vo,
+                                             acc[2 * r + 1]);
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        float s = hsum8(_mm256_add_ps(acc[2 * r], acc[2 * r + 1]));
+        for (int64_t i = c; i < k; i++)
+            s += (i % 2 ? xo[i / 2] : xe[i / 2]) * bf16_to_f32(w[r * k + i]);
+        out[r] = s;
+    }
+}
+
+static void rows_f32(const float *w, int64_t k, int nr, const float *x, float *out) {
+    __m256 acc[DROWS];
+    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 8 <= k; c += 8) {
+        __m256 xv = _mm256_loadu_ps(x + c);
+        for (int r = 0; r < nr; r++) {
+            _mm_prefetch((const char *)(w + r * k + c) + DPREFETCH, _MM_HINT_T0);
+            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * k + c), xv, acc[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) out[r] = hsum8(acc[r]) + dot_tail(x, w + r * k, 0, c, k);
+}
+#else
+#error "cpu_step.c needs AVX2 and FMA"
+#endif
+
+const char *thr_dense_isa(void) {
+#ifdef HAVE_DP
+    return DENSE_ISA "+bf16";
+#else
+    return DENSE_ISA;
+#endif
+}
+
+#ifdef HAVE_DP
+static int dense_dp(const float *x, int64_t k, const uint16_t *w, int64_t n, float *y) {
+    int64_t m = 1;
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(m * k));
+    if (!xb) return -1;
+    for (int64_t i = 0; i < m * k; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, 4);
+        xb[i] = (uint16_t)(u >> 16);
+    }
+    int64_t blocks = (n + DROWS - 1) / DROWS;
+#pragma omp parallel for schedule(static) if (n * k >= 65536)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t r0 = b * DROWS;
+        int nr = n - r0 < DROWS ? (int)(n - r0) : DROWS;
+        float acc[TOKENS * DROWS];
+        if (nr == DROWS)
+            tile_dp(w + r0 * k, k, DROWS, 1, xb, acc);
+        else
+            tile_dp(w + r0 * k, k, nr, 1, xb, acc);
+        for (int r = 0; r < nr; r++) y[r0 + r] = acc[r];
+    }
+    free(xb);
+    return 0;
+}
+#endif
+
+/* y [m, n] = x [m, k] @ W.T for W fp32 or bf16 [n, k]; x and y fp32, y not rounded.
+ * Returns 0, or -1 when out of memory. */
+int thr_dense_matmul(const float *x, int64_t m, int64_t k, const void *w, int wbf16, int64_t n,
+                     float *y) {
+#ifdef HAVE_DP
+    if (wbf16 && m == 1) { /* one row of bf16 values (a bf16 model's decode): vdpbf16ps; with
+                              * more rows the widening tile below measured faster */
+        int exact = 1;
+        for (int64_t i = 0; exact && i < m * k; i++) {
+            uint32_t u;
+            memcpy(&u, x + i, 4);
+            exact = (u & 0xffffu) == 0;
+        }
+        if (exact) return dense_dp(x, k, (const uint16_t *)w, n, y);
+    }
+#endif
+    float *xs = NULL; /* bf16 weights: x's even and odd elements, per row */
+    if (wbf16) {
+        xs = malloc(sizeof(float) * (size_t)(m * (k + 1)));
+        if (!xs) return -1;
+        int64_t half = (k + 1) / 2;
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t j = 0; j < k; j++)
+                xs[i * 2 * half + (j % 2) * half + j / 2] = x[i * k + j];
+    }
+    int64_t blocks = (n + DROWS - 1) / DROWS, half = (k + 1) / 2;
+#pragma omp parallel for schedule(static) if (n * k >= 65536)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t r0 = b * DROWS;
+        int nr = n - r0 < DROWS ? (int)(n - r0) : DROWS;
+        int64_t i = 0;
+#ifdef HAVE_TILE
+        for (; m > 1 && i < m; i += TOKENS) { /* a batch: each weight vector widened once */
+            int nt = m - i < TOKENS ? (int)(m - i) : TOKENS;
+            const float *xi = wbf16 ? xs + i * 2 * half : x + i * k;
+            int64_t xstride = wbf16 ? 2 * half : k;
+            float acc[TOKENS * DROWS];
+            if (nt == TOKENS && nr == DROWS)
+                tile((const char *)w + r0 * k * (wbf16 ? 2 : 4), wbf16, k, DROWS, TOKENS, xi,
+                     xstride, half, acc);
+            else
+                tile((const char *)w + r0 * k * (wbf16 ? 2 : 4), wbf16, k, nr, nt, xi, xstride,
+                     half, acc);
+            for (int t = 0; t < nt; t++)
+                for (int r = 0; r < nr; r++) y[(i + t) * n + r0 + r] = acc[t * DROWS + r];
+        }
+#endif
+        for (; i < m; i++) {
+            float acc[DROWS];
+            if (wbf16)
+                rows_bf16((const uint16_t *)w + r0 * k, k, nr, xs + i * 2 * half,
+                          xs + i * 2 * half + half, acc);
+            else
+                rows_f32((const float *)w + r0 * k, k, nr, x + i * k, acc);
+            for (int r = 0; r < nr; r++) y[i * n + r0 + r] = acc[r];
+        }
+    }
+    free(xs);
+    return 0;
+}
+
+/* ---- the layer's pieces ---- */
+
+/* y [m, n] = x @ L.T (+ bias), rounded to the serving dtype as the operator path rounds it */
+static int linear(const thr_linear *L, const float *x, int64_t m, float *y, int bf16) {
+    int rc;
+    if (L->kind == LIN_Q4) {
+        rc = thr_q4_matmul(x, 0, m, L->k, (const uint8_t *)L->w, L->sz, L->n, L->group, y, 0);
+        if (L->bias) round_all(y, m * L->n, bf16); /* the kernel's output, then + bias */
+    } else {
+        rc = thr_dense_matmul(x, m, L->k, L->w, L->kind == LIN_BF16, L->n, y);
+    }
+    if (rc) return rc;
+    if (L->bias)
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t j = 0; j < L->n; j++) y[i * L->n + j] += L->bias[j];
+    round_all(y, m * L->n, bf16);
+    return 0;
+}
+
+/* out = rms_norm(v) * w over rows of d, rounded; cpu_norm.c's arithmetic */
+static void norm_rows(const float *v, const float *w, float *out, int64_t rows, int64_t d,
+                      float eps, int bf16) {
+    for (int64_t r = 0; r < rows; r++) {
+        float part[16] = {0};
+        for (int64_t i = 0; i < d; i++) part[i % 16] += v[r * d + i] * v[r * d + i];
+        float ss = 0.0f;
+        for (int j = 0; j < 16; j++) ss += part[j];
+        float rstd = 1.0f / sqrtf(ss / (float)d + eps);
+        for (int64_t i = 0; i < d; i++) out[r * d + i] = rnd(v[r * d + i] * rstd * w[i], bf16);
+    }
+}
+
+/* res = round(x + res) (or x on the first layer), h = norm(res) */
+static void add_norm(const float *x, float *res, int first, const float *w, float *h, int64_t t,
+                     int64_t d, float eps, int bf16) {
+    for (int64_t i = 0; i < t * d; i++) res[i] = first ? x[i] : rnd(x[i] + res[i], bf16);
+    norm_rows(res, w, h, t, d, eps, bf16);
+}
+
+/* rotate `heads` heads of d at position pos over their first rd channels (halves style): as the
+ * CPU operator path, cos and sin rounded to the dtype and each product rounded */
+static void rotate(float *x, int64_t heads, int64_t d, int64_t rd, const float *cs, int bf16) {
+    int64_t h2 = rd / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *p = x + h * d;
+        for (int64_t i = 0; i < h2; i++) {
+            float c = rnd(cs[i], bf16), s = rnd(cs[h2 + i], bf16);
+            float a = p[i], b = p[h2 + i];
+            p[i] = rnd(rnd(a * c, bf16) + rnd(-b * s, bf16), bf16);
+            p[h2 + i] = rnd(rnd(b * c, bf16) + rnd(a * s, bf16), bf16);
+        }
+    }
+}
+
+static void store_act(void *dst, int64_t i, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)dst)[i] = f32_to_bf16(v);
+    else
+        ((float *)dst)[i] = v;
+}
+
+static float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+typedef struct { /* scratch of one step, sized for t tokens */
+    float *x, *res, *h, *qkv, *att, *gu, *act, *mo, *acc, *xs, *logits, *tw;
+    int64_t *tid;
+    void *qa, *oa;
+} work;
+
+/* the gated MLP through linears gu and dn: out [rows, hidden] = dn(silu(g) * u), in dtype bf16 */
+static int mlp(const thr_linear *gu, const thr_linear *dn, const float *x, int64_t rows,
+               float *gbuf, float *abuf, float *out, int bf16) {
+    int64_t inter = gu->n / 2;
+    int rc = linear(gu, x, rows, gbuf, bf16);
+    if (rc) return rc;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < inter; i++)
+            abuf[r * inter + i] = rnd(silu_mul(gbuf[r * 2 * inter + i],
+                                               gbuf[r * 2 * inter + inter + i]), bf16);
+    return linear(dn, abuf, rows, out, bf16);
+}
+
+static int moe(const thr_model *m, const thr_layer *L, int64_t t, work *w, float *out) {
+    int bf16 = m->bf16, eb = bf16 || L->expert_bf16;
+    int64_t hd = m->hidden, E = L->experts, K = L->top_k;
+    int rc = linear(&L->router, w->h, t, w->logits, bf16);
+    if (rc) return rc;
+    for (int64_t i = 0; i < t; i++) { /* softmax in fp32, top-k, renormalized per the family */
+        float *lg = w->logits + i * E, mx = -INFINITY, sum = 0.0f;
+        for (int64_t e = 0; e < E; e++) mx = lg[e] > mx ? lg[e] : mx;
+        for (int64_t e = 0; e < E; e++) sum += (lg[e] = expf(lg[e] - mx));
+        for (int64_t e = 0; e < E; e++) lg[e] /= sum;
+        float tot = 0.0f;
+        for (int64_t j = 0; j < K; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (lg[e] >= 0.0f && (best < 0 || lg[e] > lg[best])) best = e;
+            w->tid[i * K + j] = best;
+            w->tw[i * K + j] = lg[best];
+            tot += lg[best];
+            lg[best] = -1.0f;
+        }
+        for (int64_t j = 0; j < K; j++)
+            w->tw[i * K + j] = rnd(L->renorm ? w->tw[i * K + j] / tot : w->tw[i * K + j], bf16);
+    }
+    memset(w->acc, 0, sizeof(float) * (size_t)(t * hd));
+    for (int64_t e = 0; e < E; e++) { /* each expert over the tokens routed to it */
+        int64_t rows = 0;
+        for (int64_t i = 0; i < t * K; i++)
+            if (w->tid[i] == e) {
+                for (int64_t c = 0; c < hd; c++)
+                    w->xs[rows * hd + c] = rnd(w->h[(i / K) * hd + c], eb);
+                rows++;
+            }
+        if (!rows) continue;
+        rc = mlp(&L->gate_up[e], &L->down[e], w->xs, rows, w->gu, w->act, w->mo, eb);
+        if (rc) return rc;
+        int64_t r = 0;
+        for (int64_t i = 0; i < t * K; i++)
+            if (w->tid[i] == e) {
+                for (int64_t c = 0; c < hd; c++)
+                    w->acc[(i / K) * hd + c] += w->tw[i] * w->mo[r * hd + c];
+                r++;
+            }
+    }
+    for (int64_t i = 0; i < t * hd; i++) out[i] = rnd(w->acc[i], bf16);
+    if (L->shared_gate_up.kind == LIN_NONE) return 0;
+    rc = mlp(&L->shared_gate_up, &L->shared_down, w->h, t, w->gu, w->act, w->mo, bf16);
+    if (rc) return rc;
+    if (L->shared_gate.kind != LIN_NONE) {
+        rc = linear(&L->shared_gate, w->h, t, w->logits, bf16);
+        if (rc) return rc;
+        for (int64_t i = 0; i < t; i++) {
+            float g = rnd(1.0f / (1.0f + expf(-w->logits[i])), bf16);
+            for (int64_t c = 0; c < hd; c++) w->mo[i * hd + c] = rnd(g * w->mo[i * hd + c], bf16);
+        }
+    }
+    for (int64_t i = 0; i < t * hd; i++) out[i] = rnd(out[i] + w->mo[i], bf16);
+    return 0;
+}
+
+static int attention(const thr_model *m, const thr_layer *L, int64_t t, const int64_t *pos,
+                     const int64_t *slots, const int32_t *tables, int64_t table_stride,
+                     const int32_t *ctx, work *w) {
+    int bf16 = m->bf16;
+    int64_t hq = m->hq, hkv = m->hkv, d = m->d, width = (hq + 2 * hkv) * d;
+    int rc = linear(&L->qkv, w->h, t, w->qkv, bf16);
+    if (rc) return rc;
+    for (int64_t i = 0; i < t; i++) {
+        float *q = w->qkv + i * width, *k = q + hq * d, *v = k + hkv * d;
+        if (L->q_norm && L->qk_norm_full) { /* over the full projection width (OLMoE) */
+            norm_rows(q, L->q_norm, q, 1, hq * d, m->eps, bf16);
+            norm_rows(k, L->k_norm, k, 1, hkv * d, m->eps, bf16);
+        }
+        if (L->clip > 0.0f)
+            for (int64_t j = 0; j < width; j++)
+                q[j] = q[j] > L->clip ? L->clip : q[j] < -L->clip ? -L->clip : q[j];
+        if (L->q_norm && !L->qk_norm_full) { /* per head (Qwen3) */
+            norm_rows(q, L->q_norm, q, hq, d, m->eps, bf16);
+            norm_rows(k, L->k_norm, k, hkv, d, m->eps, bf16);
+        }
+        const float *cs = m->cos_sin + pos[i] * L->rotary_dim;
+        rotate(q, hq, d, L->rotary_dim, cs, bf16);
+        rotate(k, hkv, d, L->rotary_dim, cs, bf16);
+        for (int64_t j = 0; j < hq * d; j++) store_act(w->qa, i * hq * d + j, q[j], bf16);
+        if (slots[i] >= 0)
+            for (int64_t j = 0; j < hkv * d; j++) {
+                store_act(L->k_cache, slots[i] * hkv * d + j, k[j], bf16);
+                store_act(L->v_cache, slots[i] * hkv * d + j, v[j], bf16);
+            }
+    }
+    rc = thr_paged_decode(w->qa, L->k_cache, L->v_cache, tables, table_stride, ctx, t, hq, hkv, d,
+                          m->block_size, m->scale, w->oa, bf16);
+    if (rc) return rc;
+    for (int64_t j = 0; j < t * hq * d; j++) w->att[j] = load_f(w->oa, j, bf16);
+    return linear(&L->o, w->att, t, w->h, bf16);
+}
+
+/* Final hidden states [t, hidden] (serving dtype) of t new tokens, one per sequence: ids and
+ * positions [t], cache slots [t] (-1: not stored), block tables [t, table_stride] and context
+ * lengths [t] (this token included). Returns 0, -1 when out of memory. */
+int thr_decode_step(const thr_model *m, int64_t t, const int64_t *ids, const int64_t *pos,
+                    const int64_t *slots, const int32_t *tables, int64_t table_stride,
+                    const int32_t *ctx, void *out) {
+    int bf16 = m->bf16;
+    int64_t hd = m->hidden, width = (m->hq + 2 * m->hkv) * m->d, rows = t, E = 1, K = 1;
+    for (int64_t l = 0; l < m->layers; l++)
+        if (m->layer[l].moe) {
+            E = m->layer[l].experts > E ? m->layer[l].experts : E;
+            K = m->layer[l].top_k > K ? m->layer[l].top_k : K;
+        }
+    rows = t * K; /* the most rows one expert can get */
+    int64_t wide = hd > m->hq * m->d ? hd : m->hq * m->d;
+    work w = {0};
+    size_t f = sizeof(float);
+    w.x = malloc(f * t * hd), w.res = malloc(f * t * hd), w.h = malloc(f * t * wide);
+    w.qkv = malloc(f * t * width), w.att = malloc(f * t * m->hq * m->d);
+    w.gu = malloc(f * rows * 2 * m->max_inter), w.act = malloc(f * rows * m->max_inter);
+    w.mo = malloc(f * rows * hd), w.acc = malloc(f * t * hd), w.xs = malloc(f * rows * hd);
+    w.logits = malloc(f * t * (E > 1 ? E : 1)), w.tw = malloc(f * t * K);
+    w.tid = malloc(sizeof(int64_t) * t * K);
+    w.qa = malloc(f * t * m->hq * m->d), w.oa = malloc(f * t * m->hq * m->d);
+    int rc = (w.x && w.res && w.h && w.qkv && w.att && w.gu && w.act && w.mo && w.acc && w.xs &&
+              w.logits && w.tw && w.tid && w.qa && w.oa) ? 0 : -1;
+    for (int64_t i = 0; !rc && i < t; i++)
+        for (int64_t c = 0; c < hd; c++) w.x[i * hd + c] = load_f(m->embed, ids[i] * hd + c, bf16);
+    for (int64_t l = 0; !rc && l < m->layers; l++) {
+        const thr_layer *L = &m->layer[l];
+        add_norm(w.x, w.res, l == 0, L->in_norm, w.h, t, hd, m->eps, bf16);
+        rc = attention(m, L, t, pos, slots, tables, table_stride, ctx, &w);
+        if (rc) break;
+        add_norm(w.h, w.res, 0, L->post_norm, w.h, t, hd, m->eps, bf16);
+        rc = L->moe ? moe(m, L, t, &w, w.x)
+                    : mlp(L->gate_up, L->down, w.h, t, w.gu, w.act, w.x, bf16);
+    }
+    if (!rc) {
+        add_norm(w.x, w.res, m->layers == 0, m->final_norm, w.h, t, hd, m->eps, bf16);
+        for (int64_t i = 0; i < t * hd; i++) store_act(out, i, w.h[i], bf16);
+    }
+    free(w.x), free(w.res), free(w.h), free(w.qkv), free(w.att), free(w.gu), free(w.act);
+    free(w.mo), free(w.acc), free(w.xs), free(w.logits), free(w.tw), free(w.tid), free(w.qa);
+    free(w.oa);
+    return rc;
+}
+
+/* fp32 logits [t, vocab] of final hidden states x [t, hidden] (serving dtype) through the LM
+ * head, rounded to the serving dtype first as the operator path's 16-bit matmul rounds them.
+ * Returns 0, -1 when out of memory. */
+int thr_lm_head(const thr_model *m, const void *x, int64_t t, float *y) {
+    int64_t hd = m->lm_head.k;
+    float *xf = malloc(sizeof(float) * (size_t)(t * hd));
+    if (!xf) return -1;
+    for (int64_t i = 0; i < t * hd; i++) xf[i] = load_f(x, i, m->bf16);
+    int rc = linear(&m->lm_head, xf, t, y, m->bf16);
+    free(xf);
+    return rc;
+}

@@ -1,0 +1,60 @@
+"""The C side of the one-call CPU decode step (``cpu_step.c``): its structs and a dense matmul.
+
+``cpu_step.c`` runs every decoder layer of a decode step in one call over a table of pointers
+(``ThrModel`` holding one ``ThrLayer`` per layer, each linear a ``ThrLinear``) that
+``modeling.native_step`` fills once per model. The structs here mirror the C ones field for
+field. ``dense_matmul`` exposes the step's 16-bit / fp32 matmul for its tests and benchmark.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from thresher.serve_kernels.kernels.cpu_native import loaded
+
+LIN_NONE, LIN_F32, LIN_BF16, LIN_Q4 = 0, 1, 2, 3
+_ptr, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+
+
+class ThrLinear(ctypes.Structure):
+    """One matrix: dense fp32 / bf16 row-major [n, k], or cpu_q4's packed codes and scales."""
+
+    _fields_ = [("kind", _i32), ("pad", _i32), ("n", _i64), ("k", _i64), ("group", _i64),
+                ("w", _ptr), ("sz", _ptr), ("bias", _ptr)]
+
+
+class ThrLayer(ctypes.Structure):
+    """One decoder layer: attention, norms, its cache, and a dense MLP or an MoE."""
+
+    _fields_ = [("qkv", ThrLinear), ("o", ThrLinear), ("in_norm", _ptr), ("post_norm", _ptr),
+                ("q_norm", _ptr), ("k_norm", _ptr), ("qk_norm_full", _i32), ("pad", _i32),
+                ("clip", _f32), ("pad2", _f32), ("rotary_dim", _i64), ("k_cache", _ptr),
+                ("v_cache", _ptr), ("moe", _i32), ("top_k", _i32), ("experts", _i32),
+                ("renorm", _i32), ("expert_bf16", _i32), ("pad3", _i32), ("router", ThrLinear),
+                ("gate_up", ctypes.POINTER(ThrLinear)), ("down", ctypes.POINTER(ThrLinear)),
+                ("shared_gate_up", ThrLinear), ("shared_down", ThrLinear),
+                ("shared_gate", ThrLinear)]
+
+
+class ThrModel(ctypes.Structure):
+    """The shapes, embeddings, final norm, rotary table, layers and LM head of one model."""
+
+    _fields_ = [("layers", _i64), ("hidden", _i64), ("hq", _i64), ("hkv", _i64), ("d", _i64),
+                ("block_size", _i64), ("max_inter", _i64), ("eps", _f32), ("scale", _f32),
+                ("bf16", _i32), ("pad", _i32), ("embed", _ptr), ("final_norm", _ptr),
+                ("cos_sin", _ptr), ("layer", ctypes.POINTER(ThrLayer)), ("lm_head", ThrLinear)]
+
+
+def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp32 @ w.T for w [N, K] fp32 or bf16 (contiguous) -> fp32 [M, N], unrounded."""
+    lib = loaded()
+    assert lib is not None, "cpu_step needs thresher's C kernels (cpu_native.library())"
+    assert w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous()
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], w.shape[0])
+    if lib.thr_dense_matmul(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(),
+                            int(w.dtype == torch.bfloat16), w.shape[0], y.data_ptr()):
+        raise MemoryError("cpu_step: out of memory for the activation buffer")
+    return y

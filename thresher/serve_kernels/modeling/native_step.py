@@ -1,0 +1,292 @@
+"""The CPU decode step as one native call (``kernels/cpu_step.c``) instead of operator dispatch.
+
+Why: on the operator path a decode step is Python and torch dispatch around thresher's C
+kernels: per layer a dozen operators (norms, q/k/v, rotary, cache store, attention, o-proj,
+router, top-k, experts, residuals), a few microseconds to tens of microseconds each. That host
+time is fixed, so where memory is fast it dominates (measured on a 2-core Xeon with 32.6 GB/s
+copy bandwidth: the GPTQ-4 step read its weights at 40% of the bandwidth, llama.cpp's at 76%).
+A ctypes call costs about 5 us with its arguments (measured: 0.2 us bare, 5.7 us for a 7-argument
+call with three ``data_ptr()``). torch.compile was not measured: it would remove dispatch
+between torch operators, but the C kernels (ctypes) are graph breaks, it recompiles per batch
+shape, and the engine's Python around the layers stays. So the model's layers are described
+once, as a table of pointers to the weights in the layouts the engine already holds (cpu_q4's
+packs, 16-bit / fp32 row-major matrices, fp32 norms and biases), and one call per step runs
+every layer with OpenMP threads inside the matmuls and the attention.
+
+``build`` returns None (the operator path stays) for what the C step does not cover: latent or
+sink attention, interleaved rotary, routing rules with a bias or sigmoid scores, NF4 and
+torch-kernel int4 packs, act-order GPTQ whose q/k/v stay apart, fp16. 16-bit matrices held in
+oneDNN's blocked layout are turned back into row-major ones (the C step reads those; prefill's
+matmuls then run row-major, about level at prefill's row counts). ``CausalLM.forward`` calls
+the step for CPU batches of decode tokens only; ``THRESHER_CPU_STEP=off`` keeps the operator
+path (read per step; at load it also keeps the blocked layout).
+
+Measured (docs/benchmarks.md, "CPU decode against llama.cpp"): on the 1.08 GB Qwen3-MoE with one
+thread, 1.47x the operator path's decode rate for GPTQ-4 and 1.60x for bf16 at one sequence,
+with 0.5-0.8 ms of host time per step left (scheduling, metadata, sampling) on a loaded machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import time
+
+import torch
+from torch import nn
+
+from thresher.serve_kernels.kernels.cpu_blocked import unblock
+from thresher.serve_kernels.kernels.cpu_int4 import Int4Pack
+from thresher.serve_kernels.kernels.cpu_native import loaded
+from thresher.serve_kernels.kernels.cpu_step import (
+    LIN_BF16,
+    LIN_F32,
+    LIN_NONE,
+    LIN_Q4,
+    ThrLayer,
+    ThrLinear,
+    ThrModel,
+)
+from thresher.serve_kernels.modeling.attention import AttentionMetadata
+from thresher.serve_kernels.modeling.linear import (
+    AWQLinear,
+    ConcatLinear,
+    DenseLinear,
+    GPTQLinear,
+    NF4Linear,
+)
+
+log = logging.getLogger(__name__)
+
+ENV = "THRESHER_CPU_STEP"  # "off": decode steps keep the operator path
+DTYPES = {torch.float32: LIN_F32, torch.bfloat16: LIN_BF16}
+_ENV_STORE = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_ENV_KEY = os.fsencode(ENV)
+
+
+def enabled() -> bool:
+    """False when ``THRESHER_CPU_STEP=off`` (read cheaply: a step asks once)."""
+    raw = _ENV_STORE.get(_ENV_KEY) if _ENV_STORE is not None else os.environ.get(ENV)
+    if isinstance(raw, bytes):
+        raw = os.fsdecode(raw)
+    return (raw or "").strip().lower() != "off"
+
+
+class Unsupported(Exception):
+    """A part of the model the C step does not run (the message says which)."""
+
+
+class _Keep:
+    """Tensors the C table points into, kept alive beside it."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+
+    def ptr(self, t: torch.Tensor | None) -> int | None:
+        if t is None:
+            return None
+        if not t.is_contiguous():
+            t = t.contiguous()
+        self.tensors.append(t)
+        return t.data_ptr()
+
+    def f32(self, t: torch.Tensor | None) -> int | None:
+        return None if t is None else self.ptr(t.detach().float().contiguous())
+
+
+def _dense(w: torch.Tensor, bias: torch.Tensor | None, keep: _Keep) -> ThrLinear:
+    if w.dtype not in DTYPES or w.dim() != 2:
+        raise Unsupported(f"a {w.dtype} matrix")
+    return ThrLinear(DTYPES[w.dtype], 0, w.shape[0], w.shape[1], 0, keep.ptr(w), None,
+                     keep.f32(bias))
+
+
+def _q4(pack: Int4Pack, bias: torch.Tensor | None, keep: _Keep) -> ThrLinear:
+    if pack.kernel != "q4" or pack.perm is not None:
+        raise Unsupported("an int4 pack on torch's kernel or with act-order")
+    return ThrLinear(LIN_Q4, 0, pack.out_features, pack.weight.shape[1] * 2, pack.group_size,
+                     keep.ptr(pack.weight), keep.ptr(pack.scales_zeros), keep.f32(bias))
+
+
+def linear(m: nn.Module, keep: _Keep) -> ThrLinear:
+    """The C view of one of the engine's linears, as its CPU forward computes it."""
+    if isinstance(m, DenseLinear):
+        if m.cpu_fp32 is not None:  # a narrow matrix (router) multiplied in fp32
+            return _dense(m.cpu_fp32[0], m.cpu_fp32[1], keep)
+        if m.cpu_blocked is not None:  # the C step reads row-major weights
+            m.weight, m.cpu_blocked = unblock(m.cpu_blocked), None
+        return _dense(m.weight, m.bias, keep)
+    if isinstance(m, ConcatLinear) and m.cpu_dense is not None:
+        return _dense(m.cpu_dense, m.cpu_bias, keep)
+    if isinstance(m, GPTQLinear | AWQLinear | NF4Linear) and m.cpu_dense is not None:
+        return _dense(m.cpu_dense, m.bias, keep)  # a small matrix dequantized at load
+    if isinstance(m, GPTQLinear | AWQLinear) and isinstance(m.cpu_pack, Int4Pack):
+        return _q4(m.cpu_pack, m.bias, keep)
+    raise Unsupported(f"{type(m).__name__} without a dense copy or a 4-bit cpu_q4 pack")
+
+
+def _experts(experts: nn.Module, keep: _Keep) -> tuple[ctypes.Array, ctypes.Array, int]:
+    """(gate_up, down) arrays of one ThrLinear per expert, and whether they compute in bf16."""
+    from thresher.serve_kernels.modeling.moe import ExpertLoop, FusedExperts
+
+    if not isinstance(experts, FusedExperts | ExpertLoop):
+        raise Unsupported(type(experts).__name__)
+    if experts.cpu_dense is not None:  # small quantized experts dequantized at load
+        gu = [_dense(w, None, keep) for w in experts.cpu_dense[0]]
+        dn = [_dense(w, None, keep) for w in experts.cpu_dense[1]]
+        bf16 = 0
+    elif isinstance(experts, ExpertLoop):
+        raise Unsupported("experts kept as separate linears (NF4, 8-bit)")
+    elif experts.cpu_q4 is not None:
+        gu = [_q4(p, None, keep) for p in experts.cpu_gate_up]
+        dn = [_q4(p, None, keep) for p in experts.cpu_down]
+        bf16 = 1  # cpu_q4's expert path rounds its activations to bf16
+    elif experts.format == "dense":
+        experts.row_major()
+        gu = [_dense(w, None, keep) for w in experts.gate_up_weight]
+        dn = [_dense(w, None, keep) for w in experts.down_weight]
+        bf16 = 0
+    else:
+        raise Unsupported(f"{experts.format} experts without cpu_q4 packs")
+    return (ThrLinear * len(gu))(*gu), (ThrLinear * len(dn))(*dn), bf16
+
+
+def _layer(layer: nn.Module, keep: _Keep, arrays: list) -> ThrLayer:
+    from thresher.serve_kernels.modeling.decoder import Attention, DenseMLP
+    from thresher.serve_kernels.modeling.moe import MoE
+
+    attn, mlp = layer.attn, layer.mlp
+    if type(attn) is not Attention or attn.interleaved_rotary or attn.rotary_dim % 2:
+        raise Unsupported(f"attention {type(attn).__name__}")
+    out = ThrLayer(qkv=linear(attn.qkv, keep), o=linear(attn.o_proj, keep),
+                   in_norm=keep.f32(layer.input_norm), post_norm=keep.f32(layer.post_attention_norm),
+                   rotary_dim=attn.rotary_dim, clip=float(attn.clip_qkv or 0.0))
+    if attn.q_norm is not None:
+        out.q_norm, out.k_norm = keep.f32(attn.q_norm), keep.f32(attn.k_norm)
+        out.qk_norm_full = int(not attn.per_head_norm)
+    if isinstance(mlp, DenseMLP):
+        gu, dn = (ThrLinear * 1)(linear(mlp.gate_up, keep)), (ThrLinear * 1)(linear(mlp.down_proj,
+                                                                                    keep))
+        out.moe = 0
+    elif isinstance(mlp, MoE) and mlp.rule is None:
+        gu, dn, out.expert_bf16 = _experts(mlp.experts, keep)
+        out.moe, out.top_k, out.experts, out.renorm = 1, mlp.top_k, len(gu), int(mlp.renormalize)
+        out.router = linear(mlp.router, keep)
+        if mlp.shared_expert is not None:
+            out.shared_gate_up = linear(mlp.shared_expert.gate_up, keep)
+            out.shared_down = linear(mlp.shared_expert.down_proj, keep)
+            if mlp.shared_gate is not None:
+                out.shared_gate = linear(mlp.shared_gate, keep)
+    else:
+        raise Unsupported(f"MLP {type(mlp).__name__} (or a biased routing rule)")
+    arrays += [gu, dn]
+    out.gate_up, out.down = gu, dn
+    return out
+
+
+def _max_inter(layers: ctypes.Array) -> int:
+    """The widest intermediate size of any MLP (sizes the step's scratch buffers)."""
+    widths = [1]
+    for L in layers:
+        n = L.experts if L.moe else 1
+        widths += [L.gate_up[e].n // 2 for e in range(n)]
+        if L.shared_gate_up.kind != LIN_NONE:
+            widths.append(L.shared_gate_up.n // 2)
+    return max(widths)
+
+
+class NativeStep:
+    """One model's table for ``thr_decode_step``, and the call for a decode batch."""
+
+    def __init__(self, model: nn.Module):
+        spec = model.spec
+        dtype = model.embed_tokens.dtype
+        if dtype not in DTYPES:
+            raise Unsupported(f"serving dtype {dtype}")
+        if spec.kv_tensors != 2:
+            raise Unsupported("a latent-attention cache")
+        self._keep, self._arrays = _Keep(), []
+        layers = [_layer(layer, self._keep, self._arrays) for layer in model.layers]
+        self.layers = (ThrLayer * len(layers))(*layers)
+        self.dtype, self.hidden = dtype, spec.hidden_size
+        self.table = ThrModel(
+            layers=len(layers), hidden=spec.hidden_size, hq=spec.num_heads,
+            hkv=spec.num_kv_heads, d=spec.head_dim, block_size=0, max_inter=_max_inter(self.layers),
+            eps=spec.rms_norm_eps, scale=spec.head_dim ** -0.5, bf16=int(dtype == torch.bfloat16),
+            embed=self._keep.ptr(model.embed_tokens), final_norm=self._keep.f32(model.norm),
+            cos_sin=self._keep.ptr(model.cos_sin.float()), layer=self.layers)
+        try:
+            self.table.lm_head = linear(model.lm_head, self._keep)
+        except Unsupported as e:
+            log.info("the LM head stays on torch: the C step does not run %s", e)
+        self.vocab = self.table.lm_head.n
+        self._table_ref = ctypes.byref(self.table)
+        self._bound: int | None = None
+        self.calls, self.seconds = 0, 0.0  # steps run; time inside the C calls (LM head too)
+
+    def _bind(self, kv_caches: list[tuple[torch.Tensor, ...]]) -> None:
+        """Point each layer at its cache (the runner allocates them after the model loads)."""
+        for L, (k, v) in zip(self.layers, kv_caches, strict=True):
+            if k.dtype != self.dtype or not (k.is_contiguous() and v.is_contiguous()):
+                raise Unsupported("a KV cache in another dtype or layout")
+            L.k_cache, L.v_cache = k.data_ptr(), v.data_ptr()
+        self.table.block_size = kv_caches[0][0].shape[1]
+        self._bound = kv_caches[0][0].data_ptr()
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 kv_caches: list[tuple[torch.Tensor, ...]], meta: AttentionMetadata
+                 ) -> torch.Tensor:
+        """Final hidden states [T, H] of T decode tokens (one per sequence)."""
+        if kv_caches[0][0].data_ptr() != self._bound:
+            self._bind(kv_caches)
+        tables, slots, ctx = meta.block_tables, meta.slot_mapping, meta.context_lens
+        if slots.dtype != torch.long:
+            slots = slots.long()
+        ids = input_ids if input_ids.is_contiguous() else input_ids.contiguous()
+        out = torch.empty(ids.shape[0], self.hidden, dtype=self.dtype)
+        start = time.perf_counter()
+        rc = loaded().thr_decode_step(
+            self._table_ref, ids.shape[0], ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+            tables.data_ptr(), tables.stride(0), ctx.data_ptr(), out.data_ptr())
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        if rc:
+            raise MemoryError("cpu_step: out of memory for the step's buffers")
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits [N, V] of final hidden states [N, H] through the C LM head (None where it
+        stays on torch, or for a tensor it does not read)."""
+        if (self.table.lm_head.kind == LIN_NONE or hidden.dtype != self.dtype or hidden.is_cuda
+                or not hidden.is_contiguous()):
+            return None
+        out = torch.empty(hidden.shape[0], self.vocab)
+        start = time.perf_counter()
+        rc = loaded().thr_lm_head(self._table_ref, hidden.data_ptr(), hidden.shape[0],
+                                  out.data_ptr())
+        self.seconds += time.perf_counter() - start
+        if rc:
+            raise MemoryError("cpu_step: out of memory for the LM head's input")
+        return out
+
+    def applies(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> bool:
+        """Whether this batch is one the C step runs: CPU decode tokens only, exact host lists."""
+        return (meta.num_decodes > 0 and meta.all_decode and meta.host_exact
+                and not input_ids.is_cuda and input_ids.dtype == torch.long
+                and positions.dtype == torch.long and positions.is_contiguous()
+                and meta.block_tables.dtype == torch.int32 and meta.block_tables.stride(1) == 1
+                and meta.context_lens.dtype == torch.int32 and meta.context_lens.is_contiguous()
+                and meta.slot_mapping.is_contiguous())
+
+
+def build(model: nn.Module) -> NativeStep | None:
+    """The C step for a CPU model, or None (the reason logged) where it does not apply."""
+    if loaded() is None or not enabled():
+        return None
+    try:
+        return NativeStep(model)
+    except Unsupported as e:
+        log.info("decode steps keep the operator path: the C step does not run %s", e)
+        return None
