@@ -12,11 +12,18 @@ from tests.prune.test_api import experts_disabled
 from thresher.data.windows import calibration_windows
 from thresher.errors import CompressionError
 from thresher.models import get_adapter, load_model
+from thresher.models.adapters import RoutingRule
 from thresher.models.layerwise import LayerwiseModel
 from thresher.prune.api import observe_for
 from thresher.prune.mask import choose_experts
 from thresher.prune.plan import AUTO_CANDIDATES, plan_layers
-from thresher.prune.reconstruction import ProbeRecorder, removal_error, routed_output
+from thresher.prune.reconstruction import (
+    LayerProbe,
+    ProbeRecorder,
+    greedy_removal_order,
+    removal_error,
+    routed_output,
+)
 from thresher.prune.saliency import reap, saliency
 from thresher.recipe import CalibrationConfig, PruneStage
 
@@ -108,3 +115,40 @@ def test_probe_recomputes_the_moe_block_of_the_full_and_the_pruned_layer(tiny_de
     mask = torch.zeros(8, dtype=torch.bool)
     mask[kept] = True
     torch.testing.assert_close(routed_output(probe, mask), pruned, rtol=1e-4, atol=1e-5)
+
+
+def plain_greedy_order(probe, protected: list[int], max_remove: int) -> list[int]:
+    """The greedy search as defined: every candidate's error recomputed on every token."""
+    kept, order = list(range(probe.num_experts)), []
+    for _ in range(max_remove):
+        candidates = [e for e in kept if e not in protected]
+        errors = [removal_error(probe, [k for k in kept if k != e]) for e in candidates]
+        best = candidates[min(range(len(errors)), key=errors.__getitem__)]
+        order.append(best)
+        kept.remove(best)
+    return order
+
+
+def random_probe(rule: RoutingRule, experts: int = 16, tokens: int = 96, hidden: int = 8):
+    gen = torch.Generator().manual_seed(experts + tokens)
+    return LayerProbe(layer=0, logits=torch.randn(tokens, experts, generator=gen),
+                      outputs=torch.randn(experts, tokens, hidden, generator=gen),
+                      residual_sq=1.0, rule=rule)
+
+
+@pytest.mark.parametrize("rule", [
+    RoutingRule(top_k=4, renormalize=True),
+    RoutingRule(top_k=4, renormalize=False),  # softmax over all experts: every token changes
+    RoutingRule(top_k=4, renormalize=True, scoring="topk_softmax"),
+    RoutingRule(top_k=4, renormalize=True, scoring="sigmoid", bias=torch.linspace(-0.2, 0.2, 16),
+                n_group=4, topk_group=2, scaling=2.5),
+    RoutingRule(top_k=4, renormalize=True, bias=torch.linspace(0.1, -0.1, 16)),
+], ids=["softmax-renorm", "softmax", "topk-softmax", "sigmoid-groups", "softmax-bias"])
+def test_greedy_order_equals_the_plain_search_for_every_rule(rule):
+    probe = random_probe(rule)
+    assert greedy_removal_order(probe, [3], 11) == plain_greedy_order(probe, [3], 11)
+
+
+def test_greedy_order_equals_the_plain_search_on_the_trained_model(observed):
+    for probe in observed.search.values():
+        assert greedy_removal_order(probe, [], 6) == plain_greedy_order(probe, [], 6)
