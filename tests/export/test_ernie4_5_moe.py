@@ -95,3 +95,17 @@ def test_selection_bias_is_f32_in_every_file_type(ernie, tmp_path, gguf_type):
                 show_progress=False)
     tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "f.gguf").tensors}
     assert tensors["blk.1.exp_probs_b.bias"].tensor_type == gguf.GGMLQuantizationType.F32
+
+
+def test_interleaved_moe_layers_are_refused_with_the_reason(tmp_path, tiny_tokenizer):
+    """``moe_layer_interval`` 2: llama.cpp's loader wants experts in every layer after the
+    leading dense ones (a file written to its graph's rule does not load), so the export says
+    so instead of writing a file that fails there."""
+    from thresher.errors import ExportError
+
+    model = build_random_model("ernie4_5_moe", num_layers=4, vocab_size=len(tiny_tokenizer),
+                               moe_layer_interval=2)
+    save_model(model, tiny_tokenizer, tmp_path / "m")
+    with pytest.raises(ExportError, match="every 2 layers.*loader"):
+        export_gguf(tmp_path / "m", tmp_path / "f.gguf", "f32", show_progress=False)
+    assert not (tmp_path / "f.gguf").exists()

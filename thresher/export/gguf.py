@@ -528,6 +528,12 @@ def _architecture(adapter: Adapter, config, model_dir: Path) -> GGUFArchitecture
         raise ExportError(f"{model_dir}: llama.cpp's olmoe graph normalizes k over all "
                           f"{config.hidden_size} channels, so it needs as many k/v heads as q heads "
                           f"({config.num_key_value_heads} vs {config.num_attention_heads})")
+    if adapter.is_moe and adapter.moe_layer_step(config) > 1:
+        raise ExportError(f"{model_dir}: an MoE layer every {adapter.moe_layer_step(config)} "
+                          "layers, dense MLPs between: llama.cpp's graph honours "
+                          "interleave_moe_layer_step, but its loader (llama-cpp-python 0.3.36) "
+                          "reads experts in every layer after the leading dense ones and fails "
+                          "on the first dense one, so no GGUF of this model loads")
     rope = getattr(config, "rope_parameters", None) or {}
     if arch.hybrid and adapter.full_attention_interval(config) is None:
         raise ExportError(f"{model_dir}: llama.cpp's {gguf.MODEL_ARCH_NAMES[arch.arch]} graph "
