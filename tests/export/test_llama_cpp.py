@@ -175,7 +175,9 @@ def test_llama_cpp_runs_q3_k_on_small(small_demo, tmp_path, gguf_type, imatrix):
     assert theirs == pytest.approx(ours, rel=0.005)
     assert agree >= 0.9, agree
     source = perplexity(load_model(small_demo), windows, show_progress=False).perplexity
-    assert source < theirs < 1.2 * source  # 3 bits cost something, and not everything
+    assert theirs < 1.2 * source  # 3 bits do not cost everything
+    if not imatrix:  # and plain rounding costs something (the importance-weighted Q3_K_M mix
+        assert source < theirs  # scored 0.08% under the source on these 4 windows: level)
 
 
 @pytest.mark.slow
