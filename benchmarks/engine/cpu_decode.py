@@ -6,11 +6,15 @@ llama.cpp, side by side in one run.
     PYTHONPATH=. python benchmarks/engine/cpu_decode.py --threads 2 --formats gptq4 awq4 nf4 \
         --dtypes float32 bfloat16                      # the whole table: 10 layers, ~1.1 GB bf16
     PYTHONPATH=. python benchmarks/engine/cpu_decode.py --layers 2 --threads 2   # small, loaded machine
+    PYTHONPATH=. python benchmarks/engine/cpu_decode.py --family deepseek_v3 --threads 2 \
+        --experts 32 --intermediate 512 --top-k 4 --formats gptq4 --dtypes bfloat16 \
+        --quant-dtypes bfloat16 --gguf-types f16 q4_0 --concurrency 1   # DeepSeek-V3 shape, ~1.1 GB
 
 Run it from the repository root with ``PYTHONPATH=.`` when the editable install points at
 another checkout.
 
-Builds the checkpoint of ``quant_scale`` (hidden 1024, 8 experts of 2048, top-2) on disk,
+Builds the checkpoint of ``quant_scale`` (hidden 1024, 8 experts of 2048, top-2; with
+``--family deepseek_v3`` its DeepSeek-V3-shaped one, exported to llama.cpp's ``deepseek2``) on disk,
 quantizes it with thresher (RTN: GPTQ's format without the calibration time; AWQ with a few
 calibration samples; NF4 through bitsandbytes), and times greedy decode through the engine for
 each variant at each concurrency: decode tokens per second = new tokens / (time of N+1 tokens -
@@ -54,7 +58,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scale"))
-from quant_scale import build_checkpoint  # the scale group's checkpoint builder
+from quant_scale import build_checkpoint, build_deepseek_v3_checkpoint  # the scale group's builders
 
 from thresher.export import export_gguf
 from thresher.export.llama_runtime import INSTALL_HINT, LLAMA_CPP_AVAILABLE, LlamaCppModel
@@ -62,6 +66,7 @@ from thresher.serve_kernels import LLM, SamplingParams
 from thresher.serve_kernels.kernels import cpu_native, cpu_q4
 from thresher.serve_kernels.modeling import native_step
 from thresher.serve_kernels.modeling.linear import DenseLinear
+from thresher.serve_kernels.modeling.mla import LatentAttention
 from thresher.serve_kernels.modeling.moe import ExpertLoop, FusedExperts
 
 PROMPT = [5, 17, 300, 42, 9, 77, 1023, 400, 12, 3, 250, 61, 8, 99, 150, 31]
@@ -72,6 +77,8 @@ QUANTIZE = {
     "nf4": ["--method", "nf4"],  # bitsandbytes' CPU NF4 kernel where the CPU has AVX512-BF16
 }
 NAMES = {"gptq4": "GPTQ-4 (RTN g128)", "awq4": "AWQ-4 g128", "nf4": "NF4"}
+# --family: the checkpoint builder (same arguments: --layers counts the MoE layers)
+BUILDERS = {"qwen3_moe": build_checkpoint, "deepseek_v3": build_deepseek_v3_checkpoint}
 
 
 def long_enough(model_dir: Path, positions: int) -> None:
@@ -101,7 +108,8 @@ def bytes_per_token(llm: LLM) -> int | None:
     """Weight bytes one decode step reads for one sequence (see the module docstring); None when
     a layer runs a dequantizing reference, whose traffic is not its weight bytes."""
     model = llm.engine.runner.model
-    return module_bytes(model, model.layers[0].mlp.top_k)
+    top_k = next(layer.mlp.top_k for layer in model.layers if hasattr(layer.mlp, "top_k"))
+    return module_bytes(model, top_k)
 
 
 def module_bytes(module: torch.nn.Module, top_k: int) -> int | None:
@@ -132,6 +140,8 @@ def module_bytes(module: torch.nn.Module, top_k: int) -> int | None:
     if hasattr(module, "qweight") or hasattr(module, "nf4"):
         return None
     parts = [module_bytes(m, top_k) for m in module.children()]
+    if isinstance(module, LatentAttention):  # kv_b, absorbed per head: dense buffers
+        parts.append(module.w_kb.nbytes + module.w_vb.nbytes)
     return None if None in parts else sum(parts)
 
 
@@ -262,6 +272,9 @@ def measure(engines: dict[str, LLM], llamas: dict[str, LlamaCppModel], cells: li
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--family", choices=list(BUILDERS), default="qwen3_moe",
+                    help="deepseek_v3: latent attention, a dense first layer, a shared expert, "
+                         "a sigmoid router over 4 groups (2 kept)")
     ap.add_argument("--layers", type=int, default=10)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--experts", type=int, default=8)
@@ -308,8 +321,8 @@ def main() -> None:
     try:
         src = root / "model"
         if not (src / "config.json").is_file():
-            build_checkpoint(src, args.layers, args.hidden, args.experts, args.intermediate,
-                             args.top_k)
+            BUILDERS[args.family](src, args.layers, args.hidden, args.experts,
+                                  args.intermediate, args.top_k)
         long_enough(src, max(args.contexts) + args.tokens + 8)
         size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
         variants = [(f"engine 16-bit ({d})", src, d, None) for d in args.dtypes]
@@ -406,7 +419,7 @@ def print_table(args: argparse.Namespace, size: int, bandwidth: float, threads: 
                 rows: dict[str, tuple[int | None, list[float | None], str, str]],
                 cells: list[tuple[int, int]]) -> None:
     """The rates table, then each ratio whose two rows were measured."""
-    print(f"\nrandom-init qwen3_moe, {args.layers} layers, hidden {args.hidden}, "
+    print(f"\nrandom-init {args.family}, {args.layers} layers, hidden {args.hidden}, "
           f"{args.experts} experts x {args.intermediate} (top-{args.top_k}): {size / 1e9:.2f} GB "
           f"in bf16; {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, {threads} threads; copy bandwidth "

@@ -80,6 +80,70 @@ def build_checkpoint(out: Path, layers: int, hidden: int, experts: int, inter: i
     return sum(f.stat().st_size for f in out.glob("*.safetensors"))
 
 
+def build_deepseek_v3_checkpoint(out: Path, layers: int, hidden: int, experts: int, inter: int,
+                                 top_k: int) -> int:
+    """Write a random bf16 DeepSeek-V3-shaped checkpoint layer by layer: one dense first layer
+    (intermediate 4 x ``inter``) and ``layers`` MoE layers of ``experts`` routed experts of
+    ``inter`` plus one shared expert, a sigmoid router with a correction bias and 4 groups of
+    which 2 are kept, and multi-head latent attention (16 heads; query rank 3/8 of hidden, kv
+    latent 128, rotary keys 32, nope 64, values 64); hub tensor names. Returns its size."""
+    tok_dir = build_demo_model("tiny")
+    heads, q_rank, kv_rank, rope, nope, vdim = 16, hidden * 3 // 8, 128, 32, 64, 64
+    config = random_config("deepseek_v3", hidden_size=hidden, num_layers=layers,
+                           num_experts=experts, top_k=top_k, intermediate_size=inter,
+                           vocab_size=4096, num_attention_heads=heads, num_key_value_heads=heads,
+                           q_lora_rank=q_rank, kv_lora_rank=kv_rank, qk_rope_head_dim=rope,
+                           qk_nope_head_dim=nope, v_head_dim=vdim, n_group=4, topk_group=2,
+                           num_nextn_predict_layers=0, dtype="bfloat16")
+    config.intermediate_size = 4 * inter  # the dense first layer's
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    out.mkdir(parents=True)
+    config.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (tok_dir / name).is_file():
+            shutil.copy2(tok_dir / name, out / name)
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    def mlp(prefix: str, width: int) -> dict[str, torch.Tensor]:
+        return {prefix + "gate_proj.weight": rand(width, hidden),
+                prefix + "up_proj.weight": rand(width, hidden),
+                prefix + "down_proj.weight": rand(hidden, width)}
+
+    writer = CheckpointWriter(out, max_shard_bytes=512 << 20)
+    writer.add({"model.embed_tokens.weight": rand(4096, hidden),
+                "lm_head.weight": rand(4096, hidden), "model.norm.weight": ones(hidden)})
+    for i in range(layers + 1):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        state = {p + "input_layernorm.weight": ones(hidden),
+                 p + "post_attention_layernorm.weight": ones(hidden),
+                 a + "q_a_proj.weight": rand(q_rank, hidden),
+                 a + "q_a_layernorm.weight": ones(q_rank),
+                 a + "q_b_proj.weight": rand(heads * (nope + rope), q_rank),
+                 a + "kv_a_proj_with_mqa.weight": rand(kv_rank + rope, hidden),
+                 a + "kv_a_layernorm.weight": ones(kv_rank),
+                 a + "kv_b_proj.weight": rand(heads * (nope + vdim), kv_rank),
+                 a + "o_proj.weight": rand(hidden, heads * vdim)}
+        if i == 0:  # first_k_dense_replace = 1
+            state.update(mlp(p + "mlp.", 4 * inter))
+        else:
+            state[p + "mlp.gate.weight"] = rand(experts, hidden) * 50  # a router with preferences
+            state[p + "mlp.gate.e_score_correction_bias"] = torch.zeros(experts)
+            state.update(mlp(p + "mlp.shared_experts.", inter))
+            for e in range(experts):
+                state.update(mlp(p + f"mlp.experts.{e}.", inter))
+        writer.add(state)
+        print(f"\rbuilding layer {i + 1}/{layers + 1}", end="", file=sys.stderr, flush=True)
+    writer.close()
+    print(file=sys.stderr)
+    return sum(f.stat().st_size for f in out.glob("*.safetensors"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=56)

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from tests.conftest import build_random_model
-from tests.export.test_glm4_moe import CAL, _field, _llama_logits, needs_llama
+from tests.export.test_glm4_moe import CAL, _field, _llama_logits, _reference, needs_llama
 from thresher.compress.api import quantize_model
 from thresher.errors import ExportError
 from thresher.export import dequantize_gguf, export_gguf
-from thresher.models import load_model, save_model
+from thresher.models import save_model
 from thresher.models.checkpoint import CheckpointReader
 from thresher.prune.api import prune_model
 from thresher.recipe import PruneStage, QuantizeStage
@@ -72,8 +72,7 @@ def test_llama_cpp_computes_thresher_logits(dsv3, tmp_path, tiny_tokenizer, vari
     """llama.cpp's deepseek2 graph (absorbed MLA, yarn, sigmoid routing with the correction bias
     and groups, shared experts, dense first layer) gives thresher's logits: F32 files to float
     rounding, F16 to half rounding; the GPTQ codes handed to Q4_1 (kv_b dequantized into F32
-    k_b/v_b) to within llama.cpp's 8-bit activation rounding (its Q4_1 decode crashes on some
-    CPUs' builds: skipped there)."""
+    k_b/v_b) to within llama.cpp's 8-bit activation rounding."""
     _, base = dsv3
     source = base
     if variant == "reap50":
@@ -94,7 +93,7 @@ def test_llama_cpp_computes_thresher_logits(dsv3, tmp_path, tiny_tokenizer, vari
     ids = torch.randint(0, len(tiny_tokenizer), (2, 24),
                         generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        want = load_model(source)(input_ids=ids).logits
+        want = _reference(source, tmp_path / "f.gguf")(input_ids=ids).logits
     got = _llama_logits(tmp_path / "f.gguf", ids, tmp_path)
     assert (got - want).abs().mean() < bound
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95

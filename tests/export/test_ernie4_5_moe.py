@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from tests.conftest import build_random_model
-from tests.export.test_glm4_moe import CAL, _field, _llama_logits, needs_llama
+from tests.export.test_glm4_moe import CAL, _field, _llama_logits, _reference, needs_llama
 from thresher.compress.api import quantize_model
 from thresher.export import dequantize_gguf, export_gguf
-from thresher.models import load_model, save_model
+from thresher.models import save_model
 from thresher.models.checkpoint import CheckpointReader
 from thresher.prune.api import prune_model
 from thresher.recipe import PruneStage, QuantizeStage
@@ -52,13 +52,15 @@ def test_names_and_layout_metadata_are_llama_cpps(ernie, tmp_path):
 
 @needs_llama
 @pytest.mark.parametrize(("variant", "gguf_type", "bound"), [
-    ("base", "f32", 2e-4), ("reap50", "f32", 1e-4), ("gptq4", "q4_1", 2e-3)])
+    ("base", "f32", 2e-4), ("base", "f16", 2e-3), ("reap50", "f32", 1e-4),
+    ("gptq4", "q4_1", 2e-3)])
 def test_llama_cpp_computes_thresher_logits(ernie, tmp_path, tiny_tokenizer, variant, gguf_type,
                                             bound):
     """llama.cpp's ernie4_5-moe graph (softmax routing selecting with ``exp_probs_b``, shared
     experts, dense first layer, adjacent-pair rotary) gives thresher's logits: F32 files to
-    float rounding (the base's mean |difference| is 9e-5: one near-tied choice of experts), the GPTQ codes handed to Q4_1 to within llama.cpp's 8-bit activation
-    rounding (in a child process: its quantized matmuls may crash on this CPU)."""
+    float rounding (the base's mean |difference| is 9e-5: one near-tied choice of experts), F16
+    to half rounding, the GPTQ codes handed to Q4_1 to within llama.cpp's 8-bit activation
+    rounding."""
     _, base = ernie
     source = base
     if variant == "reap50":
@@ -72,7 +74,38 @@ def test_llama_cpp_computes_thresher_logits(ernie, tmp_path, tiny_tokenizer, var
     ids = torch.randint(0, len(tiny_tokenizer), (2, 24),
                         generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        want = load_model(source)(input_ids=ids).logits
+        want = _reference(source, tmp_path / "f.gguf")(input_ids=ids).logits
     got = _llama_logits(tmp_path / "f.gguf", ids, tmp_path)
     assert (got - want).abs().mean() < bound
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("gguf_type", ["f16", "q8_0", "gptq4"])
+def test_selection_bias_is_f32_in_every_file_type(ernie, tmp_path, gguf_type):
+    """The [1, E] ``moe_statics`` bias is a vector in llama.cpp, kept in F32 as its converter
+    keeps vectors: an F16 one aborts llama.cpp's CPU add, and rows of E values are no Q8_0
+    blocks (the export used to refuse Q8_0 for 8 experts)."""
+    _, base = ernie
+    source = base
+    if gguf_type == "gptq4":  # the hand-off writes matrices it does not hand off in F16
+        source = tmp_path / "gptq"
+        quantize_model(base, QuantizeStage(method="gptq", group_size=32, sym=False), CAL, source,
+                       show_progress=False)
+    export_gguf(source, tmp_path / "f.gguf", "q4_1" if gguf_type == "gptq4" else gguf_type,
+                show_progress=False)
+    tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "f.gguf").tensors}
+    assert tensors["blk.1.exp_probs_b.bias"].tensor_type == gguf.GGMLQuantizationType.F32
+
+
+def test_interleaved_moe_layers_are_refused_with_the_reason(tmp_path, tiny_tokenizer):
+    """``moe_layer_interval`` 2: llama.cpp's loader wants experts in every layer after the
+    leading dense ones (a file written to its graph's rule does not load), so the export says
+    so instead of writing a file that fails there."""
+    from thresher.errors import ExportError
+
+    model = build_random_model("ernie4_5_moe", num_layers=4, vocab_size=len(tiny_tokenizer),
+                               moe_layer_interval=2)
+    save_model(model, tiny_tokenizer, tmp_path / "m")
+    with pytest.raises(ExportError, match="every 2 layers.*loader"):
+        export_gguf(tmp_path / "m", tmp_path / "f.gguf", "f32", show_progress=False)
+    assert not (tmp_path / "f.gguf").exists()

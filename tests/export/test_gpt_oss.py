@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import CALIBRATION_FILE, build_random_model
-from tests.export.test_glm4_moe import _llama_logits, needs_llama
+from tests.export.test_glm4_moe import _llama_logits, _reference, needs_llama
 from thresher.compress.api import quantize_model
 from thresher.export import dequantize_gguf, export_gguf
 from thresher.models import load_model, save_model
@@ -81,7 +81,7 @@ def test_llama_cpp_computes_thresher_logits(gpt_oss, tmp_path, tiny_tokenizer, v
     ids = torch.randint(0, len(tiny_tokenizer), (2, 24),
                         generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        want = load_model(source)(input_ids=ids).logits
+        want = _reference(source, tmp_path / "f.gguf")(input_ids=ids).logits
     got = _llama_logits(tmp_path / "f.gguf", ids, tmp_path)
     assert (got - want).abs().mean() < bound
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95

@@ -143,8 +143,10 @@ GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
 QWEN2_PRE_TOKENIZER_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
-# Kept in F32 whatever the file type, as llama.cpp's converter does (1-D tensors are F32 too).
-_F32_ROLES = frozenset({Role.FFN_GATE_INP, Role.FFN_GATE_INP_SHEXP, Role.SSM_CONV1D})
+# Kept in F32 whatever the file type, as llama.cpp's converter does (1-D tensors are F32 too,
+# and so is ERNIE-4.5's [1, E] selection bias: llama.cpp's CPU add takes no F16 or block operand).
+_F32_ROLES = frozenset({Role.FFN_GATE_INP, Role.FFN_GATE_INP_SHEXP, Role.FFN_EXP_PROBS_B,
+                        Role.SSM_CONV1D})
 # Stored as vectors: the shared expert's gate is a [1, H] matrix in the checkpoint, {H} in llama.cpp
 # (and ERNIE-4.5's selection bias [1, E], {E}).
 _VECTOR_ROLES = frozenset({Role.FFN_GATE_INP_SHEXP, Role.FFN_EXP_PROBS_B})
@@ -526,6 +528,12 @@ def _architecture(adapter: Adapter, config, model_dir: Path) -> GGUFArchitecture
         raise ExportError(f"{model_dir}: llama.cpp's olmoe graph normalizes k over all "
                           f"{config.hidden_size} channels, so it needs as many k/v heads as q heads "
                           f"({config.num_key_value_heads} vs {config.num_attention_heads})")
+    if adapter.is_moe and adapter.moe_layer_step(config) > 1:
+        raise ExportError(f"{model_dir}: an MoE layer every {adapter.moe_layer_step(config)} "
+                          "layers, dense MLPs between: llama.cpp's graph honours "
+                          "interleave_moe_layer_step, but its loader (llama-cpp-python 0.3.36) "
+                          "reads experts in every layer after the leading dense ones and fails "
+                          "on the first dense one, so no GGUF of this model loads")
     rope = getattr(config, "rope_parameters", None) or {}
     if arch.hybrid and adapter.full_attention_interval(config) is None:
         raise ExportError(f"{model_dir}: llama.cpp's {gguf.MODEL_ARCH_NAMES[arch.arch]} graph "

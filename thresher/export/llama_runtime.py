@@ -5,12 +5,23 @@ llama.cpp comes from ``llama-cpp-python``, an optional extra (``pip install thre
 2-core machine. The logits function has the shape thresher's perplexity takes (ids [B, S] ->
 logits [B, S, V]), so llama.cpp's perplexity of a file and thresher's of the same weights are
 computed by the same code on the same windows.
+
+llama.cpp's CPU "extra buffer types" are turned off for every model loaded here
+(``use_extra_bufts = False``, llama.cpp's ``--no-repack``). Built with GCC 12 on a CPU with AMX,
+ggml-cpu's AMX buffer type takes the Q4_0, Q4_1 and Q8_0 matrices, and its tile setup
+(``ggml_tile_config_init``) fills a 64-byte config on the stack that GCC 12's ``_tile_loadconfig``
+declares as an 8-byte read: the compiler drops the stores of the tile shapes, ``ldtilecfg`` loads
+stack garbage, and the first quantized matmul dies with SIGSEGV. Without extra buffer types those
+matrices take ggml's plain CPU path (docs/gguf.md gives the cost).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +48,30 @@ class DecodeTiming:
         return self.tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
+_PARAMS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _without_extra_buffer_types() -> Iterator[None]:
+    """While a ``Llama`` is built, its model params come with ``use_extra_bufts`` off:
+    llama-cpp-python's constructor takes no such argument and reads llama.cpp's defaults."""
+    from llama_cpp import llama as module
+
+    defaults = module.llama_cpp.llama_model_default_params
+
+    def params():
+        p = defaults()
+        p.use_extra_bufts = False
+        return p
+
+    with _PARAMS_LOCK:
+        module.llama_cpp.llama_model_default_params = params
+        try:
+            yield
+        finally:
+            module.llama_cpp.llama_model_default_params = defaults
+
+
 class LlamaCppModel:
     """One GGUF file loaded in llama.cpp on the CPU, every position's logits kept."""
 
@@ -46,8 +81,10 @@ class LlamaCppModel:
         from llama_cpp import Llama
 
         self.path = Path(path)
-        self.llm = Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
-                         n_threads=n_threads, n_threads_batch=n_threads, verbose=False)
+        with _without_extra_buffer_types():
+            self.llm = Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+                             logits_all=True, n_threads=n_threads, n_threads_batch=n_threads,
+                             verbose=False)
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, S, V] of each row of ``ids`` [B, S], evaluated from an empty cache (no BOS

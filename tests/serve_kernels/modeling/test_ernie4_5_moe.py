@@ -12,6 +12,7 @@ from tests.conftest import CALIBRATION_FILE, build_random_model
 from tests.serve_kernels.conftest import prompt_logits, prompt_pass, save_family
 from tests.serve_kernels.kernels.helpers import rel_err
 from thresher.compress.api import quantize_model
+from thresher.models.checkpoint import CheckpointReader
 from thresher.models.quantized import load_quantized_model
 from thresher.prune.api import prune_model
 from thresher.recipe import CalibrationConfig, FilesSource, PruneStage, QuantizeStage
@@ -104,3 +105,46 @@ def test_gpu_path_in_tritons_interpreter_matches_the_cpu_path(ernie, monkeypatch
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("THRESHER_KERNELS", "triton")
     assert llm.generate([PROMPT[:9]], params)[0].token_ids == expected
+
+
+@pytest.fixture(scope="module")
+def interleaved(tmp_path_factory, tiny_demo):
+    """An MoE layer every second layer after ``moe_layer_start_index`` (1), dense MLPs between:
+    layers dense, MoE, dense, MoE, dense."""
+    hf = build_random_model("ernie4_5_moe", num_layers=4, vocab_size=4096, intermediate_size=64,
+                            moe_layer_interval=2)
+    assert [type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in hf.model.layers] \
+        == [False, True, False, True, False]
+    return hf, save_family(hf, tiny_demo, tmp_path_factory.mktemp("ernie-interleaved"))
+
+
+@pytest.mark.parametrize("variant", ["base", "reap50", "gptq4"])
+def test_interleaved_moe_layers_prune_quantize_and_serve_like_transformers(
+        interleaved, tmp_path, monkeypatch, variant):
+    """With ``moe_layer_interval`` 2, pruning and quantizing find the MoE layers where the config
+    puts them (the dense ones between are quantized, never pruned), and the engine builds the
+    same layers and gives transformers' logits and greedy text."""
+    hf, path = interleaved
+    source, reference, experts = path, hf, 8
+    if variant == "reap50":
+        source, experts = tmp_path / "pruned", 4
+        prune_model(path, PruneStage(method="reap", ratio=0.5), CAL, source, show_progress=False)
+        reference = AutoModelForCausalLM.from_pretrained(source).eval()
+    elif variant == "gptq4":
+        source = tmp_path / "q"
+        quantize_model(path, QuantizeStage(method="gptq", group_size=32), CAL, source,
+                       show_progress=False)
+        reader = CheckpointReader(source)
+        assert {f"model.layers.{i}.mlp.gate_proj.qweight" for i in (0, 2, 4)} <= \
+            set(reader.tensor_names())  # the dense layers between the MoE ones too
+        assert "model.layers.3.mlp.experts.7.down_proj.qweight" in reader
+        reference = load_quantized_model(source)
+        monkeypatch.setenv("THRESHER_KERNELS", "torch")  # the dequantizing references, fp32
+    llm = LLM(source, block_size=4)
+    layers = llm.engine.runner.model.layers
+    assert [layer.mlp.router.out_features if isinstance(layer.mlp, MoE) else 0
+            for layer in layers] == [0, experts, 0, experts, 0]
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(prompt_logits(llm, PROMPT), expected, atol=2e-4, rtol=2e-4)
+    assert llm.generate([PROMPT], GREEDY)[0].token_ids == _greedy(reference)
