@@ -15,7 +15,12 @@ from thresher.data.windows import eval_windows
 from thresher.evaluate.perplexity import perplexity
 from thresher.export import compute_importance, dequantize_gguf, export_gguf
 from thresher.export.block_quants import quantize
-from thresher.export.llama_runtime import INSTALL_HINT, LLAMA_CPP_AVAILABLE, LlamaCppModel
+from thresher.export.llama_runtime import (
+    INSTALL_HINT,
+    LLAMA_CPP_AVAILABLE,
+    LlamaCppModel,
+    amx_build,
+)
 from thresher.models.checkpoint import CheckpointReader
 from thresher.models.loading import load_model, load_tokenizer
 from thresher.recipe import CalibrationConfig, PerplexityConfig
@@ -126,14 +131,15 @@ def _compare(gguf_path, reference_dir, windows) -> tuple[float, float, float]:
 
 
 def test_models_load_without_extra_buffer_types(tmp_path, tiny_demo):
-    """LlamaCppModel turns llama.cpp's extra CPU buffer types off (the AMX one crashes when
-    built with GCC 12, docs/gguf.md) and leaves llama-cpp-python's defaults as they were."""
+    """LlamaCppModel turns llama.cpp's extra CPU buffer types off where it has AMX code (which
+    crashes when built with GCC 12, docs/gguf.md), keeps them on (repacking) otherwise, and leaves
+    llama-cpp-python's defaults as they were."""
     import llama_cpp
 
     export_gguf(tiny_demo, tmp_path / "m.gguf", "q4_0", show_progress=False)
     llama = LlamaCppModel(tmp_path / "m.gguf", n_ctx=16)
     try:
-        assert llama.llm.model_params.use_extra_bufts is False
+        assert llama.llm.model_params.use_extra_bufts is not amx_build()
         assert llama.logits(torch.tensor([[3, 396, 325, 2789]])).isfinite().all()
     finally:
         llama.close()

@@ -6,13 +6,15 @@ llama.cpp comes from ``llama-cpp-python``, an optional extra (``pip install thre
 logits [B, S, V]), so llama.cpp's perplexity of a file and thresher's of the same weights are
 computed by the same code on the same windows.
 
-llama.cpp's CPU "extra buffer types" are turned off for every model loaded here
-(``use_extra_bufts = False``, llama.cpp's ``--no-repack``). Built with GCC 12 on a CPU with AMX,
+llama.cpp's CPU "extra buffer types" are turned off for every model loaded here when llama.cpp
+was built with its AMX code (``use_extra_bufts = False``, llama.cpp's ``--no-repack``). Built with
+GCC 12 on a CPU with AMX,
 ggml-cpu's AMX buffer type takes the Q4_0, Q4_1 and Q8_0 matrices, and its tile setup
 (``ggml_tile_config_init``) fills a 64-byte config on the stack that GCC 12's ``_tile_loadconfig``
 declares as an 8-byte read: the compiler drops the stores of the tile shapes, ``ldtilecfg`` loads
 stack garbage, and the first quantized matmul dies with SIGSEGV. Without extra buffer types those
-matrices take ggml's plain CPU path (docs/gguf.md gives the cost).
+matrices take ggml's plain CPU path, which also loses the repacked Q4_0 kernels (docs/gguf.md gives
+the cost); a llama.cpp built without AMX (docs/gguf.md) keeps its defaults, repacking included.
 """
 
 from __future__ import annotations
@@ -72,6 +74,13 @@ def _without_extra_buffer_types() -> Iterator[None]:
             module.llama_cpp.llama_model_default_params = defaults
 
 
+def amx_build() -> bool:
+    """Whether the installed llama.cpp was compiled with ggml's AMX code (its system info)."""
+    import llama_cpp
+
+    return "AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode()
+
+
 class LlamaCppModel:
     """One GGUF file loaded in llama.cpp on the CPU, every position's logits kept."""
 
@@ -81,7 +90,7 @@ class LlamaCppModel:
         from llama_cpp import Llama
 
         self.path = Path(path)
-        with _without_extra_buffer_types():
+        with _without_extra_buffer_types() if amx_build() else contextlib.nullcontext():
             self.llm = Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
                              logits_all=True, n_threads=n_threads, n_threads_batch=n_threads,
                              verbose=False)
