@@ -61,16 +61,11 @@ log = logging.getLogger(__name__)
 
 ENV = "THRESHER_CPU_STEP"  # "off": decode steps keep the operator path
 DTYPES = {torch.float32: LIN_F32, torch.bfloat16: LIN_BF16}
-_ENV_STORE = getattr(os.environ, "_data", None) if os.name == "posix" else None
-_ENV_KEY = os.fsencode(ENV)
 
 
 def enabled() -> bool:
-    """False when ``THRESHER_CPU_STEP=off`` (read cheaply: a step asks once)."""
-    raw = _ENV_STORE.get(_ENV_KEY) if _ENV_STORE is not None else os.environ.get(ENV)
-    if isinstance(raw, bytes):
-        raw = os.fsdecode(raw)
-    return (raw or "").strip().lower() != "off"
+    """False when ``THRESHER_CPU_STEP=off`` (read per step, so a running engine can be switched)."""
+    return os.environ.get(ENV, "").strip().lower() != "off"
 
 
 class Unsupported(Exception):
