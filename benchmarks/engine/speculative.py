@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -57,9 +58,22 @@ def run(llm: LLM, texts: list[str], params: SamplingParams, concurrency: int
     return time.perf_counter() - start, [list(o.token_ids) for o in outs]
 
 
+def moe_1g(root: Path) -> Path:
+    """The 1.08 GB random bf16 Qwen3-MoE of ``cpu_decode.py`` (10 layers, hidden 1024, 8 experts
+    of width 2048, top-2), built under ``root`` once and reused."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scale"))
+    from quant_scale import build_checkpoint
+
+    out = root / "moe-1g"
+    if not (out / "config.json").is_file():
+        shutil.rmtree(out, ignore_errors=True)
+        build_checkpoint(out, layers=10, hidden=1024, experts=8, inter=2048, top_k=2)
+    return out
+
+
 def measure(model: str, texts: list[str], params: SamplingParams, concurrency: int,
-            speculative: SpeculativeConfig | None) -> dict:
-    llm = LLM(model, max_num_seqs=concurrency, speculative=speculative)
+            speculative: SpeculativeConfig | None, dtype: str = "auto") -> dict:
+    llm = LLM(model, max_num_seqs=concurrency, speculative=speculative, dtype=dtype)
     llm.generate(texts[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm
     llm.engine.spec_stats = SpeculativeStats()  # count the measured run only
     wall, tokens = run(llm, texts, params, concurrency)
@@ -118,7 +132,12 @@ def llama_rows(model: Path, token_lists: list[list[int]], args) -> list[tuple[st
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="demo:small")
+    parser.add_argument("--model", default="demo:small",
+                        help="a model directory, demo:<size>, or moe-1g: cpu_decode.py's 1.08 GB "
+                             "random Qwen3-MoE (built under --workdir)")
+    parser.add_argument("--workdir", type=Path, default=state_dir() / "bench",
+                        help="where moe-1g is built and kept")
+    parser.add_argument("--dtype", default="auto", help="the engine's serving dtype")
     parser.add_argument("--draft", action="append", default=None,
                         help="a draft model (repeatable); default: the published auto50-gptq4")
     parser.add_argument("--prompts", type=int, default=8)
@@ -135,25 +154,27 @@ def main() -> None:
         llama_worker(gguf, int(k), texts_file, args.max_tokens, args.threads)
         return
     torch.set_num_threads(args.threads)
-    model = resolve_model(args.model)
+    model = moe_1g(args.workdir) if args.model == "moe-1g" else resolve_model(args.model)
     drafts = args.draft
+    if drafts is None and args.model == "moe-1g":
+        drafts = []  # no published variant of it
     if drafts is None:
         default = state_dir() / DEFAULT_DRAFT
         drafts = [str(default)] if (default / "config.json").is_file() else []
     texts = prompts(args.prompts)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     print(f"machine: {platform.machine()}, {args.threads} threads, torch {torch.__version__}; "
-          f"{time.strftime('%Y-%m-%d')}; {args.model}; {TASK}: {len(texts)} prompts, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}; {args.model} ({args.dtype}); {TASK}: {len(texts)} prompts, "
           f"{args.max_tokens} new tokens each; k in {args.k}\n")
     print("| c | drafting | best k | acceptance | mean accepted length | tok/s | vs plain | "
           "draft s | verify s | same tokens |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for c in args.concurrency:
-        plain = measure(str(model), texts, params, c, None)
+        plain = measure(str(model), texts, params, c, None, args.dtype)
         print(f"| {c} | none (plain) | - | - | - | {plain['tok_s']:.1f} | 1.00x | - | - | - |",
               flush=True)
         for mode in ["ngram", *drafts]:
-            runs = {k: measure(str(model), texts, params, c, SpeculativeConfig(mode, k))
+            runs = {k: measure(str(model), texts, params, c, SpeculativeConfig(mode, k), args.dtype)
                     for k in args.k}
             k, best = max(runs.items(), key=lambda kv: kv[1]["tok_s"])
             same = all(r["tokens"] == plain["tokens"] for r in runs.values())

@@ -14,6 +14,7 @@ from tests.serve_kernels.conftest import save_family
 from thresher.compress.api import quantize_model
 from thresher.recipe import CalibrationConfig, FilesSource, QuantizeStage
 from thresher.serve_kernels import LLM, SamplingParams
+from thresher.serve_kernels.engine.model_runner import FLATTEN_MAX
 from thresher.serve_kernels.engine.scheduler import ScheduledBatch
 from thresher.serve_kernels.engine.sequence import Sequence
 from thresher.serve_kernels.kernels import cpu_native, cpu_step
@@ -98,7 +99,7 @@ def test_native_step_matches_operator_path(family, fmt, dtype, tmp_path, monkeyp
     monkeypatch.setenv(native_step.ENV, "off")
     torch_head = model.logits(fast)
     assert (head - torch_head).abs().max() <= tol * torch_head.abs().max()
-    assert step.calls == 6  # every decode step ran the C step
+    assert step.calls == 7  # the prompts (chunks of at most FLATTEN_MAX) and every decode step
 
 
 def test_native_step_is_not_built_when_off_or_unsupported(tmp_path, monkeypatch, tiny_demo):
@@ -128,10 +129,55 @@ def test_prefill_keeps_operator_path_and_greedy_tokens_agree(tmp_path, monkeypat
     path = _model_dir("qwen3_moe", "bf16", tmp_path, tiny_demo)
     llm = LLM(path, block_size=4)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    first = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    long = [p * 7 for p in PROMPTS]  # longer than FLATTEN_MAX: a prefill on the operator path
+    assert min(map(len, long)) > FLATTEN_MAX
+    first = [o.token_ids for o in llm.generate(long, params)]
     assert llm.engine.runner.model.native_step.calls == 3  # decode steps; not the prefill
+    llm.generate(PROMPTS, params)  # chunks of at most FLATTEN_MAX tokens run as decode tokens
+    assert llm.engine.runner.model.native_step.calls == 3 + 4
     monkeypatch.setenv(native_step.ENV, "off")
-    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == first
+    assert [o.token_ids for o in llm.generate(long, params)] == first
+
+
+@pytest.mark.parametrize("fmt,dtype", [("bf16", "bfloat16"), ("bf16", "float32"),
+                                       ("gptq4", "bfloat16")])
+def test_a_verify_chunk_is_bitwise_its_decode_steps(fmt, dtype, tmp_path, tiny_demo):
+    """A chunk of 1 + k tokens (a speculative verify chunk) runs through the C step as decode
+    tokens of one sequence, and its hidden states are bit for bit those of k + 1 single-token
+    steps: greedy output under speculation is plain decoding's even in bf16 near-ties."""
+    llm = LLM(_model_dir("qwen3_moe", fmt, tmp_path, tiny_demo), block_size=4, dtype=dtype)
+    engine, step = llm.engine, llm.engine.runner.model.native_step
+    prompt, chunk = PROMPTS[2], [33, 901, 7, 4000, 12, 250]
+    hidden = []
+    for split in ([len(chunk)], [1] * len(chunk)):
+        seq = Sequence("v", prompt + chunk, SamplingParams(max_tokens=1), 1)
+        assert engine.block_manager.allocate(seq, seq.num_tokens)
+        try:
+            engine.runner.hidden_states(ScheduledBatch([seq], [len(prompt)]))
+            seq.num_computed_tokens = len(prompt)
+            calls, outs = step.calls, []
+            for n in split:
+                outs.append(engine.runner.hidden_states(ScheduledBatch([seq], [n]))[0])
+                seq.num_computed_tokens += n
+            assert step.calls - calls == len(split)  # every chunk through the C step
+            hidden.append(torch.cat(outs))
+        finally:
+            engine.block_manager.free(seq)
+    assert torch.equal(hidden[0], hidden[1])
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bf16_values", [False, True])
+@pytest.mark.parametrize("k", [1024, 1000, 520])
+def test_dense_matmul_rows_do_not_depend_on_the_batch(wdtype, bf16_values, k):
+    """A row's output is the same bits alone (vdpbf16ps for a bf16-exact row of a bf16 matrix)
+    and inside batches of every size (the tiles), tails included."""
+    w, rows = torch.randn(37, k).to(wdtype), torch.randn(9, k)
+    if bf16_values:
+        rows = rows.to(torch.bfloat16).float()
+    alone = cpu_step.dense_matmul(rows[-1:], w)
+    for m in (2, 3, 4, 5, 9):
+        assert torch.equal(cpu_step.dense_matmul(rows[-m:], w)[-1:], alone), m
 
 
 @pytest.mark.parametrize("bf16_values", [False, True])  # True: one row takes vdpbf16ps

@@ -89,7 +89,11 @@ class BlockTables:
         """A step's tables, at least ``width`` entries each. On a CPU, rows that are consecutive
         and in order (a steady decode batch: rows go out lowest first, in admission order) are
         a view of whole rows, with no copy (a 64 x 2,048 gather cost 0.1-0.3 ms); the kernels
-        read each row only up to its length. Otherwise a gather."""
+        read each row only up to its length. One row repeated (the tokens of one sequence's
+        speculative verify chunk, run as decode tokens) is that row broadcast (stride 0).
+        Otherwise a gather."""
+        if self._host is not None and rows.count(rows[0]) == len(rows) > 1:
+            return self.tables[rows[0] : rows[0] + 1].expand(len(rows), -1)
         if (self._host is not None and rows[-1] - rows[0] == len(rows) - 1
                 and rows == list(range(rows[0], rows[0] + len(rows)))):
             return self.tables[rows[0] : rows[0] + len(rows)]

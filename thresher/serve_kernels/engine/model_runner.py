@@ -26,8 +26,10 @@ from thresher.serve_kernels.engine.block_table import BlockTables
 from thresher.serve_kernels.engine.scheduler import ScheduledBatch
 from thresher.serve_kernels.modeling.attention import AttentionMetadata
 from thresher.serve_kernels.modeling.decoder import CausalLM
+from thresher.serve_kernels.modeling.native_step import enabled as native_enabled
 
 LOGPROB_CHUNK = 512  # prompt positions per logits matmul (bounds the [rows, vocab] buffer)
+FLATTEN_MAX = 17  # the longest chunk run as decode tokens (a verify chunk of k <= 16 proposals)
 
 log = logging.getLogger(__name__)
 
@@ -164,11 +166,17 @@ class ModelRunner:
                 slot_list.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             context_lens.append(start + n)
         cu_list = [0, *accumulate(query_lens)]
-        rows = [s.table_row for s in seqs]
+        rows, cu_meta = [s.table_row for s in seqs], cu_list
+        if self._flatten(query_lens):  # short chunks (verify chunks) as decode tokens
+            rows = [r for r, n in zip(rows, query_lens, strict=True) for _ in range(n)]
+            context_lens = [p + 1 for p in positions]
+            query_lens = [1] * len(positions)
+            cu_meta = list(range(len(positions) + 1))
         ids, pos, slots, ctx, cu, row_idx = self._upload(
-            input_ids, positions, slot_list, context_lens, cu_list, rows)
+            input_ids, positions, slot_list, context_lens, cu_meta, rows)
         graphs = self.decode_graphs
-        if graphs is not None and max(query_lens) == 1 and (bs_ := graphs.bucket(len(batch))):
+        if (graphs is not None and max(batch.num_new_tokens) == 1
+                and (bs_ := graphs.bucket(len(batch)))):
             return self._replay(graphs, bs_, ids, pos, slots, ctx, row_idx), cu_list
         width = max(len(s.block_table) for s in seqs)
         meta = AttentionMetadata(
@@ -180,6 +188,17 @@ class ModelRunner:
             state_rows=rows,
         )
         return self.model(ids, pos, self.kv_caches, meta), cu_list
+
+    def _flatten(self, query_lens: list[int]) -> bool:
+        """Whether the batch's chunks run as one decode token each through the C step.
+
+        A speculative verify chunk (the last accepted token and k proposals) is a short
+        multi-token chunk; on the prefill path it costs a dispatched operator forward. Token j
+        of a chunk starting at p attends to p + j + 1 cached tokens, and every layer stores the
+        step's K/V before attending, so the chunk is exactly 1 + k decode tokens of one
+        sequence (its block-table row repeated), which the one-call C step runs."""
+        return (self.model.native_step is not None and self.device.type == "cpu"
+                and 1 < max(query_lens) <= FLATTEN_MAX and native_enabled())
 
     def _upload(self, *lists: list[int]) -> list[torch.Tensor]:
         """Host int lists -> int64 tensors on the device: one tensor, and on CUDA one

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
 from thresher.serve_kernels.engine.block_manager import BlockManager
 from thresher.serve_kernels.engine.block_table import BlockTables
@@ -117,13 +116,30 @@ class NgramDrafter:
         return [Proposal(self.lookup(seq.token_ids, k)) for seq, k in zip(seqs, ks, strict=True)]
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
-        """Up to ``k`` tokens continuing the longest suffix n-gram seen earlier in ``token_ids``."""
+        """Up to ``k`` tokens continuing the longest suffix n-gram seen earlier in ``token_ids``
+        (its latest occurrence among the longest).
+
+        Every match ends on an earlier occurrence of the last token, so one comparison over the
+        sequence finds the candidates, and the suffix is extended only at those (a few per step,
+        against one comparison per n-gram length over the whole sequence)."""
         ids = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
-            windows = sliding_window_view(ids[:-1], n)  # every n-gram that has a successor
-            hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
+        ends = np.flatnonzero(ids[:-1] == ids[-1])  # candidate n-gram ends with a successor
+        if not len(ends):
+            return []
+        longest = min(self.max_n, len(ids) - 1)
+        length = np.ones(len(ends), dtype=np.int64)  # matched suffix length at each candidate
+        alive = np.ones(len(ends), dtype=bool)
+        for j in range(1, longest):
+            at = ends - j
+            alive &= at >= 0
+            alive[alive] &= ids[at[alive]] == ids[-1 - j]
+            if not alive.any():
+                break
+            length += alive
+        for n in range(longest, self.min_n - 1, -1):
+            hits = np.flatnonzero(length >= n)
             if len(hits):
-                start = int(hits[-1]) + n
+                start = int(ends[hits[-1]]) + 1
                 return ids[start : start + k].tolist()
         return []
 

@@ -80,60 +80,17 @@ static void round_all(float *p, int64_t n, int bf16) {
 #define DPREFETCH 2048
 #endif
 
-static float dot_tail(const float *x, const void *w, int wbf16, int64_t from, int64_t k) {
-    float s = 0.0f;
-    for (int64_t i = from; i < k; i++) s += x[i] * load_f(w, i, wbf16);
-    return s;
-}
-
 #if defined(__AVX512F__)
 #define DENSE_ISA "avx512"
 #define VW 16
-/* bf16 rows: a 64-byte load is 32 weights; as 16 int32 lanes, the low halves (<< 16) are the
- * even weights and the high halves (masked) the odd ones, multiplied by x split the same way. */
-static void rows_bf16(const uint16_t *w, int64_t k, int nr, const float *xe, const float *xo,
-                      float *out) {
-    __m512 acc[2 * DROWS];
-    for (int r = 0; r < 2 * nr; r++) acc[r] = _mm512_setzero_ps();
-    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
-    int64_t c = 0;
-    for (; c + 32 <= k; c += 32) {
-        __m512 ve = _mm512_loadu_ps(xe + c / 2), vo = _mm512_loadu_ps(xo + c / 2);
-        for (int r = 0; r < nr; r++) {
-            const uint16_t *p = w + r * k + c;
-            _mm_prefetch((const char *)p + DPREFETCH, _MM_HINT_T0);
-            __m512i v = _mm512_loadu_si512((const void *)p);
-            acc[2 * r] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), ve,
-                                         acc[2 * r]);
-            acc[2 * r + 1] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, hi)), vo,
-                                             acc[2 * r + 1]);
-        }
-    }
-    for (int r = 0; r < nr; r++) {
-        float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * r], acc[2 * r + 1]));
-        for (int64_t i = c; i < k; i++)
-            s += (i % 2 ? xo[i / 2] : xe[i / 2]) * bf16_to_f32(w[r * k + i]);
-        out[r] = s;
-    }
-}
-
-static void rows_f32(const float *w, int64_t k, int nr, const float *x, float *out) {
-    __m512 acc[DROWS];
-    for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
-    int64_t c = 0;
-    for (; c + 16 <= k; c += 16) {
-        __m512 xv = _mm512_loadu_ps(x + c);
-        for (int r = 0; r < nr; r++) {
-            _mm_prefetch((const char *)(w + r * k + c) + DPREFETCH, _MM_HINT_T0);
-            acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(w + r * k + c), xv, acc[r]);
-        }
-    }
-    for (int r = 0; r < nr; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + dot_tail(x, w + r * k, 0, c, k);
-}
-
 /* Several activation rows (a decode batch): TOKENS rows x DROWS weight rows per pass, each weight
  * vector loaded and widened once for all the rows, out [TOKENS][DROWS]. Weights in bf16 (x split
- * into even and odd elements, `half` floats apart, rows `xstride` apart) or fp32. */
+ * into even and odd elements, `half` floats apart, rows `xstride` apart) or fp32.
+ *
+ * Every activation row gets the same sequence of roundings whatever the batch (one row or many,
+ * and bf16-exact rows as vdpbf16ps's tile_dp adds them: odd product, then even), so a token's
+ * output does not depend on what it is batched with: a speculative verify chunk (1 + k tokens)
+ * computes the logits plain decoding would, bit for bit. */
 #define TOKENS 4
 static inline __attribute__((always_inline)) void tile(const void *w, int wbf16, int64_t k, int nr,
                                                        int nt, const float *x, int64_t xstride,
@@ -156,8 +113,8 @@ static inline __attribute__((always_inline)) void tile(const void *w, int wbf16,
             for (int t = 0; t < nt; t++) {
                 __m512 xe = _mm512_loadu_ps(x + t * xstride + c / 2);
                 __m512 xo = _mm512_loadu_ps(x + t * xstride + half + c / 2);
-                for (int r = 0; r < nr; r++)
-                    acc[t][r] = _mm512_fmadd_ps(wo[r], xo, _mm512_fmadd_ps(we[r], xe, acc[t][r]));
+                for (int r = 0; r < nr; r++) /* the odd product first, as vdpbf16ps adds */
+                    acc[t][r] = _mm512_fmadd_ps(we[r], xe, _mm512_fmadd_ps(wo[r], xo, acc[t][r]));
             }
         }
     } else {
@@ -219,6 +176,12 @@ static inline __attribute__((always_inline)) void tile_dp(const uint16_t *w, int
 #elif defined(__AVX2__) && defined(__FMA__)
 #define DENSE_ISA "avx2"
 #define VW 8
+static float dot_tail(const float *x, const void *w, int wbf16, int64_t from, int64_t k) {
+    float s = 0.0f;
+    for (int64_t i = from; i < k; i++) s += x[i] * load_f(w, i, wbf16);
+    return s;
+}
+
 static void rows_bf16(const uint16_t *w, int64_t k, int nr, const float *xe, const float *xo,
                       float *out) {
     __m256 acc[2 * DROWS];
@@ -329,7 +292,7 @@ int thr_dense_matmul(const float *x, int64_t m, int64_t k, const void *w, int wb
         int nr = n - r0 < DROWS ? (int)(n - r0) : DROWS;
         int64_t i = 0;
 #ifdef HAVE_TILE
-        for (; m > 1 && i < m; i += TOKENS) { /* a batch: each weight vector widened once */
+        for (; i < m; i += TOKENS) { /* each weight vector widened once for the rows */
             int nt = m - i < TOKENS ? (int)(m - i) : TOKENS;
             const float *xi = wbf16 ? xs + i * 2 * half : x + i * k;
             int64_t xstride = wbf16 ? 2 * half : k;
@@ -337,13 +300,16 @@ int thr_dense_matmul(const float *x, int64_t m, int64_t k, const void *w, int wb
             if (nt == TOKENS && nr == DROWS)
                 tile((const char *)w + r0 * k * (wbf16 ? 2 : 4), wbf16, k, DROWS, TOKENS, xi,
                      xstride, half, acc);
+            else if (nt == 1 && nr == DROWS) /* one row (decode at c=1): its own unrolled copy */
+                tile((const char *)w + r0 * k * (wbf16 ? 2 : 4), wbf16, k, DROWS, 1, xi,
+                     xstride, half, acc);
             else
                 tile((const char *)w + r0 * k * (wbf16 ? 2 : 4), wbf16, k, nr, nt, xi, xstride,
                      half, acc);
             for (int t = 0; t < nt; t++)
                 for (int r = 0; r < nr; r++) y[(i + t) * n + r0 + r] = acc[t * DROWS + r];
         }
-#endif
+#else
         for (; i < m; i++) {
             float acc[DROWS];
             if (wbf16)
@@ -353,6 +319,7 @@ int thr_dense_matmul(const float *x, int64_t m, int64_t k, const void *w, int wb
                 rows_f32((const float *)w + r0 * k, k, nr, x + i * k, acc);
             for (int r = 0; r < nr; r++) y[i * n + r0 + r] = acc[r];
         }
+#endif
     }
     free(xs);
     return 0;
