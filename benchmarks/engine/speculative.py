@@ -2,15 +2,20 @@
 
     PYTHONPATH=. python benchmarks/engine/speculative.py [--model demo:small] [--prompts 8]
         [--max-tokens 64] [--k 2 3 4 5 6 7 8] [--draft DIR ...] [--threads 2] [--no-llama]
+    PYTHONPATH=. python benchmarks/engine/speculative.py --model moe-1g --dtype bfloat16
 
 Decodes the first ``--prompts`` prompts of ``stdlib_complete_line`` greedily (``--max-tokens``
 new tokens each, end-of-sequence ignored, so every configuration generates the same tokens) at
 concurrency 1 (one request at a time) and 4 (four in the running batch), plainly and with each
 drafting mode: prompt lookup (``ngram``) and every ``--draft`` model (default: the demo recipe's
-most compressed published variant of ``small``, auto50-gptq4, where it exists). Every k in
-``--k`` is run; the table shows each mode's best k with its acceptance rate, mean accepted
-length, tokens/s, and the ratio to plain decoding measured in the same run. Speculation also
-has to produce plain decoding's tokens; a row says so.
+most compressed published variant of ``small``, auto50-gptq4, where it exists; for ``moe-1g``,
+``cpu_decode.py``'s 1.08 GB random Qwen3-MoE, its RTN-4 variant). Every k in ``--k`` is run;
+the table shows each mode's best k with its acceptance rate, mean accepted length, tokens/s
+(the requests' wall time, prompts included), the ratio to plain decoding measured in the same
+run, and the mean target forward past the prompts (a decode step, or a verify chunk of 1 + k
+tokens per sequence): on an MoE the chunk's tokens route to more experts than one token, so a
+verify reads more weights than a step. Speculation also has to produce plain decoding's tokens;
+a row says so.
 
 With llama-cpp-python installed, the model is exported to GGUF (``--gguf-type``) and llama.cpp
 decodes the same prompts at concurrency 1 with and without its prompt-lookup drafting
@@ -71,16 +76,46 @@ def moe_1g(root: Path) -> Path:
     return out
 
 
+def moe_1g_draft(model: Path) -> Path:
+    """Its 4-bit draft (RTN, groups of 128: cpu_decode.py's GPTQ-4 row), built once beside it."""
+    out = model.parent / "moe-1g-rtn4"
+    if not (out / "config.json").is_file():
+        shutil.rmtree(out, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "thresher", "quantize", "--model", str(model),
+                        "--out", str(out), "--method", "rtn", "--bits", "4", "--group-size",
+                        "128"], check=True, capture_output=True)
+    return out
+
+
 def measure(model: str, texts: list[str], params: SamplingParams, concurrency: int,
             speculative: SpeculativeConfig | None, dtype: str = "auto") -> dict:
     llm = LLM(model, max_num_seqs=concurrency, speculative=speculative, dtype=dtype)
     llm.generate(texts[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm
     llm.engine.spec_stats = SpeculativeStats()  # count the measured run only
+    forward = time_decode_forwards(llm)
     wall, tokens = run(llm, texts, params, concurrency)
     spec = llm.engine.spec_stats
     return {"tok_s": sum(map(len, tokens)) / wall, "tokens": tokens,
             "acceptance": spec.acceptance_rate, "mean_len": spec.mean_accepted_length,
-            "draft_s": spec.draft_seconds, "verify_s": spec.verify_seconds, "wall": wall}
+            "draft_s": spec.draft_seconds, "verify_s": spec.verify_seconds, "wall": wall,
+            "forward_ms": 1e3 * sum(forward) / max(len(forward), 1)}
+
+
+def time_decode_forwards(llm: LLM) -> list[float]:
+    """Seconds of each target forward past the prompts (a decode step, or a verify chunk of 1 + k
+    tokens per sequence), appended as the engine runs: what a verify costs against a step."""
+    runner, times = llm.engine.runner, []
+    run_batch = runner.run
+
+    def timed(batch):
+        start = time.perf_counter()
+        out = run_batch(batch)
+        if all(s.num_computed_tokens >= s.num_prompt_tokens for s in batch.seqs):
+            times.append(time.perf_counter() - start)
+        return out
+
+    runner.run = timed
+    return times
 
 
 def llama_worker(gguf: str, k: int, texts_file: str, max_tokens: int, threads: int) -> None:
@@ -139,7 +174,8 @@ def main() -> None:
                         help="where moe-1g is built and kept")
     parser.add_argument("--dtype", default="auto", help="the engine's serving dtype")
     parser.add_argument("--draft", action="append", default=None,
-                        help="a draft model (repeatable); default: the published auto50-gptq4")
+                        help="a draft model (repeatable); default: the published auto50-gptq4 "
+                             "(moe-1g: its RTN-4 variant)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, nargs="+", default=[2, 3, 4, 5, 6, 7, 8])
@@ -157,7 +193,7 @@ def main() -> None:
     model = moe_1g(args.workdir) if args.model == "moe-1g" else resolve_model(args.model)
     drafts = args.draft
     if drafts is None and args.model == "moe-1g":
-        drafts = []  # no published variant of it
+        drafts = [str(moe_1g_draft(model))]
     if drafts is None:
         default = state_dir() / DEFAULT_DRAFT
         drafts = [str(default)] if (default / "config.json").is_file() else []
@@ -167,12 +203,12 @@ def main() -> None:
           f"{time.strftime('%Y-%m-%d %H:%M')}; {args.model} ({args.dtype}); {TASK}: {len(texts)} prompts, "
           f"{args.max_tokens} new tokens each; k in {args.k}\n")
     print("| c | drafting | best k | acceptance | mean accepted length | tok/s | vs plain | "
-          "draft s | verify s | same tokens |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "draft s | verify s | target forward ms | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for c in args.concurrency:
         plain = measure(str(model), texts, params, c, None, args.dtype)
-        print(f"| {c} | none (plain) | - | - | - | {plain['tok_s']:.1f} | 1.00x | - | - | - |",
-              flush=True)
+        print(f"| {c} | none (plain) | - | - | - | {plain['tok_s']:.1f} | 1.00x | - | - | "
+              f"{plain['forward_ms']:.2f} | - |", flush=True)
         for mode in ["ngram", *drafts]:
             runs = {k: measure(str(model), texts, params, c, SpeculativeConfig(mode, k), args.dtype)
                     for k in args.k}
@@ -181,7 +217,8 @@ def main() -> None:
             name = "prompt lookup" if mode == "ngram" else f"draft {Path(mode).name}"
             print(f"| {c} | {name} | {k} | {best['acceptance']:.2f} | {best['mean_len']:.2f} | "
                   f"{best['tok_s']:.1f} | {best['tok_s'] / plain['tok_s']:.2f}x | "
-                  f"{best['draft_s']:.2f} | {best['verify_s']:.2f} | {same} |", flush=True)
+                  f"{best['draft_s']:.2f} | {best['verify_s']:.2f} | {best['forward_ms']:.2f} | "
+                  f"{same} |", flush=True)
     if args.no_llama:
         return
     try:
