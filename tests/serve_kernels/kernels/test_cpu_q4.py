@@ -79,6 +79,20 @@ def test_matches_the_rounded_reference(lib, k, n, g, m, dtype):
     assert ((y.double() - ref).norm() / ref.norm()).item() < tol
 
 
+@pytest.mark.parametrize("g", [32, 64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_output_does_not_depend_on_the_batch(lib, g, dtype):
+    """A row alone, in a few rows (the direct path for groups of 128k) and in many (weights
+    unpacked first) gets the same bits: a speculative verify chunk's tokens, batched, compute
+    what their single decode steps would."""
+    q, s, z = _weight(512, 40, g)
+    w, sz = cpu_q4.pack_codes(q), cpu_q4.scales_zeros(s, z)
+    rows = torch.randn(33, 512).to(dtype)
+    alone = _run(lib, rows[-1:].contiguous(), w, sz, g)
+    for m in (2, 5, 16, 17, 33):
+        assert torch.equal(_run(lib, rows[-m:].contiguous(), w, sz, g)[-1:], alone), m
+
+
 def test_bf16_output_is_the_fp32_output_rounded(lib):
     """Same activations (bf16 values) in both dtypes give the same sums; the bf16 output is the
     fp32 one rounded to nearest even."""

@@ -60,9 +60,13 @@ static void quantize_row(const void *x, int x_bf16, int64_t k, int64_t g, int8_t
 #endif
 
 /* Codes of `nr` rows (each k/2 bytes, `stride` apart) as one byte each, in order; with groups of
- * 32, also each row's block scales as 16 floats per chunk (8 of block 2c, 8 of block 2c + 1). */
+ * 32, also each row's block scales as 16 floats per chunk (8 of block 2c, 8 of block 2c + 1).
+ * `seg`: in the direct path's order instead, each 128-code segment's blocks 0, 2, 1, 3 (its 64
+ * bytes' low nibbles, then their high nibbles), so that a matmul of many rows sums the same
+ * products in the same lanes and order as the direct path's few rows. */
 static inline void unpack_rows(const uint8_t *w, int64_t stride, int64_t k, int nr, uint8_t *out,
-                               const float *sz, int64_t sz_stride, int64_t g, float *ws) {
+                               const float *sz, int64_t sz_stride, int64_t g, float *ws,
+                               int seg) {
     if (g == 32)
         for (int r = 0; r < nr; r++)
             for (int64_t c = 0; c < k / 64; c++)
@@ -74,8 +78,9 @@ static inline void unpack_rows(const uint8_t *w, int64_t stride, int64_t k, int 
             /* the next rows' bytes, PREFETCH ahead: one core's misses in flight bound its DRAM read */
             _mm_prefetch((const char *)(w + r * stride + 32 * c + PREFETCH), _MM_HINT_T0);
             __m256i p = _mm256_loadu_si256((const __m256i *)(w + r * stride + 32 * c));
-            _mm256_storeu_si256((__m256i *)(out + r * k + 64 * c), _mm256_and_si256(p, mask));
-            _mm256_storeu_si256((__m256i *)(out + r * k + 64 * c + 32),
+            int64_t lo = seg ? 128 * (c / 2) + 32 * (c % 2) : 64 * c, hi = lo + (seg ? 64 : 32);
+            _mm256_storeu_si256((__m256i *)(out + r * k + lo), _mm256_and_si256(p, mask));
+            _mm256_storeu_si256((__m256i *)(out + r * k + hi),
                                 _mm256_and_si256(_mm256_srli_epi16(p, 4), mask));
         }
 }
@@ -277,6 +282,24 @@ int thr_q4_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t
         return 0;
     }
 #endif
+    int seg = 0; /* many rows, groups of 128k: the direct path's order (unpack_rows) */
+#if defined(Q4_DIRECT) && !defined(Q4_NO_DIRECT)
+    if (g % 128 == 0) {
+        int8_t *t = aligned_alloc(64, (size_t)((m * k + 127) / 64 * 64));
+        if (!t) {
+            free(xq), free(d), free(gsum);
+            return -1;
+        }
+        for (int64_t i = 0; i < m; i++) permute_segments(xq + i * k, k, t + i * k);
+        free(xq);
+        xq = t;
+        for (int64_t b = 0; b + 3 < m * blocks; b += 4) { /* block scales as blocks 0, 2, 1, 3 */
+            float s1 = d[b + 1];
+            d[b + 1] = d[b + 2], d[b + 2] = s1;
+        }
+        seg = 1;
+    }
+#endif
 #pragma omp parallel if (m * n * k > 262144)
     {
         uint8_t *wb = aligned_alloc(64, (size_t)(ROWS * k));
@@ -291,7 +314,7 @@ int thr_q4_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t
             int64_t r0 = qi * ROWS;
             int nr = n - r0 < ROWS ? (int)(n - r0) : ROWS;
             const float *szr = sz + r0 * 2 * groups;  /* [nr][2][groups] */
-            unpack_rows(w + r0 * (k / 2), k / 2, k, nr, wb, szr, 2 * groups, g, ws);
+            unpack_rows(w + r0 * (k / 2), k / 2, k, nr, wb, szr, 2 * groups, g, ws, seg);
             for (int64_t i = 0; i < m; i++) {
                 float acc[ROWS];
                 if (nr == ROWS)
