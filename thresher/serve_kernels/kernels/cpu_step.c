@@ -182,6 +182,9 @@ static float dot_tail(const float *x, const void *w, int wbf16, int64_t from, in
     return s;
 }
 
+/* bf16 rows: a 32-byte load is 16 weights; as 8 int32 lanes, the low halves (<< 16) are the
+ * even weights and the high halves (masked) the odd ones, multiplied by x split the same way.
+ * Every row of a batch goes through here, so a row's output does not depend on its batch. */
 static void rows_bf16(const uint16_t *w, int64_t k, int nr, const float *xe, const float *xo,
                       float *out) {
     __m256 acc[2 * DROWS];
