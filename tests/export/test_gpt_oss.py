@@ -1,7 +1,7 @@
 """GGUF export of gpt-oss under llama.cpp's ``gpt-oss`` architecture: its tensor names (sinks,
 router and expert biases, gate and up deinterleaved from the fused hub tensor), the sliding
-window and YaRN keys, and llama.cpp's logits against thresher's for the base, a pruned and a
-4-bit variant."""
+window and YaRN keys, llama.cpp's logits against thresher's for the base, a pruned and a 4-bit
+variant, and the 4-bit variant's dequantized (fused hub-layout) checkpoint exported."""
 
 import gguf
 import pytest
@@ -103,31 +103,49 @@ def test_importance_matrix_covers_every_gpt_oss_matrix(gpt_oss, tmp_path):
     assert result.imatrix and result.types["blk.0.ffn_up_exps.weight"] == "Q4_0"
 
 
-def test_gptq_codes_handed_to_q4_1_are_the_artifacts_weights(gpt_oss, tmp_path):
-    """Without llama.cpp: the Q4_1 matrices of a 4-bit gpt-oss hand-off dequantize to the GPTQ
-    artifact's own weights, and its expert biases travel as they are."""
+@pytest.fixture(scope="module")
+def gptq4(gpt_oss, tmp_path_factory):
+    """A 4-bit GPTQ artifact of the base model, and its dequantized (hub-layout) checkpoint."""
     from thresher.models.quantized import write_dequantized
 
     _, base = gpt_oss
-    source = tmp_path / "gptq"
-    quantize_model(base, QuantizeStage(method="gptq", group_size=32, sym=False), CAL, source,
-                   show_progress=False)
+    root = tmp_path_factory.mktemp("gpt_oss_gptq")
+    quantize_model(base, QuantizeStage(method="gptq", group_size=32, sym=False), CAL,
+                   root / "gptq", show_progress=False)
+    return root / "gptq", write_dequantized(root / "gptq", root / "dequantized")
+
+
+def test_gptq_codes_handed_to_q4_1_are_the_artifacts_weights(gptq4, tmp_path):
+    """Without llama.cpp: the Q4_1 matrices of a 4-bit gpt-oss hand-off dequantize to the GPTQ
+    artifact's own weights, and its expert biases travel as they are."""
+    source, dequantized = gptq4
     export_gguf(source, tmp_path / "q.gguf", "q4_1", show_progress=False)
     tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "q.gguf").tensors}
-    plain = CheckpointReader(write_dequantized(source, tmp_path / "dequantized"))
-    expert = "model.layers.1.mlp.experts.{e}.{p}.{t}"
+    plain = CheckpointReader(dequantized)
+    experts = "model.layers.1.mlp.experts."
     expected = {
         "blk.1.attn_v.weight": plain.get("model.layers.1.self_attn.v_proj.weight"),
-        "blk.1.ffn_up_exps.weight": torch.stack([
-            plain.get(expert.format(e=e, p="up_proj", t="weight")) for e in range(8)]),
-        "blk.1.ffn_down_exps.bias": torch.stack([
-            plain.get(expert.format(e=e, p="down_proj", t="bias")) for e in range(8)])}
+        "blk.1.ffn_up_exps.weight": plain.get(experts + "gate_up_proj")[:, :, 1::2].transpose(1, 2),
+        "blk.1.ffn_down_exps.bias": plain.get(experts + "down_proj_bias")}
     for name, want in expected.items():
         t = tensors[name]
         got = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
         torch.testing.assert_close(got.reshape(want.shape), want.float(), rtol=0, atol=1e-3)
     assert tensors["blk.1.ffn_up_exps.weight"].tensor_type == gguf.GGMLQuantizationType.Q4_1
     assert tensors["blk.1.ffn_down_exps.bias"].tensor_type == gguf.GGMLQuantizationType.F32
+
+
+def test_dequantized_checkpoint_exports_and_comes_back_fused(gptq4, tmp_path):
+    """A dequantized 4-bit artifact (the input of GGUF requantization) exports like a hub
+    checkpoint, and the file's weights come back as the same fused hub tensors."""
+    _, dequantized = gptq4
+    export_gguf(dequantized, tmp_path / "f.gguf", "f32", show_progress=False)
+    back = dequantize_gguf(tmp_path / "f.gguf", dequantized, tmp_path / "back")
+    a, b = CheckpointReader(dequantized), CheckpointReader(back)
+    assert sorted(a.tensor_names()) == sorted(b.tensor_names())
+    assert "model.layers.0.mlp.experts.gate_up_proj" in a.tensor_names()
+    for key in a.tensor_names():
+        assert torch.equal(a.get(key).float(), b.get(key).float()), key
 
 
 def test_mxfp4_checkpoint_exports_its_dequantized_experts(gpt_oss, tmp_path, tiny_tokenizer):

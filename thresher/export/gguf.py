@@ -399,7 +399,7 @@ def dequantize_gguf(gguf_path: str | Path, model_dir: str | Path, out_dir: str |
             layer.update({key: torch.from_numpy(np.array(part)).reshape(reader.shape(key))
                           for key, part in zip(t.keys, parts, strict=True)})
         if n + 1 == len(plan) or _block(plan[n + 1].name) != _block(t.name):
-            writer.add(reader.fuse(layer) if hasattr(reader, "fuse") else layer)
+            writer.add(adapter.hub_experts(layer))
             layer = {}
     writer.close()
     reader.close()

@@ -581,6 +581,11 @@ class Adapter:
         where the family keeps them fused on disk (gpt-oss)."""
         return reader
 
+    def hub_experts(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Checkpoint tensors with experts under per-expert names (weights and biases, all of a
+        layer's) in the family's hub layout: themselves, except where the hub fuses them."""
+        return tensors
+
     def disk_embeddings_key(self) -> str:
         return DISK_EMBEDDINGS
 

@@ -17,8 +17,10 @@ from functools import partial
 import torch
 from torch import nn
 
+from thresher.errors import ModelError
 from thresher.models import mxfp4
 from thresher.models.adapters import (
+    EXPERT_ROLES,
     MEMORY_DOWN,
     MEMORY_EXPERTS_PREFIX,
     Adapter,
@@ -152,6 +154,45 @@ class GptOssAdapter(Adapter):
                 out[f"{key}.weight"], out[f"{key}.bias"] = weight.contiguous(), bias.contiguous()
         return out
 
+    def hub_experts(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The inverse of ``per_expert_state``: each layer's per-expert weights and biases fused
+        into the hub tensors, gate and up interleaved in columns; other tensors pass as they are."""
+        out: dict[str, torch.Tensor] = {}
+        layers: dict[int, dict[tuple[int, str, str], torch.Tensor]] = {}
+        for key, t in tensors.items():
+            module, _, kind = key.rpartition(".")
+            expert = self.parse_disk_expert_key(module)
+            if expert is None:
+                out[key] = t
+            else:
+                layer_idx, e, role = expert
+                layers.setdefault(layer_idx, {})[(e, role, kind)] = t
+        for layer_idx, parts in layers.items():
+            out.update(self._fused_experts(layer_idx, parts))
+        return out
+
+    def _fused_experts(self, layer_idx: int, parts: dict[tuple[int, str, str], torch.Tensor]
+                       ) -> dict[str, torch.Tensor]:
+        """Layer ``layer_idx``'s hub tensors from its experts' (expert, role, weight|bias)."""
+        n = 1 + max(e for e, _, _ in parts)
+        missing = [(e, r, k) for e in range(n) for r in EXPERT_ROLES for k in ("weight", "bias")
+                   if (e, r, k) not in parts]
+        if missing:
+            raise ModelError(f"layer {layer_idx} lacks expert tensors {missing[:4]}; the hub's "
+                             "fused experts need every expert's weights and biases")
+        prefix = self.disk_layer_prefix(layer_idx)
+        gate_up, gate_up_bias, down, down_bias = [], [], [], []
+        for e in range(n):
+            gate, up = parts[(e, "gate", "weight")], parts[(e, "up", "weight")]  # [I, H]
+            gate_up.append(torch.stack([gate, up], dim=1).flatten(0, 1).t())  # cols g0, u0, g1..
+            gate_up_bias.append(torch.stack([parts[(e, "gate", "bias")],
+                                             parts[(e, "up", "bias")]], dim=1).flatten())
+            down.append(self.down_to_fused(parts[(e, "down", "weight")]))
+            down_bias.append(parts[(e, "down", "bias")])
+        fused = (torch.stack(gate_up), torch.stack(gate_up_bias), torch.stack(down),
+                 torch.stack(down_bias))
+        return {prefix + name: t.contiguous() for name, t in zip(FUSED, fused, strict=True)}
+
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
                    ) -> torch.Tensor:
@@ -244,27 +285,3 @@ class PerExpertReader:
     def close(self) -> None:
         self._last = None
         self.reader.close()
-
-    def fuse(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The inverse: per-expert tensors (all of a layer's) back to the fused hub tensors."""
-        parts: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
-        out = {}
-        for key, t in tensors.items():
-            if key not in self._views:
-                out[key] = t
-                continue
-            fused, e, role = self._views[key]
-            parts.setdefault(fused, {})[(e, role)] = t
-        for fused, pieces in parts.items():
-            n = 1 + max(e for e, _ in pieces)
-            if fused.endswith(FUSED_DOWN) or fused.endswith(FUSED_DOWN + "_bias"):
-                rows = [pieces[(e, "down")] for e in range(n)]
-                out[fused] = torch.stack([r.t() if r.dim() == 2 else r for r in rows])
-                continue
-            stacked = []
-            for e in range(n):
-                gate, up = pieces[(e, "gate")], pieces[(e, "up")]
-                inter = torch.stack([gate, up], dim=1).flatten(0, 1)  # rows g0, u0, g1, u1, ...
-                stacked.append(inter.t() if inter.dim() == 2 else inter)
-            out[fused] = torch.stack(stacked)
-        return out

@@ -94,13 +94,14 @@ def _module_format(fmt: PackedFormat, key: str, path: Path) -> PackedFormat:
     return own
 
 
-def _quantized_modules(reader: CheckpointReader, fmt: PackedFormat
-                       ) -> dict[str, dict[str, torch.Tensor]]:
-    """Disk module name -> its packed tensors (names relative to the module)."""
-    names = set(reader.tensor_names())
+def _quantized_modules(reader: CheckpointReader, fmt: PackedFormat,
+                       names: list[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """Disk module name -> its packed tensors (names relative to the module), for the modules
+    among ``names`` (default: the whole checkpoint)."""
+    names = reader.tensor_names() if names is None else names
     marker = "." + fmt.format.marker
-    modules = [k.removesuffix(marker) for k in reader.tensor_names() if k.endswith(marker)]
-    return {m: {n: reader.get(f"{m}.{n}") for n in fmt.format.tensors if f"{m}.{n}" in names}
+    modules = [k.removesuffix(marker) for k in names if k.endswith(marker)]
+    return {m: {n: reader.get(f"{m}.{n}") for n in fmt.format.tensors if f"{m}.{n}" in reader}
             for m in modules}
 
 
@@ -188,33 +189,50 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32) -
 _NOT_COPIED = (MANIFEST, *STAGE_REPORTS, "config.json")
 
 
+def _dequantized(reader: CheckpointReader, fmt: PackedFormat, path: Path, names: list[str]
+                 ) -> dict[str, torch.Tensor]:
+    """The artifact's tensors ``names``, each packed module's as its float32 weight."""
+    quantized = _quantized_modules(reader, fmt, names)
+    packed = {f"{m}.{n}" for m, ts in quantized.items() for n in ts}
+    out = {f"{m}.weight": _dequantizer(_module_format(fmt, m, path))(ts).float().contiguous()
+           for m, ts in quantized.items()}
+    out.update((k, reader.get(k)) for k in names if k not in packed)
+    return out
+
+
+def _layer_groups(reader: CheckpointReader, adapter, num_layers: int) -> list[list[str]]:
+    """The checkpoint's tensor names, one list for each decoder layer and one for the rest."""
+    layers = [reader.with_prefix(adapter.disk_layer_prefix(i)) for i in range(num_layers)]
+    inside = {k for names in layers for k in names}
+    return [*layers, [k for k in reader.tensor_names() if k not in inside]]
+
+
 @torch.no_grad()
 def write_dequantized(path: str | Path, out_dir: str | Path) -> Path:
-    """The GPTQ / AWQ / NF4 artifact at ``path`` as a plain float32 checkpoint in ``out_dir``
-    (config without quantization_config, tokenizer copied): the weights the artifact computes
-    with, exactly, for a tool that takes 16/32-bit checkpoints only (GGUF requantization).
-    Streams one packed module at a time."""
+    """The GPTQ / AWQ / NF4 artifact at ``path`` as a plain checkpoint in ``out_dir`` in its
+    family's hub layout (gpt-oss's experts fused again; config without quantization_config,
+    tokenizer copied): the weights the artifact computes with, exactly (float32), for a tool that
+    takes 16/32-bit checkpoints only (GGUF requantization, transformers). Streams one decoder
+    layer at a time."""
     path, out_dir = Path(path), Path(out_dir)
-    config = json.loads((path / "config.json").read_text())
-    fmt = packed_format(load_config(path), path)
+    config = load_config(path)
+    fmt = packed_format(config, path)
     if fmt is None:
         raise ArtifactError(f"{path}: config.json has no quantization_config; the checkpoint is "
                             "plain already")
+    adapter = get_adapter(config)
     reader = CheckpointReader(path)
     writer = CheckpointWriter(out_dir)
     try:
-        quantized = _quantized_modules(reader, fmt)
-        packed_keys = {f"{m}.{n}" for m, ts in quantized.items() for n in ts}
-        for key, tensors in quantized.items():
-            weight = _dequantizer(_module_format(fmt, key, path))(tensors)
-            writer.add({f"{key}.weight": weight.float().contiguous()})
+        for names in _layer_groups(reader, adapter, int(config.num_hidden_layers)):
+            writer.add(adapter.hub_experts(_dequantized(reader, fmt, path, names)))
             reader.close()
-        writer.add((k, reader.get(k)) for k in reader.tensor_names() if k not in packed_keys)
         writer.close()
     finally:
         reader.close()
-    del config["quantization_config"]
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    written = json.loads((path / "config.json").read_text())
+    del written["quantization_config"]
+    (out_dir / "config.json").write_text(json.dumps(written, indent=2))
     for f in path.iterdir():
         if f.is_file() and ".safetensors" not in f.name and f.name not in _NOT_COPIED:
             shutil.copy2(f, out_dir / f.name)
