@@ -22,7 +22,7 @@ from pathlib import Path
 from thresher.compress.api import quantize_model
 from thresher.evaluate.perplexity import heldout_perplexity
 from thresher.models import load_model, load_tokenizer, resolve_model
-from thresher.models.quantized import load_quantized_model
+from thresher.models.quantized import dequantize_once, load_quantized_model
 from thresher.recipe import CalibrationConfig, PerplexityConfig, QuantizeStage
 
 ACT = {"act_order": True}
@@ -76,7 +76,7 @@ def main() -> None:
                 start = time.perf_counter()
                 quantize_model(path, stage, cal, out, show_progress=False)
                 seconds = time.perf_counter() - start
-                model = load_quantized_model(out)
+                model = dequantize_once(load_quantized_model(out))
                 p = heldout_perplexity(model, heldout, tokenizer=tok,
                                        show_progress=False, split=split).perplexity
                 print(f"| {label} | {bits} | {p:.3f} | {100 * (p / fp - 1):+.2f}% | "
