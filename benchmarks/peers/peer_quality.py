@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     from thresher.data.windows import calibration_windows, eval_windows
     from thresher.evaluate.perplexity import perplexity
     from thresher.models import load_model, load_tokenizer, resolve_model
-    from thresher.models.quantized import load_quantized_model
+    from thresher.models.quantized import dequantize_once, load_quantized_model
     from thresher.recipe import CalibrationConfig, PerplexityConfig
 
     path = resolve_model(args.model)
@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                     quantize_model(path, thresher_stage(method, bits, args.group_size), cal, out,
                                    show_progress=False)
                     seconds = time.perf_counter() - start
-                    return {"perplexity": score(load_quantized_model(out)), "seconds": seconds}
+                    return {"perplexity": score(dequantize_once(load_quantized_model(out))),
+                            "seconds": seconds}
 
                 a = cached(f"thresher {method} {bits}", ours)
                 b = cached(f"peer {method} {bits}", lambda method=method, bits=bits: peer(

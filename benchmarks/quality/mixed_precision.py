@@ -32,7 +32,7 @@ from thresher.compress.targets import LayerParts, sequential_stages
 from thresher.evaluate.perplexity import heldout_perplexity
 from thresher.models import load_model, load_tokenizer, resolve_model
 from thresher.models.layerwise import LayerwiseModel
-from thresher.models.quantized import load_quantized_model
+from thresher.models.quantized import dequantize_once, load_quantized_model
 from thresher.recipe import CalibrationConfig, PerplexityConfig, QuantizeStage
 
 
@@ -71,7 +71,7 @@ def main() -> None:
         start = time.perf_counter()
         report = quantize_model(path, stage, cal, out, show_progress=False, allocation=allocation)
         seconds = time.perf_counter() - start
-        ppl = heldout_perplexity(load_quantized_model(out), heldout, tokenizer=tok,
+        ppl = heldout_perplexity(dequantize_once(load_quantized_model(out)), heldout, tokenizer=tok,
                                  show_progress=False).perplexity
         row = {"label": label, "target": target, "bits": report.metrics()["bits"],
                "mb": report.artifact_mb, "ppl": ppl, "float": fp, "seconds": seconds}

@@ -22,7 +22,7 @@ from pathlib import Path
 from thresher.compress.api import quantize_model
 from thresher.evaluate.perplexity import heldout_perplexity
 from thresher.models import load_model, load_tokenizer, resolve_model
-from thresher.models.quantized import load_quantized_model
+from thresher.models.quantized import dequantize_once, load_quantized_model
 from thresher.recipe import CalibrationConfig, PerplexityConfig, QuantizeStage
 
 ACT = {"act_order": True}
@@ -48,7 +48,8 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--windows", type=int, default=64)
     ap.add_argument("--bits", type=int, nargs="+", default=[4, 3])
-    ap.add_argument("--only", default="", help="run only the rows whose label contains this")
+    ap.add_argument("--only", nargs="+", default=[""],
+                    help="run only the rows whose label contains one of these")
     ap.add_argument("--tune", action="store_true",
                     help="score the tuning windows, not the evaluation ones (choosing a default)")
     args = ap.parse_args()
@@ -68,7 +69,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for bits in args.bits:
             for i, (label, method, extra) in enumerate(ROWS + (FOUR_BIT_ONLY if bits == 4 else [])):
-                if args.only not in label:
+                if not any(part in label for part in args.only):
                     continue
                 gs = -1 if method == "nf4" else args.group_size
                 stage = QuantizeStage(method=method, bits=bits, group_size=gs, **extra)
@@ -76,7 +77,7 @@ def main() -> None:
                 start = time.perf_counter()
                 quantize_model(path, stage, cal, out, show_progress=False)
                 seconds = time.perf_counter() - start
-                model = load_quantized_model(out)
+                model = dequantize_once(load_quantized_model(out))
                 p = heldout_perplexity(model, heldout, tokenizer=tok,
                                        show_progress=False, split=split).perplexity
                 print(f"| {label} | {bits} | {p:.3f} | {100 * (p / fp - 1):+.2f}% | "

@@ -23,7 +23,7 @@ from thresher.formats.config import PackedFormat, packed_format
 from thresher.formats.gptq import GPTQ
 from thresher.formats.nf4 import NF4, STATE_KEY
 from thresher.formats.registry import FORMATS, format_for
-from thresher.models.quantized import load_quantized_model
+from thresher.models.quantized import dequantize_once, load_quantized_model
 from thresher.quant.grid import GridSpec
 from thresher.recipe import CalibrationConfig, FilesSource, QuantizeStage
 
@@ -156,3 +156,18 @@ def test_the_dequantizing_loader_refuses_a_misshapen_tensor_by_name(tiny_demo, t
     save_file(tensors, shard, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=rf"{re.escape(key)}: shape \(4, 56\)"):
         load_quantized_model(out)
+
+
+def test_dequantize_once_gives_the_same_logits(tiny_demo, tmp_path):
+    """Weights dequantized once and kept: the same logits as unpacking them on every forward."""
+    out = tmp_path / "rtn"
+    calibration = CalibrationConfig(source=FilesSource(files=[CALIBRATION_FILE]), samples=4,
+                                    seq_len=32)
+    quantize_model(tiny_demo, QuantizeStage(method="rtn", bits=3, group_size=32), calibration,
+                   out, show_progress=False)
+    model = load_quantized_model(out)
+    ids = torch.arange(64).reshape(2, 32)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        assert dequantize_once(model) is model
+        assert torch.equal(model(input_ids=ids).logits, expected)

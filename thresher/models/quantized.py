@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 
 class DequantLinear(nn.Module):
-    """A linear layer kept in its packed form; the weight is rebuilt on every forward."""
+    """A linear layer kept in its packed form; the weight is rebuilt on every forward (unless
+    ``dequantize_once`` kept it)."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], dequantize: Callable[[dict], torch.Tensor],
                  bias: torch.Tensor | None):
@@ -45,6 +46,7 @@ class DequantLinear(nn.Module):
             self.register_buffer(name.replace(".", "__"), t)
         self._dequantize = dequantize
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self._kept: torch.Tensor | None = None  # the dequantized weight, once dequantize_once ran
 
     def packed(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name.replace(".", "__")) for name in self._names}
@@ -53,7 +55,8 @@ class DequantLinear(nn.Module):
         return self._dequantize(self.packed())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight_float().to(x.dtype),
+        w = self.weight_float() if self._kept is None else self._kept
+        return nn.functional.linear(x, w.to(x.dtype),
                                     None if self.bias is None else self.bias.to(x.dtype))
 
 
@@ -79,6 +82,17 @@ class QuantizedExperts(nn.Module):
             gate = (top_k_weights * mask).sum(dim=1)[rows].unsqueeze(1)
             out.index_add_(0, rows, (self.down[e](h) * gate).to(out.dtype))
         return out
+
+
+def dequantize_once(model: nn.Module) -> nn.Module:
+    """Keep every ``DequantLinear``'s dequantized weight, so that a model scored on many batches
+    unpacks each weight once instead of on every forward: the same weights and the same forward
+    (a 64-expert model's forward otherwise spends most of its time unpacking), at the memory of
+    the float weights. Returns ``model``."""
+    for m in model.modules():
+        if isinstance(m, DequantLinear):
+            m._kept = m.weight_float()
+    return model
 
 
 def _dequantizer(fmt: PackedFormat) -> Callable[[dict], torch.Tensor]:
