@@ -92,9 +92,9 @@ class BlockTables:
         read each row only up to its length. One row repeated (the tokens of one sequence's
         speculative verify chunk, run as decode tokens) is that row broadcast (stride 0).
         Otherwise a gather."""
-        if self._host is not None and rows.count(rows[0]) == len(rows) > 1:
-            return self.tables[rows[0] : rows[0] + 1].expand(len(rows), -1)
         if (self._host is not None and rows[-1] - rows[0] == len(rows) - 1
                 and rows == list(range(rows[0], rows[0] + len(rows)))):
             return self.tables[rows[0] : rows[0] + len(rows)]
+        if self._host is not None and rows.count(rows[0]) == len(rows):
+            return self.tables[rows[0] : rows[0] + 1].expand(len(rows), -1)
         return self.gather(row_idx, width)
