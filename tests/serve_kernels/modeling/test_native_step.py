@@ -23,7 +23,8 @@ from thresher.serve_kernels.modeling.native_step import NativeStep
 
 CAL = CalibrationConfig(source=FilesSource(files=[CALIBRATION_FILE]), samples=2, seq_len=16)
 PROMPTS = [[5, 17, 300, 42, 9, 77, 1023], [8, 99, 150], [12, 3, 250, 61, 7, 2, 640, 31, 4, 40]]
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "llama", "qwen2", "qwen3"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "llama", "qwen2", "qwen3",
+            "glm4_moe", "deepseek_v3", "ernie4_5_moe"]
 STAGES = {"gptq4": QuantizeStage(method="rtn", group_size=32),
           "awq4": QuantizeStage(method="awq", group_size=32),
           "nf4": QuantizeStage(method="nf4", compute_dtype="float32")}
@@ -36,7 +37,8 @@ def _library():
 
 
 def _model_dir(family: str, fmt: str, root: Path, tokenizer: Path) -> Path:
-    kw = {"clip_qkv": 0.5} if family == "olmoe" else {}
+    kw = {"olmoe": {"clip_qkv": 0.5},  # cpu_q4 holds inputs of multiples of 64 (q_b's)
+          "deepseek_v3": {"q_lora_rank": 64, "kv_lora_rank": 64}}.get(family, {})
     hf = build_random_model(family, vocab_size=4096, intermediate_size=64, **kw)
     save_family(hf, tokenizer, root / "bf16")
     if fmt == "bf16":
@@ -78,8 +80,9 @@ def _decode_pairs(llm: LLM, prompts: list[list[int]], steps: int, monkeypatch
 @pytest.mark.parametrize("family", FAMILIES)
 def test_native_step_matches_operator_path(family, fmt, dtype, tmp_path, monkeypatch,
                                            tiny_demo):
-    if fmt != "bf16" and family not in ("qwen3_moe", "qwen2_moe", "llama"):
-        pytest.skip("quantized formats on one family of each kind of MLP and shared expert")
+    if fmt != "bf16" and family not in ("qwen3_moe", "qwen2_moe", "llama", "deepseek_v3"):
+        pytest.skip("quantized formats on one family of each kind of MLP, shared expert and "
+                    "attention")
     path = _model_dir(family, fmt, tmp_path, tiny_demo)
     monkeypatch.setenv("THRESHER_CPU_DENSE_MAX", "0")  # quantized matrices on cpu_q4's packs
     llm = LLM(path, block_size=4, dtype=dtype, max_num_seqs=4)
@@ -111,11 +114,10 @@ def test_native_step_is_not_built_when_off_or_unsupported(tmp_path, monkeypatch,
     assert LLM(path, block_size=4).engine.runner.model.native_step is not None
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3", "gpt_oss", "ernie4_5_moe"])
-def test_other_families_keep_the_operator_path(family, tmp_path, tiny_demo):
-    """Biased or sigmoid routing, latent attention, sinks, interleaved rotary: not in C."""
-    hf = build_random_model(family, vocab_size=4096, intermediate_size=64)
-    path = save_family(hf, tiny_demo, tmp_path / family)
+def test_gpt_oss_keeps_the_operator_path(tmp_path, tiny_demo):
+    """Attention sinks, sliding windows and clamped expert activations: not in C."""
+    hf = build_random_model("gpt_oss", vocab_size=4096, intermediate_size=64)
+    path = save_family(hf, tiny_demo, tmp_path / "gpt_oss")
     assert LLM(path, block_size=4).engine.runner.model.native_step is None
 
 
@@ -139,13 +141,15 @@ def test_prefill_keeps_operator_path_and_greedy_tokens_agree(tmp_path, monkeypat
     assert [o.token_ids for o in llm.generate(long, params)] == first
 
 
-@pytest.mark.parametrize("fmt,dtype", [("bf16", "bfloat16"), ("bf16", "float32"),
-                                       ("gptq4", "bfloat16")])
-def test_a_verify_chunk_is_bitwise_its_decode_steps(fmt, dtype, tmp_path, tiny_demo):
+@pytest.mark.parametrize("family,fmt,dtype", [
+    ("qwen3_moe", "bf16", "bfloat16"), ("qwen3_moe", "bf16", "float32"),
+    ("qwen3_moe", "gptq4", "bfloat16"), ("deepseek_v3", "bf16", "bfloat16"),
+    ("glm4_moe", "bf16", "bfloat16")])
+def test_a_verify_chunk_is_bitwise_its_decode_steps(family, fmt, dtype, tmp_path, tiny_demo):
     """A chunk of 1 + k tokens (a speculative verify chunk) runs through the C step as decode
     tokens of one sequence, and its hidden states are bit for bit those of k + 1 single-token
     steps: greedy output under speculation is plain decoding's even in bf16 near-ties."""
-    llm = LLM(_model_dir("qwen3_moe", fmt, tmp_path, tiny_demo), block_size=4, dtype=dtype)
+    llm = LLM(_model_dir(family, fmt, tmp_path, tiny_demo), block_size=4, dtype=dtype)
     engine, step = llm.engine, llm.engine.runner.model.native_step
     prompt, chunk = PROMPTS[2], [33, 901, 7, 4000, 12, 250]
     hidden = []

@@ -1,6 +1,7 @@
-/* A whole CPU decode step in one call: every decoder layer of a standard-attention model
- * (pre-norm RMSNorm, rotary GQA over the paged KV cache, SwiGLU MLP or softmax top-k MoE with an
- * optional shared expert), for T new tokens that each continue one sequence.
+/* A whole CPU decode step in one call: every decoder layer (pre-norm RMSNorm; rotary GQA over the
+ * paged KV cache, or multi-head latent attention over a latent cache; SwiGLU MLP or top-k MoE with
+ * an optional shared expert, softmax routing or a rule with sigmoid scores, a selection bias and
+ * expert groups), for T new tokens that each continue one sequence.
  *
  * The operator path pays Python and torch dispatch around each of a layer's dozen operations;
  * that host cost stays fixed when memory gets faster. Here the model is a table of pointers
@@ -51,10 +52,25 @@ typedef struct {
     thr_linear router;
     const thr_linear *gate_up, *down; /* [experts], or one (a dense MLP) */
     thr_linear shared_gate_up, shared_down, shared_gate; /* kind LIN_NONE where absent */
+    int32_t interleave; /* rotary over channel pairs (0, 1), (2, 3), ...: de-interleaved first */
+    /* a routing rule (rule 1; GLM-4.5, DeepSeek-V3, ERNIE-4.5): logits in fp32, scores by sigmoid
+     * (else softmax), experts selected on scores + correction within the topk_group best of
+     * n_group groups, gated by the scores, renormalized if renorm, times scaling */
+    int32_t rule, sigmoid, n_group, topk_group;
+    float scaling;
+    const float *correction; /* fp32 [experts] or NULL */
+    /* latent attention (mla 1; DeepSeek-V3, Kimi-K2): qkv is the down projection q_a | kv_a */
+    int32_t mla, pad4;
+    int64_t heads, q_rank, nope, rank, v_dim;
+    float att_scale, pad5;
+    thr_linear q_b;                  /* q_b_proj (q_rank > 0), else the full query projection */
+    const float *q_a_norm, *kv_a_norm; /* fp32 [q_rank], [rank] */
+    const void *w_kb_t, *w_vb;       /* [heads, rank, nope], [heads, v_dim, rank]: serving dtype */
 } thr_layer;
 
 typedef struct {
     int64_t layers, hidden, hq, hkv, d, block_size, max_inter;
+    int64_t qkv_max, att_max; /* widest q|k|v (or down) projection, widest per-token attention */
     float eps, scale;
     int32_t bf16, pad;
     const void *embed;       /* [vocab, hidden], serving dtype */
@@ -391,8 +407,18 @@ static void store_act(void *dst, int64_t i, float v, int bf16) {
 
 static float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
+/* channels (0, 1), (2, 3), ... of each of `heads` heads of d -> halves (0, 2, ...), (1, 3, ...) */
+static void deinterleave(float *x, int64_t heads, int64_t d, int64_t stride) {
+    float tmp[d];
+    for (int64_t h = 0; h < heads; h++) {
+        float *p = x + h * stride;
+        for (int64_t i = 0; i < d / 2; i++) tmp[i] = p[2 * i], tmp[d / 2 + i] = p[2 * i + 1];
+        memcpy(p, tmp, sizeof(float) * (size_t)d);
+    }
+}
+
 typedef struct { /* scratch of one step, sized for t tokens */
-    float *x, *res, *h, *qkv, *att, *gu, *act, *mo, *acc, *xs, *logits, *tw;
+    float *x, *res, *h, *qkv, *att, *q2, *gu, *act, *mo, *acc, *xs, *logits, *tw;
     int64_t *tid;
     void *qa, *oa;
 } work;
@@ -410,12 +436,66 @@ static int mlp(const thr_linear *gu, const thr_linear *dn, const float *x, int64
     return linear(dn, abuf, rows, out, bf16);
 }
 
+/* the index of the largest of v[0..n) not yet taken (ties: the lowest index), marked taken */
+static int64_t take_max(const float *v, unsigned char *taken, int64_t n) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < n; e++)
+        if (!taken[e] && (best < 0 || v[e] > v[best])) best = e;
+    if (best >= 0) taken[best] = 1;
+    return best;
+}
+
+/* a routing rule's experts and gate values (RoutingRule.select) from fp32 logits [t, E] */
+static void route(const thr_layer *L, int64_t t, float *logits, int64_t *tid, float *tw,
+                  int bf16) {
+    int64_t E = L->experts, K = L->top_k, G = L->n_group > 1 ? L->n_group : 1, per = E / G;
+    unsigned char taken[E], gtaken[G];
+    float choice[E], gscore[G];
+    for (int64_t i = 0; i < t; i++) {
+        float *s = logits + i * E;
+        if (L->sigmoid) {
+            for (int64_t e = 0; e < E; e++) s[e] = 1.0f / (1.0f + expf(-s[e]));
+        } else {
+            float mx = -INFINITY, sum = 0.0f;
+            for (int64_t e = 0; e < E; e++) mx = s[e] > mx ? s[e] : mx;
+            for (int64_t e = 0; e < E; e++) sum += (s[e] = expf(s[e] - mx));
+            for (int64_t e = 0; e < E; e++) s[e] /= sum;
+        }
+        for (int64_t e = 0; e < E; e++) choice[e] = s[e] + (L->correction ? L->correction[e] : 0);
+        memset(taken, 0, (size_t)E);
+        if (L->sigmoid && G > 1) { /* groups ranked by their two best choices; the rest masked */
+            for (int64_t g = 0; g < G; g++) {
+                unsigned char *tg = taken + g * per;
+                int64_t a = take_max(choice + g * per, tg, per), b = per > 1 ?
+                            take_max(choice + g * per, tg, per) : -1;
+                gscore[g] = choice[g * per + a] + (b >= 0 ? choice[g * per + b] : 0.0f);
+                memset(tg, 0, (size_t)per);
+            }
+            memset(gtaken, 0, (size_t)G);
+            for (int64_t j = 0; j < L->topk_group && j < G; j++) take_max(gscore, gtaken, G);
+            for (int64_t e = 0; e < E; e++) taken[e] = !gtaken[e / per];
+        }
+        float tot = 0.0f;
+        for (int64_t j = 0; j < K; j++) {
+            int64_t e = take_max(choice, taken, E);
+            tid[i * K + j] = e;
+            tot += (tw[i * K + j] = s[e]);
+        }
+        if (L->sigmoid) tot += 1e-20f;
+        for (int64_t j = 0; j < K; j++) {
+            float g = L->renorm ? tw[i * K + j] / tot : tw[i * K + j];
+            tw[i * K + j] = rnd(L->sigmoid ? g * L->scaling : g, bf16);
+        }
+    }
+}
+
 static int moe(const thr_model *m, const thr_layer *L, int64_t t, work *w, float *out) {
     int bf16 = m->bf16, eb = bf16 || L->expert_bf16;
     int64_t hd = m->hidden, E = L->experts, K = L->top_k;
-    int rc = linear(&L->router, w->h, t, w->logits, bf16);
+    int rc = linear(&L->router, w->h, t, w->logits, L->rule ? 0 : bf16);
     if (rc) return rc;
-    for (int64_t i = 0; i < t; i++) { /* softmax in fp32, top-k, renormalized per the family */
+    if (L->rule) route(L, t, w->logits, w->tid, w->tw, bf16);
+    for (int64_t i = 0; !L->rule && i < t; i++) { /* softmax in fp32, top-k, renormalized */
         float *lg = w->logits + i * E, mx = -INFINITY, sum = 0.0f;
         for (int64_t e = 0; e < E; e++) mx = lg[e] > mx ? lg[e] : mx;
         for (int64_t e = 0; e < E; e++) sum += (lg[e] = expf(lg[e] - mx));
@@ -485,6 +565,7 @@ static int attention(const thr_model *m, const thr_layer *L, int64_t t, const in
         if (L->clip > 0.0f)
             for (int64_t j = 0; j < width; j++)
                 q[j] = q[j] > L->clip ? L->clip : q[j] < -L->clip ? -L->clip : q[j];
+        if (L->interleave) deinterleave(q, hq + hkv, d, d); /* q and k heads are adjacent */
         if (L->q_norm && !L->qk_norm_full) { /* per head (Qwen3) */
             norm_rows(q, L->q_norm, q, hq, d, m->eps, bf16);
             norm_rows(k, L->k_norm, k, hkv, d, m->eps, bf16);
@@ -506,6 +587,78 @@ static int attention(const thr_model *m, const thr_layer *L, int64_t t, const in
     return linear(&L->o, w->att, t, w->h, bf16);
 }
 
+/* head h's rows of x [t, heads, width] (columns from..from+k) @ W_h.T for W_h = w's h-th [n, k]
+ * matrix, rounded, into y [t, heads, n]: the latent attention's absorbed kv_b. Threads take
+ * heads (each head's matmul then runs on one thread); xb holds [heads, t, k], yb [heads, t, n]. */
+static int per_head(const float *x, int64_t t, int64_t heads, int64_t width, int64_t from,
+                    int64_t k, const void *w, int64_t n, float *xb, float *yb, float *y, int bf16) {
+    int failed = 0;
+#pragma omp parallel for schedule(static) if (heads * n * k >= 65536)
+    for (int64_t h = 0; h < heads; h++) {
+        float *xh = xb + h * t * k, *yh = yb + h * t * n;
+        for (int64_t i = 0; i < t; i++)
+            memcpy(xh + i * k, x + (i * heads + h) * width + from, sizeof(float) * (size_t)k);
+        if (thr_dense_matmul(xh, t, k, (const char *)w + h * n * k * (bf16 ? 2 : 4), bf16, n, yh)) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        for (int64_t i = 0; i < t; i++)
+            for (int64_t j = 0; j < n; j++) y[(i * heads + h) * n + j] = rnd(yh[i * n + j], bf16);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Multi-head latent attention (mla.py's LatentAttention): the cache row of a token is its
+ * normed latent c and its rotated key [c | k_rope] (one kv head of rank + rope), kv_b absorbed:
+ * queries [W_kb^T q_nope | q_rope] attend over the cache rows as keys and values, and the
+ * output's latent part leaves through W_vb before o_proj. */
+static int latent_attention(const thr_model *m, const thr_layer *L, int64_t t, const int64_t *pos,
+                            const int64_t *slots, const int32_t *tables, int64_t table_stride,
+                            const int32_t *ctx, work *w) {
+    int bf16 = m->bf16;
+    int64_t H = L->heads, nope = L->nope, rd = L->rotary_dim, r = L->rank, qr = L->q_rank;
+    int64_t dw = qr + r + rd, qw = nope + rd, ew = r + rd;
+    int rc = linear(&L->qkv, w->h, t, w->qkv, bf16);
+    if (rc) return rc;
+    if (qr) { /* the query's low rank, normed, then q_b */
+        for (int64_t i = 0; i < t; i++)
+            norm_rows(w->qkv + i * dw, L->q_a_norm, w->xs + i * qr, 1, qr, 1e-6f, bf16);
+        rc = linear(&L->q_b, w->xs, t, w->q2, bf16);
+    } else {
+        rc = linear(&L->q_b, w->h, t, w->q2, bf16);
+    }
+    if (rc) return rc;
+    /* the query's non-rotary part into latent space: [t, H, rank] into att */
+    rc = per_head(w->q2, t, H, qw, 0, nope, L->w_kb_t, r, w->xs, w->mo, w->att, bf16);
+    if (rc) return rc;
+    for (int64_t i = 0; i < t; i++) {
+        const float *cs = m->cos_sin + pos[i] * rd;
+        float *row = w->qkv + i * dw + qr; /* [c | k_rope] in place */
+        norm_rows(row, L->kv_a_norm, row, 1, r, 1e-6f, bf16);
+        if (L->interleave) deinterleave(row + r, 1, rd, rd);
+        rotate(row + r, 1, ew, rd, cs, bf16);
+        if (slots[i] >= 0)
+            for (int64_t j = 0; j < ew; j++) store_act(L->k_cache, slots[i] * ew + j, row[j], bf16);
+        float *qi = w->q2 + i * H * qw;
+        if (L->interleave) deinterleave(qi + nope, H, rd, qw);
+        rotate(qi + nope, H, qw, rd, cs, bf16);
+        for (int64_t h = 0; h < H; h++) {
+            for (int64_t j = 0; j < r; j++)
+                store_act(w->qa, (i * H + h) * ew + j, w->att[(i * H + h) * r + j], bf16);
+            for (int64_t j = 0; j < rd; j++)
+                store_act(w->qa, (i * H + h) * ew + r + j, qi[h * qw + nope + j], bf16);
+        }
+    }
+    rc = thr_paged_decode(w->qa, L->k_cache, L->k_cache, tables, table_stride, ctx, t, H, 1, ew,
+                          m->block_size, L->att_scale, w->oa, bf16);
+    if (rc) return rc;
+    for (int64_t j = 0; j < t * H * ew; j++) w->q2[j] = load_f(w->oa, j, bf16);
+    rc = per_head(w->q2, t, H, ew, 0, r, L->w_vb, L->v_dim, w->xs, w->mo, w->att, bf16);
+    if (rc) return rc;
+    return linear(&L->o, w->att, t, w->h, bf16);
+}
+
 /* Final hidden states [t, hidden] (serving dtype) of t new tokens, one per sequence: ids and
  * positions [t], cache slots [t] (-1: not stored), block tables [t, table_stride] and context
  * lengths [t] (this token included). Returns 0, -1 when out of memory. */
@@ -513,31 +666,32 @@ int thr_decode_step(const thr_model *m, int64_t t, const int64_t *ids, const int
                     const int64_t *slots, const int32_t *tables, int64_t table_stride,
                     const int32_t *ctx, void *out) {
     int bf16 = m->bf16;
-    int64_t hd = m->hidden, width = (m->hq + 2 * m->hkv) * m->d, rows = t, E = 1, K = 1;
+    int64_t hd = m->hidden, width = m->qkv_max, rows = t, E = 1, K = 1;
     for (int64_t l = 0; l < m->layers; l++)
         if (m->layer[l].moe) {
             E = m->layer[l].experts > E ? m->layer[l].experts : E;
             K = m->layer[l].top_k > K ? m->layer[l].top_k : K;
         }
     rows = t * K; /* the most rows one expert can get */
-    int64_t wide = hd > m->hq * m->d ? hd : m->hq * m->d;
+    int64_t aw = m->att_max, wide = hd > aw ? hd : aw, rw = hd > aw ? hd : aw;
     work w = {0};
     size_t f = sizeof(float);
     w.x = malloc(f * t * hd), w.res = malloc(f * t * hd), w.h = malloc(f * t * wide);
-    w.qkv = malloc(f * t * width), w.att = malloc(f * t * m->hq * m->d);
+    w.qkv = malloc(f * t * width), w.att = malloc(f * t * aw), w.q2 = malloc(f * t * aw);
     w.gu = malloc(f * rows * 2 * m->max_inter), w.act = malloc(f * rows * m->max_inter);
-    w.mo = malloc(f * rows * hd), w.acc = malloc(f * t * hd), w.xs = malloc(f * rows * hd);
+    w.mo = malloc(f * rows * rw), w.acc = malloc(f * t * hd), w.xs = malloc(f * rows * rw);
     w.logits = malloc(f * t * (E > 1 ? E : 1)), w.tw = malloc(f * t * K);
     w.tid = malloc(sizeof(int64_t) * t * K);
-    w.qa = malloc(f * t * m->hq * m->d), w.oa = malloc(f * t * m->hq * m->d);
-    int rc = (w.x && w.res && w.h && w.qkv && w.att && w.gu && w.act && w.mo && w.acc && w.xs &&
-              w.logits && w.tw && w.tid && w.qa && w.oa) ? 0 : -1;
+    w.qa = malloc(f * t * aw), w.oa = malloc(f * t * aw);
+    int rc = (w.x && w.res && w.h && w.qkv && w.att && w.q2 && w.gu && w.act && w.mo && w.acc &&
+              w.xs && w.logits && w.tw && w.tid && w.qa && w.oa) ? 0 : -1;
     for (int64_t i = 0; !rc && i < t; i++)
         for (int64_t c = 0; c < hd; c++) w.x[i * hd + c] = load_f(m->embed, ids[i] * hd + c, bf16);
     for (int64_t l = 0; !rc && l < m->layers; l++) {
         const thr_layer *L = &m->layer[l];
         add_norm(w.x, w.res, l == 0, L->in_norm, w.h, t, hd, m->eps, bf16);
-        rc = attention(m, L, t, pos, slots, tables, table_stride, ctx, &w);
+        rc = L->mla ? latent_attention(m, L, t, pos, slots, tables, table_stride, ctx, &w)
+                    : attention(m, L, t, pos, slots, tables, table_stride, ctx, &w);
         if (rc) break;
         add_norm(w.h, w.res, 0, L->post_norm, w.h, t, hd, m->eps, bf16);
         rc = L->moe ? moe(m, L, t, &w, w.x)
@@ -547,7 +701,8 @@ int thr_decode_step(const thr_model *m, int64_t t, const int64_t *ids, const int
         add_norm(w.x, w.res, m->layers == 0, m->final_norm, w.h, t, hd, m->eps, bf16);
         for (int64_t i = 0; i < t * hd; i++) store_act(out, i, w.h[i], bf16);
     }
-    free(w.x), free(w.res), free(w.h), free(w.qkv), free(w.att), free(w.gu), free(w.act);
+    free(w.x), free(w.res), free(w.h), free(w.qkv), free(w.att), free(w.q2), free(w.gu);
+    free(w.act);
     free(w.mo), free(w.acc), free(w.xs), free(w.logits), free(w.tw), free(w.tid), free(w.qa);
     free(w.oa);
     return rc;

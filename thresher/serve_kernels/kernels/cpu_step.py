@@ -26,7 +26,8 @@ class ThrLinear(ctypes.Structure):
 
 
 class ThrLayer(ctypes.Structure):
-    """One decoder layer: attention, norms, its cache, and a dense MLP or an MoE."""
+    """One decoder layer: attention (standard or latent), norms, its cache, and a dense MLP or an
+    MoE (softmax routing or a rule)."""
 
     _fields_ = [("qkv", ThrLinear), ("o", ThrLinear), ("in_norm", _ptr), ("post_norm", _ptr),
                 ("q_norm", _ptr), ("k_norm", _ptr), ("qk_norm_full", _i32), ("pad", _i32),
@@ -35,14 +36,23 @@ class ThrLayer(ctypes.Structure):
                 ("renorm", _i32), ("expert_bf16", _i32), ("pad3", _i32), ("router", ThrLinear),
                 ("gate_up", ctypes.POINTER(ThrLinear)), ("down", ctypes.POINTER(ThrLinear)),
                 ("shared_gate_up", ThrLinear), ("shared_down", ThrLinear),
-                ("shared_gate", ThrLinear)]
+                ("shared_gate", ThrLinear), ("interleave", _i32),
+                # a routing rule: sigmoid or softmax scores, a selection bias, expert groups
+                ("rule", _i32), ("sigmoid", _i32), ("n_group", _i32), ("topk_group", _i32),
+                ("scaling", _f32), ("correction", _ptr),
+                # latent attention: qkv is the down projection, q_b the query's up projection
+                ("mla", _i32), ("pad4", _i32), ("heads", _i64), ("q_rank", _i64),
+                ("nope", _i64), ("rank", _i64), ("v_dim", _i64), ("att_scale", _f32),
+                ("pad5", _f32), ("q_b", ThrLinear), ("q_a_norm", _ptr), ("kv_a_norm", _ptr),
+                ("w_kb_t", _ptr), ("w_vb", _ptr)]
 
 
 class ThrModel(ctypes.Structure):
     """The shapes, embeddings, final norm, rotary table, layers and LM head of one model."""
 
     _fields_ = [("layers", _i64), ("hidden", _i64), ("hq", _i64), ("hkv", _i64), ("d", _i64),
-                ("block_size", _i64), ("max_inter", _i64), ("eps", _f32), ("scale", _f32),
+                ("block_size", _i64), ("max_inter", _i64), ("qkv_max", _i64), ("att_max", _i64),
+                ("eps", _f32), ("scale", _f32),
                 ("bf16", _i32), ("pad", _i32), ("embed", _ptr), ("final_norm", _ptr),
                 ("cos_sin", _ptr), ("layer", ctypes.POINTER(ThrLayer)), ("lm_head", ThrLinear)]
 

@@ -13,9 +13,12 @@ once, as a table of pointers to the weights in the layouts the engine already ho
 packs, 16-bit / fp32 row-major matrices, fp32 norms and biases), and one call per step runs
 every layer with OpenMP threads inside the matmuls and the attention.
 
-``build`` returns None (the operator path stays) for what the C step does not cover: latent or
-sink attention, interleaved rotary, routing rules with a bias or sigmoid scores, NF4 and
-torch-kernel int4 packs, act-order GPTQ whose q/k/v stay apart, fp16. 16-bit matrices held in
+The step covers standard rotary attention (partial and interleaved rotary, q/k norms, clipping,
+biases) and multi-head latent attention with kv_b absorbed as ``mla.py`` runs it (DeepSeek-V3,
+Kimi-K2); softmax routing and the routing rules with sigmoid scores, a selection bias and expert
+groups (GLM-4.5, DeepSeek-V3, ERNIE-4.5). ``build`` returns None (the operator path stays) for
+what it does not cover: sink attention and clamped experts (gpt-oss), linear attention
+(Qwen3.5), NF4 and torch-kernel int4 packs, act-order GPTQ whose q/k/v stay apart, fp16. 16-bit matrices held in
 oneDNN's blocked layout are turned back into row-major ones (the C step reads those; prefill's
 matmuls then run row-major, about level at prefill's row counts). ``CausalLM.forward`` calls
 the step for CPU batches of decode tokens only; ``THRESHER_CPU_STEP=off`` keeps the operator
@@ -147,37 +150,88 @@ def _experts(experts: nn.Module, keep: _Keep) -> tuple[ctypes.Array, ctypes.Arra
     return (ThrLinear * len(gu))(*gu), (ThrLinear * len(dn))(*dn), bf16
 
 
-def _layer(layer: nn.Module, keep: _Keep, arrays: list) -> ThrLayer:
-    from thresher.serve_kernels.modeling.decoder import Attention, DenseMLP
-    from thresher.serve_kernels.modeling.moe import MoE
+def _attention(attn: nn.Module, out: ThrLayer, keep: _Keep, dtype: torch.dtype) -> None:
+    """Fill ``out``'s attention: standard (rotary GQA) or latent (MLA, kv_b absorbed)."""
+    from thresher.serve_kernels.modeling.decoder import Attention
+    from thresher.serve_kernels.modeling.mla import LatentAttention
 
-    attn, mlp = layer.attn, layer.mlp
-    if type(attn) is not Attention or attn.interleaved_rotary or attn.rotary_dim % 2:
+    if type(attn) is LatentAttention:
+        if attn.rope_dim % 2:
+            raise Unsupported("latent attention with an odd rotary width")
+        out.mla, out.qkv, out.q_b = 1, linear(attn.down, keep), linear(attn.q_proj, keep)
+        out.o = linear(attn.o_proj, keep)
+        out.heads, out.q_rank, out.nope, out.rank = (attn.num_heads, attn.q_rank, attn.nope,
+                                                     attn.rank)
+        out.v_dim, out.rotary_dim, out.att_scale = attn.v_dim, attn.rope_dim, attn.scale
+        out.interleave = int(attn.interleaved)
+        out.q_a_norm, out.kv_a_norm = keep.f32(attn.q_a_norm), keep.f32(attn.kv_a_norm)
+        # W_kb^T per head [H, rank, nope]: the query's absorption is then x @ W.T like any linear
+        out.w_kb_t = keep.ptr(attn.w_kb.transpose(1, 2).to(dtype).contiguous())
+        out.w_vb = keep.ptr(attn.w_vb.to(dtype).contiguous())
+        return
+    if type(attn) is not Attention or attn.rotary_dim % 2:
         raise Unsupported(f"attention {type(attn).__name__}")
-    out = ThrLayer(qkv=linear(attn.qkv, keep), o=linear(attn.o_proj, keep),
-                   in_norm=keep.f32(layer.input_norm), post_norm=keep.f32(layer.post_attention_norm),
-                   rotary_dim=attn.rotary_dim, clip=float(attn.clip_qkv or 0.0))
+    out.qkv, out.o, out.rotary_dim = linear(attn.qkv, keep), linear(attn.o_proj, keep), attn.rotary_dim
+    out.clip, out.interleave = float(attn.clip_qkv or 0.0), int(attn.interleaved_rotary)
     if attn.q_norm is not None:
         out.q_norm, out.k_norm = keep.f32(attn.q_norm), keep.f32(attn.k_norm)
         out.qk_norm_full = int(not attn.per_head_norm)
+
+
+def _rule(mlp: nn.Module, out: ThrLayer, keep: _Keep) -> None:
+    """Fill ``out``'s routing rule (sigmoid scores, a selection bias, groups) where it has one."""
+    rule = mlp.rule
+    if rule is None:
+        return
+    if rule.scoring not in ("softmax", "sigmoid"):
+        raise Unsupported(f"{rule.scoring} routing")
+    groups = rule.n_group if rule.scoring == "sigmoid" else 1
+    if groups > 1 and (out.experts % groups or rule.top_k > rule.topk_group * out.experts
+                       // groups):
+        raise Unsupported("expert groups that do not divide the experts or hold the top-k")
+    out.rule, out.sigmoid = 1, int(rule.scoring == "sigmoid")
+    out.n_group, out.topk_group, out.scaling = groups, rule.topk_group, float(rule.scaling)
+    out.renorm = int(rule.renormalize)
+    out.correction = keep.f32(mlp.correction)
+
+
+def _layer(layer: nn.Module, keep: _Keep, arrays: list, dtype: torch.dtype) -> ThrLayer:
+    from thresher.serve_kernels.modeling.decoder import DenseMLP
+    from thresher.serve_kernels.modeling.moe import MoE
+
+    attn, mlp = layer.attn, layer.mlp
+    out = ThrLayer(in_norm=keep.f32(layer.input_norm), post_norm=keep.f32(layer.post_attention_norm))
+    _attention(attn, out, keep, dtype)
     if isinstance(mlp, DenseMLP):
         gu, dn = (ThrLinear * 1)(linear(mlp.gate_up, keep)), (ThrLinear * 1)(linear(mlp.down_proj,
                                                                                     keep))
         out.moe = 0
-    elif isinstance(mlp, MoE) and mlp.rule is None:
+    elif type(mlp) is MoE:
         gu, dn, out.expert_bf16 = _experts(mlp.experts, keep)
         out.moe, out.top_k, out.experts, out.renorm = 1, mlp.top_k, len(gu), int(mlp.renormalize)
         out.router = linear(mlp.router, keep)
+        _rule(mlp, out, keep)
         if mlp.shared_expert is not None:
             out.shared_gate_up = linear(mlp.shared_expert.gate_up, keep)
             out.shared_down = linear(mlp.shared_expert.down_proj, keep)
             if mlp.shared_gate is not None:
                 out.shared_gate = linear(mlp.shared_gate, keep)
     else:
-        raise Unsupported(f"MLP {type(mlp).__name__} (or a biased routing rule)")
+        raise Unsupported(f"MLP {type(mlp).__name__}")
     arrays += [gu, dn]
     out.gate_up, out.down = gu, dn
     return out
+
+
+def _widths(layers: ctypes.Array, spec) -> tuple[int, int]:
+    """The widest q|k|v (or latent down) projection and the widest per-token attention buffer
+    (queries, outputs, latent queries and cache rows, the query's low rank) of any layer."""
+    qkv, att = [1], [spec.num_heads * spec.head_dim]
+    for L in layers:
+        qkv.append(L.qkv.n)
+        if L.mla:
+            att += [L.q_b.n, L.heads * (L.rank + L.rotary_dim), L.heads * L.v_dim, L.q_rank]
+    return max(qkv), max(att)
 
 
 def _max_inter(layers: ctypes.Array) -> int:
@@ -199,15 +253,15 @@ class NativeStep:
         dtype = model.embed_tokens.dtype
         if dtype not in DTYPES:
             raise Unsupported(f"serving dtype {dtype}")
-        if spec.kv_tensors != 2:
-            raise Unsupported("a latent-attention cache")
         self._keep, self._arrays = _Keep(), []
-        layers = [_layer(layer, self._keep, self._arrays) for layer in model.layers]
+        layers = [_layer(layer, self._keep, self._arrays, dtype) for layer in model.layers]
         self.layers = (ThrLayer * len(layers))(*layers)
         self.dtype, self.hidden = dtype, spec.hidden_size
+        qkv_max, att_max = _widths(self.layers, spec)
         self.table = ThrModel(
             layers=len(layers), hidden=spec.hidden_size, hq=spec.num_heads,
             hkv=spec.num_kv_heads, d=spec.head_dim, block_size=0, max_inter=_max_inter(self.layers),
+            qkv_max=qkv_max, att_max=att_max,
             eps=spec.rms_norm_eps, scale=spec.head_dim ** -0.5, bf16=int(dtype == torch.bfloat16),
             embed=self._keep.ptr(model.embed_tokens), final_norm=self._keep.f32(model.norm),
             cos_sin=self._keep.ptr(model.cos_sin.float()), layer=self.layers)
@@ -221,8 +275,10 @@ class NativeStep:
         self.calls, self.seconds = 0, 0.0  # steps run; time inside the C calls (LM head too)
 
     def _bind(self, kv_caches: list[tuple[torch.Tensor, ...]]) -> None:
-        """Point each layer at its cache (the runner allocates them after the model loads)."""
-        for L, (k, v) in zip(self.layers, kv_caches, strict=True):
+        """Point each layer at its cache (the runner allocates them after the model loads); a
+        latent cache is one tensor, the keys' and the values' rows at once."""
+        for L, cache in zip(self.layers, kv_caches, strict=True):
+            k, v = cache if len(cache) == 2 else (cache[0], cache[0])
             if k.dtype != self.dtype or not (k.is_contiguous() and v.is_contiguous()):
                 raise Unsupported("a KV cache in another dtype or layout")
             L.k_cache, L.v_cache = k.data_ptr(), v.data_ptr()
