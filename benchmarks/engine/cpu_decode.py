@@ -9,12 +9,16 @@ llama.cpp, side by side in one run.
     PYTHONPATH=. python benchmarks/engine/cpu_decode.py --family deepseek_v3 --threads 2 \
         --experts 32 --intermediate 512 --top-k 4 --formats gptq4 --dtypes bfloat16 \
         --quant-dtypes bfloat16 --gguf-types f16 q4_0 --concurrency 1   # DeepSeek-V3 shape, ~1.1 GB
+    PYTHONPATH=. python benchmarks/engine/cpu_decode.py --family gpt_oss --threads 2 \
+        --experts 32 --intermediate 512 --top-k 4 --formats gptq4 --dtypes bfloat16 \
+        --quant-dtypes bfloat16 --gguf-types f16 q4_0 --concurrency 1   # gpt-oss shape, ~1.1 GB
 
 Run it from the repository root with ``PYTHONPATH=.`` when the editable install points at
 another checkout.
 
 Builds the checkpoint of ``quant_scale`` (hidden 1024, 8 experts of 2048, top-2; with
-``--family deepseek_v3`` its DeepSeek-V3-shaped one, exported to llama.cpp's ``deepseek2``) on disk,
+``--family deepseek_v3`` its DeepSeek-V3-shaped one, exported to llama.cpp's ``deepseek2``; with
+``--family gpt_oss`` a gpt-oss-shaped one) on disk,
 quantizes it with thresher (RTN: GPTQ's format without the calibration time; AWQ with a few
 calibration samples; NF4 through bitsandbytes), and times greedy decode through the engine for
 each variant at each concurrency: decode tokens per second = new tokens / (time of N+1 tokens -
@@ -58,13 +62,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scale"))
-from quant_scale import build_checkpoint, build_deepseek_v3_checkpoint  # the scale group's builders
+from quant_scale import (  # the scale group's builders
+    build_checkpoint,
+    build_deepseek_v3_checkpoint,
+    build_gpt_oss_checkpoint,
+)
 
 from thresher.export import export_gguf
 from thresher.export.llama_runtime import INSTALL_HINT, LLAMA_CPP_AVAILABLE, LlamaCppModel
 from thresher.serve_kernels import LLM, SamplingParams
 from thresher.serve_kernels.kernels import cpu_native, cpu_q4
 from thresher.serve_kernels.modeling import native_step
+from thresher.serve_kernels.modeling.gpt_oss import GptOssMoE
 from thresher.serve_kernels.modeling.linear import DenseLinear
 from thresher.serve_kernels.modeling.mla import LatentAttention
 from thresher.serve_kernels.modeling.moe import ExpertLoop, FusedExperts
@@ -78,7 +87,8 @@ QUANTIZE = {
 }
 NAMES = {"gptq4": "GPTQ-4 (RTN g128)", "awq4": "AWQ-4 g128", "nf4": "NF4"}
 # --family: the checkpoint builder (same arguments: --layers counts the MoE layers)
-BUILDERS = {"qwen3_moe": build_checkpoint, "deepseek_v3": build_deepseek_v3_checkpoint}
+BUILDERS = {"qwen3_moe": build_checkpoint, "deepseek_v3": build_deepseek_v3_checkpoint,
+            "gpt_oss": build_gpt_oss_checkpoint}
 
 
 def long_enough(model_dir: Path, positions: int) -> None:
@@ -129,9 +139,10 @@ def module_bytes(module: torch.nn.Module, top_k: int) -> int | None:
         return full * top_k // experts
     if isinstance(module, ExpertLoop) and module.cpu_packs:
         return sum(p.nbytes for p in module.cpu_packs) * top_k // len(module.gate)
-    if isinstance(module, ExpertLoop):
+    if isinstance(module, ExpertLoop | GptOssMoE):
         full = [module_bytes(m, top_k) for m in (*module.gate, *module.up, *module.down)]
-        return None if None in full else sum(full) * top_k // len(module.gate)
+        router = module_bytes(module.router, top_k) if isinstance(module, GptOssMoE) else 0
+        return None if None in (*full, router) else sum(full) * top_k // len(module.gate) + router
     if isinstance(module, DenseLinear):
         w = module.cpu_blocked.weight if module.cpu_blocked is not None else module.weight
         return w.numel() * w.element_size()
@@ -274,7 +285,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--family", choices=list(BUILDERS), default="qwen3_moe",
                     help="deepseek_v3: latent attention, a dense first layer, a shared expert, "
-                         "a sigmoid router over 4 groups (2 kept)")
+                         "a sigmoid router over 4 groups (2 kept); gpt_oss: sinks, sliding and "
+                         "full layers, biased experts with the clamped SwiGLU")
     ap.add_argument("--layers", type=int, default=10)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--experts", type=int, default=8)

@@ -144,6 +144,38 @@ def build_deepseek_v3_checkpoint(out: Path, layers: int, hidden: int, experts: i
     return sum(f.stat().st_size for f in out.glob("*.safetensors"))
 
 
+def build_gpt_oss_checkpoint(out: Path, layers: int, hidden: int, experts: int, inter: int,
+                             top_k: int) -> int:
+    """Write a random bf16 gpt-oss-shaped checkpoint: sliding (128-token window) and full layers
+    alternating, attention sinks and biases (heads of 64, 4 kv heads), a biased router, fused
+    experts with biases in the hub's 16-bit layout (``gate_up_proj`` interleaving gate and up),
+    YaRN as gpt-oss ships it. transformers' own initialization, layer by layer. Returns its size."""
+    from transformers import AutoModelForCausalLM
+
+    tok_dir = build_demo_model("tiny")
+    heads = hidden // 64
+    config = random_config(
+        "gpt_oss", hidden_size=hidden, num_layers=layers, num_experts=experts, top_k=top_k,
+        intermediate_size=inter, vocab_size=4096, num_attention_heads=heads,
+        num_key_value_heads=min(4, heads), head_dim=64, sliding_window=128,
+        max_position_embeddings=131072, dtype="bfloat16",
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096})
+    config.architectures = ["GptOssForCausalLM"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            if name.endswith((".router.weight", "self_attn.sinks")):
+                t.normal_(0, 1.0)  # a router with preferences; sinks that matter
+    model.save_pretrained(out, max_shard_size="512MB")
+    for name in TOKENIZER_FILES:
+        if (tok_dir / name).is_file():
+            shutil.copy2(tok_dir / name, out / name)
+    return sum(f.stat().st_size for f in out.glob("*.safetensors"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=56)

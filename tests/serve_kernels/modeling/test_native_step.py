@@ -24,7 +24,7 @@ from thresher.serve_kernels.modeling.native_step import NativeStep
 CAL = CalibrationConfig(source=FilesSource(files=[CALIBRATION_FILE]), samples=2, seq_len=16)
 PROMPTS = [[5, 17, 300, 42, 9, 77, 1023], [8, 99, 150], [12, 3, 250, 61, 7, 2, 640, 31, 4, 40]]
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "llama", "qwen2", "qwen3",
-            "glm4_moe", "deepseek_v3", "ernie4_5_moe"]
+            "glm4_moe", "deepseek_v3", "ernie4_5_moe", "gpt_oss"]
 STAGES = {"gptq4": QuantizeStage(method="rtn", group_size=32),
           "awq4": QuantizeStage(method="awq", group_size=32),
           "nf4": QuantizeStage(method="nf4", compute_dtype="float32")}
@@ -38,7 +38,8 @@ def _library():
 
 def _model_dir(family: str, fmt: str, root: Path, tokenizer: Path) -> Path:
     kw = {"olmoe": {"clip_qkv": 0.5},  # cpu_q4 holds inputs of multiples of 64 (q_b's)
-          "deepseek_v3": {"q_lora_rank": 64, "kv_lora_rank": 64}}.get(family, {})
+          "deepseek_v3": {"q_lora_rank": 64, "kv_lora_rank": 64},
+          "gpt_oss": {"swiglu_limit": 0.1}}.get(family, {})  # the clamps bind on random weights
     hf = build_random_model(family, vocab_size=4096, intermediate_size=64, **kw)
     save_family(hf, tokenizer, root / "bf16")
     if fmt == "bf16":
@@ -80,7 +81,8 @@ def _decode_pairs(llm: LLM, prompts: list[list[int]], steps: int, monkeypatch
 @pytest.mark.parametrize("family", FAMILIES)
 def test_native_step_matches_operator_path(family, fmt, dtype, tmp_path, monkeypatch,
                                            tiny_demo):
-    if fmt != "bf16" and family not in ("qwen3_moe", "qwen2_moe", "llama", "deepseek_v3"):
+    if fmt != "bf16" and family not in ("qwen3_moe", "qwen2_moe", "llama", "deepseek_v3",
+                                        "gpt_oss"):
         pytest.skip("quantized formats on one family of each kind of MLP, shared expert and "
                     "attention")
     path = _model_dir(family, fmt, tmp_path, tiny_demo)
@@ -114,10 +116,10 @@ def test_native_step_is_not_built_when_off_or_unsupported(tmp_path, monkeypatch,
     assert LLM(path, block_size=4).engine.runner.model.native_step is not None
 
 
-def test_gpt_oss_keeps_the_operator_path(tmp_path, tiny_demo):
-    """Attention sinks, sliding windows and clamped expert activations: not in C."""
-    hf = build_random_model("gpt_oss", vocab_size=4096, intermediate_size=64)
-    path = save_family(hf, tiny_demo, tmp_path / "gpt_oss")
+def test_qwen3_5_keeps_the_operator_path(tmp_path, tiny_demo):
+    """Linear attention (Gated DeltaNet's recurrent state): not in C."""
+    hf = build_random_model("qwen3_5_moe", vocab_size=4096, intermediate_size=64)
+    path = save_family(hf, tiny_demo, tmp_path / "qwen3_5_moe")
     assert LLM(path, block_size=4).engine.runner.model.native_step is None
 
 
@@ -144,7 +146,7 @@ def test_prefill_keeps_operator_path_and_greedy_tokens_agree(tmp_path, monkeypat
 @pytest.mark.parametrize("family,fmt,dtype", [
     ("qwen3_moe", "bf16", "bfloat16"), ("qwen3_moe", "bf16", "float32"),
     ("qwen3_moe", "gptq4", "bfloat16"), ("deepseek_v3", "bf16", "bfloat16"),
-    ("glm4_moe", "bf16", "bfloat16")])
+    ("glm4_moe", "bf16", "bfloat16"), ("gpt_oss", "bf16", "bfloat16")])
 def test_a_verify_chunk_is_bitwise_its_decode_steps(family, fmt, dtype, tmp_path, tiny_demo):
     """A chunk of 1 + k tokens (a speculative verify chunk) runs through the C step as decode
     tokens of one sequence, and its hidden states are bit for bit those of k + 1 single-token

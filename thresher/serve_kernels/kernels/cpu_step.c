@@ -1,7 +1,8 @@
 /* A whole CPU decode step in one call: every decoder layer (pre-norm RMSNorm; rotary GQA over the
- * paged KV cache, or multi-head latent attention over a latent cache; SwiGLU MLP or top-k MoE with
- * an optional shared expert, softmax routing or a rule with sigmoid scores, a selection bias and
- * expert groups), for T new tokens that each continue one sequence.
+ * paged KV cache, with sinks and a sliding window (gpt-oss), or multi-head latent attention over a
+ * latent cache (DeepSeek-V3); SwiGLU MLP or top-k MoE with an optional shared expert, softmax
+ * routing, a rule with sigmoid scores, a selection bias and expert groups, or gpt-oss's top-k
+ * softmax and clamped experts), for T new tokens that each continue one sequence.
  *
  * The operator path pays Python and torch dispatch around each of a layer's dozen operations;
  * that host cost stays fixed when memory gets faster. Here the model is a table of pointers
@@ -66,6 +67,14 @@ typedef struct {
     thr_linear q_b;                  /* q_b_proj (q_rank > 0), else the full query projection */
     const float *q_a_norm, *kv_a_norm; /* fp32 [q_rank], [rank] */
     const void *w_kb_t, *w_vb;       /* [heads, rank, nope], [heads, v_dim, rank]: serving dtype */
+    /* gpt-oss: attention with a sink logit per head (fp32 [hq]) and a window (0: none); the
+     * router's top-k logits softmaxed (topk_softmax); experts as separate gate and up linears
+     * with gate_up holding the gates, biases, and the clamped SwiGLU (alpha, limit) */
+    const float *sinks;
+    int64_t window;
+    int32_t topk_softmax, clamped;
+    float alpha, limit;
+    const thr_linear *up;
 } thr_layer;
 
 typedef struct {
@@ -436,6 +445,26 @@ static int mlp(const thr_linear *gu, const thr_linear *dn, const float *x, int64
     return linear(dn, abuf, rows, out, bf16);
 }
 
+/* gpt-oss's expert (models.gpt_oss.clamped_swiglu): g = min(gate x, limit), u = clamp(up x,
+ * +-limit), dn(((u + 1) * g) * sigmoid(alpha g)), each operation rounded to the dtype */
+static int clamped_mlp(const thr_layer *L, const thr_linear *gate, const thr_linear *up,
+                       const thr_linear *dn, const float *x, int64_t rows, float *gbuf,
+                       float *abuf, float *out, int bf16) {
+    int64_t inter = gate->n;
+    float *ub = gbuf + rows * inter;
+    int rc = linear(gate, x, rows, gbuf, bf16);
+    if (!rc) rc = linear(up, x, rows, ub, bf16);
+    if (rc) return rc;
+    float lim = L->limit;
+    for (int64_t i = 0; i < rows * inter; i++) {
+        float g = gbuf[i] > lim ? lim : gbuf[i];
+        float u = ub[i] > lim ? lim : ub[i] < -lim ? -lim : ub[i];
+        float sg = rnd(1.0f / (1.0f + expf(-rnd(g * L->alpha, bf16))), bf16);
+        abuf[i] = rnd(rnd(rnd(u + 1.0f, bf16) * g, bf16) * sg, bf16);
+    }
+    return linear(dn, abuf, rows, out, bf16);
+}
+
 /* the index of the largest of v[0..n) not yet taken (ties: the lowest index), marked taken */
 static int64_t take_max(const float *v, unsigned char *taken, int64_t n) {
     int64_t best = -1;
@@ -495,7 +524,16 @@ static int moe(const thr_model *m, const thr_layer *L, int64_t t, work *w, float
     int rc = linear(&L->router, w->h, t, w->logits, L->rule ? 0 : bf16);
     if (rc) return rc;
     if (L->rule) route(L, t, w->logits, w->tid, w->tw, bf16);
-    for (int64_t i = 0; !L->rule && i < t; i++) { /* softmax in fp32, top-k, renormalized */
+    for (int64_t i = 0; L->topk_softmax && i < t; i++) { /* top-k logits, softmax over them */
+        float *lg = w->logits + i * E, tot = 0.0f;
+        unsigned char taken[E];
+        memset(taken, 0, (size_t)E);
+        for (int64_t j = 0; j < K; j++) w->tid[i * K + j] = take_max(lg, taken, E);
+        float mx = lg[w->tid[i * K]];
+        for (int64_t j = 0; j < K; j++) tot += (w->tw[i * K + j] = expf(lg[w->tid[i * K + j]] - mx));
+        for (int64_t j = 0; j < K; j++) w->tw[i * K + j] = rnd(w->tw[i * K + j] / tot, bf16);
+    }
+    for (int64_t i = 0; !L->rule && !L->topk_softmax && i < t; i++) { /* softmax, top-k */
         float *lg = w->logits + i * E, mx = -INFINITY, sum = 0.0f;
         for (int64_t e = 0; e < E; e++) mx = lg[e] > mx ? lg[e] : mx;
         for (int64_t e = 0; e < E; e++) sum += (lg[e] = expf(lg[e] - mx));
@@ -523,13 +561,19 @@ static int moe(const thr_model *m, const thr_layer *L, int64_t t, work *w, float
                 rows++;
             }
         if (!rows) continue;
-        rc = mlp(&L->gate_up[e], &L->down[e], w->xs, rows, w->gu, w->act, w->mo, eb);
+        rc = L->clamped ? clamped_mlp(L, &L->gate_up[e], &L->up[e], &L->down[e], w->xs, rows,
+                                      w->gu, w->act, w->mo, eb)
+                        : mlp(&L->gate_up[e], &L->down[e], w->xs, rows, w->gu, w->act, w->mo, eb);
         if (rc) return rc;
         int64_t r = 0;
         for (int64_t i = 0; i < t * K; i++)
             if (w->tid[i] == e) {
-                for (int64_t c = 0; c < hd; c++)
-                    w->acc[(i / K) * hd + c] += w->tw[i] * w->mo[r * hd + c];
+                float *a = w->acc + (i / K) * hd;
+                const float *o = w->mo + r * hd;
+                if (L->clamped) /* gpt-oss adds into a dtype tensor: each product and sum rounded */
+                    for (int64_t c = 0; c < hd; c++) a[c] = rnd(a[c] + rnd(w->tw[i] * o[c], eb), eb);
+                else
+                    for (int64_t c = 0; c < hd; c++) a[c] += w->tw[i] * o[c];
                 r++;
             }
     }
@@ -547,6 +591,54 @@ static int moe(const thr_model *m, const thr_layer *L, int64_t t, work *w, float
     }
     for (int64_t i = 0; i < t * hd; i++) out[i] = rnd(out[i] + w->mo[i], bf16);
     return 0;
+}
+
+/* gpt-oss's decode attention (gpt_oss.sink_attention): per head, the logits of the token's
+ * window of cached keys (each q.k rounded to the dtype, then scaled in fp32), the head's sink
+ * logit joining the fp32 softmax's denominator, probabilities rounded to the dtype, values
+ * summed in fp32; queries in w->qa, output into w->oa. Returns 0, -1 when out of memory. */
+static int sink_decode(const thr_model *m, const thr_layer *L, int64_t t, const int32_t *tables,
+                       int64_t table_stride, const int32_t *ctx, work *w) {
+    int bf16 = m->bf16, failed = 0;
+    int64_t hq = m->hq, hkv = m->hkv, d = m->d, bs = m->block_size, group = hq / hkv, longest = 1;
+    for (int64_t i = 0; i < t; i++) longest = ctx[i] > longest ? ctx[i] : longest;
+#pragma omp parallel if (t * hq * longest * d > 262144)
+    {
+        float *p = malloc(sizeof(float) * (size_t)longest), *o = malloc(sizeof(float) * (size_t)d);
+        if (!p || !o) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t i = 0; i < t; i++)
+            for (int64_t h = 0; h < hq; h++) {
+                if (!p || !o) continue;
+                int64_t len = ctx[i], from = L->window && len > L->window ? len - L->window : 0;
+                int64_t kh = h / group, row = (i * hq + h) * d;
+                float mx = L->sinks[h], sum = 0.0f;
+                for (int64_t j = from; j < len; j++) {
+                    int64_t slot = (int64_t)tables[i * table_stride + j / bs] * bs + j % bs;
+                    int64_t at = (slot * hkv + kh) * d;
+                    float dot = 0.0f;
+                    for (int64_t c = 0; c < d; c++)
+                        dot += load_f(w->qa, row + c, bf16) * load_f(L->k_cache, at + c, bf16);
+                    p[j - from] = rnd(dot, bf16) * m->scale;
+                    mx = p[j - from] > mx ? p[j - from] : mx;
+                }
+                for (int64_t j = 0; j < len - from; j++) sum += (p[j] = expf(p[j] - mx));
+                sum += expf(L->sinks[h] - mx);
+                memset(o, 0, sizeof(float) * (size_t)d);
+                for (int64_t j = from; j < len; j++) {
+                    int64_t slot = (int64_t)tables[i * table_stride + j / bs] * bs + j % bs;
+                    int64_t at = (slot * hkv + kh) * d;
+                    float pj = rnd(p[j - from] / sum, bf16);
+                    for (int64_t c = 0; c < d; c++) o[c] += pj * load_f(L->v_cache, at + c, bf16);
+                }
+                for (int64_t c = 0; c < d; c++) store_act(w->oa, row + c, o[c], bf16);
+            }
+        free(p), free(o);
+    }
+    return failed ? -1 : 0;
 }
 
 static int attention(const thr_model *m, const thr_layer *L, int64_t t, const int64_t *pos,
@@ -580,8 +672,9 @@ static int attention(const thr_model *m, const thr_layer *L, int64_t t, const in
                 store_act(L->v_cache, slots[i] * hkv * d + j, v[j], bf16);
             }
     }
-    rc = thr_paged_decode(w->qa, L->k_cache, L->v_cache, tables, table_stride, ctx, t, hq, hkv, d,
-                          m->block_size, m->scale, w->oa, bf16);
+    rc = L->sinks ? sink_decode(m, L, t, tables, table_stride, ctx, w)
+                  : thr_paged_decode(w->qa, L->k_cache, L->v_cache, tables, table_stride, ctx, t,
+                                     hq, hkv, d, m->block_size, m->scale, w->oa, bf16);
     if (rc) return rc;
     for (int64_t j = 0; j < t * hq * d; j++) w->att[j] = load_f(w->oa, j, bf16);
     return linear(&L->o, w->att, t, w->h, bf16);

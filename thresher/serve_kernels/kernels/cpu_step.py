@@ -44,7 +44,10 @@ class ThrLayer(ctypes.Structure):
                 ("mla", _i32), ("pad4", _i32), ("heads", _i64), ("q_rank", _i64),
                 ("nope", _i64), ("rank", _i64), ("v_dim", _i64), ("att_scale", _f32),
                 ("pad5", _f32), ("q_b", ThrLinear), ("q_a_norm", _ptr), ("kv_a_norm", _ptr),
-                ("w_kb_t", _ptr), ("w_vb", _ptr)]
+                ("w_kb_t", _ptr), ("w_vb", _ptr),
+                # gpt-oss: sinks and a window; top-k logits softmaxed; clamped SwiGLU experts
+                ("sinks", _ptr), ("window", _i64), ("topk_softmax", _i32), ("clamped", _i32),
+                ("alpha", _f32), ("limit", _f32), ("up", ctypes.POINTER(ThrLinear))]
 
 
 class ThrModel(ctypes.Structure):

@@ -16,9 +16,9 @@ every layer with OpenMP threads inside the matmuls and the attention.
 The step covers standard rotary attention (partial and interleaved rotary, q/k norms, clipping,
 biases) and multi-head latent attention with kv_b absorbed as ``mla.py`` runs it (DeepSeek-V3,
 Kimi-K2); softmax routing and the routing rules with sigmoid scores, a selection bias and expert
-groups (GLM-4.5, DeepSeek-V3, ERNIE-4.5). ``build`` returns None (the operator path stays) for
-what it does not cover: sink attention and clamped experts (gpt-oss), linear attention
-(Qwen3.5), NF4 and torch-kernel int4 packs, act-order GPTQ whose q/k/v stay apart, fp16. 16-bit matrices held in
+groups (GLM-4.5, DeepSeek-V3, ERNIE-4.5); gpt-oss's attention sinks and sliding windows, and its
+experts (biases, top-k logits softmaxed, the clamped SwiGLU). ``build`` returns None (the operator path stays) for
+what it does not cover: linear attention (Qwen3.5), NF4 and torch-kernel int4 packs, act-order GPTQ whose q/k/v stay apart, fp16. 16-bit matrices held in
 oneDNN's blocked layout are turned back into row-major ones (the C step reads those; prefill's
 matmuls then run row-major, about level at prefill's row counts). ``CausalLM.forward`` calls
 the step for CPU batches of decode tokens only; ``THRESHER_CPU_STEP=off`` keeps the operator
@@ -153,6 +153,7 @@ def _experts(experts: nn.Module, keep: _Keep) -> tuple[ctypes.Array, ctypes.Arra
 def _attention(attn: nn.Module, out: ThrLayer, keep: _Keep, dtype: torch.dtype) -> None:
     """Fill ``out``'s attention: standard (rotary GQA) or latent (MLA, kv_b absorbed)."""
     from thresher.serve_kernels.modeling.decoder import Attention
+    from thresher.serve_kernels.modeling.gpt_oss import SinkAttention
     from thresher.serve_kernels.modeling.mla import LatentAttention
 
     if type(attn) is LatentAttention:
@@ -169,8 +170,10 @@ def _attention(attn: nn.Module, out: ThrLayer, keep: _Keep, dtype: torch.dtype) 
         out.w_kb_t = keep.ptr(attn.w_kb.transpose(1, 2).to(dtype).contiguous())
         out.w_vb = keep.ptr(attn.w_vb.to(dtype).contiguous())
         return
-    if type(attn) is not Attention or attn.rotary_dim % 2:
+    if type(attn) not in (Attention, SinkAttention) or attn.rotary_dim % 2:
         raise Unsupported(f"attention {type(attn).__name__}")
+    if type(attn) is SinkAttention:
+        out.sinks, out.window = keep.f32(attn.sinks), attn.window or 0
     out.qkv, out.o, out.rotary_dim = linear(attn.qkv, keep), linear(attn.o_proj, keep), attn.rotary_dim
     out.clip, out.interleave = float(attn.clip_qkv or 0.0), int(attn.interleaved_rotary)
     if attn.q_norm is not None:
@@ -195,8 +198,22 @@ def _rule(mlp: nn.Module, out: ThrLayer, keep: _Keep) -> None:
     out.correction = keep.f32(mlp.correction)
 
 
+def _gpt_oss(mlp: nn.Module, out: ThrLayer, keep: _Keep, arrays: list
+             ) -> tuple[ctypes.Array, ctypes.Array]:
+    """Fill ``out``'s gpt-oss MoE: biased router, softmax over the top-k logits, experts as
+    separate gate / up / down linears with biases and the clamped SwiGLU."""
+    gate, up, down = ([linear(m, keep) for m in mods] for mods in (mlp.gate, mlp.up, mlp.down))
+    ups = (ThrLinear * len(up))(*up)
+    arrays.append(ups)
+    out.moe, out.top_k, out.experts, out.router = 1, mlp.top_k, len(gate), linear(mlp.router, keep)
+    out.topk_softmax, out.clamped, out.alpha, out.limit = 1, 1, mlp.alpha, mlp.limit
+    out.up = ups
+    return (ThrLinear * len(gate))(*gate), (ThrLinear * len(down))(*down)
+
+
 def _layer(layer: nn.Module, keep: _Keep, arrays: list, dtype: torch.dtype) -> ThrLayer:
     from thresher.serve_kernels.modeling.decoder import DenseMLP
+    from thresher.serve_kernels.modeling.gpt_oss import GptOssMoE
     from thresher.serve_kernels.modeling.moe import MoE
 
     attn, mlp = layer.attn, layer.mlp
@@ -206,6 +223,8 @@ def _layer(layer: nn.Module, keep: _Keep, arrays: list, dtype: torch.dtype) -> T
         gu, dn = (ThrLinear * 1)(linear(mlp.gate_up, keep)), (ThrLinear * 1)(linear(mlp.down_proj,
                                                                                     keep))
         out.moe = 0
+    elif type(mlp) is GptOssMoE:
+        gu, dn = _gpt_oss(mlp, out, keep, arrays)
     elif type(mlp) is MoE:
         gu, dn, out.expert_bf16 = _experts(mlp.experts, keep)
         out.moe, out.top_k, out.experts, out.renorm = 1, mlp.top_k, len(gu), int(mlp.renormalize)
@@ -239,7 +258,7 @@ def _max_inter(layers: ctypes.Array) -> int:
     widths = [1]
     for L in layers:
         n = L.experts if L.moe else 1
-        widths += [L.gate_up[e].n // 2 for e in range(n)]
+        widths += [L.gate_up[e].n // (1 if L.clamped else 2) for e in range(n)]
         if L.shared_gate_up.kind != LIN_NONE:
             widths.append(L.shared_gate_up.n // 2)
     return max(widths)
