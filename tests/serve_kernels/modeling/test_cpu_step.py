@@ -150,6 +150,44 @@ def test_decode_attention_c_matches_the_operators(dtype, d):
     assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler here, or no AVX2 and FMA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,lens,window", [
+    (8, 2, [1, 5, 16, 37], 0), (8, 2, [1, 5, 16, 37], 4), (8, 2, [1, 5, 16, 37], 16),
+    (16, 1, [1000], 0), (16, 1, [1000], 128)])  # one sequence of one kv head: the heads split
+def test_decode_attention_c_with_sinks_and_a_window_matches_gpt_oss(dtype, hq, hkv, lens, window):
+    """gpt-oss's attention in the C walk: each head's sink logit joins the softmax's denominator
+    and a sliding layer sees its last ``window`` positions, as ``gpt_oss.sink_attention``."""
+    from thresher.serve_kernels.modeling.gpt_oss import sink_attention
+
+    gen = torch.Generator().manual_seed(5)
+    block, d = 8, 64
+    per_seq = -(-max(lens) // block)
+    blocks = per_seq * len(lens) + 1
+    k_cache = torch.randn(blocks, block, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(blocks, block, hkv, d, generator=gen).to(dtype)
+    tables = (torch.randperm(blocks - 1, generator=gen)[: per_seq * len(lens)] + 1).view(
+        len(lens), per_seq).to(torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(len(lens), dtype=torch.long), block_tables=tables,
+        context_lens=torch.tensor(lens, dtype=torch.int32),
+        cu_seqlens_q=torch.arange(len(lens) + 1, dtype=torch.int32), num_decodes=len(lens),
+        query_lens=[1] * len(lens), context_lens_list=lens, max_context_len=max(lens))
+    q = torch.randn(len(lens), hq, d, generator=gen).to(dtype)
+    sinks = torch.randn(hq, generator=gen) * 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the walk's threads are torch's: two, so that the heads split
+    try:
+        got = attention.paged_decode_c(q, k_cache, v_cache, tables, meta.context_lens, d**-0.5,
+                                       max(lens), sinks=sinks, window=window)
+    finally:
+        torch.set_num_threads(threads)
+    want = sink_attention(q, k_cache, v_cache, meta, d**-0.5, sinks, window or None)
+    # bf16: the reference rounds each logit and probability to bf16, the walk keeps them fp32
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
+
+
 def test_store_without_the_slot_check_writes_the_same():
     k, v = torch.randn(5, 2, 16), torch.randn(5, 2, 16)
     slots = torch.tensor([7, 0, 12, 3, 9])

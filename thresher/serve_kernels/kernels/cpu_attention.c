@@ -5,10 +5,13 @@
  * of a short context. Here one call walks the block table: for sequence b and query head h (kv
  * head h / (Hq / Hkv)), scores s_t = scale * q . k_t over the sequence's context_lens[b] cached
  * tokens, softmax in fp32, out = sum_t p_t v_t / sum_t p_t, rounded to the activation dtype.
- * Caches [blocks, block_size, Hkv, D] and q/out [B, Hq, D], fp32 or bf16.
+ * Caches [blocks, block_size, Hkv, D] and q/out [B, Hq, D], fp32 or bf16. gpt-oss's layers add
+ * a sink logit per head to the softmax's denominator and, in sliding layers, see only the last
+ * `window` positions (thr_paged_decode_sinks).
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,12 +61,15 @@ static inline __m256 reduce8(const __m256 *a) {
  * tokens at a time (8 independent sums, reduced together); the weighted values keep 64 output
  * dims in registers per pass. */
 static void head_group(const float *qf, const void *k_cache, const void *v_cache,
-                       const int32_t *table, int64_t len, int64_t hkv, int64_t kh, int64_t d,
-                       int64_t block_size, int64_t group, float scale, int bf16, float *s,
-                       int64_t *rows, void *out, int64_t out_row) {
+                       const int32_t *table, int64_t from, int64_t end, int64_t hkv, int64_t kh,
+                       int64_t d, int64_t block_size, int64_t group, float scale,
+                       const float *sinks, int bf16, float *s, int64_t *rows, void *out,
+                       int64_t out_row) {
     size_t es = bf16 ? 2 : 4;
+    int64_t len = end - from; /* the cached positions from..end-1 (a window's, or all) */
     for (int64_t t = 0; t < len; t++)
-        rows[t] = (((int64_t)table[t / block_size] * block_size + t % block_size) * hkv + kh) * d;
+        rows[t] = (((int64_t)table[(from + t) / block_size] * block_size + (from + t) % block_size)
+                   * hkv + kh) * d;
     int64_t t0 = 0;
     if (d % 8 == 0)
         for (; t0 + 8 <= len; t0 += 8)
@@ -87,7 +93,8 @@ static void head_group(const float *qf, const void *k_cache, const void *v_cache
             s[g * len + t] = dot * scale;
         }
     for (int64_t g = 0; g < group; g++) {
-        float *sg = s + g * len, m = -INFINITY;
+        /* a sink (gpt-oss): one more logit in the softmax's denominator, with no value */
+        float *sg = s + g * len, sink = sinks ? sinks[g] : -INFINITY, m = sink;
         for (int64_t t = 0; t < len; t++) m = sg[t] > m ? sg[t] : m;
         __m256 mv = _mm256_set1_ps(m), acc = _mm256_setzero_ps();
         int64_t t = 0;
@@ -96,7 +103,7 @@ static void head_group(const float *qf, const void *k_cache, const void *v_cache
             _mm256_storeu_ps(sg + t, p);
             acc = _mm256_add_ps(acc, p);
         }
-        float sum = hsum8(acc);
+        float sum = hsum8(acc) + (sinks ? expf(sink - m) : 0.0f);
         for (; t < len; t++) {
             sg[t] = expf(sg[t] - m);
             sum += sg[t];
@@ -127,34 +134,65 @@ static void head_group(const float *qf, const void *k_cache, const void *v_cache
     }
 }
 
+/* Work items are (sequence, kv head, chunk of its query heads): with fewer sequences x kv heads
+ * than threads (one sequence of a latent cache's single kv head), the query heads split so that
+ * every thread has work. sinks: fp32 [hq] or NULL; window: each token sees its last `window`
+ * cached positions (0: all). Returns 0, or -1 when out of memory. */
+static int paged_decode(const void *q, const void *k_cache, const void *v_cache,
+                        const int32_t *block_tables, int64_t table_stride,
+                        const int32_t *context_lens, int64_t batch, int64_t hq, int64_t hkv,
+                        int64_t d, int64_t block_size, float scale, const float *sinks,
+                        int64_t window, void *out, int bf16) {
+    int64_t group = hq / hkv, max_len = 1;
+    for (int64_t b = 0; b < batch; b++)
+        if (context_lens[b] > max_len) max_len = context_lens[b];
+    int parallel = batch * hq * max_len * d > 262144, failed = 0;
+    int64_t threads = parallel ? omp_get_max_threads() : 1, units = batch * hkv;
+    int64_t chunks = units >= threads ? 1 : (threads + units - 1) / units;
+    chunks = chunks > group ? group : chunks;
+    int64_t per = (group + chunks - 1) / chunks;
+#pragma omp parallel if (parallel)
+    {
+        float *s = malloc(sizeof(float) * (size_t)(per * max_len));
+        int64_t *rows = malloc(sizeof(int64_t) * (size_t)max_len);
+        float *qf = malloc(sizeof(float) * (size_t)(per * d));
+        if (!s || !rows || !qf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static) collapse(3)
+        for (int64_t b = 0; b < batch; b++)
+            for (int64_t kh = 0; kh < hkv; kh++)
+                for (int64_t c = 0; c < chunks; c++) {
+                    int64_t g0 = c * per, n = group - g0 < per ? group - g0 : per;
+                    if (!s || !rows || !qf || n <= 0) continue;
+                    int64_t row0 = b * hq + kh * group + g0, len = context_lens[b];
+                    int64_t from = window && len > window ? len - window : 0;
+                    for (int64_t i = 0; i < n * d; i++) qf[i] = load_f(q, row0 * d + i, bf16);
+                    head_group(qf, k_cache, v_cache, block_tables + b * table_stride, from, len,
+                               hkv, kh, d, block_size, n, scale,
+                               sinks ? sinks + kh * group + g0 : NULL, bf16, s, rows, out, row0);
+                }
+        free(s), free(rows), free(qf);
+    }
+    return failed ? -1 : 0;
+}
+
 /* Returns 0, or -1 when out of memory. */
 int thr_paged_decode(const void *q, const void *k_cache, const void *v_cache,
                      const int32_t *block_tables, int64_t table_stride,
                      const int32_t *context_lens, int64_t batch, int64_t hq, int64_t hkv,
                      int64_t d, int64_t block_size, float scale, void *out, int bf16) {
-    int64_t group = hq / hkv, max_len = 1;
-    for (int64_t b = 0; b < batch; b++)
-        if (context_lens[b] > max_len) max_len = context_lens[b];
-    int failed = 0;
-#pragma omp parallel if (batch * hq * max_len * d > 262144)
-    {
-        float *s = malloc(sizeof(float) * (size_t)(group * max_len));
-        int64_t *rows = malloc(sizeof(int64_t) * (size_t)max_len);
-        float *qf = malloc(sizeof(float) * (size_t)(group * d));
-        if (!s || !rows || !qf) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static) collapse(2)
-        for (int64_t b = 0; b < batch; b++)
-            for (int64_t kh = 0; kh < hkv; kh++) {
-                if (!s || !rows || !qf) continue;
-                int64_t row0 = b * hq + kh * group;
-                for (int64_t i = 0; i < group * d; i++) qf[i] = load_f(q, row0 * d + i, bf16);
-                head_group(qf, k_cache, v_cache, block_tables + b * table_stride, context_lens[b],
-                           hkv, kh, d, block_size, group, scale, bf16, s, rows, out, row0);
-            }
-        free(s), free(rows), free(qf);
-    }
-    return failed ? -1 : 0;
+    return paged_decode(q, k_cache, v_cache, block_tables, table_stride, context_lens, batch, hq,
+                        hkv, d, block_size, scale, NULL, 0, out, bf16);
+}
+
+/* thr_paged_decode with gpt-oss's per-head sink logits (fp32 [hq]) and sliding window (0: none) */
+int thr_paged_decode_sinks(const void *q, const void *k_cache, const void *v_cache,
+                           const int32_t *block_tables, int64_t table_stride,
+                           const int32_t *context_lens, int64_t batch, int64_t hq, int64_t hkv,
+                           int64_t d, int64_t block_size, float scale, const float *sinks,
+                           int64_t window, void *out, int bf16) {
+    return paged_decode(q, k_cache, v_cache, block_tables, table_stride, context_lens, batch, hq,
+                        hkv, d, block_size, scale, sinks, window, out, bf16);
 }

@@ -24,10 +24,12 @@ MAX_CONTEXT = 1024  # longest cached sequence the C walk takes (see above)
 
 def paged_decode_c(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                   max_context: int) -> torch.Tensor | None:
+                   max_context: int, sinks: torch.Tensor | None = None, window: int = 0
+                   ) -> torch.Tensor | None:
     """q [B, Hq, D] (one token per sequence) -> [B, Hq, D]; caches [blocks, block, Hkv, D],
     block tables [B, max_blocks] and context lengths [B] as int32; ``max_context`` the longest
-    length (host-side)."""
+    length (host-side). ``sinks`` (fp32 [Hq]) and ``window`` (0: none): gpt-oss's per-head sink
+    logits and sliding window, as the C decode step runs them."""
     lib = loaded()
     if (lib is None or max_context > MAX_CONTEXT or q.dtype not in DTYPES or k_cache.dtype != q.dtype
             or v_cache.dtype != q.dtype or block_tables.dtype != torch.int32
@@ -39,10 +41,15 @@ def paged_decode_c(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if hq % hkv or k_cache.shape[3] != d:
         return None
     out = torch.empty_like(q)
-    rc = lib.thr_paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                              block_tables.data_ptr(), block_tables.stride(0),
-                              context_lens.data_ptr(), batch, hq, hkv, d, k_cache.shape[1],
-                              scale, out.data_ptr(), int(q.dtype == torch.bfloat16))
+    args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.stride(0), context_lens.data_ptr(), batch, hq, hkv, d, k_cache.shape[1],
+            scale)
+    if sinks is None and not window:
+        rc = lib.thr_paged_decode(*args, out.data_ptr(), int(q.dtype == torch.bfloat16))
+    else:
+        sinks = None if sinks is None else sinks.float().contiguous()
+        rc = lib.thr_paged_decode_sinks(*args, None if sinks is None else sinks.data_ptr(),
+                                        window, out.data_ptr(), int(q.dtype == torch.bfloat16))
     if rc:
         raise MemoryError("cpu_attention: out of memory for the score buffers")
     return out

@@ -109,6 +109,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.thr_paged_decode.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64,
                                      ctypes.c_float, ptr, cint]
     lib.thr_paged_decode.restype = cint
+    lib.thr_paged_decode_sinks.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64,
+                                           ctypes.c_float, ptr, i64, ptr, cint]
+    lib.thr_paged_decode_sinks.restype = cint
     lib.thr_dense_isa.restype = ctypes.c_char_p
     lib.thr_dense_matmul.argtypes = [ptr, i64, i64, ptr, cint, i64, ptr]
     lib.thr_dense_matmul.restype = cint

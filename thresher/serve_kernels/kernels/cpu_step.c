@@ -30,6 +30,11 @@ int thr_paged_decode(const void *q, const void *k_cache, const void *v_cache,
                      const int32_t *block_tables, int64_t table_stride,
                      const int32_t *context_lens, int64_t batch, int64_t hq, int64_t hkv,
                      int64_t d, int64_t block_size, float scale, void *out, int bf16);
+int thr_paged_decode_sinks(const void *q, const void *k_cache, const void *v_cache,
+                           const int32_t *block_tables, int64_t table_stride,
+                           const int32_t *context_lens, int64_t batch, int64_t hq, int64_t hkv,
+                           int64_t d, int64_t block_size, float scale, const float *sinks,
+                           int64_t window, void *out, int bf16);
 
 enum { LIN_NONE = 0, LIN_F32 = 1, LIN_BF16 = 2, LIN_Q4 = 3 };
 
@@ -593,54 +598,6 @@ static int moe(const thr_model *m, const thr_layer *L, int64_t t, work *w, float
     return 0;
 }
 
-/* gpt-oss's decode attention (gpt_oss.sink_attention): per head, the logits of the token's
- * window of cached keys (each q.k rounded to the dtype, then scaled in fp32), the head's sink
- * logit joining the fp32 softmax's denominator, probabilities rounded to the dtype, values
- * summed in fp32; queries in w->qa, output into w->oa. Returns 0, -1 when out of memory. */
-static int sink_decode(const thr_model *m, const thr_layer *L, int64_t t, const int32_t *tables,
-                       int64_t table_stride, const int32_t *ctx, work *w) {
-    int bf16 = m->bf16, failed = 0;
-    int64_t hq = m->hq, hkv = m->hkv, d = m->d, bs = m->block_size, group = hq / hkv, longest = 1;
-    for (int64_t i = 0; i < t; i++) longest = ctx[i] > longest ? ctx[i] : longest;
-#pragma omp parallel if (t * hq * longest * d > 262144)
-    {
-        float *p = malloc(sizeof(float) * (size_t)longest), *o = malloc(sizeof(float) * (size_t)d);
-        if (!p || !o) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static) collapse(2)
-        for (int64_t i = 0; i < t; i++)
-            for (int64_t h = 0; h < hq; h++) {
-                if (!p || !o) continue;
-                int64_t len = ctx[i], from = L->window && len > L->window ? len - L->window : 0;
-                int64_t kh = h / group, row = (i * hq + h) * d;
-                float mx = L->sinks[h], sum = 0.0f;
-                for (int64_t j = from; j < len; j++) {
-                    int64_t slot = (int64_t)tables[i * table_stride + j / bs] * bs + j % bs;
-                    int64_t at = (slot * hkv + kh) * d;
-                    float dot = 0.0f;
-                    for (int64_t c = 0; c < d; c++)
-                        dot += load_f(w->qa, row + c, bf16) * load_f(L->k_cache, at + c, bf16);
-                    p[j - from] = rnd(dot, bf16) * m->scale;
-                    mx = p[j - from] > mx ? p[j - from] : mx;
-                }
-                for (int64_t j = 0; j < len - from; j++) sum += (p[j] = expf(p[j] - mx));
-                sum += expf(L->sinks[h] - mx);
-                memset(o, 0, sizeof(float) * (size_t)d);
-                for (int64_t j = from; j < len; j++) {
-                    int64_t slot = (int64_t)tables[i * table_stride + j / bs] * bs + j % bs;
-                    int64_t at = (slot * hkv + kh) * d;
-                    float pj = rnd(p[j - from] / sum, bf16);
-                    for (int64_t c = 0; c < d; c++) o[c] += pj * load_f(L->v_cache, at + c, bf16);
-                }
-                for (int64_t c = 0; c < d; c++) store_act(w->oa, row + c, o[c], bf16);
-            }
-        free(p), free(o);
-    }
-    return failed ? -1 : 0;
-}
-
 static int attention(const thr_model *m, const thr_layer *L, int64_t t, const int64_t *pos,
                      const int64_t *slots, const int32_t *tables, int64_t table_stride,
                      const int32_t *ctx, work *w) {
@@ -672,9 +629,8 @@ static int attention(const thr_model *m, const thr_layer *L, int64_t t, const in
                 store_act(L->v_cache, slots[i] * hkv * d + j, v[j], bf16);
             }
     }
-    rc = L->sinks ? sink_decode(m, L, t, tables, table_stride, ctx, w)
-                  : thr_paged_decode(w->qa, L->k_cache, L->v_cache, tables, table_stride, ctx, t,
-                                     hq, hkv, d, m->block_size, m->scale, w->oa, bf16);
+    rc = thr_paged_decode_sinks(w->qa, L->k_cache, L->v_cache, tables, table_stride, ctx, t, hq,
+                                hkv, d, m->block_size, m->scale, L->sinks, L->window, w->oa, bf16);
     if (rc) return rc;
     for (int64_t j = 0; j < t * hq * d; j++) w->att[j] = load_f(w->oa, j, bf16);
     return linear(&L->o, w->att, t, w->h, bf16);
