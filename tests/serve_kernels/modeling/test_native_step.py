@@ -24,7 +24,7 @@ from thresher.serve_kernels.modeling.native_step import NativeStep
 CAL = CalibrationConfig(source=FilesSource(files=[CALIBRATION_FILE]), samples=2, seq_len=16)
 PROMPTS = [[5, 17, 300, 42, 9, 77, 1023], [8, 99, 150], [12, 3, 250, 61, 7, 2, 640, 31, 4, 40]]
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "llama", "qwen2", "qwen3",
-            "glm4_moe", "deepseek_v3", "ernie4_5_moe", "gpt_oss"]
+            "glm4_moe", "deepseek_v3", "ernie4_5_moe", "gpt_oss", "qwen3_5_moe"]
 STAGES = {"gptq4": QuantizeStage(method="rtn", group_size=32),
           "awq4": QuantizeStage(method="awq", group_size=32),
           "nf4": QuantizeStage(method="nf4", compute_dtype="float32")}
@@ -48,6 +48,24 @@ def _model_dir(family: str, fmt: str, root: Path, tokenizer: Path) -> Path:
     return root / fmt
 
 
+def _mixers(llm: LLM) -> list:
+    from thresher.serve_kernels.modeling.deltanet import GatedDeltaNet
+
+    return [m for m in llm.engine.runner.model.modules() if isinstance(m, GatedDeltaNet)]
+
+
+def _recurrent_states(llm: LLM) -> list[torch.Tensor]:
+    """Copies of every Gated DeltaNet's conv and delta-rule states."""
+    return [t.float().clone() for m in _mixers(llm) for t in (m.conv_state, m.delta_state)]
+
+
+def _restore(llm: LLM, states: list[torch.Tensor]) -> None:
+    it = iter(states)
+    for m in _mixers(llm):
+        m.conv_state.copy_(next(it))
+        m.delta_state.copy_(next(it))
+
+
 def _decode_pairs(llm: LLM, prompts: list[list[int]], steps: int, monkeypatch
                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Prefill the prompts together, then ``steps`` decode steps of all of them; each step's
@@ -65,10 +83,15 @@ def _decode_pairs(llm: LLM, prompts: list[list[int]], steps: int, monkeypatch
             for seq, p in zip(seqs, prompts, strict=True):
                 seq.num_computed_tokens = len(p) + s
             batch = ScheduledBatch(seqs, [1] * len(seqs))
+            states = _recurrent_states(llm)  # a recurrent layer's step advances its state
             monkeypatch.delenv(native_step.ENV, raising=False)
             fast, _ = engine.runner.hidden_states(batch)
+            advanced = _recurrent_states(llm)
+            _restore(llm, states)
             monkeypatch.setenv(native_step.ENV, "off")
             ref, _ = engine.runner.hidden_states(batch)
+            for a, b in zip(advanced, _recurrent_states(llm), strict=True):  # the same states
+                assert (a - b).abs().max() <= 2e-2 * b.abs().max() + 1e-6
             pairs.append((fast, ref))
     finally:
         for seq in seqs:
@@ -114,13 +137,6 @@ def test_native_step_is_not_built_when_off_or_unsupported(tmp_path, monkeypatch,
     monkeypatch.delenv(native_step.ENV)
     assert LLM(path, block_size=4, dtype="float16").engine.runner.model.native_step is None
     assert LLM(path, block_size=4).engine.runner.model.native_step is not None
-
-
-def test_qwen3_5_keeps_the_operator_path(tmp_path, tiny_demo):
-    """Linear attention (Gated DeltaNet's recurrent state): not in C."""
-    hf = build_random_model("qwen3_5_moe", vocab_size=4096, intermediate_size=64)
-    path = save_family(hf, tiny_demo, tmp_path / "qwen3_5_moe")
-    assert LLM(path, block_size=4).engine.runner.model.native_step is None
 
 
 def test_nf4_experts_keep_the_operator_path(tmp_path, monkeypatch, tiny_demo):

@@ -24,6 +24,7 @@ import torch
 
 from thresher.serve_kernels.engine.block_table import BlockTables
 from thresher.serve_kernels.engine.scheduler import ScheduledBatch
+from thresher.serve_kernels.kernels.backend import use_cpu_kernels
 from thresher.serve_kernels.modeling.attention import AttentionMetadata
 from thresher.serve_kernels.modeling.decoder import CausalLM
 from thresher.serve_kernels.modeling.native_step import enabled as native_enabled
@@ -196,9 +197,12 @@ class ModelRunner:
         multi-token chunk; on the prefill path it costs a dispatched operator forward. Token j
         of a chunk starting at p attends to p + j + 1 cached tokens, and every layer stores the
         step's K/V before attending, so the chunk is exactly 1 + k decode tokens of one
-        sequence (its block-table row repeated), which the one-call C step runs."""
+        sequence (its block-table row repeated), which the one-call C step runs. Only where the
+        C step takes the batch: a recurrent layer's operator path steps a batch's decode tokens
+        together, each from its slot's state, which a repeated row would not continue."""
         return (self.model.native_step is not None and self.device.type == "cpu"
-                and 1 < max(query_lens) <= FLATTEN_MAX and native_enabled())
+                and 1 < max(query_lens) <= FLATTEN_MAX and native_enabled()
+                and use_cpu_kernels(self.model.embed_tokens))
 
     def _upload(self, *lists: list[int]) -> list[torch.Tensor]:
         """Host int lists -> int64 tensors on the device: one tensor, and on CUDA one

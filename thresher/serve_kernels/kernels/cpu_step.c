@@ -2,7 +2,8 @@
  * paged KV cache, with sinks and a sliding window (gpt-oss), or multi-head latent attention over a
  * latent cache (DeepSeek-V3); SwiGLU MLP or top-k MoE with an optional shared expert, softmax
  * routing, a rule with sigmoid scores, a selection bias and expert groups, or gpt-oss's top-k
- * softmax and clamped experts), for T new tokens that each continue one sequence.
+ * softmax and clamped experts; Qwen3.5's gated attention and Gated DeltaNet with per-sequence
+ * states), for T new tokens that each continue one sequence.
  *
  * The operator path pays Python and torch dispatch around each of a layer's dozen operations;
  * that host cost stays fixed when memory gets faster. Here the model is a table of pointers
@@ -80,6 +81,17 @@ typedef struct {
     int32_t topk_softmax, clamped;
     float alpha, limit;
     const thr_linear *up;
+    /* Qwen3.5: gated full attention (q_proj emits each head's query, then its output gate), or
+     * a Gated DeltaNet (delta 1): qkv is in_proj_qkv, o is out_proj, per-sequence states */
+    int32_t gated, delta;
+    int64_t nk, nv, dk, dv, taps;    /* key heads, value heads, their dims, the conv's taps */
+    float delta_eps, pad6;
+    thr_linear in_z, in_b, in_a;
+    const void *conv_w;              /* [channels, taps], serving dtype */
+    const float *neg_a, *dt_bias;    /* fp32 [nv]: -exp(A_log), dt_bias */
+    const float *delta_norm;         /* fp32 [dv]: the output's RMSNorm per value head */
+    void *conv_state;                /* [slots, channels, taps - 1], serving dtype */
+    float *delta_state;              /* [slots, nv, dk, dv], fp32 */
 } thr_layer;
 
 typedef struct {
@@ -605,6 +617,15 @@ static int attention(const thr_model *m, const thr_layer *L, int64_t t, const in
     int64_t hq = m->hq, hkv = m->hkv, d = m->d, width = (hq + 2 * hkv) * d;
     int rc = linear(&L->qkv, w->h, t, w->qkv, bf16);
     if (rc) return rc;
+    if (L->gated) /* rows [q0 g0 q1 g1 ... | k | v] -> gates into q2, rows [q | k | v] in place */
+        for (int64_t i = 0; i < t; i++) {
+            float *src = w->qkv + i * (width + hq * d), *dst = w->qkv + i * width;
+            for (int64_t h = 0; h < hq; h++)
+                memcpy(w->q2 + (i * hq + h) * d, src + (2 * h + 1) * d, sizeof(float) * d);
+            for (int64_t h = 0; h < hq; h++)
+                memmove(dst + h * d, src + 2 * h * d, sizeof(float) * d);
+            memmove(dst + hq * d, src + 2 * hq * d, sizeof(float) * 2 * hkv * d);
+        }
     for (int64_t i = 0; i < t; i++) {
         float *q = w->qkv + i * width, *k = q + hq * d, *v = k + hkv * d;
         if (L->q_norm && L->qk_norm_full) { /* over the full projection width (OLMoE) */
@@ -633,6 +654,83 @@ static int attention(const thr_model *m, const thr_layer *L, int64_t t, const in
                                 hkv, d, m->block_size, m->scale, L->sinks, L->window, w->oa, bf16);
     if (rc) return rc;
     for (int64_t j = 0; j < t * hq * d; j++) w->att[j] = load_f(w->oa, j, bf16);
+    if (L->gated)
+        for (int64_t j = 0; j < t * hq * d; j++)
+            w->att[j] = rnd(w->att[j] * rnd(1.0f / (1.0f + expf(-w->q2[j])), bf16), bf16);
+    return linear(&L->o, w->att, t, w->h, bf16);
+}
+
+/* Qwen3.5's Gated DeltaNet (deltanet.py) for t tokens in order, token i continuing the sequence
+ * in state slot rows[i] (a sequence's tokens in order continue each other's states): the
+ * depthwise causal conv + SiLU over the slot's last inputs, then the gated delta rule in fp32
+ * (q, k l2-normed; the state decayed by exp(g), corrected towards v at strength beta, read
+ * with q), the per-head RMSNorm times SiLU(z), out_proj. */
+static int delta_net(const thr_model *m, const thr_layer *L, int64_t t, const int64_t *rows,
+                     work *w) {
+    int bf16 = m->bf16;
+    int64_t C = L->qkv.n, taps = L->taps, nk = L->nk, nv = L->nv, dk = L->dk, dv = L->dv;
+    int64_t kd = nk * dk, rep = nv / nk;
+    float *beta = w->acc, *g = w->acc + t * nv, *qn = w->xs, *kn = w->xs + kd;
+    int rc = linear(&L->qkv, w->h, t, w->qkv, bf16);
+    if (!rc) rc = linear(&L->in_z, w->h, t, w->q2, bf16);
+    if (!rc) rc = linear(&L->in_b, w->h, t, beta, bf16);
+    if (!rc) rc = linear(&L->in_a, w->h, t, g, bf16);
+    if (rc) return rc;
+    for (int64_t i = 0; i < t; i++) {
+        float *mixed = w->qkv + i * C, *out = w->att + i * nv * dv;
+        for (int64_t h = 0; h < nv; h++) {
+            float a = g[i * nv + h] + L->dt_bias[h];
+            beta[i * nv + h] = 1.0f / (1.0f + expf(-beta[i * nv + h]));
+            g[i * nv + h] = L->neg_a[h] * (a > 20.0f ? a : log1pf(expf(a))); /* softplus */
+        }
+        char *cs = (char *)L->conv_state + rows[i] * C * (taps - 1) * (bf16 ? 2 : 4);
+        for (int64_t c = 0; c < C; c++) { /* conv over [state | new], state shifted */
+            float y = 0.0f;
+            for (int64_t j = 0; j < taps; j++) {
+                float v = j < taps - 1 ? load_f(cs, c * (taps - 1) + j, bf16) : mixed[c];
+                y += rnd(v * load_f(L->conv_w, c * taps + j, bf16), bf16);
+            }
+            for (int64_t j = 0; j + 1 < taps - 1; j++)
+                store_act(cs, c * (taps - 1) + j, load_f(cs, c * (taps - 1) + j + 1, bf16), bf16);
+            if (taps > 1) store_act(cs, c * (taps - 1) + taps - 2, mixed[c], bf16);
+            y = rnd(y, bf16);
+            mixed[c] = rnd(y / (1.0f + expf(-y)), bf16);
+        }
+        for (int64_t h = 0; h < nk; h++) { /* q and k l2-normed per key head, q / sqrt(dk) */
+            float sq = 0.0f, sk = 0.0f;
+            for (int64_t j = 0; j < dk; j++) {
+                sq += mixed[h * dk + j] * mixed[h * dk + j];
+                sk += mixed[kd + h * dk + j] * mixed[kd + h * dk + j];
+            }
+            float rq = 1.0f / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f);
+            for (int64_t j = 0; j < dk; j++) {
+                qn[h * dk + j] = mixed[h * dk + j] * rq / sqrtf((float)dk);
+                kn[h * dk + j] = mixed[kd + h * dk + j] * rk;
+            }
+        }
+        for (int64_t h = 0; h < nv; h++) {
+            float *S = L->delta_state + (rows[i] * nv + h) * dk * dv, decay = expf(g[i * nv + h]);
+            const float *q = qn + (h / rep) * dk, *k = kn + (h / rep) * dk;
+            const float *v = mixed + 2 * kd + h * dv;
+            float *o = out + h * dv, b = beta[i * nv + h];
+            for (int64_t j = 0; j < dk * dv; j++) S[j] *= decay;
+            for (int64_t c = 0; c < dv; c++) o[c] = 0.0f; /* the recall of k, then the read */
+            for (int64_t j = 0; j < dk; j++)
+                for (int64_t c = 0; c < dv; c++) o[c] += S[j * dv + c] * k[j];
+            for (int64_t c = 0; c < dv; c++) o[c] = (v[c] - o[c]) * b;
+            for (int64_t j = 0; j < dk; j++)
+                for (int64_t c = 0; c < dv; c++) S[j * dv + c] += k[j] * o[c];
+            for (int64_t c = 0; c < dv; c++) o[c] = 0.0f;
+            for (int64_t j = 0; j < dk; j++)
+                for (int64_t c = 0; c < dv; c++) o[c] += S[j * dv + c] * q[j];
+        }
+        for (int64_t j = 0; j < nv * dv; j++) out[j] = rnd(out[j], bf16);
+        norm_rows(out, L->delta_norm, out, nv, dv, L->delta_eps, bf16);
+        for (int64_t j = 0; j < nv * dv; j++) {
+            float z = w->q2[i * nv * dv + j];
+            out[j] = rnd(out[j] * (z / (1.0f + expf(-z))), bf16);
+        }
+    }
     return linear(&L->o, w->att, t, w->h, bf16);
 }
 
@@ -709,11 +807,12 @@ static int latent_attention(const thr_model *m, const thr_layer *L, int64_t t, c
 }
 
 /* Final hidden states [t, hidden] (serving dtype) of t new tokens, one per sequence: ids and
- * positions [t], cache slots [t] (-1: not stored), block tables [t, table_stride] and context
- * lengths [t] (this token included). Returns 0, -1 when out of memory. */
+ * positions [t], cache slots [t] (-1: not stored), block tables [t, table_stride], context
+ * lengths [t] (this token included) and recurrent state slots [t] (NULL without recurrent
+ * layers). Returns 0, -1 when out of memory. */
 int thr_decode_step(const thr_model *m, int64_t t, const int64_t *ids, const int64_t *pos,
                     const int64_t *slots, const int32_t *tables, int64_t table_stride,
-                    const int32_t *ctx, void *out) {
+                    const int32_t *ctx, const int64_t *state_rows, void *out) {
     int bf16 = m->bf16;
     int64_t hd = m->hidden, width = m->qkv_max, rows = t, E = 1, K = 1;
     for (int64_t l = 0; l < m->layers; l++)
@@ -739,8 +838,9 @@ int thr_decode_step(const thr_model *m, int64_t t, const int64_t *ids, const int
     for (int64_t l = 0; !rc && l < m->layers; l++) {
         const thr_layer *L = &m->layer[l];
         add_norm(w.x, w.res, l == 0, L->in_norm, w.h, t, hd, m->eps, bf16);
-        rc = L->mla ? latent_attention(m, L, t, pos, slots, tables, table_stride, ctx, &w)
-                    : attention(m, L, t, pos, slots, tables, table_stride, ctx, &w);
+        rc = L->delta ? delta_net(m, L, t, state_rows, &w)
+             : L->mla ? latent_attention(m, L, t, pos, slots, tables, table_stride, ctx, &w)
+                      : attention(m, L, t, pos, slots, tables, table_stride, ctx, &w);
         if (rc) break;
         add_norm(w.h, w.res, 0, L->post_norm, w.h, t, hd, m->eps, bf16);
         rc = L->moe ? moe(m, L, t, &w, w.x)

@@ -47,7 +47,13 @@ class ThrLayer(ctypes.Structure):
                 ("w_kb_t", _ptr), ("w_vb", _ptr),
                 # gpt-oss: sinks and a window; top-k logits softmaxed; clamped SwiGLU experts
                 ("sinks", _ptr), ("window", _i64), ("topk_softmax", _i32), ("clamped", _i32),
-                ("alpha", _f32), ("limit", _f32), ("up", ctypes.POINTER(ThrLinear))]
+                ("alpha", _f32), ("limit", _f32), ("up", ctypes.POINTER(ThrLinear)),
+                # Qwen3.5: gated attention, or a Gated DeltaNet with per-sequence states
+                ("gated", _i32), ("delta", _i32), ("nk", _i64), ("nv", _i64), ("dk", _i64),
+                ("dv", _i64), ("taps", _i64), ("delta_eps", _f32), ("pad6", _f32),
+                ("in_z", ThrLinear), ("in_b", ThrLinear), ("in_a", ThrLinear), ("conv_w", _ptr),
+                ("neg_a", _ptr), ("dt_bias", _ptr), ("delta_norm", _ptr), ("conv_state", _ptr),
+                ("delta_state", _ptr)]
 
 
 class ThrModel(ctypes.Structure):

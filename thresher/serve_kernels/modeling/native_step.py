@@ -17,8 +17,9 @@ The step covers standard rotary attention (partial and interleaved rotary, q/k n
 biases) and multi-head latent attention with kv_b absorbed as ``mla.py`` runs it (DeepSeek-V3,
 Kimi-K2); softmax routing and the routing rules with sigmoid scores, a selection bias and expert
 groups (GLM-4.5, DeepSeek-V3, ERNIE-4.5); gpt-oss's attention sinks and sliding windows, and its
-experts (biases, top-k logits softmaxed, the clamped SwiGLU). ``build`` returns None (the operator path stays) for
-what it does not cover: linear attention (Qwen3.5), NF4 and torch-kernel int4 packs, act-order GPTQ whose q/k/v stay apart, fp16. 16-bit matrices held in
+experts (biases, top-k logits softmaxed, the clamped SwiGLU); Qwen3.5's gated attention and Gated
+DeltaNet (its conv and delta-rule states updated in place, token by token). ``build`` returns None (the operator path stays) for
+what it does not cover: NF4 and torch-kernel int4 packs, act-order GPTQ whose q/k/v stay apart, fp16. 16-bit matrices held in
 oneDNN's blocked layout are turned back into row-major ones (the C step reads those; prefill's
 matmuls then run row-major, about level at prefill's row counts). ``CausalLM.forward`` calls
 the step for CPU batches of decode tokens only; ``THRESHER_CPU_STEP=off`` keeps the operator
@@ -153,6 +154,7 @@ def _experts(experts: nn.Module, keep: _Keep) -> tuple[ctypes.Array, ctypes.Arra
 def _attention(attn: nn.Module, out: ThrLayer, keep: _Keep, dtype: torch.dtype) -> None:
     """Fill ``out``'s attention: standard (rotary GQA) or latent (MLA, kv_b absorbed)."""
     from thresher.serve_kernels.modeling.decoder import Attention
+    from thresher.serve_kernels.modeling.deltanet import GatedAttention, GatedDeltaNet
     from thresher.serve_kernels.modeling.gpt_oss import SinkAttention
     from thresher.serve_kernels.modeling.mla import LatentAttention
 
@@ -170,8 +172,12 @@ def _attention(attn: nn.Module, out: ThrLayer, keep: _Keep, dtype: torch.dtype) 
         out.w_kb_t = keep.ptr(attn.w_kb.transpose(1, 2).to(dtype).contiguous())
         out.w_vb = keep.ptr(attn.w_vb.to(dtype).contiguous())
         return
-    if type(attn) not in (Attention, SinkAttention) or attn.rotary_dim % 2:
+    if type(attn) is GatedDeltaNet:
+        _delta_net(attn, out, keep, dtype)
+        return
+    if type(attn) not in (Attention, SinkAttention, GatedAttention) or attn.rotary_dim % 2:
         raise Unsupported(f"attention {type(attn).__name__}")
+    out.gated = int(type(attn) is GatedAttention)
     if type(attn) is SinkAttention:
         out.sinks, out.window = keep.f32(attn.sinks), attn.window or 0
     out.qkv, out.o, out.rotary_dim = linear(attn.qkv, keep), linear(attn.o_proj, keep), attn.rotary_dim
@@ -179,6 +185,18 @@ def _attention(attn: nn.Module, out: ThrLayer, keep: _Keep, dtype: torch.dtype) 
     if attn.q_norm is not None:
         out.q_norm, out.k_norm = keep.f32(attn.q_norm), keep.f32(attn.k_norm)
         out.qk_norm_full = int(not attn.per_head_norm)
+
+
+def _delta_net(mixer: nn.Module, out: ThrLayer, keep: _Keep, dtype: torch.dtype) -> None:
+    """Fill ``out``'s Gated DeltaNet; its state pointers are set per step (``NativeStep``)."""
+    out.delta, out.qkv, out.o = 1, linear(mixer.in_proj_qkv, keep), linear(mixer.out_proj, keep)
+    out.in_z, out.in_b = linear(mixer.in_proj_z, keep), linear(mixer.in_proj_b, keep)
+    out.in_a = linear(mixer.in_proj_a, keep)
+    out.nk, out.nv, out.dk, out.dv = mixer.num_k, mixer.num_v, mixer.dk, mixer.dv
+    out.taps, out.delta_eps = mixer.conv_weight.shape[1], mixer.eps
+    out.conv_w = keep.ptr(mixer.conv_weight.to(dtype).contiguous())
+    out.neg_a, out.dt_bias = keep.f32(mixer.neg_a), keep.f32(mixer.dt_bias)
+    out.delta_norm = keep.f32(mixer.norm)
 
 
 def _rule(mlp: nn.Module, out: ThrLayer, keep: _Keep) -> None:
@@ -248,6 +266,10 @@ def _widths(layers: ctypes.Array, spec) -> tuple[int, int]:
     qkv, att = [1], [spec.num_heads * spec.head_dim]
     for L in layers:
         qkv.append(L.qkv.n)
+        if L.delta:  # the output and z per value head; normed q and k (in the expert rows)
+            att += [L.nv * L.dv, 2 * L.nk * L.dk]
+            if 2 * L.nv > spec.hidden_size:
+                raise Unsupported("a Gated DeltaNet with more than hidden / 2 value heads")
         if L.mla:
             att += [L.q_b.n, L.heads * (L.rank + L.rotary_dim), L.heads * L.v_dim, L.q_rank]
     return max(qkv), max(att)
@@ -274,6 +296,10 @@ class NativeStep:
             raise Unsupported(f"serving dtype {dtype}")
         self._keep, self._arrays = _Keep(), []
         layers = [_layer(layer, self._keep, self._arrays, dtype) for layer in model.layers]
+        # Gated DeltaNet layers (their C table entry, their module): states bound per step
+        self._recurrent = [(i, layer.attn) for i, (layer, L) in enumerate(
+            zip(model.layers, layers, strict=True)) if L.delta]
+        self._like = model.embed_tokens
         self.layers = (ThrLayer * len(layers))(*layers)
         self.dtype, self.hidden = dtype, spec.hidden_size
         qkv_max, att_max = _widths(self.layers, spec)
@@ -295,13 +321,14 @@ class NativeStep:
 
     def _bind(self, kv_caches: list[tuple[torch.Tensor, ...]]) -> None:
         """Point each layer at its cache (the runner allocates them after the model loads); a
-        latent cache is one tensor, the keys' and the values' rows at once."""
+        latent cache is one tensor, the keys' and the values' rows at once; a recurrent layer's
+        entry is empty."""
         for L, cache in zip(self.layers, kv_caches, strict=True):
             k, v = cache if len(cache) == 2 else (cache[0], cache[0])
             if k.dtype != self.dtype or not (k.is_contiguous() and v.is_contiguous()):
                 raise Unsupported("a KV cache in another dtype or layout")
             L.k_cache, L.v_cache = k.data_ptr(), v.data_ptr()
-        self.table.block_size = kv_caches[0][0].shape[1]
+        self.table.block_size = next(c[0].shape[1] for c in kv_caches if c[0].dim() > 1)
         self._bound = kv_caches[0][0].data_ptr()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -314,16 +341,36 @@ class NativeStep:
         if slots.dtype != torch.long:
             slots = slots.long()
         ids = input_ids if input_ids.is_contiguous() else input_ids.contiguous()
+        rows = self._bind_states(meta) if self._recurrent else None
         out = torch.empty(ids.shape[0], self.hidden, dtype=self.dtype)
         start = time.perf_counter()
         rc = loaded().thr_decode_step(
             self._table_ref, ids.shape[0], ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-            tables.data_ptr(), tables.stride(0), ctx.data_ptr(), out.data_ptr())
+            tables.data_ptr(), tables.stride(0), ctx.data_ptr(),
+            None if rows is None else rows.data_ptr(), out.data_ptr())
         self.seconds += time.perf_counter() - start
         self.calls += 1
         if rc:
             raise MemoryError("cpu_step: out of memory for the step's buffers")
         return out
+
+    def _bind_states(self, meta: AttentionMetadata) -> torch.Tensor:
+        """The batch's state slots [T]; each Gated DeltaNet's states grown to hold them, zeroed
+        for a sequence at its first token, and pointed at (``reserve`` may move them)."""
+        if meta.state_rows is None:
+            raise RuntimeError("a Gated DeltaNet layer needs each sequence's state slot "
+                               "(AttentionMetadata.state_rows)")
+        rows = meta.state_rows
+        fresh = [r for r, c in zip(rows, meta.context_lens_list, strict=True) if c == 1]
+        for i, mixer in self._recurrent:
+            mixer.reserve(max(rows) + 1, self._like)
+            if fresh:
+                mixer.conv_state[fresh] = 0
+                mixer.delta_state[fresh] = 0
+            L = self.layers[i]
+            L.conv_state, L.delta_state = (mixer.conv_state.data_ptr(),
+                                           mixer.delta_state.data_ptr())
+        return torch.tensor(rows, dtype=torch.long)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """fp32 logits [N, V] of final hidden states [N, H] through the C LM head (None where it
