@@ -18,7 +18,7 @@ another checkout.
 
 Builds the checkpoint of ``quant_scale`` (hidden 1024, 8 experts of 2048, top-2; with
 ``--family deepseek_v3`` its DeepSeek-V3-shaped one, exported to llama.cpp's ``deepseek2``; with
-``--family gpt_oss`` a gpt-oss-shaped one) on disk,
+``--family gpt_oss`` or ``qwen3_5_moe`` one of those shapes) on disk,
 quantizes it with thresher (RTN: GPTQ's format without the calibration time; AWQ with a few
 calibration samples; NF4 through bitsandbytes), and times greedy decode through the engine for
 each variant at each concurrency: decode tokens per second = new tokens / (time of N+1 tokens -
@@ -66,6 +66,7 @@ from quant_scale import (  # the scale group's builders
     build_checkpoint,
     build_deepseek_v3_checkpoint,
     build_gpt_oss_checkpoint,
+    build_qwen3_5_checkpoint,
 )
 
 from thresher.export import export_gguf
@@ -88,7 +89,7 @@ QUANTIZE = {
 NAMES = {"gptq4": "GPTQ-4 (RTN g128)", "awq4": "AWQ-4 g128", "nf4": "NF4"}
 # --family: the checkpoint builder (same arguments: --layers counts the MoE layers)
 BUILDERS = {"qwen3_moe": build_checkpoint, "deepseek_v3": build_deepseek_v3_checkpoint,
-            "gpt_oss": build_gpt_oss_checkpoint}
+            "gpt_oss": build_gpt_oss_checkpoint, "qwen3_5_moe": build_qwen3_5_checkpoint}
 
 
 def long_enough(model_dir: Path, positions: int) -> None:
@@ -286,7 +287,8 @@ def main() -> None:
     ap.add_argument("--family", choices=list(BUILDERS), default="qwen3_moe",
                     help="deepseek_v3: latent attention, a dense first layer, a shared expert, "
                          "a sigmoid router over 4 groups (2 kept); gpt_oss: sinks, sliding and "
-                         "full layers, biased experts with the clamped SwiGLU")
+                         "full layers, biased experts with the clamped SwiGLU; qwen3_5_moe: "
+                         "Gated DeltaNet and gated attention layers, a gated shared expert")
     ap.add_argument("--layers", type=int, default=10)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--experts", type=int, default=8)

@@ -149,26 +149,47 @@ def build_gpt_oss_checkpoint(out: Path, layers: int, hidden: int, experts: int, 
     """Write a random bf16 gpt-oss-shaped checkpoint: sliding (128-token window) and full layers
     alternating, attention sinks and biases (heads of 64, 4 kv heads), a biased router, fused
     experts with biases in the hub's 16-bit layout (``gate_up_proj`` interleaving gate and up),
-    YaRN as gpt-oss ships it. transformers' own initialization, layer by layer. Returns its size."""
-    from transformers import AutoModelForCausalLM
-
-    tok_dir = build_demo_model("tiny")
-    heads = hidden // 64
+    YaRN as gpt-oss ships it. Returns its size."""
     config = random_config(
         "gpt_oss", hidden_size=hidden, num_layers=layers, num_experts=experts, top_k=top_k,
-        intermediate_size=inter, vocab_size=4096, num_attention_heads=heads,
-        num_key_value_heads=min(4, heads), head_dim=64, sliding_window=128,
+        intermediate_size=inter, vocab_size=4096, num_attention_heads=hidden // 64,
+        num_key_value_heads=min(4, hidden // 64), head_dim=64, sliding_window=128,
         max_position_embeddings=131072, dtype="bfloat16",
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
                          "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 4096})
     config.architectures = ["GptOssForCausalLM"]
+    return _save_random(config, out, (".router.weight", "self_attn.sinks"))
+
+
+def build_qwen3_5_checkpoint(out: Path, layers: int, hidden: int, experts: int, inter: int,
+                             top_k: int) -> int:
+    """Write a random bf16 Qwen3.5-MoE-shaped text checkpoint: Gated DeltaNet and gated full
+    attention layers alternating (3:1 on the hub; 1:1 here, as the test models), a gated shared
+    expert of 2 x ``inter``; full attention of 8 heads of 128 over 2 kv heads, rotary over a
+    quarter; linear attention of 8 key heads and 16 value heads of 64, a 4-tap conv. Returns its
+    size."""
+    config = random_config(
+        "qwen3_5_moe", hidden_size=hidden, num_layers=layers, num_experts=experts, top_k=top_k,
+        intermediate_size=inter, vocab_size=4096, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=128, linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=64,
+        linear_value_head_dim=64, max_position_embeddings=4096, dtype="bfloat16")
+    config.architectures = ["Qwen3_5MoeForCausalLM"]
+    return _save_random(config, out, ("mlp.gate.weight",))
+
+
+def _save_random(config, out: Path, preferring: tuple[str, ...]) -> int:
+    """transformers' own random init of ``config`` saved with the demo tokenizer; parameters
+    ending in ``preferring`` (routers, sinks) drawn at unit scale so that they choose."""
+    from transformers import AutoModelForCausalLM
+
+    tok_dir = build_demo_model("tiny")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():
         for name, t in model.named_parameters():
-            if name.endswith((".router.weight", "self_attn.sinks")):
-                t.normal_(0, 1.0)  # a router with preferences; sinks that matter
+            if name.endswith(preferring):
+                t.normal_(0, 1.0)
     model.save_pretrained(out, max_shard_size="512MB")
     for name in TOKENIZER_FILES:
         if (tok_dir / name).is_file():
