@@ -1,6 +1,6 @@
-"""CPU greedy decode speed of one random Qwen3-MoE: 16-bit, 4-bit artifacts and llama.cpp.
+"""CPU greedy decode speed of one random MoE: 16-bit, 4-bit artifacts and llama.cpp.
 
-A memory-bound random Qwen3-MoE in 16 bits, its 4-bit artifacts, and the same weights in
+A memory-bound random MoE (Qwen3-MoE by default) in 16 bits, its 4-bit artifacts, and the same weights in
 llama.cpp, side by side in one run.
 
     PYTHONPATH=. python benchmarks/engine/cpu_decode.py --threads 2 --formats gptq4 awq4 nf4 \
