@@ -1,7 +1,7 @@
 """CPU greedy decode speed of one random MoE: 16-bit, 4-bit artifacts and llama.cpp.
 
-A memory-bound random MoE (Qwen3-MoE by default) in 16 bits, its 4-bit artifacts, and the same weights in
-llama.cpp, side by side in one run.
+A memory-bound random MoE (Qwen3-MoE by default) in 16 bits, its 4-bit artifacts, and the same
+weights in llama.cpp, side by side in one run.
 
     PYTHONPATH=. python benchmarks/engine/cpu_decode.py --threads 2 --formats gptq4 awq4 nf4 \
         --dtypes float32 bfloat16                      # the whole table: 10 layers, ~1.1 GB bf16

@@ -18,10 +18,11 @@ biases) and multi-head latent attention with kv_b absorbed as ``mla.py`` runs it
 Kimi-K2); softmax routing and the routing rules with sigmoid scores, a selection bias and expert
 groups (GLM-4.5, DeepSeek-V3, ERNIE-4.5); gpt-oss's attention sinks and sliding windows, and its
 experts (biases, top-k logits softmaxed, the clamped SwiGLU); Qwen3.5's gated attention and Gated
-DeltaNet (its conv and delta-rule states updated in place, token by token). ``build`` returns None (the operator path stays) for
-what it does not cover: NF4 and torch-kernel int4 packs, act-order GPTQ whose q/k/v stay apart, fp16. 16-bit matrices held in
-oneDNN's blocked layout are turned back into row-major ones (the C step reads those; prefill's
-matmuls then run row-major, about level at prefill's row counts). ``CausalLM.forward`` calls
+DeltaNet (its conv and delta-rule states updated in place, token by token). ``build`` returns
+None (the operator path stays) for what it does not cover: NF4 and torch-kernel int4 packs,
+act-order GPTQ whose q/k/v stay apart, fp16. 16-bit matrices held in oneDNN's blocked layout are
+turned back into row-major ones (the C step reads those; prefill's matmuls then run row-major,
+about level at prefill's row counts). ``CausalLM.forward`` calls
 the step for CPU batches of decode tokens only; ``THRESHER_CPU_STEP=off`` keeps the operator
 path (read per step; at load it also keeps the blocked layout).
 
@@ -180,7 +181,8 @@ def _attention(attn: nn.Module, out: ThrLayer, keep: _Keep, dtype: torch.dtype) 
     out.gated = int(type(attn) is GatedAttention)
     if type(attn) is SinkAttention:
         out.sinks, out.window = keep.f32(attn.sinks), attn.window or 0
-    out.qkv, out.o, out.rotary_dim = linear(attn.qkv, keep), linear(attn.o_proj, keep), attn.rotary_dim
+    out.qkv, out.o = linear(attn.qkv, keep), linear(attn.o_proj, keep)
+    out.rotary_dim = attn.rotary_dim
     out.clip, out.interleave = float(attn.clip_qkv or 0.0), int(attn.interleaved_rotary)
     if attn.q_norm is not None:
         out.q_norm, out.k_norm = keep.f32(attn.q_norm), keep.f32(attn.k_norm)
@@ -235,7 +237,8 @@ def _layer(layer: nn.Module, keep: _Keep, arrays: list, dtype: torch.dtype) -> T
     from thresher.serve_kernels.modeling.moe import MoE
 
     attn, mlp = layer.attn, layer.mlp
-    out = ThrLayer(in_norm=keep.f32(layer.input_norm), post_norm=keep.f32(layer.post_attention_norm))
+    out = ThrLayer(in_norm=keep.f32(layer.input_norm),
+                   post_norm=keep.f32(layer.post_attention_norm))
     _attention(attn, out, keep, dtype)
     if isinstance(mlp, DenseMLP):
         gu, dn = (ThrLinear * 1)(linear(mlp.gate_up, keep)), (ThrLinear * 1)(linear(mlp.down_proj,
