@@ -289,7 +289,7 @@ static int dense_dp(const float *x, int64_t k, const uint16_t *w, int64_t n, flo
         xb[i] = (uint16_t)(u >> 16);
     }
     int64_t blocks = (n + DROWS - 1) / DROWS;
-#pragma omp parallel for schedule(static) if (n * k >= 65536)
+#pragma omp parallel for schedule(static) if (n * k >= 65536 && !omp_in_parallel())
     for (int64_t b = 0; b < blocks; b++) {
         int64_t r0 = b * DROWS;
         int nr = n - r0 < DROWS ? (int)(n - r0) : DROWS;
@@ -331,7 +331,7 @@ int thr_dense_matmul(const float *x, int64_t m, int64_t k, const void *w, int wb
                 xs[i * 2 * half + (j % 2) * half + j / 2] = x[i * k + j];
     }
     int64_t blocks = (n + DROWS - 1) / DROWS, half = (k + 1) / 2;
-#pragma omp parallel for schedule(static) if (n * k >= 65536)
+#pragma omp parallel for schedule(static) if (n * k >= 65536 && !omp_in_parallel())
     for (int64_t b = 0; b < blocks; b++) {
         int64_t r0 = b * DROWS;
         int nr = n - r0 < DROWS ? (int)(n - r0) : DROWS;
