@@ -153,7 +153,8 @@ def _experts(experts: nn.Module, keep: _Keep) -> tuple[ctypes.Array, ctypes.Arra
 
 
 def _attention(attn: nn.Module, out: ThrLayer, keep: _Keep, dtype: torch.dtype) -> None:
-    """Fill ``out``'s attention: standard (rotary GQA) or latent (MLA, kv_b absorbed)."""
+    """Fill ``out``'s token mixer: rotary GQA (plain, with sinks, or gated), latent attention
+    (MLA, kv_b absorbed) or a Gated DeltaNet."""
     from thresher.serve_kernels.modeling.decoder import Attention
     from thresher.serve_kernels.modeling.deltanet import GatedAttention, GatedDeltaNet
     from thresher.serve_kernels.modeling.gpt_oss import SinkAttention
