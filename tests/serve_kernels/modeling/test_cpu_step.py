@@ -113,6 +113,15 @@ def test_decode_attention_with_or_without_mask_matches_each_row(lens, host_exact
         assert torch.allclose(out[b], ref[:, 0], atol=1e-5)
 
 
+def _decode_meta(tables: torch.Tensor, lens: list[int]) -> AttentionMetadata:
+    """The metadata of one decode token per sequence over ``tables`` with context ``lens``."""
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(len(lens), dtype=torch.long), block_tables=tables,
+        context_lens=torch.tensor(lens, dtype=torch.int32),
+        cu_seqlens_q=torch.arange(len(lens) + 1, dtype=torch.int32), num_decodes=len(lens),
+        query_lens=[1] * len(lens), context_lens_list=lens, max_context_len=max(lens))
+
+
 @pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler here, or no AVX2 and FMA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [32, 20, 136])  # vector widths, a scalar tail, two register passes
@@ -132,11 +141,7 @@ def test_decode_attention_c_matches_the_operators(dtype, d):
         k = -(-n // block)
         tables[b, :k] = perm[used : used + k]
         used += k
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(len(lens), dtype=torch.long), block_tables=tables,
-        context_lens=torch.tensor(lens, dtype=torch.int32),
-        cu_seqlens_q=torch.arange(len(lens) + 1, dtype=torch.int32), num_decodes=len(lens),
-        query_lens=[1] * len(lens), context_lens_list=lens, max_context_len=max(lens))
+    meta = _decode_meta(tables, lens)
     q = torch.randn(len(lens), hq, d, generator=gen).to(dtype)
     got = attention.paged_decode_c(q, k_cache, v_cache, tables, meta.context_lens, d**-0.5,
                                    max(lens))
@@ -168,11 +173,7 @@ def test_decode_attention_c_with_sinks_and_a_window_matches_gpt_oss(dtype, hq, h
     v_cache = torch.randn(blocks, block, hkv, d, generator=gen).to(dtype)
     tables = (torch.randperm(blocks - 1, generator=gen)[: per_seq * len(lens)] + 1).view(
         len(lens), per_seq).to(torch.int32)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(len(lens), dtype=torch.long), block_tables=tables,
-        context_lens=torch.tensor(lens, dtype=torch.int32),
-        cu_seqlens_q=torch.arange(len(lens) + 1, dtype=torch.int32), num_decodes=len(lens),
-        query_lens=[1] * len(lens), context_lens_list=lens, max_context_len=max(lens))
+    meta = _decode_meta(tables, lens)
     q = torch.randn(len(lens), hq, d, generator=gen).to(dtype)
     sinks = torch.randn(hq, generator=gen) * 2
     threads = torch.get_num_threads()
