@@ -6,9 +6,11 @@ router, top-k, experts, residuals), a few microseconds to tens of microseconds e
 time is fixed, so where memory is fast it dominates (measured on a 2-core Xeon with 32.6 GB/s
 copy bandwidth: the GPTQ-4 step read its weights at 40% of the bandwidth, llama.cpp's at 76%).
 A ctypes call costs about 5 us with its arguments (measured: 0.2 us bare, 5.7 us for a 7-argument
-call with three ``data_ptr()``). torch.compile was not measured: it would remove dispatch
-between torch operators, but the C kernels (ctypes) are graph breaks, it recompiles per batch
-shape, and the engine's Python around the layers stays. So the model's layers are described
+call with three ``data_ptr()``). A compiled graph was the other way: torch.compile cannot take
+the engine's operator path whole (its C kernels are ctypes calls, graph breaks), and on
+transformers' own forward of the same 1.08 GB MoE (static cache, Inductor's CPU backend) it
+decoded at 0.45x (two threads) and 0.63x (one) this step's rate, 1.2-1.3x transformers eager
+(``benchmarks/engine/compiled_decode.py``). So the model's layers are described
 once, as a table of pointers to the weights in the layouts the engine already holds (cpu_q4's
 packs, 16-bit / fp32 row-major matrices, fp32 norms and biases), and one call per step runs
 every layer with OpenMP threads inside the matmuls and the attention.
