@@ -37,8 +37,8 @@ def _library():
 
 
 def _model_dir(family: str, fmt: str, root: Path, tokenizer: Path) -> Path:
-    kw = {"olmoe": {"clip_qkv": 0.5},  # cpu_q4 holds inputs of multiples of 64 (q_b's)
-          "deepseek_v3": {"q_lora_rank": 64, "kv_lora_rank": 64},
+    kw = {"olmoe": {"clip_qkv": 0.5},
+          "deepseek_v3": {"q_lora_rank": 64, "kv_lora_rank": 64},  # q_b on cpu_q4: k % 64 == 0
           "gpt_oss": {"swiglu_limit": 0.1}}.get(family, {})  # the clamps bind on random weights
     hf = build_random_model(family, vocab_size=4096, intermediate_size=64, **kw)
     save_family(hf, tokenizer, root / "bf16")
