@@ -535,23 +535,28 @@ static void route(const thr_layer *L, int64_t t, float *logits, int64_t *tid, fl
     }
 }
 
-static int moe(const thr_model *m, const thr_layer *L, int64_t t, work *w, float *out) {
-    int bf16 = m->bf16, eb = bf16 || L->expert_bf16;
-    int64_t hd = m->hidden, E = L->experts, K = L->top_k;
-    int rc = linear(&L->router, w->h, t, w->logits, L->rule ? 0 : bf16);
-    if (rc) return rc;
-    if (L->rule) route(L, t, w->logits, w->tid, w->tw, bf16);
-    for (int64_t i = 0; L->topk_softmax && i < t; i++) { /* top-k logits, softmax over them */
-        float *lg = w->logits + i * E, tot = 0.0f;
-        unsigned char taken[E];
+/* gpt-oss's routing: the top-k logits, softmaxed over the k */
+static void route_topk_softmax(const thr_layer *L, int64_t t, const float *logits, int64_t *tid,
+                               float *tw, int bf16) {
+    int64_t E = L->experts, K = L->top_k;
+    unsigned char taken[E];
+    for (int64_t i = 0; i < t; i++) {
+        const float *lg = logits + i * E;
+        float tot = 0.0f;
         memset(taken, 0, (size_t)E);
-        for (int64_t j = 0; j < K; j++) w->tid[i * K + j] = take_max(lg, taken, E);
-        float mx = lg[w->tid[i * K]];
-        for (int64_t j = 0; j < K; j++) tot += (w->tw[i * K + j] = expf(lg[w->tid[i * K + j]] - mx));
-        for (int64_t j = 0; j < K; j++) w->tw[i * K + j] = rnd(w->tw[i * K + j] / tot, bf16);
+        for (int64_t j = 0; j < K; j++) tid[i * K + j] = take_max(lg, taken, E);
+        float mx = lg[tid[i * K]];
+        for (int64_t j = 0; j < K; j++) tot += (tw[i * K + j] = expf(lg[tid[i * K + j]] - mx));
+        for (int64_t j = 0; j < K; j++) tw[i * K + j] = rnd(tw[i * K + j] / tot, bf16);
     }
-    for (int64_t i = 0; !L->rule && !L->topk_softmax && i < t; i++) { /* softmax, top-k */
-        float *lg = w->logits + i * E, mx = -INFINITY, sum = 0.0f;
+}
+
+/* softmax in fp32 over the experts, top-k, renormalized per the family */
+static void route_softmax(const thr_layer *L, int64_t t, float *logits, int64_t *tid, float *tw,
+                          int bf16) {
+    int64_t E = L->experts, K = L->top_k;
+    for (int64_t i = 0; i < t; i++) {
+        float *lg = logits + i * E, mx = -INFINITY, sum = 0.0f;
         for (int64_t e = 0; e < E; e++) mx = lg[e] > mx ? lg[e] : mx;
         for (int64_t e = 0; e < E; e++) sum += (lg[e] = expf(lg[e] - mx));
         for (int64_t e = 0; e < E; e++) lg[e] /= sum;
@@ -560,14 +565,27 @@ static int moe(const thr_model *m, const thr_layer *L, int64_t t, work *w, float
             int64_t best = -1;
             for (int64_t e = 0; e < E; e++)
                 if (lg[e] >= 0.0f && (best < 0 || lg[e] > lg[best])) best = e;
-            w->tid[i * K + j] = best;
-            w->tw[i * K + j] = lg[best];
+            tid[i * K + j] = best;
+            tw[i * K + j] = lg[best];
             tot += lg[best];
             lg[best] = -1.0f;
         }
         for (int64_t j = 0; j < K; j++)
-            w->tw[i * K + j] = rnd(L->renorm ? w->tw[i * K + j] / tot : w->tw[i * K + j], bf16);
+            tw[i * K + j] = rnd(L->renorm ? tw[i * K + j] / tot : tw[i * K + j], bf16);
     }
+}
+
+static int moe(const thr_model *m, const thr_layer *L, int64_t t, work *w, float *out) {
+    int bf16 = m->bf16, eb = bf16 || L->expert_bf16;
+    int64_t hd = m->hidden, E = L->experts, K = L->top_k;
+    int rc = linear(&L->router, w->h, t, w->logits, L->rule ? 0 : bf16);
+    if (rc) return rc;
+    if (L->rule)
+        route(L, t, w->logits, w->tid, w->tw, bf16);
+    else if (L->topk_softmax)
+        route_topk_softmax(L, t, w->logits, w->tid, w->tw, bf16);
+    else
+        route_softmax(L, t, w->logits, w->tid, w->tw, bf16);
     memset(w->acc, 0, sizeof(float) * (size_t)(t * hd));
     for (int64_t e = 0; e < E; e++) { /* each expert over the tokens routed to it */
         int64_t rows = 0;
