@@ -1,10 +1,11 @@
-"""Dense decode matvec against the memory: cpu_step.c's bf16 / fp32 GEMV, torch's and oneDNN's.
+"""Dense decode matmuls against the memory: cpu_step.c's bf16 / fp32 GEMV, torch's and oneDNN's.
 
-    PYTHONPATH=. python benchmarks/engine/cpu_gemv.py --threads 1 2
+    PYTHONPATH=. python benchmarks/engine/cpu_gemv.py --threads 1 2 --rows 1 16
 
-One activation row times a [N, K] weight streamed from memory: ``--mb`` of weight copies per
-shape are cycled so that no call finds its matrix in cache. Prints GB/s of weight bytes read for
-thresher's C matvec (``kernels/cpu_step.c``, the one-call decode step's), torch's row-major
+``--rows`` activation rows (one decode batch) times a [N, K] weight streamed from memory: ``--mb``
+of weight copies per shape are cycled so that no call finds its matrix in cache. Prints GB/s of
+weight bytes read for thresher's C matmul (``kernels/cpu_step.c``, the one-call decode step's:
+on the AMX tiles where the CPU has them, and on the vector units alone), torch's row-major
 ``F.linear`` and oneDNN's blocked layout (``kernels/cpu_blocked.py``; bf16 only), each against a
 512 MB copy (read + write bytes) timed in the same run, best of ``--passes`` interleaved passes.
 """
@@ -48,14 +49,16 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--mb", type=int, default=512, help="MB of weight copies per shape")
     ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1], help="activation rows (batch)")
     args = ap.parse_args()
     lib = cpu_native.library()
     if lib is None:
         raise SystemExit("thresher's C kernels do not build here")
-    print(f"cpu_step matvec ISA: {lib.thr_dense_isa().decode()}")
-    print("| threads | dtype | N x K | copy GB/s | cpu_step GB/s | % copy | torch GB/s | % copy "
-          "| oneDNN blocked GB/s | % copy |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    has_amx = cpu_step.amx()
+    print(f"cpu_step matmul ISA: {lib.thr_dense_isa().decode()}{'+amx' if has_amx else ''}")
+    print("| threads | dtype | rows | N x K | copy GB/s | cpu_step GB/s | % copy "
+          "| cpu_step vector GB/s | % copy | torch GB/s | % copy | oneDNN blocked GB/s | % copy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for threads in args.threads:
         torch.set_num_threads(threads)
         for name in args.dtypes:
@@ -67,23 +70,27 @@ def main() -> None:
                 blocked = ([cpu_blocked.block(w) for w in copies]
                            if dtype != torch.float32 and cpu_blocked.blocked_supported(dtype)
                            else None)
-                x = torch.randn(1, k).to(dtype)
-                x32 = x.float()  # a bf16 model's activations are bf16 values (vdpbf16ps)
-                best = {"c": 0.0, "t": 0.0, "b": 0.0}
-                bw = 0.0
-                for _ in range(args.passes):
-                    bw = max(bw, copy_bandwidth())
-                    best["c"] = max(best["c"], rate(lambda w, x32=x32: cpu_step.dense_matmul(x32, w),
-                                                    copies, nbytes))
-                    best["t"] = max(best["t"], rate(lambda w, x=x: torch.nn.functional.linear(x, w),
-                                                    copies, nbytes))
-                    if blocked:
-                        best["b"] = max(best["b"], rate(
-                            lambda w, x=x: cpu_blocked.blocked_matmul(x, w), blocked, nbytes))
-                cells = [f"{best[key]:.1f} | {best[key] * 1e9 / bw:.0%}" if best[key] else "- | -"
-                         for key in "ctb"]
-                print(f"| {threads} | {name} | {n} x {k} | {bw / 1e9:.1f} | {' | '.join(cells)} |",
-                      flush=True)
+                for rows in args.rows:
+                    x = torch.randn(rows, k).to(dtype)
+                    x32 = x.float()  # a bf16 model's activations are bf16 values (AMX, vdpbf16ps)
+                    best = dict.fromkeys("cvtb", 0.0)
+                    bw = 0.0
+                    for _ in range(args.passes):
+                        bw = max(bw, copy_bandwidth())
+                        for key in "cv" if has_amx and dtype == torch.bfloat16 else "c":
+                            cpu_step.amx(key == "c")
+                            best[key] = max(best[key], rate(
+                                lambda w, x32=x32: cpu_step.dense_matmul(x32, w), copies, nbytes))
+                        cpu_step.amx(True)
+                        best["t"] = max(best["t"], rate(
+                            lambda w, x=x: torch.nn.functional.linear(x, w), copies, nbytes))
+                        if blocked:
+                            best["b"] = max(best["b"], rate(
+                                lambda w, x=x: cpu_blocked.blocked_matmul(x, w), blocked, nbytes))
+                    cells = [f"{best[key]:.1f} | {best[key] * 1e9 / bw:.0%}" if best[key]
+                             else "- | -" for key in "cvtb"]
+                    print(f"| {threads} | {name} | {rows} | {n} x {k} | {bw / 1e9:.1f} | "
+                          f"{' | '.join(cells)} |", flush=True)
                 del copies, blocked
 
 

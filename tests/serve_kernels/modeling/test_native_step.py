@@ -188,25 +188,44 @@ def test_a_verify_chunk_is_bitwise_its_decode_steps(family, fmt, dtype, tmp_path
     assert torch.equal(hidden[0], hidden[1])
 
 
+@pytest.fixture(params=[True, False], ids=["amx", "vector"])
+def amx(request):
+    """Each bf16 matmul test on the matrix units (where the CPU has them) and on the vector units."""
+    if request.param and not cpu_step.amx(True):
+        pytest.skip("no AMX tiles on this CPU (or Linux refused them)")
+    cpu_step.amx(request.param)
+    yield request.param
+    cpu_step.amx(True)
+
+
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bf16_values", [False, True])
 @pytest.mark.parametrize("k", [1024, 1000, 520])
-def test_dense_matmul_rows_do_not_depend_on_the_batch(wdtype, bf16_values, k):
-    """A row's output is the same bits alone (vdpbf16ps for a bf16-exact row of a bf16 matrix)
-    and inside batches of every size (the tiles), tails included."""
-    w, rows = torch.randn(37, k).to(wdtype), torch.randn(9, k)
+def test_dense_matmul_rows_do_not_depend_on_the_batch(wdtype, bf16_values, k, amx):
+    """A row's output is the same bits alone (vdpbf16ps for a bf16-exact row of a bf16 matrix,
+    or the AMX tiles) and inside batches of every size (the tiles; more than one tile of 16
+    tokens), tails included."""
+    w, rows = torch.randn(37, k).to(wdtype), torch.randn(40, k)
     if bf16_values:
         rows = rows.to(torch.bfloat16).float()
     alone = cpu_step.dense_matmul(rows[-1:], w)
-    for m in (2, 3, 4, 5, 9):
+    for m in (2, 3, 4, 5, 9, 16, 17, 40):
         assert torch.equal(cpu_step.dense_matmul(rows[-m:], w)[-1:], alone), m
 
 
-@pytest.mark.parametrize("bf16_values", [False, True])  # True: one row takes vdpbf16ps
+@pytest.mark.parametrize("bf16_values", [False, True])  # True: AMX or vdpbf16ps where there
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,n,k", [(1, 37, 1024), (1, 6, 1000), (3, 64, 1000), (16, 130, 96)])
-def test_dense_matmul_matches_torch(wdtype, m, n, k, bf16_values):
+@pytest.mark.parametrize("m,n,k", [(1, 37, 1024), (1, 6, 1000), (3, 64, 1000), (16, 130, 96),
+                                   (40, 48, 64)])
+def test_dense_matmul_matches_torch(wdtype, m, n, k, bf16_values, amx):
     x, w = torch.randn(m, k), torch.randn(n, k).to(wdtype)
     if bf16_values:
         x = x.to(torch.bfloat16).float()
     torch.testing.assert_close(cpu_step.dense_matmul(x, w), x @ w.float().T, atol=1e-4, rtol=1e-4)
+
+
+def test_amx_runs_where_the_cpu_has_it():
+    """On a CPU with AMX-BF16 tiles the bf16 matmuls use them (the benchmarks' speed rests on it)."""
+    if not {"amx_bf16", "amx_tile"} <= cpu_native._cpu_flags():
+        pytest.skip("this CPU has no AMX-BF16")
+    assert cpu_step.amx()

@@ -115,6 +115,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.thr_dense_isa.restype = ctypes.c_char_p
     lib.thr_dense_matmul.argtypes = [ptr, i64, i64, ptr, cint, i64, ptr]
     lib.thr_dense_matmul.restype = cint
+    lib.thr_amx.argtypes = [cint]
+    lib.thr_amx.restype = cint
     lib.thr_decode_step.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
     lib.thr_decode_step.restype = cint
     lib.thr_lm_head.argtypes = [ptr, ptr, i64, ptr]

@@ -16,6 +16,7 @@
  * the cache rows, attention, the router logits and weights, the SiLU product, the weighted sum
  * of the experts (4-bit experts in bf16 whatever the serving dtype, as cpu_q4's expert path).
  */
+#define _GNU_SOURCE /* syscall: asking Linux for the AMX tiles */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -305,22 +306,10 @@ static int dense_dp(const float *x, int64_t k, const uint16_t *w, int64_t n, flo
 }
 #endif
 
-/* y [m, n] = x [m, k] @ W.T for W fp32 or bf16 [n, k]; x and y fp32, y not rounded.
- * Returns 0, or -1 when out of memory. */
-int thr_dense_matmul(const float *x, int64_t m, int64_t k, const void *w, int wbf16, int64_t n,
-                     float *y) {
-#ifdef HAVE_DP
-    if (wbf16 && m == 1) { /* one row of bf16 values (a bf16 model's decode): vdpbf16ps; with
-                              * more rows the widening tile below measured faster */
-        int exact = 1;
-        for (int64_t i = 0; exact && i < m * k; i++) {
-            uint32_t u;
-            memcpy(&u, x + i, 4);
-            exact = (u & 0xffffu) == 0;
-        }
-        if (exact) return dense_dp(x, k, (const uint16_t *)w, n, y);
-    }
-#endif
+/* y [m, n] (rows ystride apart) = x [m, k] @ W.T on the vector units: the widening tile, or
+ * the fp32 rows */
+static int dense_rows(const float *x, int64_t m, int64_t k, const void *w, int wbf16, int64_t n,
+                      float *y, int64_t ystride) {
     float *xs = NULL; /* bf16 weights: x's even and odd elements, per row */
     if (wbf16) {
         xs = malloc(sizeof(float) * (size_t)(m * (k + 1)));
@@ -352,7 +341,7 @@ int thr_dense_matmul(const float *x, int64_t m, int64_t k, const void *w, int wb
                 tile((const char *)w + r0 * k * (wbf16 ? 2 : 4), wbf16, k, nr, nt, xi, xstride,
                      half, acc);
             for (int t = 0; t < nt; t++)
-                for (int r = 0; r < nr; r++) y[(i + t) * n + r0 + r] = acc[t * DROWS + r];
+                for (int r = 0; r < nr; r++) y[(i + t) * ystride + r0 + r] = acc[t * DROWS + r];
         }
 #else
         for (; i < m; i++) {
@@ -362,12 +351,136 @@ int thr_dense_matmul(const float *x, int64_t m, int64_t k, const void *w, int wb
                           xs + i * 2 * half + half, acc);
             else
                 rows_f32((const float *)w + r0 * k, k, nr, x + i * k, acc);
-            for (int r = 0; r < nr; r++) y[i * n + r0 + r] = acc[r];
+            for (int r = 0; r < nr; r++) y[i * ystride + r0 + r] = acc[r];
         }
 #endif
     }
     free(xs);
     return 0;
+}
+
+static int bf16_exact(const float *x, int64_t count) {
+    for (int64_t i = 0; i < count; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, 4);
+        if (u & 0xffffu) return 0;
+    }
+    return 1;
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#define AMX_ROWS 16 /* weight rows per tile, and tokens per activation tile */
+#define AMX_K 32    /* bf16 values per tile row */
+
+/* Linux lends a process the tile registers only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for
+ * XFEATURE_XTILEDATA); 1 granted, -1 refused or switched off (thr_amx), 0 not asked yet */
+static int amx_state;
+
+/* want 1: use the tiles where permitted, 0: don't, -1: leave as is; returns whether they are used */
+int thr_amx(int want) {
+    int s = __atomic_load_n(&amx_state, __ATOMIC_RELAXED);
+    if (want == 0) s = -1;
+    if ((want == 1 && s <= 0) || (want < 0 && s == 0))
+        s = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    __atomic_store_n(&amx_state, s, __ATOMIC_RELAXED);
+    return s > 0;
+}
+
+typedef struct __attribute__((aligned(64))) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* Batches of bf16-exact rows on the matrix units (AMX): y.T = W @ x.T, so 16 weight rows load
+ * straight from the row-major matrix as the A tile and the activations, repacked once per call
+ * into pairs of k (the B tile's layout), are the B tile, 16 tokens wide (zeros past m). Every
+ * output is the same chain of tile products whatever the batch, so a row's bits do not depend
+ * on it; rows past the last whole 16 take the vector path, which does not either. */
+static int dense_amx(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+                     float *y) {
+    int64_t kbs = k / AMX_K, tbs = (m + AMX_ROWS - 1) / AMX_ROWS, full = n / AMX_ROWS * AMX_ROWS;
+    uint16_t *xp = aligned_alloc(64, sizeof(uint16_t) * (size_t)(tbs * kbs * AMX_ROWS * AMX_K));
+    if (!xp) return -1;
+    for (int64_t tb = 0; tb < tbs; tb++) /* [tb][kb][k pair][token][2] */
+        for (int64_t kb = 0; kb < kbs; kb++) {
+            uint16_t *dst = xp + (tb * kbs + kb) * AMX_ROWS * AMX_K;
+            for (int64_t p = 0; p < AMX_K / 2; p++)
+                for (int64_t t = 0; t < AMX_ROWS; t++)
+                    for (int j = 0; j < 2; j++) {
+                        int64_t tok = tb * AMX_ROWS + t;
+                        uint32_t u = 0;
+                        if (tok < m) memcpy(&u, x + tok * k + kb * AMX_K + 2 * p + j, 4);
+                        dst[p * 2 * AMX_ROWS + 2 * t + j] = (uint16_t)(u >> 16);
+                    }
+        }
+    int64_t blocks = (full + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS); /* two weight tiles per block */
+#pragma omp parallel if (full * k >= 65536 && !omp_in_parallel())
+    {
+        amx_config cfg = {0};
+        cfg.palette = 1;
+        for (int i = 0; i < 5; i++) cfg.colsb[i] = 64, cfg.rows[i] = AMX_ROWS;
+        _tile_loadconfig(&cfg); /* tiles 0-1: sums, 2-3: weights, 4: activations */
+        float out[2][AMX_ROWS][AMX_ROWS] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t r0 = b * 2 * AMX_ROWS;
+            int two = r0 + 2 * AMX_ROWS <= full;
+            const uint16_t *w0 = w + r0 * k, *w1 = w0 + AMX_ROWS * k;
+            for (int64_t tb = 0; tb < tbs; tb++) {
+                const uint16_t *xb = xp + tb * kbs * AMX_ROWS * AMX_K;
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int64_t kb = 0; kb < kbs; kb++) {
+                    _tile_loadd(4, xb + kb * AMX_ROWS * AMX_K, 64);
+                    _tile_loadd(2, w0 + kb * AMX_K, k * 2);
+                    _tile_dpbf16ps(0, 2, 4);
+                    if (two) {
+                        _tile_loadd(3, w1 + kb * AMX_K, k * 2);
+                        _tile_dpbf16ps(1, 3, 4);
+                    }
+                }
+                _tile_stored(0, out[0], 64);
+                _tile_stored(1, out[1], 64);
+                int64_t nt = m - tb * AMX_ROWS < AMX_ROWS ? m - tb * AMX_ROWS : AMX_ROWS;
+                for (int h = 0; h < 1 + two; h++)
+                    for (int64_t t = 0; t < nt; t++)
+                        for (int r = 0; r < AMX_ROWS; r++)
+                            y[(tb * AMX_ROWS + t) * n + r0 + h * AMX_ROWS + r] = out[h][r][t];
+            }
+        }
+        _tile_release();
+    }
+    free(xp);
+    if (full == n) return 0;
+#ifdef HAVE_DP
+    if (m == 1) return dense_dp(x, k, w + full * k, n - full, y + full);
+#endif
+    return dense_rows(x, m, k, w + full * k, 1, n - full, y + full, n);
+}
+#else
+int thr_amx(int want) { (void)want; return 0; }
+#endif
+
+/* y [m, n] = x [m, k] @ W.T for W fp32 or bf16 [n, k]; x and y fp32, y not rounded. bf16-exact
+ * rows of a bf16 matrix (a bf16 model's decode) take the matrix units where there are any (one
+ * row or many), else vdpbf16ps for one row; the rest take the widening tile. Returns 0, or -1
+ * when out of memory. */
+int thr_dense_matmul(const float *x, int64_t m, int64_t k, const void *w, int wbf16, int64_t n,
+                     float *y) {
+    if (wbf16 && bf16_exact(x, m * k)) {
+#ifdef HAVE_AMX
+        if (k % AMX_K == 0 && n >= AMX_ROWS && thr_amx(-1))
+            return dense_amx(x, m, k, (const uint16_t *)w, n, y);
+#endif
+#ifdef HAVE_DP
+        if (m == 1) return dense_dp(x, k, (const uint16_t *)w, n, y);
+#endif
+    }
+    return dense_rows(x, m, k, w, wbf16, n, y, n);
 }
 
 /* ---- the layer's pieces ---- */

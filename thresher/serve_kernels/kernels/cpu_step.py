@@ -3,7 +3,8 @@
 ``cpu_step.c`` runs every decoder layer of a decode step in one call over a table of pointers
 (``ThrModel`` holding one ``ThrLayer`` per layer, each linear a ``ThrLinear``) that
 ``modeling.native_step`` fills once per model. The structs here mirror the C ones field for
-field. ``dense_matmul`` exposes the step's 16-bit / fp32 matmul for its tests and benchmark.
+field. ``dense_matmul`` exposes the step's 16-bit / fp32 matmul for its tests and benchmark;
+``amx`` says whether its bf16 matmuls run on the matrix units (AMX), and switches them.
 """
 
 from __future__ import annotations
@@ -64,6 +65,16 @@ class ThrModel(ctypes.Structure):
                 ("eps", _f32), ("scale", _f32),
                 ("bf16", _i32), ("pad", _i32), ("embed", _ptr), ("final_norm", _ptr),
                 ("cos_sin", _ptr), ("layer", ctypes.POINTER(ThrLayer)), ("lm_head", ThrLinear)]
+
+
+def amx(enabled: bool | None = None) -> bool:
+    """Whether the C step's bf16 matmuls run on AMX tiles: where the CPU has them and Linux lends
+    them (asked once per process). ``enabled`` False keeps the vector units (benchmarks compare
+    the two; a row's bits differ between them), True asks again."""
+    lib = loaded()
+    if lib is None:
+        return False
+    return bool(lib.thr_amx(-1 if enabled is None else int(enabled)))
 
 
 def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
