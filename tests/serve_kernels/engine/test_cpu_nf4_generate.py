@@ -1,6 +1,7 @@
-"""The tiny demo's NF4 artifact on bitsandbytes' CPU NF4 kernel against the dequantizing reference.
+"""The tiny demo's NF4 artifact on the CPU kernels against the dequantizing reference: decode on
+the C step's NF4 kernel (``cpu_nf4.c``), prompts on bitsandbytes' CPU NF4 kernel.
 
-The kernel runs in bf16 (activations and absmax rounded), the reference in fp32 from the same
+Both kernels run in bf16 (activations and absmax rounded), the reference in fp32 from the same
 codes, so the two differ by bf16 rounding only; greedy continuations must agree token for token
 and the prompt logits within a small fraction of their scale (their argmax agreeing except at
 near-ties: one position of a 264-token prompt flipped when measured), except at tokens whose
@@ -18,6 +19,7 @@ from thresher.formats.nf4 import concat_rows
 from thresher.recipe import NF4Stage
 from thresher.serve_kernels import LLM, SamplingParams
 from thresher.serve_kernels.kernels import cpu_nf4
+from thresher.serve_kernels.modeling import native_step
 from thresher.serve_kernels.modeling.linear import NF4Linear
 from thresher.serve_kernels.modeling.moe import ExpertLoop
 
@@ -52,7 +54,11 @@ def test_every_nf4_layer_takes_the_fast_path(nf4_llm):
 @requires_kernel
 def test_greedy_tokens_and_logits_match_reference(nf4_llm, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    step = nf4_llm.engine.runner.model.native_step
+    calls = step.calls
     fast = [o.token_ids for o in nf4_llm.generate(PROMPTS, params)]
+    assert step.calls - calls >= 23  # every decode step on the C step
+    monkeypatch.setenv(native_step.ENV, "off")  # prompts on bitsandbytes' kernel (hooks see routing)
     fast_short = prompt_pass(nf4_llm, PROMPTS[2])
     long_prompt = (PROMPTS[0] * 50)[: cpu_nf4.DEQUANTIZE_ROWS + 8]  # the dequantizing branch
     fast_long = prompt_pass(nf4_llm, long_prompt)

@@ -147,7 +147,7 @@ def test_layout_limits():
 
 def test_a_compiler_error_is_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    with pytest.raises(RuntimeError, match="compiling cpu_q4.c cpu_norm.c cpu_attention.c cpu_step.c failed"):
+    with pytest.raises(RuntimeError, match="compiling cpu_q4.c cpu_nf4.c cpu_norm.c cpu_attention.c cpu_step.c failed"):
         cpu_native.build("native", tmp_path)
     assert not list(tmp_path.glob("*.so"))  # nothing half-written left to load
 

@@ -12,12 +12,14 @@ import torch
 from tests.conftest import CALIBRATION_FILE, build_random_model
 from tests.serve_kernels.conftest import save_family
 from thresher.compress.api import quantize_model
+from thresher.compress.nf4 import nf4_quantize
 from thresher.recipe import CalibrationConfig, FilesSource, QuantizeStage
 from thresher.serve_kernels import LLM, SamplingParams
 from thresher.serve_kernels.engine.model_runner import FLATTEN_MAX
 from thresher.serve_kernels.engine.scheduler import ScheduledBatch
 from thresher.serve_kernels.engine.sequence import Sequence
 from thresher.serve_kernels.kernels import cpu_native, cpu_step
+from thresher.serve_kernels.kernels.cpu_nf4 import cpu_nf4_available, nf4_cpu_matmul, pack_nf4_cpu
 from thresher.serve_kernels.modeling import native_step
 from thresher.serve_kernels.modeling.native_step import NativeStep
 
@@ -100,7 +102,7 @@ def _decode_pairs(llm: LLM, prompts: list[list[int]], steps: int, monkeypatch
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("fmt", ["bf16", "gptq4", "awq4"])
+@pytest.mark.parametrize("fmt", ["bf16", "gptq4", "awq4", "nf4"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_native_step_matches_operator_path(family, fmt, dtype, tmp_path, monkeypatch,
                                            tiny_demo):
@@ -109,15 +111,18 @@ def test_native_step_matches_operator_path(family, fmt, dtype, tmp_path, monkeyp
         pytest.skip("quantized formats on one family of each kind of MLP, shared expert and "
                     "attention")
     path = _model_dir(family, fmt, tmp_path, tiny_demo)
-    monkeypatch.setenv("THRESHER_CPU_DENSE_MAX", "0")  # quantized matrices on cpu_q4's packs
+    monkeypatch.setenv("THRESHER_CPU_DENSE_MAX", "0")  # quantized matrices on the C kernels
     llm = LLM(path, block_size=4, dtype=dtype, max_num_seqs=4)
     step = llm.engine.runner.model.native_step
     assert isinstance(step, NativeStep)
     kinds = {L.qkv.kind for L in step.layers} | {L.gate_up[0].kind for L in step.layers}
-    assert (cpu_step.LIN_Q4 in kinds) == (fmt != "bf16")  # 4-bit matrices on cpu_q4's packs
+    assert (cpu_step.LIN_Q4 in kinds) == (fmt in ("gptq4", "awq4"))  # on cpu_q4's packs
+    assert (cpu_step.LIN_NF4 in kinds) == (fmt == "nf4")  # on cpu_nf4.c
     # fp32: the same roundings, sums in another order (measured 5e-7); bf16: one bf16 step of
-    # the largest value where a sum's order flips a rounding (measured up to 1.3%)
-    tol = 1e-5 if dtype == "float32" else 2e-2
+    # the largest value where a sum's order flips a rounding (measured up to 1.3%); NF4, bf16
+    # inside in either dtype: bitsandbytes' kernel on the operator path sums in lower precision
+    # than cpu_nf4.c (test_nf4_matmul_is_closer_than_bitsandbytes), measured up to 2.2%
+    tol = 4e-2 if fmt == "nf4" else 1e-5 if dtype == "float32" else 2e-2
     for prompts in (PROMPTS[:1], PROMPTS):  # c=1, then c=3 (contexts cross blocks of 4)
         for fast, ref in _decode_pairs(llm, prompts, 3, monkeypatch):
             assert (fast.float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
@@ -139,10 +144,45 @@ def test_native_step_is_not_built_when_off_or_unsupported(tmp_path, monkeypatch,
     assert LLM(path, block_size=4).engine.runner.model.native_step is not None
 
 
-def test_nf4_experts_keep_the_operator_path(tmp_path, monkeypatch, tiny_demo):
-    path = _model_dir("qwen3_moe", "nf4", tmp_path, tiny_demo)
-    monkeypatch.setenv("THRESHER_CPU_DENSE_MAX", "0")  # NF4 experts on bitsandbytes' kernel
-    assert LLM(path, block_size=4).engine.runner.model.native_step is None
+@pytest.mark.parametrize("m,n,k,double_quant", [(1, 64, 256, False), (5, 37, 512, True),
+                                                 (16, 130, 1024, False)])
+def test_nf4_matmul_matches_bf16_reference(m, n, k, double_quant):
+    """cpu_nf4.c against its definition: bf16 activations times weights map[code] * absmax (the
+    absmax in bf16), summed in float64 here; a row's bits alone equal its bits in the batch."""
+    w = nf4_quantize(torch.randn(n, k), double_quant, torch.bfloat16)
+    absmax = w.absmax_fp32().float().to(torch.bfloat16).reshape(n, k // w.blocksize)
+    packed, x = w.packed.reshape(-1), torch.randn(m, k)
+    y = cpu_step.nf4_matmul(x, packed, absmax, w.quant_map, w.blocksize)
+    codes = torch.stack([packed >> 4, packed & 0xF], 1).reshape(-1).long()
+    scale = absmax.float().reshape(-1).repeat_interleave(w.blocksize)
+    weight = (w.quant_map.float()[codes] * scale).double().view(n, k)
+    ref = x.bfloat16().double() @ weight.T
+    assert (y - ref).abs().max() <= 1e-6 * k ** 0.5 * ref.abs().max()
+    assert torch.equal(cpu_step.nf4_matmul(x[-1:], packed, absmax, w.quant_map, w.blocksize),
+                       y[-1:])
+    with pytest.raises(ValueError, match="block size 48"):
+        cpu_step.nf4_matmul(x, packed, absmax, w.quant_map, 48)
+
+
+def test_nf4_matmul_is_closer_than_bitsandbytes():
+    """Rounded to bf16 (the operator path's output dtype), cpu_nf4.c's outputs are the exact
+    products' roundings but near ties; bitsandbytes' CPU kernel, on the same bf16 inputs,
+    misses them by more (measured 1.4-1.5x the rounding's own error, three seeds, two shapes)."""
+    if not cpu_nf4_available():
+        pytest.skip("bitsandbytes has no CPU NF4 kernel here (needs AVX512-BF16)")
+    n, k = 256, 1024
+    w = nf4_quantize(torch.randn(n, k), False, torch.bfloat16)
+    absmax = w.absmax_fp32().float().to(torch.bfloat16).reshape(n, k // w.blocksize)
+    packed, x = w.packed.reshape(-1), torch.randn(8, k).bfloat16()
+    codes = torch.stack([packed >> 4, packed & 0xF], 1).reshape(-1).long()
+    scale = absmax.float().reshape(-1).repeat_interleave(w.blocksize)
+    exact = x.double() @ (w.quant_map.float()[codes] * scale).double().view(n, k).T
+    ours = cpu_step.nf4_matmul(x.float(), packed, absmax, w.quant_map, w.blocksize)
+    same = (ours.bfloat16().double() == exact.bfloat16().double()).float().mean()
+    assert same > 0.99  # fp32 sums: a rounding flips only where the exact value is near a tie
+    theirs = nf4_cpu_matmul(x, pack_nf4_cpu(w)).double()
+    rounding = (exact.bfloat16().double() - exact).abs().mean()
+    assert (theirs - exact).abs().mean() > 1.2 * rounding
 
 
 def test_prefill_keeps_operator_path_and_greedy_tokens_agree(tmp_path, monkeypatch, tiny_demo):

@@ -1,5 +1,5 @@
-"""thresher's C kernels for the CPU (``cpu_q4.c``, ``cpu_norm.c``, ``cpu_attention.c``,
-``cpu_step.c``): built once per machine.
+"""thresher's C kernels for the CPU (``cpu_q4.c``, ``cpu_nf4.c``, ``cpu_norm.c``,
+``cpu_attention.c``, ``cpu_step.c``): built once per machine.
 
 A decode step on a CPU is a few hundred small operations; where torch's take tens of
 microseconds for a [1, 1024] row (its bf16 RMSNorm is half a dozen dispatched operators) or are
@@ -35,8 +35,8 @@ from thresher.paths import code_dir, fallback_code_dir, is_private
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_q4.c", "cpu_norm.c", "cpu_attention.c", "cpu_step.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in
+                ("cpu_q4.c", "cpu_nf4.c", "cpu_norm.c", "cpu_attention.c", "cpu_step.c"))
 HEADERS = (Path(__file__).with_name("cpu_common.h"),)  # included by the sources
 ENV = "THRESHER_CPU_NATIVE"  # "off" keeps torch's operators; a -march value overrides "native"
 REQUIRE_ENV = "THRESHER_REQUIRE_C_KERNELS"  # "1": a build failure raises instead of falling back
@@ -115,6 +115,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.thr_dense_isa.restype = ctypes.c_char_p
     lib.thr_dense_matmul.argtypes = [ptr, i64, i64, ptr, cint, i64, ptr]
     lib.thr_dense_matmul.restype = cint
+    lib.thr_nf4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr]
+    lib.thr_nf4_matmul.restype = cint
     lib.thr_amx.argtypes = [cint]
     lib.thr_amx.restype = cint
     lib.thr_decode_step.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]

@@ -28,6 +28,8 @@
 
 int thr_q4_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *w,
                   const float *sz, int64_t n, int64_t g, void *y, int y_bf16);
+int thr_nf4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *codes,
+                   const uint16_t *absmax, const float *map, int64_t bs, int64_t n, float *y);
 int thr_paged_decode(const void *q, const void *k_cache, const void *v_cache,
                      const int32_t *block_tables, int64_t table_stride,
                      const int32_t *context_lens, int64_t batch, int64_t hq, int64_t hkv,
@@ -38,14 +40,15 @@ int thr_paged_decode_sinks(const void *q, const void *k_cache, const void *v_cac
                            int64_t d, int64_t block_size, float scale, const float *sinks,
                            int64_t window, void *out, int bf16);
 
-enum { LIN_NONE = 0, LIN_F32 = 1, LIN_BF16 = 2, LIN_Q4 = 3 };
+enum { LIN_NONE = 0, LIN_F32 = 1, LIN_BF16 = 2, LIN_Q4 = 3, LIN_NF4 = 4 };
 
 typedef struct {
     int32_t kind, pad;
-    int64_t n, k, group;  /* out, in features; q4 group size */
-    const void *w;        /* dense [n, k] row-major, or cpu_q4's packed codes */
-    const float *sz;      /* q4: scales and scales * zeros */
+    int64_t n, k, group;  /* out, in features; q4 group size, NF4 block size */
+    const void *w;        /* dense [n, k] row-major, cpu_q4's packed codes, or NF4 codes */
+    const void *sz;       /* q4: fp32 scales and scales * zeros; NF4: bf16 absmax [n, k / group] */
     const float *bias;    /* fp32 [n] or NULL */
+    const float *map;     /* NF4: the 16 code values */
 } thr_linear;
 
 typedef struct {
@@ -81,7 +84,7 @@ typedef struct {
     int64_t window;
     int32_t topk_softmax, clamped;
     float alpha, limit;
-    const thr_linear *up;
+    const thr_linear *up; /* also NF4 experts (gate and up apart, not clamped) */
     /* Qwen3.5: gated full attention (q_proj emits each head's query, then its output gate), or
      * a Gated DeltaNet (delta 1): qkv is in_proj_qkv, o is out_proj, per-sequence states */
     int32_t gated, delta;
@@ -489,8 +492,13 @@ int thr_dense_matmul(const float *x, int64_t m, int64_t k, const void *w, int wb
 static int linear(const thr_linear *L, const float *x, int64_t m, float *y, int bf16) {
     int rc;
     if (L->kind == LIN_Q4) {
-        rc = thr_q4_matmul(x, 0, m, L->k, (const uint8_t *)L->w, L->sz, L->n, L->group, y, 0);
+        rc = thr_q4_matmul(x, 0, m, L->k, (const uint8_t *)L->w, (const float *)L->sz, L->n,
+                           L->group, y, 0);
         if (L->bias) round_all(y, m * L->n, bf16); /* the kernel's output, then + bias */
+    } else if (L->kind == LIN_NF4) {
+        rc = thr_nf4_matmul(x, m, L->k, (const uint8_t *)L->w, (const uint16_t *)L->sz, L->map,
+                            L->group, L->n, y);
+        round_all(y, m * L->n, 1); /* bitsandbytes' kernel returns bf16, then + bias */
     } else {
         rc = thr_dense_matmul(x, m, L->k, L->w, L->kind == LIN_BF16, L->n, y);
     }
@@ -562,16 +570,18 @@ typedef struct { /* scratch of one step, sized for t tokens */
     void *qa, *oa;
 } work;
 
-/* the gated MLP through linears gu and dn: out [rows, hidden] = dn(silu(g) * u), in dtype bf16 */
-static int mlp(const thr_linear *gu, const thr_linear *dn, const float *x, int64_t rows,
-               float *gbuf, float *abuf, float *out, int bf16) {
-    int64_t inter = gu->n / 2;
+/* the gated MLP out [rows, hidden] = dn(silu(g) * u), in dtype bf16: g and u from gu's rows
+ * (gate | up), or from gu and up where they are apart (up not NULL) */
+static int mlp(const thr_linear *gu, const thr_linear *up, const thr_linear *dn, const float *x,
+               int64_t rows, float *gbuf, float *abuf, float *out, int bf16) {
+    int64_t inter = up ? gu->n : gu->n / 2, stride = up ? inter : 2 * inter;
+    float *ub = up ? gbuf + rows * inter : gbuf + inter;
     int rc = linear(gu, x, rows, gbuf, bf16);
+    if (!rc && up) rc = linear(up, x, rows, ub, bf16);
     if (rc) return rc;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < inter; i++)
-            abuf[r * inter + i] = rnd(silu_mul(gbuf[r * 2 * inter + i],
-                                               gbuf[r * 2 * inter + inter + i]), bf16);
+            abuf[r * inter + i] = rnd(silu_mul(gbuf[r * stride + i], ub[r * stride + i]), bf16);
     return linear(dn, abuf, rows, out, bf16);
 }
 
@@ -711,7 +721,8 @@ static int moe(const thr_model *m, const thr_layer *L, int64_t t, work *w, float
         if (!rows) continue;
         rc = L->clamped ? clamped_mlp(L, &L->gate_up[e], &L->up[e], &L->down[e], w->xs, rows,
                                       w->gu, w->act, w->mo, eb)
-                        : mlp(&L->gate_up[e], &L->down[e], w->xs, rows, w->gu, w->act, w->mo, eb);
+                        : mlp(&L->gate_up[e], L->up ? &L->up[e] : NULL, &L->down[e], w->xs, rows,
+                              w->gu, w->act, w->mo, eb);
         if (rc) return rc;
         int64_t r = 0;
         for (int64_t i = 0; i < t * K; i++)
@@ -727,7 +738,7 @@ static int moe(const thr_model *m, const thr_layer *L, int64_t t, work *w, float
     }
     for (int64_t i = 0; i < t * hd; i++) out[i] = rnd(w->acc[i], bf16);
     if (L->shared_gate_up.kind == LIN_NONE) return 0;
-    rc = mlp(&L->shared_gate_up, &L->shared_down, w->h, t, w->gu, w->act, w->mo, bf16);
+    rc = mlp(&L->shared_gate_up, NULL, &L->shared_down, w->h, t, w->gu, w->act, w->mo, bf16);
     if (rc) return rc;
     if (L->shared_gate.kind != LIN_NONE) {
         rc = linear(&L->shared_gate, w->h, t, w->logits, bf16);
@@ -975,7 +986,7 @@ int thr_decode_step(const thr_model *m, int64_t t, const int64_t *ids, const int
         if (rc) break;
         add_norm(w.h, w.res, 0, L->post_norm, w.h, t, hd, m->eps, bf16);
         rc = L->moe ? moe(m, L, t, &w, w.x)
-                    : mlp(L->gate_up, L->down, w.h, t, w.gu, w.act, w.x, bf16);
+                    : mlp(L->gate_up, NULL, L->down, w.h, t, w.gu, w.act, w.x, bf16);
     }
     if (!rc) {
         add_norm(w.x, w.res, m->layers == 0, m->final_norm, w.h, t, hd, m->eps, bf16);

@@ -3,7 +3,8 @@
 ``cpu_step.c`` runs every decoder layer of a decode step in one call over a table of pointers
 (``ThrModel`` holding one ``ThrLayer`` per layer, each linear a ``ThrLinear``) that
 ``modeling.native_step`` fills once per model. The structs here mirror the C ones field for
-field. ``dense_matmul`` exposes the step's 16-bit / fp32 matmul for its tests and benchmark;
+field. ``dense_matmul`` and ``nf4_matmul`` expose the step's 16-bit / fp32 and NF4 matmuls for
+their tests and benchmarks;
 ``amx`` says whether its bf16 matmuls run on the matrix units (AMX), and switches them.
 """
 
@@ -15,15 +16,16 @@ import torch
 
 from thresher.serve_kernels.kernels.cpu_native import loaded
 
-LIN_NONE, LIN_F32, LIN_BF16, LIN_Q4 = 0, 1, 2, 3
+LIN_NONE, LIN_F32, LIN_BF16, LIN_Q4, LIN_NF4 = 0, 1, 2, 3, 4
 _ptr, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
 
 class ThrLinear(ctypes.Structure):
-    """One matrix: dense fp32 / bf16 row-major [n, k], or cpu_q4's packed codes and scales."""
+    """One matrix: dense fp32 / bf16 row-major [n, k], cpu_q4's packed codes and scales, or NF4
+    codes with bf16 absmax [n, k / group] (``sz``) and the 16 code values (``map``)."""
 
     _fields_ = [("kind", _i32), ("pad", _i32), ("n", _i64), ("k", _i64), ("group", _i64),
-                ("w", _ptr), ("sz", _ptr), ("bias", _ptr)]
+                ("w", _ptr), ("sz", _ptr), ("bias", _ptr), ("map", _ptr)]
 
 
 class ThrLayer(ctypes.Structure):
@@ -87,4 +89,25 @@ def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if lib.thr_dense_matmul(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(),
                             int(w.dtype == torch.bfloat16), w.shape[0], y.data_ptr()):
         raise MemoryError("cpu_step: out of memory for the activation buffer")
+    return y
+
+
+def nf4_matmul(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, quant_map: torch.Tensor,
+               blocksize: int) -> torch.Tensor:
+    """x [M, K] @ W.T for an NF4 W [N, K] (``cpu_nf4.c``): ``codes`` uint8 [N * K / 2] as
+    published, ``absmax`` bf16 [N, K / blocksize], ``quant_map`` fp32 [16] -> fp32 [M, N],
+    unrounded (bf16 activations and weights inside)."""
+    lib = loaded()
+    assert lib is not None, "cpu_step needs thresher's C kernels (cpu_native.library())"
+    n, k = absmax.shape[0], x.shape[1]
+    assert codes.dtype == torch.uint8 and codes.numel() * 2 == n * k and absmax.dtype == torch.bfloat16
+    x, quant_map = x.float().contiguous(), quant_map.float().contiguous()
+    codes, absmax = codes.contiguous(), absmax.contiguous()
+    y = torch.empty(x.shape[0], n)
+    rc = lib.thr_nf4_matmul(x.data_ptr(), x.shape[0], k, codes.data_ptr(), absmax.data_ptr(),
+                            quant_map.data_ptr(), blocksize, n, y.data_ptr())
+    if rc == -2:
+        raise ValueError(f"NF4 block size {blocksize} must be a multiple of 32 dividing {k}")
+    if rc:
+        raise MemoryError("cpu_nf4: out of memory for the activation buffer")
     return y

@@ -21,8 +21,9 @@ Kimi-K2); softmax routing and the routing rules with sigmoid scores, a selection
 groups (GLM-4.5, DeepSeek-V3, ERNIE-4.5); gpt-oss's attention sinks and sliding windows, and its
 experts (biases, top-k logits softmaxed, the clamped SwiGLU); Qwen3.5's gated attention and Gated
 DeltaNet (its conv and delta-rule states updated in place, token by token). ``build`` returns
-None (the operator path stays) for what it does not cover: NF4 and torch-kernel int4 packs,
-act-order GPTQ whose q/k/v stay apart, fp16. 16-bit matrices held in oneDNN's blocked layout are
+None (the operator path stays) for what it does not cover: 8-bit and torch-kernel int4 packs,
+act-order GPTQ whose q/k/v stay apart, fp16. NF4 runs on thresher's own kernel (``cpu_nf4.c``,
+bf16 inside as bitsandbytes' kernel on the operator path), from the published codes. 16-bit matrices held in oneDNN's blocked layout are
 turned back into row-major ones (the C step reads those; prefill's matmuls then run row-major,
 about level at prefill's row counts). ``CausalLM.forward`` calls
 the step for CPU batches of decode tokens only; ``THRESHER_CPU_STEP=off`` keeps the operator
@@ -49,6 +50,7 @@ from thresher.serve_kernels.kernels.cpu_native import loaded
 from thresher.serve_kernels.kernels.cpu_step import (
     LIN_BF16,
     LIN_F32,
+    LIN_NF4,
     LIN_NONE,
     LIN_Q4,
     ThrLayer,
@@ -111,6 +113,17 @@ def _q4(pack: Int4Pack, bias: torch.Tensor | None, keep: _Keep) -> ThrLinear:
                      keep.ptr(pack.weight), keep.ptr(pack.scales_zeros), keep.f32(bias))
 
 
+def _nf4(m: NF4Linear, keep: _Keep) -> ThrLinear:
+    """An NF4 weight on cpu_nf4.c: the published codes, the absmax in bf16 per output row."""
+    w = m.nf4
+    n, k = w.shape
+    if w.blocksize % 32 or k % w.blocksize:
+        raise Unsupported(f"NF4 blocks of {w.blocksize} over rows of {k}")
+    absmax = w.absmax_fp32().float().to(torch.bfloat16).reshape(n, k // w.blocksize)
+    return ThrLinear(LIN_NF4, 0, n, k, w.blocksize, keep.ptr(w.packed.reshape(-1)),
+                     keep.ptr(absmax), keep.f32(m.bias), keep.f32(w.quant_map))
+
+
 def linear(m: nn.Module, keep: _Keep) -> ThrLinear:
     """The C view of one of the engine's linears, as its CPU forward computes it."""
     if isinstance(m, DenseLinear):
@@ -125,11 +138,15 @@ def linear(m: nn.Module, keep: _Keep) -> ThrLinear:
         return _dense(m.cpu_dense, m.bias, keep)  # a small matrix dequantized at load
     if isinstance(m, GPTQLinear | AWQLinear) and isinstance(m.cpu_pack, Int4Pack):
         return _q4(m.cpu_pack, m.bias, keep)
+    if isinstance(m, NF4Linear):
+        return _nf4(m, keep)
     raise Unsupported(f"{type(m).__name__} without a dense copy or a 4-bit cpu_q4 pack")
 
 
-def _experts(experts: nn.Module, keep: _Keep) -> tuple[ctypes.Array, ctypes.Array, int]:
-    """(gate_up, down) arrays of one ThrLinear per expert, and whether they compute in bf16."""
+def _experts(experts: nn.Module, keep: _Keep, out: ThrLayer, arrays: list
+             ) -> tuple[ctypes.Array, ctypes.Array, int]:
+    """(gate_up, down) arrays of one ThrLinear per expert, and whether they compute in bf16; NF4
+    experts keep gate and up apart (``out.up``)."""
     from thresher.serve_kernels.modeling.moe import ExpertLoop, FusedExperts
 
     if not isinstance(experts, FusedExperts | ExpertLoop):
@@ -139,7 +156,14 @@ def _experts(experts: nn.Module, keep: _Keep) -> tuple[ctypes.Array, ctypes.Arra
         dn = [_dense(w, None, keep) for w in experts.cpu_dense[1]]
         bf16 = 0
     elif isinstance(experts, ExpertLoop):
-        raise Unsupported("experts kept as separate linears (NF4, 8-bit)")
+        linears = (*experts.gate, *experts.up, *experts.down)
+        if not all(isinstance(m, NF4Linear) for m in linears):
+            raise Unsupported("experts kept as separate linears (8-bit)")
+        gu, up, dn = ([_nf4(m, keep) for m in mods]
+                      for mods in (experts.gate, experts.up, experts.down))
+        out.up = (ThrLinear * len(up))(*up)
+        arrays.append(out.up)
+        bf16 = 1  # bitsandbytes' kernel: bf16 activations in, bf16 out
     elif experts.cpu_q4 is not None:
         gu = [_q4(p, None, keep) for p in experts.cpu_gate_up]
         dn = [_q4(p, None, keep) for p in experts.cpu_down]
@@ -250,7 +274,7 @@ def _layer(layer: nn.Module, keep: _Keep, arrays: list, dtype: torch.dtype) -> T
     elif type(mlp) is GptOssMoE:
         gu, dn = _gpt_oss(mlp, out, keep, arrays)
     elif type(mlp) is MoE:
-        gu, dn, out.expert_bf16 = _experts(mlp.experts, keep)
+        gu, dn, out.expert_bf16 = _experts(mlp.experts, keep, out, arrays)
         out.moe, out.top_k, out.experts, out.renorm = 1, mlp.top_k, len(gu), int(mlp.renormalize)
         out.router = linear(mlp.router, keep)
         _rule(mlp, out, keep)
@@ -286,7 +310,7 @@ def _max_inter(layers: ctypes.Array) -> int:
     widths = [1]
     for L in layers:
         n = L.experts if L.moe else 1
-        widths += [L.gate_up[e].n // (1 if L.clamped else 2) for e in range(n)]
+        widths += [L.gate_up[e].n // (1 if L.up else 2) for e in range(n)]
         if L.shared_gate_up.kind != LIN_NONE:
             widths.append(L.shared_gate_up.n // 2)
     return max(widths)
