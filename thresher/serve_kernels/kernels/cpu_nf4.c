@@ -23,6 +23,9 @@
 
 #define NROWS 4 /* weight rows per pass: they share each activation load */
 #define NTOK 4  /* activation rows per pass: they share each weight's decoding */
+#ifndef NF4_PREFETCH
+#define NF4_PREFETCH 4096 /* bytes ahead in each row: the rows are read in 16-byte steps */
+#endif
 
 #if defined(__AVX512F__)
 static inline __attribute__((always_inline)) void tile(const uint8_t *codes, const uint16_t *amax,
@@ -35,8 +38,10 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *codes, con
     int64_t blocks = k / bs, half = k / 2;
     for (int64_t b = 0; b < blocks; b++) {
         __m512 tv[NROWS];
-        for (int r = 0; r < nr; r++)
+        for (int r = 0; r < nr; r++) {
+            _mm_prefetch((const char *)(codes + r * half + b * bs / 2) + NF4_PREFETCH, _MM_HINT_T0);
             tv[r] = _mm512_mul_ps(table, _mm512_set1_ps(bf16_to_f32(amax[r * blocks + b])));
+        }
         for (int64_t c = b * bs / 2; c < (b + 1) * bs / 2; c += 16) { /* 16 bytes: 32 codes */
             __m512 we[NROWS], wo[NROWS];
             for (int r = 0; r < nr; r++) {
@@ -104,6 +109,20 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *codes, con
 #error "cpu_nf4.c needs AVX2 and FMA"
 #endif
 
+/* the tile with its shapes as constants, each its own function: with the three inlined into
+ * one caller GCC merged them into one with the shapes as variables (and spills), at half speed */
+#define TILE_ARGS const uint8_t *codes, const uint16_t *amax, int64_t k, int64_t bs, \
+                  const float *map, const float *xs, float *out
+static __attribute__((noinline)) void tile_rows_one(TILE_ARGS) {
+    tile(codes, amax, k, bs, NROWS, 1, map, xs, out);
+}
+static __attribute__((noinline)) void tile_rows_tokens(TILE_ARGS) {
+    tile(codes, amax, k, bs, NROWS, NTOK, map, xs, out);
+}
+static __attribute__((noinline)) void tile_any(TILE_ARGS, int nr, int nt) {
+    tile(codes, amax, k, bs, nr, nt, map, xs, out);
+}
+
 /* y [m, n] = x [m, k] @ W.T for the NF4 W above; x and y fp32. Returns 0, -1 when out of memory,
  * -2 when bs is not a multiple of 32 dividing k. */
 int thr_nf4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *codes,
@@ -125,12 +144,12 @@ int thr_nf4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *codes,
         for (int64_t i = 0; i < m; i += NTOK) {
             int nt = m - i < NTOK ? (int)(m - i) : NTOK;
             float acc[NTOK * NROWS];
-            if (nr == NROWS && nt == 1) /* decode at c=1: its own unrolled copy */
-                tile(cb, ab, k, bs, NROWS, 1, map, xs + i * k, acc);
+            if (nr == NROWS && nt == 1) /* decode at c=1 */
+                tile_rows_one(cb, ab, k, bs, map, xs + i * k, acc);
             else if (nr == NROWS && nt == NTOK)
-                tile(cb, ab, k, bs, NROWS, NTOK, map, xs + i * k, acc);
+                tile_rows_tokens(cb, ab, k, bs, map, xs + i * k, acc);
             else
-                tile(cb, ab, k, bs, nr, nt, map, xs + i * k, acc);
+                tile_any(cb, ab, k, bs, map, xs + i * k, acc, nr, nt);
             for (int t = 0; t < nt; t++)
                 for (int r = 0; r < nr; r++) y[(i + t) * n + r0 + r] = acc[t * NROWS + r];
         }

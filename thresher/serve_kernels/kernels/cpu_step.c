@@ -398,6 +398,13 @@ typedef struct __attribute__((aligned(64))) {
     uint8_t rows[16];
 } amx_config;
 
+/* tiles 0-1: sums, 2-3: weights, 4: activations; 16 rows of 64 bytes each. A static: GCC 12's
+ * _tile_loadconfig tells the compiler it reads 8 bytes, so the stores filling a config on the
+ * stack can be dropped as dead (docs/gguf.md: llama.cpp's AMX crash) */
+static const amx_config AMX_TILES = {.palette = 1,
+                                     .colsb = {64, 64, 64, 64, 64},
+                                     .rows = {AMX_ROWS, AMX_ROWS, AMX_ROWS, AMX_ROWS, AMX_ROWS}};
+
 /* Batches of bf16-exact rows on the matrix units (AMX): y.T = W @ x.T, so 16 weight rows load
  * straight from the row-major matrix as the A tile and the activations, repacked once per call
  * into pairs of k (the B tile's layout), are the B tile, 16 tokens wide (zeros past m). Every
@@ -423,10 +430,7 @@ static int dense_amx(const float *x, int64_t m, int64_t k, const uint16_t *w, in
     int64_t blocks = (full + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS); /* two weight tiles per block */
 #pragma omp parallel if (full * k >= 65536 && !omp_in_parallel())
     {
-        amx_config cfg = {0};
-        cfg.palette = 1;
-        for (int i = 0; i < 5; i++) cfg.colsb[i] = 64, cfg.rows[i] = AMX_ROWS;
-        _tile_loadconfig(&cfg); /* tiles 0-1: sums, 2-3: weights, 4: activations */
+        _tile_loadconfig(&AMX_TILES);
         float out[2][AMX_ROWS][AMX_ROWS] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
