@@ -1,4 +1,6 @@
-"""NF4 matmuls on the CPU through bitsandbytes' native NF4 gemv (AVX512-BF16 CPUs).
+"""NF4 matmuls on the CPU through bitsandbytes' native NF4 gemv (AVX512-BF16 CPUs), for the
+operator path: prefill, and decode where the one-call step is off. The step's decode runs NF4 on
+thresher's own kernel (``cpu_nf4.c``), from the published codes.
 
 The dequantizing reference rebuilds the whole fp32 matrix on every call. bitsandbytes ships a CPU
 kernel that reads NF4 codes directly (``gemv_4bit``), but only from its own CPU layout: the codes

@@ -8,13 +8,15 @@
  * The operator path pays Python and torch dispatch around each of a layer's dozen operations;
  * that host cost stays fixed when memory gets faster. Here the model is a table of pointers
  * prepared once (cpu_step.py) and one ctypes call runs all layers; OpenMP threads run inside the
- * matmuls (thr_dense_matmul below, thr_q4_matmul) and the attention (thr_paged_decode).
+ * matmuls (thr_dense_matmul below, on AMX tiles where there are any; thr_q4_matmul;
+ * thr_nf4_matmul) and the attention (thr_paged_decode).
  *
  * Activations live in fp32 buffers whose values are rounded to the serving dtype (bf16 or fp32)
  * where the operator path rounds them, so the two paths agree to the order of fp32 sums: the
  * norms' outputs and residual sums, every linear's output, q/k norms and each rotary product,
  * the cache rows, attention, the router logits and weights, the SiLU product, the weighted sum
- * of the experts (4-bit experts in bf16 whatever the serving dtype, as cpu_q4's expert path).
+ * of the experts (4-bit experts in bf16 whatever the serving dtype, as cpu_q4's expert path and
+ * bitsandbytes' NF4 kernel compute them).
  */
 #define _GNU_SOURCE /* syscall: asking Linux for the AMX tiles */
 #include <immintrin.h>

@@ -29,9 +29,10 @@ about level at prefill's row counts). ``CausalLM.forward`` calls
 the step for CPU batches of decode tokens only; ``THRESHER_CPU_STEP=off`` keeps the operator
 path (read per step; at load it also keeps the blocked layout).
 
-Measured (docs/benchmarks.md, "CPU decode against llama.cpp"): on the 1.08 GB Qwen3-MoE with one
-thread, 1.47x the operator path's decode rate for GPTQ-4 and 1.60x for bf16 at one sequence,
-with 0.5-0.8 ms of host time per step left (scheduling, metadata, sampling) on a loaded machine.
+Measured (docs/benchmarks.md, "CPU decode against llama.cpp"): on the 1.08 GB Qwen3-MoE, at one
+sequence, 1.7-2.1x the operator path's decode rate for GPTQ-4, 1.4-1.7x for bf16 and 2.1-2.5x
+for NF4 (one and two threads; bf16 1.3-1.5x at 16 sequences, on the AMX tiles), with 0.4-0.7 ms
+of host time per step left (scheduling, metadata, sampling).
 """
 
 from __future__ import annotations
