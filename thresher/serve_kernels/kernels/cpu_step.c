@@ -715,26 +715,52 @@ static int moe(const thr_model *m, const thr_layer *L, int64_t t, work *w, float
         route_topk_softmax(L, t, w->logits, w->tid, w->tw, bf16);
     else
         route_softmax(L, t, w->logits, w->tid, w->tw, bf16);
-    memset(w->acc, 0, sizeof(float) * (size_t)(t * hd));
-    for (int64_t e = 0; e < E; e++) { /* each expert over the tokens routed to it */
-        int64_t rows = 0;
+    /* the experts that got tokens, each with its rows at an offset of the scratch buffers
+     * (t * K rows in all), most rows first */
+    int64_t sel[E], cnt[E], off[E], nsel = 0, total = 0;
+    memset(cnt, 0, sizeof(cnt));
+    for (int64_t i = 0; i < t * K; i++)
+        if (w->tid[i] >= 0) cnt[w->tid[i]]++;
+    for (int64_t e = 0; e < E; e++)
+        if (cnt[e]) {
+            off[e] = total, total += cnt[e];
+            int64_t j = nsel++;
+            for (; j > 0 && cnt[sel[j - 1]] < cnt[e]; j--) sel[j] = sel[j - 1];
+            sel[j] = e;
+        }
+    /* With at least as many experts as threads (and an even share, or two each), each thread
+     * runs whole experts, one parallel region for all of them; otherwise each expert's matmuls
+     * split their rows over the threads. Either way every output row is the same arithmetic. */
+    int threads = omp_get_max_threads(), err = 0;
+    int whole = threads > 1 && nsel >= threads && (nsel % threads == 0 || nsel >= 2 * threads);
+#pragma omp parallel for schedule(dynamic, 1) if (whole && !omp_in_parallel())
+    for (int64_t j = 0; j < nsel; j++) {
+        int64_t e = sel[j], o = off[e], rows = 0, mi = m->max_inter;
+        float *xs = w->xs + o * hd;
         for (int64_t i = 0; i < t * K; i++)
             if (w->tid[i] == e) {
                 for (int64_t c = 0; c < hd; c++)
-                    w->xs[rows * hd + c] = rnd(w->h[(i / K) * hd + c], eb);
+                    xs[rows * hd + c] = rnd(w->h[(i / K) * hd + c], eb);
                 rows++;
             }
-        if (!rows) continue;
-        rc = L->clamped ? clamped_mlp(L, &L->gate_up[e], &L->up[e], &L->down[e], w->xs, rows,
-                                      w->gu, w->act, w->mo, eb)
-                        : mlp(&L->gate_up[e], L->up ? &L->up[e] : NULL, &L->down[e], w->xs, rows,
-                              w->gu, w->act, w->mo, eb);
-        if (rc) return rc;
+        float *gu = w->gu + o * 2 * mi, *act = w->act + o * mi, *mo = w->mo + o * hd;
+        int rc_e = L->clamped ? clamped_mlp(L, &L->gate_up[e], &L->up[e], &L->down[e], xs, rows,
+                                            gu, act, mo, eb)
+                              : mlp(&L->gate_up[e], L->up ? &L->up[e] : NULL, &L->down[e], xs,
+                                    rows, gu, act, mo, eb);
+        if (rc_e) {
+#pragma omp atomic write
+            err = rc_e;
+        }
+    }
+    if (err) return err;
+    memset(w->acc, 0, sizeof(float) * (size_t)(t * hd));
+    for (int64_t e = 0; e < E; e++) { /* the weighted sum in expert order, whoever ran them */
         int64_t r = 0;
         for (int64_t i = 0; i < t * K; i++)
             if (w->tid[i] == e) {
                 float *a = w->acc + (i / K) * hd;
-                const float *o = w->mo + r * hd;
+                const float *o = w->mo + (off[e] + r) * hd;
                 if (L->clamped) /* gpt-oss adds into a dtype tensor: each product and sum rounded */
                     for (int64_t c = 0; c < hd; c++) a[c] = rnd(a[c] + rnd(w->tw[i] * o[c], eb), eb);
                 else
