@@ -241,7 +241,7 @@ int thr_q4_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t
         free(xq), free(d), free(gsum);
         return -1;
     }
-#pragma omp parallel for schedule(static) if (m * k > 16384)
+#pragma omp parallel for schedule(static) if (m * k > 16384 && !omp_in_parallel())
     for (int64_t i = 0; i < m; i++)
         quantize_row((const char *)x + (x_bf16 ? 2 : 4) * i * k, x_bf16, k, g, xq + i * k,
                      d + i * blocks, gsum + i * groups);
@@ -255,7 +255,7 @@ int thr_q4_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t
             return -1;
         }
         for (int64_t i = 0; i < m; i++) permute_segments(xq + i * k, k, xp + i * k);
-#pragma omp parallel for schedule(static) if (m * n * k > 262144)
+#pragma omp parallel for schedule(static) if (m * n * k > 262144 && !omp_in_parallel())
         for (int64_t qi = 0; qi < quads; qi++) {
             int64_t r0 = qi * ROWS;
             int nr = n - r0 < ROWS ? (int)(n - r0) : ROWS;
@@ -300,7 +300,7 @@ int thr_q4_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t
         seg = 1;
     }
 #endif
-#pragma omp parallel if (m * n * k > 262144)
+#pragma omp parallel if (m * n * k > 262144 && !omp_in_parallel())
     {
         uint8_t *wb = aligned_alloc(64, (size_t)(ROWS * k));
         float *ws = g == 32 ? malloc(sizeof(float) * (size_t)(ROWS * k / 4)) : NULL;

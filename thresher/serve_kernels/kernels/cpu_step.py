@@ -4,8 +4,8 @@
 (``ThrModel`` holding one ``ThrLayer`` per layer, each linear a ``ThrLinear``) that
 ``modeling.native_step`` fills once per model. The structs here mirror the C ones field for
 field. ``dense_matmul`` and ``nf4_matmul`` expose the step's 16-bit / fp32 and NF4 matmuls for
-their tests and benchmarks;
-``amx`` says whether its bf16 matmuls run on the matrix units (AMX), and switches them.
+their tests and benchmarks; ``amx`` says whether its bf16 matmuls run on the matrix units (AMX),
+and switches them.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def nf4_matmul(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, quant
                blocksize: int) -> torch.Tensor:
     """x [M, K] @ W.T for an NF4 W [N, K] (``cpu_nf4.c``): ``codes`` uint8 [N * K / 2] as
     published, ``absmax`` bf16 [N, K / blocksize], ``quant_map`` fp32 [16] -> fp32 [M, N],
-    unrounded (bf16 activations and weights inside)."""
+    unrounded (activations and absmax in bf16 inside, weights and sums in fp32)."""
     lib = loaded()
     assert lib is not None, "cpu_step needs thresher's C kernels (cpu_native.library())"
     n, k = absmax.shape[0], x.shape[1]

@@ -23,11 +23,12 @@ experts (biases, top-k logits softmaxed, the clamped SwiGLU); Qwen3.5's gated at
 DeltaNet (its conv and delta-rule states updated in place, token by token). ``build`` returns
 None (the operator path stays) for what it does not cover: 8-bit and torch-kernel int4 packs,
 act-order GPTQ whose q/k/v stay apart, fp16. NF4 runs on thresher's own kernel (``cpu_nf4.c``,
-bf16 inside as bitsandbytes' kernel on the operator path), from the published codes. 16-bit matrices held in oneDNN's blocked layout are
-turned back into row-major ones (the C step reads those; prefill's matmuls then run row-major,
-about level at prefill's row counts). ``CausalLM.forward`` calls
-the step for CPU batches of decode tokens only; ``THRESHER_CPU_STEP=off`` keeps the operator
-path (read per step; at load it also keeps the blocked layout).
+from the published codes; bf16 activations, as bitsandbytes' kernel on the operator path). 16-bit
+matrices held in oneDNN's blocked layout are turned back into row-major ones (the C step reads
+those; prefill's matmuls then run row-major, about level at prefill's row counts).
+``CausalLM.forward`` calls the step for CPU batches of decode tokens only;
+``THRESHER_CPU_STEP=off`` keeps the operator path (read per step; at load it also keeps the
+blocked layout).
 
 Measured (docs/benchmarks.md, "CPU decode against llama.cpp"): on the 1.08 GB Qwen3-MoE, at one
 sequence, 1.7-2.1x the operator path's decode rate for GPTQ-4, 1.4-1.7x for bf16 and 2.1-2.5x
