@@ -14,6 +14,7 @@ from tests.conftest import CALIBRATION_FILE, build_random_model
 from tests.serve_kernels.conftest import save_family
 from thresher.compress.api import quantize_model
 from thresher.compress.nf4 import nf4_quantize
+from thresher.formats.nf4 import NF4Weight
 from thresher.recipe import CalibrationConfig, FilesSource, QuantizeStage
 from thresher.serve_kernels import LLM, SamplingParams
 from thresher.serve_kernels.engine.model_runner import FLATTEN_MAX
@@ -145,18 +146,26 @@ def test_native_step_is_not_built_when_off_or_unsupported(tmp_path, monkeypatch,
     assert LLM(path, block_size=4).engine.runner.model.native_step is not None
 
 
+def _nf4_weight(n: int, k: int, double_quant: bool
+                ) -> tuple[NF4Weight, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random NF4 weight, its absmax in bf16 per row (what cpu_nf4.c reads), its published codes
+    and the float64 W = map[code] * that absmax."""
+    w = nf4_quantize(torch.randn(n, k), double_quant, torch.bfloat16)
+    absmax = w.absmax_fp32().float().to(torch.bfloat16).reshape(n, k // w.blocksize)
+    packed = w.packed.reshape(-1)
+    codes = torch.stack([packed >> 4, packed & 0xF], 1).reshape(-1).long()
+    scale = absmax.float().reshape(-1).repeat_interleave(w.blocksize)
+    return w, absmax, packed, (w.quant_map.float()[codes] * scale).double().view(n, k)
+
+
 @pytest.mark.parametrize("m,n,k,double_quant", [(1, 64, 256, False), (5, 37, 512, True),
                                                  (16, 130, 1024, False)])
 def test_nf4_matmul_matches_bf16_reference(m, n, k, double_quant):
     """cpu_nf4.c against its definition: bf16 activations times weights map[code] * absmax (the
     absmax in bf16), summed in float64 here; a row's bits alone equal its bits in the batch."""
-    w = nf4_quantize(torch.randn(n, k), double_quant, torch.bfloat16)
-    absmax = w.absmax_fp32().float().to(torch.bfloat16).reshape(n, k // w.blocksize)
-    packed, x = w.packed.reshape(-1), torch.randn(m, k)
+    w, absmax, packed, weight = _nf4_weight(n, k, double_quant)
+    x = torch.randn(m, k)
     y = cpu_step.nf4_matmul(x, packed, absmax, w.quant_map, w.blocksize)
-    codes = torch.stack([packed >> 4, packed & 0xF], 1).reshape(-1).long()
-    scale = absmax.float().reshape(-1).repeat_interleave(w.blocksize)
-    weight = (w.quant_map.float()[codes] * scale).double().view(n, k)
     ref = x.bfloat16().double() @ weight.T
     assert (y - ref).abs().max() <= 1e-6 * k ** 0.5 * ref.abs().max()
     assert torch.equal(cpu_step.nf4_matmul(x[-1:], packed, absmax, w.quant_map, w.blocksize),
@@ -171,13 +180,9 @@ def test_nf4_matmul_is_closer_than_bitsandbytes():
     misses them by more (measured 1.4-1.5x the rounding's own error, three seeds, two shapes)."""
     if not cpu_nf4_available():
         pytest.skip("bitsandbytes has no CPU NF4 kernel here (needs AVX512-BF16)")
-    n, k = 256, 1024
-    w = nf4_quantize(torch.randn(n, k), False, torch.bfloat16)
-    absmax = w.absmax_fp32().float().to(torch.bfloat16).reshape(n, k // w.blocksize)
-    packed, x = w.packed.reshape(-1), torch.randn(8, k).bfloat16()
-    codes = torch.stack([packed >> 4, packed & 0xF], 1).reshape(-1).long()
-    scale = absmax.float().reshape(-1).repeat_interleave(w.blocksize)
-    exact = x.double() @ (w.quant_map.float()[codes] * scale).double().view(n, k).T
+    w, absmax, packed, weight = _nf4_weight(256, 1024, False)
+    x = torch.randn(8, 1024).bfloat16()
+    exact = x.double() @ weight.T
     ours = cpu_step.nf4_matmul(x.float(), packed, absmax, w.quant_map, w.blocksize)
     same = (ours.bfloat16().double() == exact.bfloat16().double()).float().mean()
     assert same > 0.99  # fp32 sums: a rounding flips only where the exact value is near a tie
