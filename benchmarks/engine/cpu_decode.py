@@ -85,8 +85,10 @@ QUANTIZE = {
     "awq4": ["--method", "awq", "--bits", "4", "--group-size", "128", "--samples", "4",
              "--seq-len", "64"],
     "nf4": ["--method", "nf4"],  # bitsandbytes' CPU NF4 kernel where the CPU has AVX512-BF16
+    "gptq8": ["--method", "rtn", "--bits", "8", "--group-size", "128"],
 }
-NAMES = {"gptq4": "GPTQ-4 (RTN g128)", "awq4": "AWQ-4 g128", "nf4": "NF4"}
+NAMES = {"gptq4": "GPTQ-4 (RTN g128)", "awq4": "AWQ-4 g128", "nf4": "NF4",
+         "gptq8": "GPTQ-8 (RTN g128)"}
 # --family: the checkpoint builder (same arguments: --layers counts the MoE layers)
 BUILDERS = {"qwen3_moe": build_checkpoint, "deepseek_v3": build_deepseek_v3_checkpoint,
             "gpt_oss": build_gpt_oss_checkpoint, "qwen3_5_moe": build_qwen3_5_checkpoint}

@@ -25,6 +25,7 @@ from thresher.serve_kernels.kernels.cpu_int4 import (
     pack_awq_int4,
     pack_gptq_int4,
 )
+from thresher.serve_kernels.kernels.cpu_int8 import Int8Pack, Q8Pack
 from thresher.serve_kernels.modeling.linear import AWQLinear, GPTQLinear
 
 K, N = 256, 80  # N a multiple of the kernel's 16 but not of 64
@@ -119,11 +120,18 @@ def test_linear_fast_path_with_bias_matches_reference(kind, monkeypatch):
 
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gptq8_per_channel_fast_path_matches_reference(sym, dtype, monkeypatch):
-    """Per-channel 8-bit runs the int8 kernel; grouped 8-bit keeps the reference."""
+@pytest.mark.parametrize("native", [True, False])
+def test_gptq8_fast_paths_match_reference(sym, dtype, native, monkeypatch):
+    """8-bit runs thresher's 8-bit kernel, per-channel or grouped, holding its codes in place of
+    the packed qweight; without the C kernels per-channel 8-bit runs torch's int8 kernel and
+    grouped 8-bit keeps the reference."""
     from thresher.formats.gptq import pack_gptq
     from thresher.formats.quantized import QuantizedWeight
 
+    if native and cpu_q4.library() is None:
+        pytest.skip("thresher's C kernels do not build here")
+    if not native:
+        monkeypatch.setenv("THRESHER_CPU_NATIVE", "off")
     gen = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 256, (N, K), generator=gen).to(torch.uint8)
     zeros = torch.full((N, 1), 128) if sym else torch.randint(100, 156, (N, 1), generator=gen)
@@ -132,9 +140,13 @@ def test_gptq8_per_channel_fast_path_matches_reference(sym, dtype, monkeypatch):
         groups = int(g_idx.max()) + 1
         qw = QuantizedWeight(codes, scales.repeat(1, groups), zeros.int().repeat(1, groups),
                              g_idx.int(), 8, group_size)
-        layer = GPTQLinear(*pack_gptq(qw).values(), 8, group_size, None)
+        tensors = pack_gptq(qw)
+        layer = GPTQLinear(*tensors.values(), 8, group_size, None)
         layer.pack_for_cpu()
-        assert (layer.cpu_pack is not None) == (group_size == -1)
+        kind = Q8Pack if native else Int8Pack if group_size == -1 else type(None)
+        assert isinstance(layer.cpu_pack, kind)
+        assert (layer.qweight is None) == native  # the codes held once
+        assert torch.equal(layer.packed()["qweight"], tensors["qweight"])
         x = torch.randn(7, K).to(dtype)
         fast = layer(x)
         monkeypatch.setenv("THRESHER_KERNELS", "torch")

@@ -1,4 +1,4 @@
-"""thresher's 4-bit CPU kernel (cpu_q4.c) against a float reference, in both of its builds.
+"""thresher's 4-bit and 8-bit CPU kernels (cpu_q4.c) against a float reference, in both builds.
 
 The reference is the same product with the activations rounded as the kernel rounds them (int8
 per block of 32, scale max|x| / 127): against it only the float summation order differs, so the
@@ -91,6 +91,55 @@ def test_a_rows_output_does_not_depend_on_the_batch(lib, g, dtype):
     alone = _run(lib, rows[-1:].contiguous(), w, sz, g)
     for m in (2, 5, 16, 17, 33):
         assert torch.equal(_run(lib, rows[-m:].contiguous(), w, sz, g)[-1:], alone), m
+
+
+def _run8(lib, x, codes, sz, g):
+    m, k = x.shape
+    y = torch.empty(m, codes.shape[0], dtype=x.dtype)
+    bf16 = int(x.dtype == torch.bfloat16)
+    rc = lib.thr_q8_matmul(x.data_ptr(), bf16, m, k, codes.data_ptr(), sz.data_ptr(),
+                           codes.shape[0], g, y.data_ptr(), bf16)
+    assert rc == 0
+    return y
+
+
+def _weight8(k: int, n: int, g: int):
+    """8-bit codes, scales and zeros [K, N] (the reference's layout) and the kernel's [N, K]
+    codes and [N, 2, groups] scales."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 256, (k, n), generator=gen)
+    s = torch.rand(k // g, n, generator=gen) * 0.002 + 1e-4
+    z = torch.randint(100, 156, (k // g, n), generator=gen).float()
+    return q, s, z, q.T.to(torch.uint8).contiguous(), cpu_q4.scales_zeros(s, z)
+
+
+@pytest.mark.parametrize(("k", "n", "g"), [(64, 5, 64), (256, 80, 32), (256, 83, 128),
+                                           (512, 40, 512), (1024, 33, 256)])
+@pytest.mark.parametrize("m", [1, 3, 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_8bit_matches_the_rounded_reference(lib, k, n, g, m, dtype):
+    """thr_q8_matmul (codes 0-255, a byte each; groups of 32, of 64k, one per row): the 4-bit
+    kernel's reference with 8-bit codes, whose pair sums pass the AVX2 path's int16 saturation
+    unless widened."""
+    q, s, z, codes, sz = _weight8(k, n, g)
+    x = torch.randn(m, k).to(dtype)
+    y = _run8(lib, x, codes, sz, g)
+    ref = _reference(x, q, s, z, g)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -8
+    assert ((y.double() - ref).norm() / ref.norm()).item() < tol
+
+
+@pytest.mark.parametrize("g", [32, 128])
+def test_8bit_rows_do_not_depend_on_the_batch_and_odd_shapes_are_refused(lib, g):
+    q, s, z, codes, sz = _weight8(512, 40, g)
+    rows = torch.randn(17, 512)
+    alone = _run8(lib, rows[-1:].contiguous(), codes, sz, g)
+    for m in (2, 5, 17):
+        assert torch.equal(_run8(lib, rows[-m:].contiguous(), codes, sz, g)[-1:], alone), m
+    y = torch.empty(1, 40)
+    for k, g_bad in ((512, 96), (480, 32)):  # a group of 96; K not a multiple of 64
+        assert lib.thr_q8_matmul(rows.data_ptr(), 0, 1, k, codes.data_ptr(), sz.data_ptr(), 40,
+                                 g_bad, y.data_ptr(), 0) == -2
 
 
 def test_bf16_output_is_the_fp32_output_rounded(lib):

@@ -91,9 +91,12 @@ def test_quantized_artifact_matches_dequantizing_loader(moe_dirs, tmp_path, fami
     assert llm.engine.model_info["format"] == {"rtn": "gptq"}.get(stage.method, stage.method)
     # the experts are held packed: a fraction of what their fp32 matrices would take
     fp32_experts = 8 * 3 * 64 * model.spec.hidden_size * 4
-    assert all(packed_bytes(layer.mlp.experts) < 0.35 * fp32_experts for layer in model.layers)
+    # (4-bit: the checkpoint's codes and the CPU pack's, 0.33-0.34 measured; 8-bit: the codes
+    # once, in the CPU pack, with fp32 scales per group of 32, 0.35)
+    limit = 0.35 if stage.bits == 4 else 0.4
+    assert all(packed_bytes(layer.mlp.experts) < limit * fp32_experts for layer in model.layers)
     # 4-bit GPTQ/AWQ experts carry their CPU int4 form, NF4 experts bitsandbytes' CPU NF4 form
-    # where the CPU has it; 8-bit experts keep the references only
+    # where the CPU has it (8-bit experts' packs are their linears')
     has_int4 = stage.method != "nf4" and stage.bits == 4
     has_nf4 = stage.method == "nf4" and cpu_nf4_available()
     assert all(bool(layer.mlp.experts.cpu_packs) == (

@@ -31,6 +31,7 @@ FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "llama", "qwen2", "qwe
             "glm4_moe", "deepseek_v3", "ernie4_5_moe", "gpt_oss", "qwen3_5_moe"]
 STAGES = {"gptq4": QuantizeStage(method="rtn", group_size=32),
           "awq4": QuantizeStage(method="awq", group_size=32),
+          "gptq8": QuantizeStage(method="rtn", bits=8, group_size=32),
           "nf4": QuantizeStage(method="nf4", compute_dtype="float32")}
 
 
@@ -104,7 +105,7 @@ def _decode_pairs(llm: LLM, prompts: list[list[int]], steps: int, monkeypatch
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("fmt", ["bf16", "gptq4", "awq4", "nf4"])
+@pytest.mark.parametrize("fmt", ["bf16", "gptq4", "awq4", "gptq8", "nf4"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_native_step_matches_operator_path(family, fmt, dtype, tmp_path, monkeypatch,
                                            tiny_demo):
@@ -119,6 +120,7 @@ def test_native_step_matches_operator_path(family, fmt, dtype, tmp_path, monkeyp
     assert isinstance(step, NativeStep)
     kinds = {L.qkv.kind for L in step.layers} | {L.gate_up[0].kind for L in step.layers}
     assert (cpu_step.LIN_Q4 in kinds) == (fmt in ("gptq4", "awq4"))  # on cpu_q4's packs
+    assert (cpu_step.LIN_Q8 in kinds) == (fmt == "gptq8")  # on cpu_q4.c's 8-bit kernel
     assert (cpu_step.LIN_NF4 in kinds) == (fmt == "nf4")  # on cpu_nf4.c
     # fp32: the same roundings, sums in another order (measured 5e-7); bf16: one bf16 step of
     # the largest value where a sum's order flips a rounding (measured up to 1.3%); NF4, bf16

@@ -100,6 +100,8 @@ def load(path: Path) -> ctypes.CDLL:
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.thr_q4_matmul.argtypes = [ptr, cint, i64, i64, ptr, ptr, i64, i64, ptr, cint]
     lib.thr_q4_matmul.restype = cint
+    lib.thr_q8_matmul.argtypes = [ptr, cint, i64, i64, ptr, ptr, i64, i64, ptr, cint]
+    lib.thr_q8_matmul.restype = cint
     lib.thr_rms_norm.argtypes = [ptr, ptr, ptr, ptr, cint, i64, ptr, i64, i64, ctypes.c_float,
                                  cint]
     lib.thr_rms_norm.restype = None

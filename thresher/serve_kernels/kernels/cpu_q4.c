@@ -1,6 +1,9 @@
-/* 4-bit weight x 8-bit activation matmul for x86 CPUs (AVX2, AVX512-VNNI).
+/* 4-bit and 8-bit weight x 8-bit activation matmuls for x86 CPUs (AVX2, AVX512-VNNI).
  *
  * y[m, n] = sum_k (q[n, k] - z[n, g]) * s[n, g] * x[m, k],  g = k / G
+ *
+ * thr_q4_matmul takes 4-bit codes in the layout below, thr_q8_matmul 8-bit codes a byte each,
+ * row-major (GPTQ's 8-bit: llama.cpp's Q8_0 x Q8_0 product with GPTQ's zero points).
  *
  * The activations are rounded to int8 per block of 32 (d = max|x| / 127, as llama.cpp's Q8_0
  * does for its Q4_0 matmuls), so the inner products run on integer multiply-adds: vpdpbusd
@@ -188,6 +191,37 @@ static inline __attribute__((always_inline)) void rows_dot_packed(
     }
     for (int r = 0; r < nr; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
+
+/* 8-bit codes, a byte each in order, read straight from the weight rows (``stride`` k): as
+ * rows_dot, with a prefetch ahead of each row; groups of 32 scale each block's lanes (pair) */
+static inline __attribute__((always_inline)) void rows_dot8(
+    const uint8_t *w, const float *sz, int64_t sz_stride, int64_t k, int64_t g, int nr,
+    const int8_t *xq, const float *d, float *out) {
+    __m512 acc[ROWS];
+    for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
+    int64_t per_group = g == 32 ? 1 : g / 64; /* 64-byte chunks per scale step */
+    for (int64_t c0 = 0; c0 < k / 64; c0 += per_group) {
+        __m512 gacc[ROWS];
+        for (int r = 0; r < nr; r++) gacc[r] = _mm512_setzero_ps();
+        for (int64_t c = c0; c < c0 + per_group; c++) {
+            __m512i xv = _mm512_loadu_si512((const void *)(xq + 64 * c));
+            __m512 dv = pair(d[2 * c], d[2 * c + 1]);
+            for (int r = 0; r < nr; r++) {
+                const uint8_t *p = w + r * k + 64 * c;
+                _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);
+                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                                  _mm512_loadu_si512((const void *)p), xv);
+                gacc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dv, gacc[r]);
+            }
+        }
+        for (int r = 0; r < nr; r++) {
+            const float *s = sz + r * sz_stride;
+            __m512 sc = g == 32 ? pair(s[2 * c0], s[2 * c0 + 1]) : _mm512_set1_ps(s[c0 / per_group]);
+            acc[r] = _mm512_fmadd_ps(gacc[r], sc, acc[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #define Q4_ISA "avx2"
 static inline float zdot(const float *a, const float *b, int64_t n) {
@@ -218,6 +252,33 @@ static inline __attribute__((always_inline)) void rows_dot(
         for (int r = 0; r < nr; r++)
             acc[r] = _mm256_fmadd_ps(dot32(wb + r * k + 32 * b, xq + 32 * b),
                                      _mm256_set1_ps(d[b] * sz[r * sz_stride + gi]), acc[r]);
+    }
+    for (int r = 0; r < nr; r++) out[r] = hsum8(acc[r]);
+}
+
+/* 32 8-bit codes times 32 int8 activations as 8 int32 sums, widened to 16 bits first: the
+ * pairs' sums reach 2 * 255 * 128, past vpmaddubsw's saturation */
+static inline __m256 dot32_wide(const uint8_t *w, const int8_t *x) {
+    __m256i a = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)w)),
+                                  _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x)));
+    __m256i b = _mm256_madd_epi16(
+        _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + 16))),
+        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x + 16))));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(a, b));
+}
+
+static inline __attribute__((always_inline)) void rows_dot8(
+    const uint8_t *w, const float *sz, int64_t sz_stride, int64_t k, int64_t g, int nr,
+    const int8_t *xq, const float *d, float *out) {
+    __m256 acc[ROWS];
+    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < k / 32; b++) {
+        int64_t gi = (b * 32) / g;
+        for (int r = 0; r < nr; r++) {
+            _mm_prefetch((const char *)(w + r * k + 32 * b) + PREFETCH, _MM_HINT_T0);
+            acc[r] = _mm256_fmadd_ps(dot32_wide(w + r * k + 32 * b, xq + 32 * b),
+                                     _mm256_set1_ps(d[b] * sz[r * sz_stride + gi]), acc[r]);
+        }
     }
     for (int r = 0; r < nr; r++) out[r] = hsum8(acc[r]);
 }
@@ -387,4 +448,48 @@ int thr_q4_moe_one(const void *x, int x_bf16, const void *tw, int tw_bf16, const
     }
     free(xb), free(gu), free(act), free(dn);
     return rc;
+}
+
+/* y [m, n] = x [m, k] @ W.T for 8-bit codes q [n, k] (a byte each, row-major): W = s * (q - z)
+ * per group of g inputs, scales as thr_q4_matmul's ([n, 2, k / g]: s, then s * z), activations
+ * rounded to int8 per block of 32 as there. Returns 0, -1 when out of memory, -2 for a shape it
+ * does not hold (k a multiple of 64; g 32 or a multiple of 64 dividing k). */
+int thr_q8_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *w,
+                  const float *sz, int64_t n, int64_t g, void *y, int y_bf16) {
+    if (k % 64 || g <= 0 || k % g || (g != 32 && g % 64)) return -2;
+    int64_t blocks = k / QBLOCK, groups = k / g;
+    int8_t *xq = aligned_alloc(64, (size_t)((m * k + 127) / 64 * 64));
+    float *d = malloc(sizeof(float) * (size_t)(m * blocks));
+    float *gsum = malloc(sizeof(float) * (size_t)(m * groups));
+    if (!xq || !d || !gsum) {
+        free(xq), free(d), free(gsum);
+        return -1;
+    }
+#pragma omp parallel for schedule(static) if (m * k > 16384 && !omp_in_parallel())
+    for (int64_t i = 0; i < m; i++)
+        quantize_row((const char *)x + (x_bf16 ? 2 : 4) * i * k, x_bf16, k, g, xq + i * k,
+                     d + i * blocks, gsum + i * groups);
+    int64_t quads = (n + ROWS - 1) / ROWS;
+#pragma omp parallel for schedule(static) if (m * n * k > 262144 && !omp_in_parallel())
+    for (int64_t qi = 0; qi < quads; qi++) {
+        int64_t r0 = qi * ROWS;
+        int nr = n - r0 < ROWS ? (int)(n - r0) : ROWS;
+        const float *szr = sz + r0 * 2 * groups;
+        for (int64_t i = 0; i < m; i++) {
+            float acc[ROWS];
+            if (nr == ROWS)
+                rows_dot8(w + r0 * k, szr, 2 * groups, k, g, ROWS, xq + i * k, d + i * blocks, acc);
+            else
+                rows_dot8(w + r0 * k, szr, 2 * groups, k, g, nr, xq + i * k, d + i * blocks, acc);
+            for (int r = 0; r < nr; r++) {
+                float v = acc[r] - zdot(szr + r * 2 * groups + groups, gsum + i * groups, groups);
+                if (y_bf16)
+                    ((uint16_t *)y)[i * n + r0 + r] = f32_to_bf16(v);
+                else
+                    ((float *)y)[i * n + r0 + r] = v;
+            }
+        }
+    }
+    free(xq), free(d), free(gsum);
+    return 0;
 }

@@ -6,7 +6,8 @@ bound by that arithmetic, not by memory (it reads 8 GB/s per core of packed weig
 core streams about 9). llama.cpp's Q4_0 matmul instead rounds the activations to int8 per block
 of 32 and multiplies on the integer units; cpu_q4.c does the same for GPTQ and AWQ weights
 (asymmetric, any group of 32 or a multiple of 64), with AVX512-VNNI where the CPU has it and
-AVX2 otherwise, and prefetches the weight rows ahead of the dot products. The activation
+AVX2 otherwise, and prefetches the weight rows ahead of the dot products. ``matmul8`` does the
+same for 8-bit GPTQ codes, a byte each (llama.cpp's Q8_0 x Q8_0, with GPTQ's zero points). The activation
 rounding adds an error of the size of bf16's (see tests). Built and loaded by ``cpu_native``.
 """
 
@@ -21,7 +22,7 @@ from thresher.serve_kernels.kernels.cpu_native import library, loaded
 
 BLOCK = 32  # activation block (one int8 scale each)
 
-__all__ = ["BLOCK", "ExpertTable", "library", "matmul", "pack_codes", "scales_zeros",
+__all__ = ["BLOCK", "ExpertTable", "library", "matmul", "matmul8", "pack_codes", "scales_zeros",
            "supports"]
 
 
@@ -57,6 +58,25 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor,
     bf16 = int(x.dtype == torch.bfloat16)
     if lib.thr_q4_matmul(x.data_ptr(), bf16, m, k, weight.data_ptr(), sz.data_ptr(), n,
                          group_size, y.data_ptr(), bf16):
+        raise MemoryError("cpu_q4: out of memory for the activation buffers")
+    return y
+
+
+def matmul8(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
+            group_size: int) -> torch.Tensor:
+    """x [M, K] (fp32 or bf16, contiguous) @ W.T -> [M, N] in x's dtype for 8-bit codes
+    [N, K] (uint8, row-major) with ``scales_zeros``-style scales [N, 2, groups]."""
+    lib = loaded()
+    assert lib is not None, "cpu_q4 is not loaded: pack weights after library() returned it"
+    m, k = x.shape
+    n = codes.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype)
+    bf16 = int(x.dtype == torch.bfloat16)
+    rc = lib.thr_q8_matmul(x.data_ptr(), bf16, m, k, codes.data_ptr(), sz.data_ptr(), n,
+                           group_size, y.data_ptr(), bf16)
+    if rc == -2:
+        raise ValueError(f"cpu_q4: 8-bit rows of {k} in groups of {group_size} are not held")
+    if rc:
         raise MemoryError("cpu_q4: out of memory for the activation buffers")
     return y
 

@@ -8,8 +8,8 @@
  * The operator path pays Python and torch dispatch around each of a layer's dozen operations;
  * that host cost stays fixed when memory gets faster. Here the model is a table of pointers
  * prepared once (cpu_step.py) and one ctypes call runs all layers; OpenMP threads run inside the
- * matmuls (thr_dense_matmul below, on AMX tiles where there are any; thr_q4_matmul;
- * thr_nf4_matmul) and the attention (thr_paged_decode).
+ * matmuls (thr_dense_matmul below, on AMX tiles where there are any; thr_q4_matmul,
+ * thr_q8_matmul, thr_nf4_matmul) and the attention (thr_paged_decode).
  *
  * Activations live in fp32 buffers whose values are rounded to the serving dtype (bf16 or fp32)
  * where the operator path rounds them, so the two paths agree to the order of fp32 sums: the
@@ -30,6 +30,8 @@
 
 int thr_q4_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *w,
                   const float *sz, int64_t n, int64_t g, void *y, int y_bf16);
+int thr_q8_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *w,
+                  const float *sz, int64_t n, int64_t g, void *y, int y_bf16);
 int thr_nf4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *codes,
                    const uint16_t *absmax, const float *map, int64_t bs, int64_t n, float *y);
 int thr_paged_decode(const void *q, const void *k_cache, const void *v_cache,
@@ -42,13 +44,14 @@ int thr_paged_decode_sinks(const void *q, const void *k_cache, const void *v_cac
                            int64_t d, int64_t block_size, float scale, const float *sinks,
                            int64_t window, void *out, int bf16);
 
-enum { LIN_NONE = 0, LIN_F32 = 1, LIN_BF16 = 2, LIN_Q4 = 3, LIN_NF4 = 4 };
+enum { LIN_NONE = 0, LIN_F32 = 1, LIN_BF16 = 2, LIN_Q4 = 3, LIN_NF4 = 4, LIN_Q8 = 5 };
 
 typedef struct {
     int32_t kind, pad;
-    int64_t n, k, group;  /* out, in features; q4 group size, NF4 block size */
-    const void *w;        /* dense [n, k] row-major, cpu_q4's packed codes, or NF4 codes */
-    const void *sz;       /* q4: fp32 scales and scales * zeros; NF4: bf16 absmax [n, k / group] */
+    int64_t n, k, group;  /* out, in features; q4 / q8 group size, NF4 block size */
+    const void *w;        /* dense [n, k] row-major, cpu_q4's packed codes, 8-bit codes [n, k],
+                           * or NF4 codes */
+    const void *sz;       /* q4, q8: fp32 scales and scales * zeros; NF4: bf16 absmax */
     const float *bias;    /* fp32 [n] or NULL */
     const float *map;     /* NF4: the 16 code values */
 } thr_linear;
@@ -497,9 +500,9 @@ int thr_dense_matmul(const float *x, int64_t m, int64_t k, const void *w, int wb
 /* y [m, n] = x @ L.T (+ bias), rounded to the serving dtype as the operator path rounds it */
 static int linear(const thr_linear *L, const float *x, int64_t m, float *y, int bf16) {
     int rc;
-    if (L->kind == LIN_Q4) {
-        rc = thr_q4_matmul(x, 0, m, L->k, (const uint8_t *)L->w, (const float *)L->sz, L->n,
-                           L->group, y, 0);
+    if (L->kind == LIN_Q4 || L->kind == LIN_Q8) {
+        rc = (L->kind == LIN_Q4 ? thr_q4_matmul : thr_q8_matmul)(
+            x, 0, m, L->k, (const uint8_t *)L->w, (const float *)L->sz, L->n, L->group, y, 0);
         if (L->bias) round_all(y, m * L->n, bf16); /* the kernel's output, then + bias */
     } else if (L->kind == LIN_NF4) {
         rc = thr_nf4_matmul(x, m, L->k, (const uint8_t *)L->w, (const uint16_t *)L->sz, L->map,

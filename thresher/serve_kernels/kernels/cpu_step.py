@@ -16,13 +16,14 @@ import torch
 
 from thresher.serve_kernels.kernels.cpu_native import loaded
 
-LIN_NONE, LIN_F32, LIN_BF16, LIN_Q4, LIN_NF4 = 0, 1, 2, 3, 4
+LIN_NONE, LIN_F32, LIN_BF16, LIN_Q4, LIN_NF4, LIN_Q8 = 0, 1, 2, 3, 4, 5
 _ptr, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
 
 class ThrLinear(ctypes.Structure):
-    """One matrix: dense fp32 / bf16 row-major [n, k], cpu_q4's packed codes and scales, or NF4
-    codes with bf16 absmax [n, k / group] (``sz``) and the 16 code values (``map``)."""
+    """One matrix: dense fp32 / bf16 row-major [n, k], cpu_q4's packed 4-bit codes or 8-bit
+    codes [n, k] with their scales, or NF4 codes with bf16 absmax [n, k / group] (``sz``) and
+    the 16 code values (``map``)."""
 
     _fields_ = [("kind", _i32), ("pad", _i32), ("n", _i64), ("k", _i64), ("group", _i64),
                 ("w", _ptr), ("sz", _ptr), ("bias", _ptr), ("map", _ptr)]

@@ -23,6 +23,7 @@ from torch import nn
 
 from thresher.errors import ArtifactError
 from thresher.formats.awq import AWQ
+from thresher.formats.bits import pack_along_rows
 from thresher.formats.config import PackedFormat
 from thresher.formats.gptq import GPTQ
 from thresher.formats.nf4 import NF4, NF4Weight, concat_rows
@@ -43,7 +44,14 @@ from thresher.serve_kernels.kernels.cpu_int4 import (
     int4_matmul,
     pack_checkpoint_int4,
 )
-from thresher.serve_kernels.kernels.cpu_int8 import Int8Pack, int8_matmul, pack_int8
+from thresher.serve_kernels.kernels.cpu_int8 import (
+    Int8Pack,
+    Q8Pack,
+    int8_matmul,
+    pack_int8,
+    pack_q8,
+    q8_matmul,
+)
 from thresher.serve_kernels.kernels.cpu_nf4 import NF4Pack, nf4_cpu_matmul, pack_nf4_cpu
 from thresher.serve_kernels.kernels.nf4 import nf4_dequantize
 
@@ -128,7 +136,7 @@ class GPTQLinear(nn.Module):
             self.register_buffer(name, t)
         self.bits, self.group_size = bits, group_size
         self.out_features, self.in_features = GPTQ.matrix_shape({"qweight": qweight.shape}, bits)
-        self.cpu_pack: Int4Pack | Int8Pack | None = None
+        self.cpu_pack: Int4Pack | Q8Pack | Int8Pack | None = None
         self.cpu_dense: torch.Tensor | None = None
         size = self.in_features if group_size == -1 else group_size
         contiguous = torch.equal(g_idx.cpu().long(), torch.arange(self.in_features) // size)
@@ -140,21 +148,25 @@ class GPTQLinear(nn.Module):
         return cls(*(tensors[n] for n in GPTQ.tensors), quant.bits, quant.group_size, bias)
 
     @property
-    def cpu_packs(self) -> list[Int4Pack | Int8Pack]:
+    def cpu_packs(self) -> list[Int4Pack | Q8Pack | Int8Pack]:
         return [] if self.cpu_pack is None else [self.cpu_pack]
 
     def packed(self) -> dict[str, torch.Tensor]:
-        """The tensors under the format's names."""
-        return {n: getattr(self, n) for n in GPTQ.tensors}
+        """The tensors under the format's names (an 8-bit qweight rebuilt from the CPU pack's
+        codes, which replace it)."""
+        tensors = {n: getattr(self, n) for n in GPTQ.tensors}
+        if tensors["qweight"] is None:
+            tensors["qweight"] = pack_along_rows(self.cpu_pack.weight.T.to(torch.int32), 8)
+        return tensors
 
     def dequantized(self) -> torch.Tensor:
         """W [N, K] in fp32, as the dequantizing reference computes it."""
         return GPTQ.dequantize(self.packed(), self.bits, self.group_size)
 
     def pack_for_cpu(self, dtype: torch.dtype = torch.float32) -> None:
-        """Dequantize a small matrix into ``dtype`` (``cpu_dense``), else convert a 4-bit or
-        per-channel 8-bit weight for torch's CPU int4 / int8 kernel (left unset where the kernel
-        cannot hold it)."""
+        """Dequantize a small matrix into ``dtype`` (``cpu_dense``), else convert a 4-bit weight
+        for a CPU int4 kernel, an 8-bit one for thresher's 8-bit kernel or (per-channel, where
+        that does not load) torch's int8 kernel (left unset where no kernel can hold it)."""
         self.cpu_dense = _dense_copy(self, dtype)
         if self.cpu_dense is not None:
             return
@@ -162,13 +174,18 @@ class GPTQLinear(nn.Module):
             self.cpu_pack = pack_checkpoint_int4(GPTQ, self.packed(), self.group_size)
         elif self.bits == 8:
             qw = GPTQ.unpack(self.packed(), 8, self.group_size)
-            self.cpu_pack = pack_int8(qw.codes, qw.scales, qw.zeros, qw.g_idx)
+            self.cpu_pack = pack_q8(qw.codes, qw.scales, qw.zeros, qw.g_idx, self.group_size)
+            if self.cpu_pack is not None:
+                self.qweight = None  # the pack's codes are the same bytes: one copy in memory
+            else:
+                self.cpu_pack = pack_int8(qw.codes, qw.scales, qw.zeros, qw.g_idx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_dense is not None and use_cpu_kernels(x):
             return dense_forward(x, self.cpu_dense, self.bias)
         if self.cpu_pack is not None and use_cpu_kernels(x):
-            matmul = int4_matmul if isinstance(self.cpu_pack, Int4Pack) else int8_matmul
+            matmul = (int4_matmul if isinstance(self.cpu_pack, Int4Pack)
+                      else q8_matmul if isinstance(self.cpu_pack, Q8Pack) else int8_matmul)
             y = matmul(x, self.cpu_pack)
         elif self.bits == 4:
             y = gptq_matmul(x, self.qweight, self.qzeros, self.scales, self.g_idx,

@@ -21,7 +21,7 @@ Kimi-K2); softmax routing and the routing rules with sigmoid scores, a selection
 groups (GLM-4.5, DeepSeek-V3, ERNIE-4.5); gpt-oss's attention sinks and sliding windows, and its
 experts (biases, top-k logits softmaxed, the clamped SwiGLU); Qwen3.5's gated attention and Gated
 DeltaNet (its conv and delta-rule states updated in place, token by token). ``build`` returns
-None (the operator path stays) for what it does not cover: 8-bit and torch-kernel int4 packs,
+None (the operator path stays) for what it does not cover: torch-kernel int4 and int8 packs,
 act-order GPTQ whose q/k/v stay apart, fp16. NF4 runs on thresher's own kernel (``cpu_nf4.c``,
 from the published codes; bf16 activations, as bitsandbytes' kernel on the operator path). 16-bit
 matrices held in oneDNN's blocked layout are turned back into row-major ones (the C step reads
@@ -48,6 +48,7 @@ from torch import nn
 
 from thresher.serve_kernels.kernels.cpu_blocked import unblock
 from thresher.serve_kernels.kernels.cpu_int4 import Int4Pack
+from thresher.serve_kernels.kernels.cpu_int8 import Q8Pack
 from thresher.serve_kernels.kernels.cpu_native import loaded
 from thresher.serve_kernels.kernels.cpu_step import (
     LIN_BF16,
@@ -55,6 +56,7 @@ from thresher.serve_kernels.kernels.cpu_step import (
     LIN_NF4,
     LIN_NONE,
     LIN_Q4,
+    LIN_Q8,
     ThrLayer,
     ThrLinear,
     ThrModel,
@@ -115,6 +117,11 @@ def _q4(pack: Int4Pack, bias: torch.Tensor | None, keep: _Keep) -> ThrLinear:
                      keep.ptr(pack.weight), keep.ptr(pack.scales_zeros), keep.f32(bias))
 
 
+def _q8(pack: Q8Pack, bias: torch.Tensor | None, keep: _Keep) -> ThrLinear:
+    return ThrLinear(LIN_Q8, 0, pack.out_features, pack.weight.shape[1], pack.group_size,
+                     keep.ptr(pack.weight), keep.ptr(pack.scales_zeros), keep.f32(bias))
+
+
 def _nf4(m: NF4Linear, keep: _Keep) -> ThrLinear:
     """An NF4 weight on cpu_nf4.c: the published codes, the absmax in bf16 per output row."""
     w = m.nf4
@@ -140,15 +147,17 @@ def linear(m: nn.Module, keep: _Keep) -> ThrLinear:
         return _dense(m.cpu_dense, m.bias, keep)  # a small matrix dequantized at load
     if isinstance(m, GPTQLinear | AWQLinear) and isinstance(m.cpu_pack, Int4Pack):
         return _q4(m.cpu_pack, m.bias, keep)
+    if isinstance(m, GPTQLinear) and isinstance(m.cpu_pack, Q8Pack):
+        return _q8(m.cpu_pack, m.bias, keep)
     if isinstance(m, NF4Linear):
         return _nf4(m, keep)
-    raise Unsupported(f"{type(m).__name__} without a dense copy or a 4-bit cpu_q4 pack")
+    raise Unsupported(f"{type(m).__name__} without a dense copy or a cpu_q4 pack")
 
 
 def _experts(experts: nn.Module, keep: _Keep, out: ThrLayer, arrays: list
              ) -> tuple[ctypes.Array, ctypes.Array, int]:
     """(gate_up, down) arrays of one ThrLinear per expert, and whether they compute in bf16; NF4
-    experts keep gate and up apart (``out.up``)."""
+    and 8-bit experts keep gate and up apart (``out.up``)."""
     from thresher.serve_kernels.modeling.moe import ExpertLoop, FusedExperts
 
     if not isinstance(experts, FusedExperts | ExpertLoop):
@@ -159,13 +168,14 @@ def _experts(experts: nn.Module, keep: _Keep, out: ThrLayer, arrays: list
         bf16 = 0
     elif isinstance(experts, ExpertLoop):
         linears = (*experts.gate, *experts.up, *experts.down)
-        if not all(isinstance(m, NF4Linear) for m in linears):
-            raise Unsupported("experts kept as separate linears (8-bit)")
-        gu, up, dn = ([_nf4(m, keep) for m in mods]
+        nf4 = all(isinstance(m, NF4Linear) for m in linears)
+        if not nf4 and not all(isinstance(getattr(m, "cpu_pack", None), Q8Pack) for m in linears):
+            raise Unsupported("experts kept as separate linears, neither NF4 nor cpu_q4's 8-bit")
+        gu, up, dn = ([_nf4(m, keep) if nf4 else _q8(m.cpu_pack, m.bias, keep) for m in mods]
                       for mods in (experts.gate, experts.up, experts.down))
         out.up = (ThrLinear * len(up))(*up)
         arrays.append(out.up)
-        bf16 = 1  # bitsandbytes' kernel: bf16 activations in, bf16 out
+        bf16 = int(nf4)  # bitsandbytes' kernel: bf16 activations in, bf16 out
     elif experts.cpu_q4 is not None:
         gu = [_q4(p, None, keep) for p in experts.cpu_gate_up]
         dn = [_q4(p, None, keep) for p in experts.cpu_down]
