@@ -291,21 +291,43 @@ const char *thr_q4_isa(void) { return Q4_ISA; }
 /* the thread count a parallel region here gets: torch.set_num_threads reaches it */
 int thr_q4_threads(void) { return omp_get_max_threads(); }
 
-/* y [M, N] = x [M, K] @ W.T; x and y in fp32 or bf16 (flags). Returns 0, or -1 when out of memory. */
-int thr_q4_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *w,
-                  const float *sz, int64_t n, int64_t g, void *y, int y_bf16) {
+/* Every activation row of x [m, k] in int8 blocks (quantize_row) into buffers it allocates:
+ * codes xq [m, k], block scales d [m, k / 32], per-group sums gsum [m, k / g]. Returns 0, or -1
+ * when out of memory (nothing left allocated). */
+static int quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, int64_t g,
+                         int8_t **xq, float **d, float **gsum) {
     int64_t blocks = k / QBLOCK, groups = k / g;
-    int8_t *xq = aligned_alloc(64, (size_t)((m * k + 127) / 64 * 64));  /* a multiple of 64 */
-    float *d = malloc(sizeof(float) * (size_t)(m * blocks));
-    float *gsum = malloc(sizeof(float) * (size_t)(m * groups));
-    if (!xq || !d || !gsum) {
-        free(xq), free(d), free(gsum);
+    *xq = aligned_alloc(64, (size_t)((m * k + 127) / 64 * 64)); /* a multiple of 64 */
+    *d = malloc(sizeof(float) * (size_t)(m * blocks));
+    *gsum = malloc(sizeof(float) * (size_t)(m * groups));
+    if (!*xq || !*d || !*gsum) {
+        free(*xq), free(*d), free(*gsum);
         return -1;
     }
 #pragma omp parallel for schedule(static) if (m * k > 16384 && !omp_in_parallel())
     for (int64_t i = 0; i < m; i++)
-        quantize_row((const char *)x + (x_bf16 ? 2 : 4) * i * k, x_bf16, k, g, xq + i * k,
-                     d + i * blocks, gsum + i * groups);
+        quantize_row((const char *)x + (x_bf16 ? 2 : 4) * i * k, x_bf16, k, g, *xq + i * k,
+                     *d + i * blocks, *gsum + i * groups);
+    return 0;
+}
+
+/* y[i, j] = acc - the zero points' share (s z . gsum), as fp32 or bf16 */
+static inline void store_row_out(void *y, int y_bf16, int64_t at, float acc, const float *sz_row,
+                                 const float *gsum_row, int64_t groups) {
+    float v = acc - zdot(sz_row + groups, gsum_row, groups);
+    if (y_bf16)
+        ((uint16_t *)y)[at] = f32_to_bf16(v);
+    else
+        ((float *)y)[at] = v;
+}
+
+/* y [M, N] = x [M, K] @ W.T; x and y in fp32 or bf16 (flags). Returns 0, or -1 when out of memory. */
+int thr_q4_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *w,
+                  const float *sz, int64_t n, int64_t g, void *y, int y_bf16) {
+    int64_t blocks = k / QBLOCK, groups = k / g;
+    int8_t *xq;
+    float *d, *gsum;
+    if (quantize_rows(x, x_bf16, m, k, g, &xq, &d, &gsum)) return -1;
     int64_t quads = (n + ROWS - 1) / ROWS;
     int failed = 0;
 #if defined(Q4_DIRECT) && !defined(Q4_NO_DIRECT)
@@ -329,14 +351,9 @@ int thr_q4_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t
                 else
                     rows_dot_packed(w + r0 * (k / 2), k / 2, szr, 2 * groups, k, g, nr,
                                     xp + i * k, d + i * blocks, acc);
-                for (int r = 0; r < nr; r++) {
-                    float v = acc[r] - zdot(szr + r * 2 * groups + groups, gsum + i * groups,
-                                            groups);
-                    if (y_bf16)
-                        ((uint16_t *)y)[i * n + r0 + r] = f32_to_bf16(v);
-                    else
-                        ((float *)y)[i * n + r0 + r] = v;
-                }
+                for (int r = 0; r < nr; r++)
+                    store_row_out(y, y_bf16, i * n + r0 + r, acc[r], szr + r * 2 * groups,
+                                  gsum + i * groups, groups);
             }
         }
         free(xp), free(xq), free(d), free(gsum);
@@ -382,15 +399,9 @@ int thr_q4_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t
                     rows_dot(wb, ws, szr, 2 * groups, k, g, ROWS, xq + i * k, d + i * blocks, acc);
                 else
                     rows_dot(wb, ws, szr, 2 * groups, k, g, nr, xq + i * k, d + i * blocks, acc);
-                const float *gs = gsum + i * groups;
-                for (int r = 0; r < nr; r++) {
-                    float v = acc[r];
-                    v -= zdot(szr + r * 2 * groups + groups, gs, groups);
-                    if (y_bf16)
-                        ((uint16_t *)y)[i * n + r0 + r] = f32_to_bf16(v);
-                    else
-                        ((float *)y)[i * n + r0 + r] = v;
-                }
+                for (int r = 0; r < nr; r++)
+                    store_row_out(y, y_bf16, i * n + r0 + r, acc[r], szr + r * 2 * groups,
+                                  gsum + i * groups, groups);
             }
         }
         free(wb);
@@ -458,17 +469,9 @@ int thr_q8_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t
                   const float *sz, int64_t n, int64_t g, void *y, int y_bf16) {
     if (k % 64 || g <= 0 || k % g || (g != 32 && g % 64)) return -2;
     int64_t blocks = k / QBLOCK, groups = k / g;
-    int8_t *xq = aligned_alloc(64, (size_t)((m * k + 127) / 64 * 64));
-    float *d = malloc(sizeof(float) * (size_t)(m * blocks));
-    float *gsum = malloc(sizeof(float) * (size_t)(m * groups));
-    if (!xq || !d || !gsum) {
-        free(xq), free(d), free(gsum);
-        return -1;
-    }
-#pragma omp parallel for schedule(static) if (m * k > 16384 && !omp_in_parallel())
-    for (int64_t i = 0; i < m; i++)
-        quantize_row((const char *)x + (x_bf16 ? 2 : 4) * i * k, x_bf16, k, g, xq + i * k,
-                     d + i * blocks, gsum + i * groups);
+    int8_t *xq;
+    float *d, *gsum;
+    if (quantize_rows(x, x_bf16, m, k, g, &xq, &d, &gsum)) return -1;
     int64_t quads = (n + ROWS - 1) / ROWS;
 #pragma omp parallel for schedule(static) if (m * n * k > 262144 && !omp_in_parallel())
     for (int64_t qi = 0; qi < quads; qi++) {
@@ -481,13 +484,9 @@ int thr_q8_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t
                 rows_dot8(w + r0 * k, szr, 2 * groups, k, g, ROWS, xq + i * k, d + i * blocks, acc);
             else
                 rows_dot8(w + r0 * k, szr, 2 * groups, k, g, nr, xq + i * k, d + i * blocks, acc);
-            for (int r = 0; r < nr; r++) {
-                float v = acc[r] - zdot(szr + r * 2 * groups + groups, gsum + i * groups, groups);
-                if (y_bf16)
-                    ((uint16_t *)y)[i * n + r0 + r] = f32_to_bf16(v);
-                else
-                    ((float *)y)[i * n + r0 + r] = v;
-            }
+            for (int r = 0; r < nr; r++)
+                store_row_out(y, y_bf16, i * n + r0 + r, acc[r], szr + r * 2 * groups,
+                              gsum + i * groups, groups);
         }
     }
     free(xq), free(d), free(gsum);
