@@ -30,29 +30,59 @@
 
 #define QBLOCK 32
 
-/* One activation row in int8 blocks: codes, block scales and, per weight group, sum of x. */
+/* Block scales below this are taken as zero (their block's codes too): a scale over 16 stays
+ * exact (rows_dot_packed), and such a block's products, under 1e-33, were lost anyway. */
+#define MIN_SCALE 0x1p-120f
+
+/* One activation row in int8 blocks: codes, block scales and, per weight group, sum of x. Codes
+ * round half to even (nearbyintf; cvtps2dq under the default rounding mode, the same bits). */
 static void quantize_row(const void *x, int x_bf16, int64_t k, int64_t g, int8_t *xq, float *d,
                          float *gsum) {
-    float buf[QBLOCK];
     for (int64_t gi = 0; gi < k / g; gi++) gsum[gi] = 0.0f;
     for (int64_t b = 0; b < k / QBLOCK; b++) {
+        int64_t j = b * QBLOCK;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        __m512 v0, v1;
+        if (x_bf16) {
+            const __m256i_u *h = (const __m256i_u *)((const uint16_t *)x + j);
+            v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h[0]), 16));
+            v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h[1]), 16));
+        } else {
+            v0 = _mm512_loadu_ps((const float *)x + j);
+            v1 = _mm512_loadu_ps((const float *)x + j + 16);
+        }
+        /* a NaN lane leaves the max as it was, as the scalar comparison does */
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v1),
+                                                        _mm512_max_ps(_mm512_abs_ps(v0),
+                                                                      _mm512_setzero_ps())));
+        float db = amax / 127.0f;
+        if (db < MIN_SCALE) db = 0.0f;
+        __m512 inv = _mm512_set1_ps(db > 0.0f ? 1.0f / db : 0.0f);
+        __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));
+        __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+        _mm_storeu_si128((__m128i *)(xq + j), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(xq + j + 16), _mm512_cvtepi32_epi8(q1));
+        int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
+        float buf[QBLOCK];
         float amax = 0.0f;
         for (int i = 0; i < QBLOCK; i++) {
-            int64_t j = b * QBLOCK + i;
-            buf[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[j]) : ((const float *)x)[j];
+            buf[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[j + i]) : ((const float *)x)[j + i];
             float a = fabsf(buf[i]);
             amax = a > amax ? a : amax;
         }
         float db = amax / 127.0f;
+        if (db < MIN_SCALE) db = 0.0f;
         float inv = db > 0.0f ? 1.0f / db : 0.0f;
         int sum = 0;
         for (int i = 0; i < QBLOCK; i++) {
             int v = (int)nearbyintf(buf[i] * inv);
-            xq[b * QBLOCK + i] = (int8_t)v;
+            xq[j + i] = (int8_t)v;
             sum += v;
         }
+#endif
         d[b] = db;
-        gsum[b * QBLOCK / g] += db * (float)sum;
+        gsum[j / g] += db * (float)sum;
     }
 }
 
@@ -149,7 +179,9 @@ static inline __attribute__((always_inline)) void rows_dot(
  * 64-byte load is two chunks (128 codes); its low nibbles are codes 0-31 and 64-95 of the
  * segment, its high nibbles 32-63 and 96-127, so the activations are permuted to match once per
  * call (``permute_segments``). Decode (a few rows) reads each weight byte once: unpacking it to
- * a buffer first only added stores and loads. */
+ * a buffer first only added stores and loads. The high nibbles are masked in place, 16 times
+ * their codes, against their blocks' scales over 16 (``segment_scales``; no shift): exact, since
+ * quantize_row keeps every scale normal or zero, so the sums are the unpacked rows' bit for bit. */
 #define Q4_DIRECT 1
 static void permute_segments(const int8_t *xq, int64_t k, int8_t *xp) {
     for (int64_t s = 0; s < k / 128; s++) {
@@ -160,34 +192,45 @@ static void permute_segments(const int8_t *xq, int64_t k, int8_t *xp) {
     }
 }
 
+/* The activation block scales as rows_dot_packed's lanes need them: per 128-code segment,
+ * 16 floats for its low nibbles (blocks 0 and 2) and 16 for its high nibbles (blocks 1 and 3,
+ * over 16: the high nibbles are read in place, as 16 times their code) */
+static void segment_scales(const float *d, int64_t k, float *dv) {
+    for (int64_t s = 0; s < k / 128; s++) {
+        _mm512_storeu_ps(dv + 32 * s, pair(d[4 * s], d[4 * s + 2]));
+        _mm512_storeu_ps(dv + 32 * s + 16, pair(d[4 * s + 1] * 0.0625f, d[4 * s + 3] * 0.0625f));
+    }
+}
+
 static inline __attribute__((always_inline)) void rows_dot_packed(
     const uint8_t *w, int64_t stride, const float *sz, int64_t sz_stride, int64_t k, int64_t g,
-    int nr, const int8_t *xp, const float *d, float *out) {
+    int nr, const int8_t *xp, const float *dv, float *out) {
     __m512 acc[ROWS];
-    const __m512i mask = _mm512_set1_epi8(0x0f);
+    const __m512i lmask = _mm512_set1_epi8(0x0f), hmask = _mm512_set1_epi8((char)0xf0);
     for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
     int64_t per_group = g / 128;
-    for (int64_t gi = 0; gi < k / g; gi++) {
+    for (int64_t s0 = 0; s0 < k / 128; s0 += per_group) {
         __m512 gacc[ROWS];
         for (int r = 0; r < nr; r++) gacc[r] = _mm512_setzero_ps();
-        for (int64_t s = gi * per_group; s < (gi + 1) * per_group; s++) {
+        for (int64_t s = s0; s < s0 + per_group; s++) {
             __m512i xlo = _mm512_loadu_si512((const void *)(xp + 128 * s));
             __m512i xhi = _mm512_loadu_si512((const void *)(xp + 128 * s + 64));
-            __m512 dlo = pair(d[4 * s], d[4 * s + 2]), dhi = pair(d[4 * s + 1], d[4 * s + 3]);
+            __m512 dlo = _mm512_loadu_ps(dv + 32 * s), dhi = _mm512_loadu_ps(dv + 32 * s + 16);
             for (int r = 0; r < nr; r++) {
                 const uint8_t *p = w + r * stride + 64 * s;
                 _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);
                 __m512i v = _mm512_loadu_si512((const void *)p);
-                __m512i lo = _mm512_and_si512(v, mask);
-                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-                __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo);
-                __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, xhi);
+                __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                                _mm512_and_si512(v, lmask), xlo);
+                __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                                _mm512_and_si512(v, hmask), xhi);
                 gacc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), dlo, gacc[r]);
                 gacc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), dhi, gacc[r]);
             }
         }
         for (int r = 0; r < nr; r++)
-            acc[r] = _mm512_fmadd_ps(gacc[r], _mm512_set1_ps(sz[r * sz_stride + gi]), acc[r]);
+            acc[r] = _mm512_fmadd_ps(gacc[r], _mm512_set1_ps(sz[r * sz_stride + s0 / per_group]),
+                                     acc[r]);
     }
     for (int r = 0; r < nr; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
@@ -337,7 +380,15 @@ int thr_q4_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t
             free(xq), free(d), free(gsum);
             return -1;
         }
-        for (int64_t i = 0; i < m; i++) permute_segments(xq + i * k, k, xp + i * k);
+        float *dv = malloc(sizeof(float) * (size_t)(m * k / 4));
+        if (!dv) {
+            free(xp), free(xq), free(d), free(gsum);
+            return -1;
+        }
+        for (int64_t i = 0; i < m; i++) {
+            permute_segments(xq + i * k, k, xp + i * k);
+            segment_scales(d + i * blocks, k, dv + i * k / 4);
+        }
 #pragma omp parallel for schedule(static) if (m * n * k > 262144 && !omp_in_parallel())
         for (int64_t qi = 0; qi < quads; qi++) {
             int64_t r0 = qi * ROWS;
@@ -347,16 +398,16 @@ int thr_q4_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t
                 float acc[ROWS];
                 if (nr == ROWS)
                     rows_dot_packed(w + r0 * (k / 2), k / 2, szr, 2 * groups, k, g, ROWS,
-                                    xp + i * k, d + i * blocks, acc);
+                                    xp + i * k, dv + i * k / 4, acc);
                 else
                     rows_dot_packed(w + r0 * (k / 2), k / 2, szr, 2 * groups, k, g, nr,
-                                    xp + i * k, d + i * blocks, acc);
+                                    xp + i * k, dv + i * k / 4, acc);
                 for (int r = 0; r < nr; r++)
                     store_row_out(y, y_bf16, i * n + r0 + r, acc[r], szr + r * 2 * groups,
                                   gsum + i * groups, groups);
             }
         }
-        free(xp), free(xq), free(d), free(gsum);
+        free(dv), free(xp), free(xq), free(d), free(gsum);
         return 0;
     }
 #endif
