@@ -56,6 +56,96 @@ static inline __m256 reduce8(const __m256 *a) {
 
 #define OREGS 8 /* output dims kept in registers per pass: 8 x 8 */
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* With AVX-512, each block of 8 cached keys and each cached value is widened to fp32 once for
+ * all the query heads that share it (not once per head), and the products run 16 lanes wide. The
+ * sums are the 8-lane path's, lane for lane and in the same order, so the bits are too. */
+#define ATT_WIDE 1
+#ifndef VAHEAD
+#define VAHEAD 8
+#endif
+
+/* 8 cached keys (rows) in fp32, two tokens per 16 lanes: kp[(p * d / 8 + i / 8) * 16 + l] is
+ * token 2p + l / 8's dim i + l % 8 (as the 8-lane path holds one token's 8 dims). */
+static inline void pair_keys(const void *k_cache, const int64_t *rows, int64_t d, int bf16,
+                             float *kp) {
+    size_t es = bf16 ? 2 : 4;
+    for (int p = 0; p < 4; p++) {
+        const char *a = (const char *)k_cache + rows[2 * p] * es;
+        const char *b = (const char *)k_cache + rows[2 * p + 1] * es;
+        for (int64_t i = 0; i < d; i += 8)
+            _mm512_storeu_ps(kp + (p * (d / 8) + i / 8) * 16,
+                             _mm512_insertf32x8(_mm512_castps256_ps512(load8(a, i, bf16)),
+                                                load8(b, i, bf16), 1));
+    }
+}
+
+/* One head's scores for 8 paired keys: qd its query with each 8 dims twice over */
+static inline void scores8(const float *qd, const float *kp, int64_t d, float scale, float *s) {
+    __m512 acc[4];
+    for (int p = 0; p < 4; p++) acc[p] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d / 8; i++) {
+        __m512 qv = _mm512_loadu_ps(qd + 16 * i);
+        for (int p = 0; p < 4; p++)
+            acc[p] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kp + (p * (d / 8) + i) * 16), acc[p]);
+    }
+    __m256 a[8];
+    for (int p = 0; p < 4; p++) {
+        a[2 * p] = _mm512_castps512_ps256(acc[p]);
+        a[2 * p + 1] = _mm512_extractf32x8_ps(acc[p], 1);
+    }
+    _mm256_storeu_ps(s, _mm256_mul_ps(reduce8(a), _mm256_set1_ps(scale)));
+}
+
+/* up to 16 values' dims from fp32 or bf16 memory (lanes past `m` zero) */
+static inline __m512 load16(const void *p, __mmask16 m, int bf16) {
+    if (!bf16) return _mm512_maskz_loadu_ps(m, p);
+    __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Heads g0..g0+ng-1 (ng <= 4), dims i0..i0+16nv-1 of sum_t p_t v_t (the last 16 masked by
+ * `last`): each value's 16-dim pieces are loaded once for the ng heads. */
+static inline __attribute__((always_inline)) void values4(
+    const float *s, int64_t len, int64_t g0, int ng, const void *v_cache, const int64_t *rows,
+    int64_t i0, int nv, __mmask16 last, int bf16, const float *inv, void *out, int64_t out_row,
+    int64_t d) {
+    size_t es = bf16 ? 2 : 4;
+    __m512 o[4][4];
+#pragma GCC unroll 4
+    for (int g = 0; g < ng; g++)
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; v++) o[g][v] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t++) {
+        const char *vr = (const char *)v_cache + (rows[t] + i0) * es;
+        if (t + VAHEAD < len) /* a value VAHEAD tokens on, its lines this pass reads */
+            for (int v = 0; v < nv; v++)
+                _mm_prefetch((const char *)v_cache + (rows[t + VAHEAD] + i0 + 16 * v) * es,
+                             _MM_HINT_T0);
+        __m512 x[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                       _mm512_setzero_ps()};
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; v++)
+            x[v] = load16(vr + 16 * v * es, v == nv - 1 ? last : 0xffff, bf16);
+#pragma GCC unroll 4
+        for (int g = 0; g < ng; g++) {
+            __m512 p = _mm512_set1_ps(s[(g0 + g) * len + t]);
+#pragma GCC unroll 4
+            for (int v = 0; v < nv; v++) o[g][v] = _mm512_fmadd_ps(p, x[v], o[g][v]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < ng; g++) {
+        float buf[64];
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(buf + 16 * v, o[g][v]);
+        int64_t n = d - i0 < 64 ? d - i0 : 64;
+        for (int64_t i = 0; i < n; i++)
+            store_f(out, (out_row + g0 + g) * d + i0 + i, buf[i] * inv[g0 + g], bf16);
+    }
+}
+#endif
+
 /* One sequence, one kv head, its `group` query heads: scores, softmax, values. `s` holds
  * group * len scores, `rows` the len cache rows, `qf` the queries in fp32. Scores go 8 cached
  * tokens at a time (8 independent sums, reduced together); the weighted values keep 64 output
@@ -63,14 +153,36 @@ static inline __m256 reduce8(const __m256 *a) {
 static void head_group(const float *qf, const void *k_cache, const void *v_cache,
                        const int32_t *table, int64_t from, int64_t end, int64_t hkv, int64_t kh,
                        int64_t d, int64_t block_size, int64_t group, float scale,
-                       const float *sinks, int bf16, float *s, int64_t *rows, void *out,
-                       int64_t out_row) {
+                       const float *sinks, int bf16, float *s, int64_t *rows, float *scratch,
+                       void *out, int64_t out_row) {
     size_t es = bf16 ? 2 : 4;
     int64_t len = end - from; /* the cached positions from..end-1 (a window's, or all) */
-    for (int64_t t = 0; t < len; t++)
-        rows[t] = (((int64_t)table[(from + t) / block_size] * block_size + (from + t) % block_size)
-                   * hkv + kh) * d;
+    for (int64_t t = 0; t < len;) { /* block by block: no division per token */
+        int64_t at = from + t, off = at % block_size;
+        int64_t base = (int64_t)table[at / block_size] * block_size;
+        for (; off < block_size && t < len; off++, t++) rows[t] = ((base + off) * hkv + kh) * d;
+    }
     int64_t t0 = 0;
+    float *inv = scratch; /* per head: 1 / the softmax's denominator */
+#ifdef ATT_WIDE
+    if (d % 8 == 0) {
+        float *qd = scratch + group, *kp = qd + group * 2 * d;
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t i = 0; i < d; i += 8) {
+                __m256 q8 = _mm256_loadu_ps(qf + g * d + i);
+                _mm512_storeu_ps(qd + g * 2 * d + 2 * i,
+                                 _mm512_insertf32x8(_mm512_castps256_ps512(q8), q8, 1));
+            }
+        for (; t0 + 8 <= len; t0 += 8) {
+            for (int64_t j = t0 + 8; j < t0 + 16 && j < len; j++) /* the next 8 keys' lines */
+                for (int64_t b = 0; b < d * (int64_t)es; b += 64)
+                    _mm_prefetch((const char *)k_cache + rows[j] * es + b, _MM_HINT_T0);
+            pair_keys(k_cache, rows + t0, d, bf16, kp);
+            for (int64_t g = 0; g < group; g++)
+                scores8(qd + g * 2 * d, kp, d, scale, s + g * len + t0);
+        }
+    }
+#else
     if (d % 8 == 0)
         for (; t0 + 8 <= len; t0 += 8)
             for (int64_t g = 0; g < group; g++) {
@@ -85,6 +197,7 @@ static void head_group(const float *qf, const void *k_cache, const void *v_cache
                 _mm256_storeu_ps(s + g * len + t0,
                                  _mm256_mul_ps(reduce8(acc), _mm256_set1_ps(scale)));
             }
+#endif
     for (int64_t t = t0; t < len; t++) /* the last len % 8 tokens (all of them if d % 8) */
         for (int64_t g = 0; g < group; g++) {
             const char *kr = (const char *)k_cache + rows[t] * es;
@@ -95,9 +208,19 @@ static void head_group(const float *qf, const void *k_cache, const void *v_cache
     for (int64_t g = 0; g < group; g++) {
         /* a sink (gpt-oss): one more logit in the softmax's denominator, with no value */
         float *sg = s + g * len, sink = sinks ? sinks[g] : -INFINITY, m = sink;
-        for (int64_t t = 0; t < len; t++) m = sg[t] > m ? sg[t] : m;
-        __m256 mv = _mm256_set1_ps(m), acc = _mm256_setzero_ps();
+        /* the max 8 lanes at a time (one chain of vmaxss was a fifth of a long context's time);
+         * a NaN score is skipped, as by the scalar comparison */
+        __m256 mv = _mm256_set1_ps(m);
         int64_t t = 0;
+        for (; t + 8 <= len; t += 8) mv = _mm256_max_ps(_mm256_loadu_ps(sg + t), mv);
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        m = _mm_cvtss_f32(m4);
+        for (; t < len; t++) m = sg[t] > m ? sg[t] : m;
+        mv = _mm256_set1_ps(m);
+        __m256 acc = _mm256_setzero_ps();
+        t = 0;
         for (; t + 8 <= len; t += 8) {
             __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
             _mm256_storeu_ps(sg + t, p);
@@ -108,7 +231,31 @@ static void head_group(const float *qf, const void *k_cache, const void *v_cache
             sg[t] = expf(sg[t] - m);
             sum += sg[t];
         }
-        float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        inv[g] = sum > 0.0f ? 1.0f / sum : 0.0f;
+    }
+#ifdef ATT_WIDE
+    if (d % 8 == 0) {
+        for (int64_t g0 = 0; g0 < group; g0 += 4) {
+            int ng = group - g0 < 4 ? (int)(group - g0) : 4;
+            for (int64_t i0 = 0; i0 < d; i0 += 64) {
+                int64_t rest = d - i0;
+                if (ng == 4 && rest >= 64) { /* the common case, its loops unrolled */
+                    values4(s, len, g0, 4, v_cache, rows, i0, 4, 0xffff, bf16, inv, out,
+                            out_row, d);
+                    continue;
+                }
+                int nv = rest >= 64 ? 4 : (int)((rest + 15) / 16);
+                __mmask16 last = rest >= 64 || rest % 16 == 0
+                                     ? 0xffff
+                                     : (__mmask16)((1u << (rest % 16)) - 1);
+                values4(s, len, g0, ng, v_cache, rows, i0, nv, last, bf16, inv, out, out_row, d);
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t g = 0; g < group; g++) {
+        float *sg = s + g * len;
         int64_t i0 = 0;
         for (; d % 8 == 0 && i0 < d; i0 += 8 * OREGS) {
             int nv = (int)((d - i0) / 8 < OREGS ? (d - i0) / 8 : OREGS);
@@ -123,13 +270,13 @@ static void head_group(const float *qf, const void *k_cache, const void *v_cache
             float buf[8 * OREGS];
             for (int v = 0; v < nv; v++) _mm256_storeu_ps(buf + 8 * v, o[v]);
             for (int64_t i = 0; i < 8 * nv; i++)
-                store_f(out, (out_row + g) * d + i0 + i, buf[i] * inv, bf16);
+                store_f(out, (out_row + g) * d + i0 + i, buf[i] * inv[g], bf16);
         }
         for (int64_t i = i0; i < d; i++) { /* d not a multiple of 8 */
             float acc1 = 0.0f;
             for (int64_t t2 = 0; t2 < len; t2++)
                 acc1 += sg[t2] * load_f((const char *)v_cache + rows[t2] * es, i, bf16);
-            store_f(out, (out_row + g) * d + i, acc1 * inv, bf16);
+            store_f(out, (out_row + g) * d + i, acc1 * inv[g], bf16);
         }
     }
 }
@@ -156,7 +303,9 @@ static int paged_decode(const void *q, const void *k_cache, const void *v_cache,
         float *s = malloc(sizeof(float) * (size_t)(per * max_len));
         int64_t *rows = malloc(sizeof(int64_t) * (size_t)max_len);
         float *qf = malloc(sizeof(float) * (size_t)(per * d));
-        if (!s || !rows || !qf) {
+        /* 1 / denominators; with ATT_WIDE the doubled queries and 8 paired keys too */
+        float *scratch = malloc(sizeof(float) * (size_t)(per + per * 2 * d + 8 * d));
+        if (!s || !rows || !qf || !scratch) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -165,15 +314,16 @@ static int paged_decode(const void *q, const void *k_cache, const void *v_cache,
             for (int64_t kh = 0; kh < hkv; kh++)
                 for (int64_t c = 0; c < chunks; c++) {
                     int64_t g0 = c * per, n = group - g0 < per ? group - g0 : per;
-                    if (!s || !rows || !qf || n <= 0) continue;
+                    if (!s || !rows || !qf || !scratch || n <= 0) continue;
                     int64_t row0 = b * hq + kh * group + g0, len = context_lens[b];
                     int64_t from = window && len > window ? len - window : 0;
                     for (int64_t i = 0; i < n * d; i++) qf[i] = load_f(q, row0 * d + i, bf16);
                     head_group(qf, k_cache, v_cache, block_tables + b * table_stride, from, len,
                                hkv, kh, d, block_size, n, scale,
-                               sinks ? sinks + kh * group + g0 : NULL, bf16, s, rows, out, row0);
+                               sinks ? sinks + kh * group + g0 : NULL, bf16, s, rows, scratch,
+                               out, row0);
                 }
-        free(s), free(rows), free(qf);
+        free(s), free(rows), free(qf), free(scratch);
     }
     return failed ? -1 : 0;
 }
