@@ -3,11 +3,12 @@
 Where every scheduled sequence has one new token, the operator path (block gather, views,
 ``scaled_dot_product_attention``) costs a dozen dispatched operators, 45-70 us per layer at
 batch 1 for a short context; the C function walks the block tables directly, each kv head's
-query heads together, scores 8 cached tokens at a time. Same math in fp32 (scores, softmax,
-weighted values), rounded once to the activation dtype. Measured against the operator path (16
-query heads, 4 kv heads, D 64, bf16, batch 1): 0.25-0.35x its time at 32 cached tokens,
-0.4-0.75x from 128 to 1,024, level to 1.2x at 2,048, where torch's flash kernel catches up; so
-contexts longer than ``MAX_CONTEXT`` keep the operators.
+keys and values read once for the query heads that share them. Same math in fp32 (scores, softmax, weighted values), rounded
+once to the activation dtype. Measured against the operator path with the caches coming from
+memory (``benchmarks/engine/cpu_attention.py``; bf16, batch 1): 1.3-1.9x its speed at 256
+cached tokens, 1.9-2.5x at 1,024 and 2.4-3.3x from 2,048 to 16,384, on one and two threads.
+Contexts past ``MAX_CONTEXT`` keep the operators: the walk's score buffers (a float per head and
+position) would grow past a few MB per thread.
 Returns None where it does not apply (no library loaded, fp16, a non-contiguous tensor), and the
 caller keeps the operator path.
 """
@@ -19,7 +20,7 @@ import torch
 from thresher.serve_kernels.kernels.cpu_native import loaded
 
 DTYPES = (torch.float32, torch.bfloat16)
-MAX_CONTEXT = 1024  # longest cached sequence the C walk takes (see above)
+MAX_CONTEXT = 131072  # longest cached sequence the C walk takes (see above)
 
 
 def paged_decode_c(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
