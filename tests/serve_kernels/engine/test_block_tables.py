@@ -4,9 +4,13 @@ on the tiny demo model with a KV cache small enough to preempt."""
 
 from __future__ import annotations
 
+import ctypes
+
+import numpy as np
 import torch
 
 from thresher.serve_kernels import LLMEngine, SamplingParams
+from thresher.serve_kernels.engine.block_table import BlockTables
 from thresher.serve_kernels.engine.scheduler import ScheduledBatch
 from thresher.serve_kernels.engine.sequence import Sequence
 
@@ -82,3 +86,26 @@ def test_a_probe_longer_than_the_rows_widens_them(tiny_demo):
     assert hidden.shape[0] == 80
     engine.block_manager.free(probe)
     check(engine, probe)
+
+
+def test_host_rows_point_at_the_rows_a_cpu_step_reads():
+    """(address, stride) of consecutive rows or one repeated row are the rows ``batch_tables``
+    views, read where the C step reads them; after a widening too. Other rows: None (gather)."""
+    tables = BlockTables(6, 4, torch.device("cpu"))
+
+    def read(where: tuple[int, int], n: int) -> torch.Tensor:
+        address, stride = where
+        width = tables.tables.shape[1]
+        return torch.stack([torch.from_numpy(np.ctypeslib.as_array(
+            (ctypes.c_int32 * width).from_address(address + 4 * i * stride))).clone()
+            for i in range(n)])
+
+    for width in (4, 9):
+        if width > tables.tables.shape[1]:
+            tables._widen(width)
+        tables.tables.copy_(torch.arange(6 * width, dtype=torch.int32).view(6, width))
+        assert torch.equal(read(tables.host_rows([2, 3, 4]), 3), tables.tables[2:5])
+        assert tables.host_rows([3, 3, 3])[1] == 0
+        assert torch.equal(read(tables.host_rows([3, 3, 3]), 3), tables.tables[[3, 3, 3]])
+        assert tables.host_rows([4, 2]) is None
+        assert tables.host_rows([1, 3]) is None

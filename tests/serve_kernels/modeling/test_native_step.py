@@ -17,7 +17,7 @@ from thresher.compress.nf4 import nf4_quantize
 from thresher.formats.nf4 import NF4Weight
 from thresher.recipe import CalibrationConfig, FilesSource, QuantizeStage
 from thresher.serve_kernels import LLM, SamplingParams
-from thresher.serve_kernels.engine.model_runner import FLATTEN_MAX
+from thresher.serve_kernels.engine.model_runner import FLATTEN_MAX, ModelRunner
 from thresher.serve_kernels.engine.scheduler import ScheduledBatch
 from thresher.serve_kernels.engine.sequence import Sequence
 from thresher.serve_kernels.kernels import cpu_native, cpu_step
@@ -199,8 +199,13 @@ def test_prefill_keeps_operator_path_and_greedy_tokens_agree(tmp_path, monkeypat
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     long = [p * 7 for p in PROMPTS]  # longer than FLATTEN_MAX: a prefill on the operator path
     assert min(map(len, long)) > FLATTEN_MAX
+    uploads = []  # host lists turned into tensors: the prefill's, not the decode steps'
+    upload = ModelRunner._upload
+    monkeypatch.setattr(ModelRunner, "_upload",
+                        lambda self, *lists: uploads.append(len(lists[0])) or upload(self, *lists))
     first = [o.token_ids for o in llm.generate(long, params)]
     assert llm.engine.runner.model.native_step.calls == 3  # decode steps; not the prefill
+    assert sum(uploads) == sum(map(len, long))
     llm.generate(PROMPTS, params)  # chunks of at most FLATTEN_MAX tokens run as decode tokens
     assert llm.engine.runner.model.native_step.calls == 3 + 4
     monkeypatch.setenv(native_step.ENV, "off")

@@ -26,6 +26,7 @@ class BlockTables:
     def __init__(self, num_rows: int, max_blocks: int, device: torch.device):
         self.tables = torch.zeros(num_rows, max_blocks, dtype=torch.int32, device=device)
         self._host = self.tables.numpy() if self.tables.device.type == "cpu" else None
+        self._address = self.tables.data_ptr()
         self._free_rows = list(range(num_rows - 1, -1, -1))  # popped lowest first
 
     @property
@@ -58,6 +59,7 @@ class BlockTables:
         wider[:, : self.tables.shape[1]] = self.tables
         self.tables = wider
         self._host = wider.numpy() if wider.device.type == "cpu" else None
+        self._address = wider.data_ptr()
 
     def clear_tail(self, seq: Sequence, start: int) -> None:
         """Zero the sequence's entries from ``start`` on (its table was cut there)."""
@@ -84,6 +86,21 @@ class BlockTables:
                ) -> torch.Tensor:
         """The tables of ``rows`` (a device index tensor), ``width`` entries each: [len, width]."""
         return torch.index_select(self.tables[:, :width], 0, rows, out=out)
+
+    def host_rows(self, rows: list[int]) -> tuple[int, int] | None:
+        """Where a CPU step's tables already lie: (address of the first row, row stride in
+        entries) for consecutive rows in order, or one row repeated (stride 0), as
+        ``batch_tables`` views them; None otherwise (a gather) or on a GPU."""
+        if self._host is None:
+            return None
+        if rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0],
+                                                                       rows[0] + len(rows))):
+            stride = self._host.shape[1]
+        elif rows.count(rows[0]) == len(rows):
+            stride = 0
+        else:
+            return None
+        return self._address + rows[0] * self._host.shape[1] * 4, stride
 
     def batch_tables(self, rows: list[int], row_idx: torch.Tensor, width: int) -> torch.Tensor:
         """A step's tables, at least ``width`` entries each. On a CPU, rows that are consecutive

@@ -67,8 +67,11 @@ class StepResult:
 
 
 def _take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """x[rows]: a view when the rows are consecutive (every decode batch), else a gather."""
+    """x[rows]: x itself when they are all its rows in order (every decode batch; no
+    operator), a view when they are consecutive, else a gather."""
     if rows == list(range(rows[0], rows[0] + len(rows))):
+        if rows[0] == 0 and len(rows) == x.shape[0]:
+            return x
         return x[rows[0] : rows[0] + len(rows)]
     return x[rows]
 
@@ -173,6 +176,15 @@ class ModelRunner:
             context_lens = [p + 1 for p in positions]
             query_lens = [1] * len(positions)
             cu_meta = list(range(len(positions) + 1))
+        step = self.model.native_step
+        if (step is not None and self.device.type == "cpu" and self.decode_graphs is None
+                and len(input_ids) == len(rows) and native_enabled()
+                and use_cpu_kernels(self.model.embed_tokens)):
+            # decode tokens only (one per row) on the one-call C step: straight from the lists
+            where = self.tables.host_rows(rows)
+            if where is not None:
+                return step.decode_lists(input_ids, positions, slot_list, context_lens, where,
+                                         self.kv_caches, rows), cu_list
         ids, pos, slots, ctx, cu, row_idx = self._upload(
             input_ids, positions, slot_list, context_lens, cu_meta, rows)
         graphs = self.decode_graphs

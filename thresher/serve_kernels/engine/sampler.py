@@ -125,6 +125,10 @@ class Sampler:
             wants_logprobs = wants_logprobs or p.logprobs is not None
         if adjusts:
             logits = adjust_logits(logits, params, output_ids)
+        if not random and not wants_logprobs and logits.device.type == "cpu" and (
+                logits.dtype == torch.float32 and not logits.requires_grad):
+            # all greedy on a CPU (each decode step's common case): NumPy's argmax to a list
+            return SampleResult(logits.numpy().argmax(axis=-1).tolist(), None, None)
         if not random:  # the common all-greedy batch: one argmax, no gathers or scatters
             chosen = _argmax(logits)
         else:

@@ -243,12 +243,13 @@ class CausalLM(nn.Module):
         x, _ = rms_norm(x, self.norm, self.spec.rms_norm_eps, residual)
         return x
 
-    @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [N, V] for selected final hidden states [N, H]."""
+        """fp32 logits [N, V] for selected final hidden states [N, H]. The C LM head first,
+        outside inference mode: entering it is one more cold operator per decode step."""
         step = self.native_step
         if step is not None and enabled() and use_cpu_kernels(hidden):
             out = step.logits(hidden)
             if out is not None:
                 return out
-        return self.lm_head(hidden).float()
+        with torch.inference_mode():
+            return self.lm_head(hidden).float()

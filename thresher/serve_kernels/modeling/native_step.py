@@ -396,14 +396,47 @@ class NativeStep:
             raise MemoryError("cpu_step: out of memory for the step's buffers")
         return out
 
+    def decode_lists(self, ids: list[int], positions: list[int], slots: list[int],
+                     context_lens: list[int], tables: tuple[int, int],
+                     kv_caches: list[tuple[torch.Tensor, ...]], state_rows: list[int]
+                     ) -> torch.Tensor:
+        """``__call__`` from the runner's host lists, with no tensor built for them: ``tables``
+        is (address of the first token's block-table row, row stride in entries), rows the
+        ``BlockTables`` tensor already holds (``BlockTables.host_rows``). After a step has
+        streamed the weights through the caches, each torch operator on the host path runs
+        cold (30-40 us where it takes 3 warm); ctypes arrays of the lists take a few."""
+        if kv_caches[0][0].data_ptr() != self._bound:
+            self._bind(kv_caches)
+        t = len(ids)
+        ints = (ctypes.c_int64 * (3 * t))(*ids, *positions, *slots)
+        ctx = (ctypes.c_int32 * t)(*context_lens)
+        rows = None
+        if self._recurrent:
+            rows = (ctypes.c_int64 * t)(*self._reserve_states(state_rows, context_lens))
+        out = torch.empty(t, self.hidden, dtype=self.dtype)
+        base = ctypes.addressof(ints)
+        start = time.perf_counter()
+        rc = loaded().thr_decode_step(self._table_ref, t, base, base + 8 * t, base + 16 * t,
+                                      tables[0], tables[1], ctypes.addressof(ctx), rows,
+                                      out.data_ptr())
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        if rc:
+            raise MemoryError("cpu_step: out of memory for the step's buffers")
+        return out
+
     def _bind_states(self, meta: AttentionMetadata) -> torch.Tensor:
-        """The batch's state slots [T]; each Gated DeltaNet's states grown to hold them, zeroed
-        for a sequence at its first token, and pointed at (``reserve`` may move them)."""
+        """The batch's state slots [T] (``_reserve_states``) as a tensor."""
         if meta.state_rows is None:
             raise RuntimeError("a Gated DeltaNet layer needs each sequence's state slot "
                                "(AttentionMetadata.state_rows)")
-        rows = meta.state_rows
-        fresh = [r for r, c in zip(rows, meta.context_lens_list, strict=True) if c == 1]
+        return torch.tensor(self._reserve_states(meta.state_rows, meta.context_lens_list),
+                            dtype=torch.long)
+
+    def _reserve_states(self, rows: list[int], context_lens: list[int]) -> list[int]:
+        """The batch's state slots ``rows``; each Gated DeltaNet's states grown to hold them,
+        zeroed for a sequence at its first token, and pointed at (``reserve`` may move them)."""
+        fresh = [r for r, c in zip(rows, context_lens, strict=True) if c == 1]
         for i, mixer in self._recurrent:
             mixer.reserve(max(rows) + 1, self._like)
             if fresh:
@@ -412,7 +445,7 @@ class NativeStep:
             L = self.layers[i]
             L.conv_state, L.delta_state = (mixer.conv_state.data_ptr(),
                                            mixer.delta_state.data_ptr())
-        return torch.tensor(rows, dtype=torch.long)
+        return rows
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """fp32 logits [N, V] of final hidden states [N, H] through the C LM head (None where it
