@@ -384,12 +384,17 @@ class NativeStep:
             slots = slots.long()
         ids = input_ids if input_ids.is_contiguous() else input_ids.contiguous()
         rows = self._bind_states(meta) if self._recurrent else None
-        out = torch.empty(ids.shape[0], self.hidden, dtype=self.dtype)
+        return self._step(ids.shape[0], ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+                          tables.data_ptr(), tables.stride(0), ctx.data_ptr(),
+                          None if rows is None else rows.data_ptr())
+
+    def _step(self, t: int, ids: int, positions: int, slots: int, tables: int, stride: int,
+              ctx: int, rows: int | None) -> torch.Tensor:
+        """``thr_decode_step`` on t tokens' inputs at these addresses: hidden states [t, H]."""
+        out = torch.empty(t, self.hidden, dtype=self.dtype)
         start = time.perf_counter()
-        rc = loaded().thr_decode_step(
-            self._table_ref, ids.shape[0], ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-            tables.data_ptr(), tables.stride(0), ctx.data_ptr(),
-            None if rows is None else rows.data_ptr(), out.data_ptr())
+        rc = loaded().thr_decode_step(self._table_ref, t, ids, positions, slots, tables, stride,
+                                      ctx, rows, out.data_ptr())
         self.seconds += time.perf_counter() - start
         self.calls += 1
         if rc:
@@ -413,17 +418,9 @@ class NativeStep:
         rows = None
         if self._recurrent:
             rows = (ctypes.c_int64 * t)(*self._reserve_states(state_rows, context_lens))
-        out = torch.empty(t, self.hidden, dtype=self.dtype)
         base = ctypes.addressof(ints)
-        start = time.perf_counter()
-        rc = loaded().thr_decode_step(self._table_ref, t, base, base + 8 * t, base + 16 * t,
-                                      tables[0], tables[1], ctypes.addressof(ctx), rows,
-                                      out.data_ptr())
-        self.seconds += time.perf_counter() - start
-        self.calls += 1
-        if rc:
-            raise MemoryError("cpu_step: out of memory for the step's buffers")
-        return out
+        return self._step(t, base, base + 8 * t, base + 16 * t, tables[0], tables[1],
+                          ctypes.addressof(ctx), None if rows is None else ctypes.addressof(rows))
 
     def _bind_states(self, meta: AttentionMetadata) -> torch.Tensor:
         """The batch's state slots [T] (``_reserve_states``) as a tensor."""
