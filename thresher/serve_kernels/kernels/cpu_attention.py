@@ -5,8 +5,8 @@ Where every scheduled sequence has one new token, the operator path (block gathe
 batch 1 for a short context; the C function walks the block tables directly, each kv head's
 keys and values read once for the query heads that share them. Same math in fp32 (scores, softmax, weighted values), rounded
 once to the activation dtype. Measured against the operator path with the caches coming from
-memory (``benchmarks/engine/cpu_attention.py``; bf16, batch 1): 1.3-1.9x its speed at 256
-cached tokens, 1.9-2.5x at 1,024 and 2.4-3.3x from 2,048 to 16,384, on one and two threads.
+memory (``benchmarks/engine/cpu_attention.py``; bf16, batch 1): 1.6-2.4x its speed at 256
+cached tokens, 1.7-2.8x at 1,024 and 2.3-3.3x from 2,048 to 16,384, on one and two threads.
 Contexts past ``MAX_CONTEXT`` keep the operators: the walk's score buffers (a float per head and
 position) would grow past a few MB per thread.
 Returns None where it does not apply (no library loaded, fp16, a non-contiguous tensor), and the
