@@ -20,22 +20,11 @@ import time
 
 import torch
 import torch.nn.functional as F
+from cpu_gemv import copy_bandwidth  # this directory: the script's own
 
 from thresher.serve_kernels.kernels import cpu_attention, cpu_native
 
 SHAPES = [(16, 4, 64), (32, 8, 128)]  # query heads, kv heads, head dim
-
-
-def copy_bandwidth(mb: int = 512) -> float:
-    """Bytes per second a large tensor copy moves (read + write), best of five."""
-    src = torch.ones(mb << 18)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * src.numel() * 4 / best
 
 
 def operators(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
