@@ -52,8 +52,7 @@ def pack_q8(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_id
         return None
     if not torch.equal(g_idx.long(), torch.arange(k) // g):
         return None
-    s, z = scales.float(), zeros.float()
-    return Q8Pack(codes.to(torch.uint8).contiguous(), torch.stack([s, s * z], 1).contiguous(), g)
+    return Q8Pack(codes.to(torch.uint8).contiguous(), cpu_q4.scales_zeros(scales.T, zeros.T), g)
 
 
 def q8_matmul(x: torch.Tensor, pack: Q8Pack) -> torch.Tensor:

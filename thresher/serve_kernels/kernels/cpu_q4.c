@@ -364,6 +364,42 @@ static inline void store_row_out(void *y, int y_bf16, int64_t at, float acc, con
         ((float *)y)[at] = v;
 }
 
+/* y [m, n] from the weight rows a quad (ROWS rows, the last quad nr) at a time, each quad against
+ * every activation row: 8-bit codes (k bytes a row) on rows_dot8, else packed 4-bit codes (k / 2)
+ * on rows_dot_packed; xa [m, k] and its scales (ds_stride floats a row) as that kernel takes
+ * them. Inlined with `dot8` constant and nr == ROWS apart, so each kernel keeps its shape. */
+static inline __attribute__((always_inline)) void quad_rows(
+    int dot8, const uint8_t *w, const float *sz, int64_t n, int64_t k, int64_t g, int64_t m,
+    const int8_t *xa, const float *ds, int64_t ds_stride, const float *gsum, void *y,
+    int y_bf16) {
+    int64_t groups = k / g, quads = (n + ROWS - 1) / ROWS, row = dot8 ? k : k / 2;
+#pragma omp parallel for schedule(static) if (m * n * k > 262144 && !omp_in_parallel())
+    for (int64_t qi = 0; qi < quads; qi++) {
+        int64_t r0 = qi * ROWS;
+        int nr = n - r0 < ROWS ? (int)(n - r0) : ROWS;
+        const uint8_t *wq = w + r0 * row;
+        const float *szr = sz + r0 * 2 * groups;
+        for (int64_t i = 0; i < m; i++) {
+            const int8_t *xi = xa + i * k;
+            const float *di = ds + i * ds_stride;
+            float acc[ROWS];
+            if (dot8 && nr == ROWS)
+                rows_dot8(wq, szr, 2 * groups, k, g, ROWS, xi, di, acc);
+            else if (dot8)
+                rows_dot8(wq, szr, 2 * groups, k, g, nr, xi, di, acc);
+#if defined(Q4_DIRECT) && !defined(Q4_NO_DIRECT)
+            else if (nr == ROWS)
+                rows_dot_packed(wq, row, szr, 2 * groups, k, g, ROWS, xi, di, acc);
+            else
+                rows_dot_packed(wq, row, szr, 2 * groups, k, g, nr, xi, di, acc);
+#endif
+            for (int r = 0; r < nr; r++)
+                store_row_out(y, y_bf16, i * n + r0 + r, acc[r], szr + r * 2 * groups,
+                              gsum + i * groups, groups);
+        }
+    }
+}
+
 /* y [M, N] = x [M, K] @ W.T; x and y in fp32 or bf16 (flags). Returns 0, or -1 when out of memory. */
 int thr_q4_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *w,
                   const float *sz, int64_t n, int64_t g, void *y, int y_bf16) {
@@ -389,24 +425,7 @@ int thr_q4_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t
             permute_segments(xq + i * k, k, xp + i * k);
             segment_scales(d + i * blocks, k, dv + i * k / 4);
         }
-#pragma omp parallel for schedule(static) if (m * n * k > 262144 && !omp_in_parallel())
-        for (int64_t qi = 0; qi < quads; qi++) {
-            int64_t r0 = qi * ROWS;
-            int nr = n - r0 < ROWS ? (int)(n - r0) : ROWS;
-            const float *szr = sz + r0 * 2 * groups;
-            for (int64_t i = 0; i < m; i++) {
-                float acc[ROWS];
-                if (nr == ROWS)
-                    rows_dot_packed(w + r0 * (k / 2), k / 2, szr, 2 * groups, k, g, ROWS,
-                                    xp + i * k, dv + i * k / 4, acc);
-                else
-                    rows_dot_packed(w + r0 * (k / 2), k / 2, szr, 2 * groups, k, g, nr,
-                                    xp + i * k, dv + i * k / 4, acc);
-                for (int r = 0; r < nr; r++)
-                    store_row_out(y, y_bf16, i * n + r0 + r, acc[r], szr + r * 2 * groups,
-                                  gsum + i * groups, groups);
-            }
-        }
+        quad_rows(0, w, sz, n, k, g, m, xp, dv, k / 4, gsum, y, y_bf16);
         free(dv), free(xp), free(xq), free(d), free(gsum);
         return 0;
     }
@@ -519,27 +538,10 @@ int thr_q4_moe_one(const void *x, int x_bf16, const void *tw, int tw_bf16, const
 int thr_q8_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *w,
                   const float *sz, int64_t n, int64_t g, void *y, int y_bf16) {
     if (k % 64 || g <= 0 || k % g || (g != 32 && g % 64)) return -2;
-    int64_t blocks = k / QBLOCK, groups = k / g;
     int8_t *xq;
     float *d, *gsum;
     if (quantize_rows(x, x_bf16, m, k, g, &xq, &d, &gsum)) return -1;
-    int64_t quads = (n + ROWS - 1) / ROWS;
-#pragma omp parallel for schedule(static) if (m * n * k > 262144 && !omp_in_parallel())
-    for (int64_t qi = 0; qi < quads; qi++) {
-        int64_t r0 = qi * ROWS;
-        int nr = n - r0 < ROWS ? (int)(n - r0) : ROWS;
-        const float *szr = sz + r0 * 2 * groups;
-        for (int64_t i = 0; i < m; i++) {
-            float acc[ROWS];
-            if (nr == ROWS)
-                rows_dot8(w + r0 * k, szr, 2 * groups, k, g, ROWS, xq + i * k, d + i * blocks, acc);
-            else
-                rows_dot8(w + r0 * k, szr, 2 * groups, k, g, nr, xq + i * k, d + i * blocks, acc);
-            for (int r = 0; r < nr; r++)
-                store_row_out(y, y_bf16, i * n + r0 + r, acc[r], szr + r * 2 * groups,
-                              gsum + i * groups, groups);
-        }
-    }
+    quad_rows(1, w, sz, n, k, g, m, xq, d, k / QBLOCK, gsum, y, y_bf16);
     free(xq), free(d), free(gsum);
     return 0;
 }

@@ -50,32 +50,29 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor,
            group_size: int) -> torch.Tensor:
     """x [M, K] (fp32 or bf16, contiguous) @ W.T -> [M, N] in x's dtype; the weight packed by
     ``pack_codes`` once ``library()`` has loaded."""
-    lib = loaded()
-    assert lib is not None, "cpu_q4 is not loaded: pack weights after library() returned it"
-    m, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype)
-    bf16 = int(x.dtype == torch.bfloat16)
-    if lib.thr_q4_matmul(x.data_ptr(), bf16, m, k, weight.data_ptr(), sz.data_ptr(), n,
-                         group_size, y.data_ptr(), bf16):
-        raise MemoryError("cpu_q4: out of memory for the activation buffers")
-    return y
+    return _matmul("thr_q4_matmul", x, weight, sz, group_size)
 
 
 def matmul8(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
             group_size: int) -> torch.Tensor:
     """x [M, K] (fp32 or bf16, contiguous) @ W.T -> [M, N] in x's dtype for 8-bit codes
     [N, K] (uint8, row-major) with ``scales_zeros``-style scales [N, 2, groups]."""
+    return _matmul("thr_q8_matmul", x, codes, sz, group_size)
+
+
+def _matmul(name: str, x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
+            group_size: int) -> torch.Tensor:
+    """One of the C matmuls (same arguments): -1 is out of memory, -2 a shape it does not hold."""
     lib = loaded()
     assert lib is not None, "cpu_q4 is not loaded: pack weights after library() returned it"
     m, k = x.shape
     n = codes.shape[0]
     y = torch.empty(m, n, dtype=x.dtype)
     bf16 = int(x.dtype == torch.bfloat16)
-    rc = lib.thr_q8_matmul(x.data_ptr(), bf16, m, k, codes.data_ptr(), sz.data_ptr(), n,
-                           group_size, y.data_ptr(), bf16)
+    rc = getattr(lib, name)(x.data_ptr(), bf16, m, k, codes.data_ptr(), sz.data_ptr(), n,
+                            group_size, y.data_ptr(), bf16)
     if rc == -2:
-        raise ValueError(f"cpu_q4: 8-bit rows of {k} in groups of {group_size} are not held")
+        raise ValueError(f"cpu_q4: rows of {k} in groups of {group_size} are not held")
     if rc:
         raise MemoryError("cpu_q4: out of memory for the activation buffers")
     return y
