@@ -101,6 +101,41 @@ TOY = Sizes((256,), 4, 1 << 20, 8 << 20,
             (1, 4), 8, 4, 2)
 
 
+# ---------------------------------------------------------------- child processes
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a child run from the source tree: the repository first on PYTHONPATH,
+    the caller's entries (carried wheels) kept after it."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def run_logged(cmd: list[str], log: Path, timeout: float | None = None,
+               **env: str) -> tuple[int, str]:
+    """Run ``cmd`` with its output appended to ``log`` as it comes (a run stopped at the device's
+    time limit still shows how far it got): the exit status (124 on ``timeout``) and the output's
+    last 2,000 characters."""
+    with log.open("a") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        start = f.tell()
+        try:
+            code = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                  env=child_env(**env), timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = 124
+        f.write("\n")
+    with log.open("rb") as f:
+        f.seek(max(start, f.seek(0, 2) - 2000))
+        return code, f.read().decode(errors="replace")
+
+
+def run_checked(cmd: list[str], log: Path, timeout: float | None = None, **env: str) -> None:
+    code, tail = run_logged(cmd, log, timeout, **env)
+    if code:
+        raise RuntimeError(f"{' '.join(cmd[2:5])} exited {code}: {tail[-500:]}")
+
+
 # ---------------------------------------------------------------- timing helpers
 
 def device() -> torch.device:
@@ -178,21 +213,21 @@ def copy_bandwidth(nbytes: int) -> float:
 
 # ---------------------------------------------------------------- section 1: tests
 
-def section_tests(sizes: Sizes, log: Path) -> str:
+def section_tests(sizes: Sizes, log: Path, timeout: float | None = None) -> str:
     files = ["tests/serve_kernels/test_cuda.py"]
     if not DRY:
         files.append("tests/serve_kernels/kernels")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
     if DRY:
         cmd += ["-m", "cuda"]
+    elif importlib.util.find_spec("xdist") is not None:  # Triton compiles dominate: spread them
+        cmd += ["-n", str(min(8, os.cpu_count() or 1))]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    with log.open("a") as f:
-        f.write(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}\n")
-    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-300:]
+    code, tail = run_logged(cmd, log, timeout)
+    lines = tail.strip().splitlines()
+    summary = lines[-1] if lines else ""
     return ("| tests | exit status | summary | s |\n|---|---|---|---|\n"
-            f"| {' '.join(files)} {'-m cuda' if DRY else ''} | {proc.returncode} | {summary} | "
+            f"| {' '.join(files)} {'-m cuda' if DRY else ''} | {code} | {summary} | "
             f"{time.perf_counter() - start:.0f} |")
 
 
@@ -478,16 +513,20 @@ def step_times(llm, prompt: list[int], steps: int) -> tuple[float, float | None]
     return sorted(walls)[len(walls) // 2], busy
 
 
-def section_quantized_decode(ctx: MoEContext, log: Path) -> str:
-    """Decode at c=1 of the random MoE's GPTQ-4 (section 6's GPU artifact), AWQ-4 and NF4 (made
-    here on the device), each against the roofline of the bytes a token reads in its format."""
+def section_quantized_decode(ctx: MoEContext, log: Path,
+                             left: Callable[[], float | None] = lambda: None) -> str:
+    """Decode at c=1 of the random MoE in the GPTQ-4 layout, AWQ-4 and NF4 (made here on the
+    device), each against the roofline of the bytes a token reads in its format. The GPTQ-4
+    layout is written by RTN: the same packed bytes and kernels as GPTQ's codes, in seconds,
+    where GPTQ of the 16 layers would take minutes of the run (section 6 times GPTQ itself)."""
     from thresher.serve_kernels import LLM
 
     s = ctx.sizes
     dev = "cuda" if not DRY else "cpu"
-    group = 128 if not DRY else 32  # as section 6 quantized GPTQ-4
-    arts = {f"GPTQ-4 g{group}": (ctx.path.parent / "gptq4-0", 4 + 32 / group)}
-    for name, method, bits in ((f"AWQ-4 g{group}", "awq", 4 + 32 / group),
+    group = 128 if not DRY else 32
+    arts = {}
+    for name, method, bits in ((f"GPTQ-4 layout g{group} (RTN codes)", "rtn", 4 + 32 / group),
+                               (f"AWQ-4 g{group}", "awq", 4 + 32 / group),
                                ("NF4", "nf4", 4 + 32 / 64)):
         out = ctx.path.parent / method
         if method == "nf4" and importlib.util.find_spec("bitsandbytes") is None:
@@ -497,14 +536,9 @@ def section_quantized_decode(ctx: MoEContext, log: Path) -> str:
             cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(ctx.path), "--out",
                    str(out), "--method", method, "--samples", str(s.gptq_samples), "--seq-len",
                    "128" if not DRY else "16", "--device", dev]
-            if method == "awq":
+            if method != "nf4":
                 cmd += ["--bits", "4", "--group-size", str(group)]
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
-            with log.open("a") as f:
-                f.write(f"$ {' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}\n")
-            if proc.returncode:
-                raise RuntimeError(f"quantize {method} exited {proc.returncode}")
+            run_checked(cmd, log, left())
         arts[name] = (out, bits)
     bw = copy_bandwidth(s.copy_bytes)
     rows = ["| format | decode c=1 tokens/s | bytes/token | roofline tokens/s | % of roofline "
@@ -513,7 +547,7 @@ def section_quantized_decode(ctx: MoEContext, log: Path) -> str:
     for name, (path, bits) in arts.items():
         if not (path / "config.json").is_file():
             why = ("bitsandbytes is not installed" if name == "NF4" else
-                   f"{path.name} missing (section 6 failed?)")
+                   f"{path.name} missing")
             rows.append(f"| {name} | not run: {why} | | | | | |")
             continue
         llm = LLM(path, dtype="bfloat16" if not DRY else "float32", max_model_len=1024,
@@ -561,55 +595,75 @@ def _hf_rates(ctx: MoEContext) -> dict[int, float]:
 # ---------------------------------------------------------------- section 5: parity
 
 def section_parity(bundle: Path, log: Path) -> str:
+    """Greedy tokens of the engine against transformers' ``generate`` on the device, in float32
+    (the engine's fp32 dots are IEEE, and PyTorch's fp32 matmuls are by default) and in bfloat16,
+    where two correct implementations round differently and part ways at near ties. Where a
+    sequence diverges, transformers' logits at that step (same prefix) say how near the tie was:
+    the rank of the engine's token among them and its gap to transformers' top logit. A defect
+    shows as a high rank or a large gap, a rounding difference as rank 2 and a small gap."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     from thresher.formats.config import packed_format
+    from thresher.models.quantized import load_quantized_model
     from thresher.serve_kernels import LLM, SamplingParams
 
     prompts = _prompts(4, 12)
     new = 24
-    dtype = "bfloat16" if not DRY else "float32"
-    rows = ["| model | engine = transformers (sequences) | token agreement | first diverging "
-            "step |", "|---|---|---|---|"]
-    from transformers import AutoConfig
-
+    rows = ["| model | dtype | engine = transformers (sequences) | token agreement | first "
+            "diverging step | engine's token there: worst rank, largest logit gap |",
+            "|---|---|---|---|---|---|"]
     for path in parity_models(bundle):
-        if packed_format(AutoConfig.from_pretrained(path), path) is None:
-            from transformers import AutoModelForCausalLM
-
-            ref = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-        else:
-            from thresher.models.quantized import load_quantized_model
-
-            ref = load_quantized_model(path, getattr(torch, dtype))
-        ref = ref.to(device()).eval()
-        want = []
-        with torch.no_grad():
-            for p in prompts:
-                ids = torch.tensor([p], device=device())
-                out = ref.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                   attention_mask=torch.ones_like(ids), pad_token_id=0)
-                want.append(out[0, len(p):].tolist())
-        del ref
-        llm = LLM(path, dtype=dtype, max_model_len=256, max_num_seqs=4, kv_cache_gb=0.25)
-        got = [o.token_ids for o in llm.generate(
-            prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))]
-        del llm
-        gc.collect()
-        same = sum(g == w for g, w in zip(got, want, strict=True))
-        agree = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w,
-                                                                                    strict=True))
-        first = min((next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), new)
-                     for g, w in zip(got, want, strict=True)), default=new)
-        rows.append(f"| {path.name} | {same}/{len(prompts)} | {agree / (new * len(prompts)):.0%}"
-                    f" | {first if first < new else '-'} |")
+        for dtype in ("float32",) if DRY else ("float32", "bfloat16"):
+            torch_dtype = getattr(torch, dtype)
+            if packed_format(AutoConfig.from_pretrained(path), path) is None:
+                ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+            else:
+                ref = load_quantized_model(path, torch_dtype)
+            ref = ref.to(device()).eval()
+            want, scores = [], []
+            with torch.no_grad():
+                for p in prompts:
+                    ids = torch.tensor([p], device=device())
+                    out = ref.generate(ids, max_new_tokens=new, min_new_tokens=new,
+                                       do_sample=False, attention_mask=torch.ones_like(ids),
+                                       pad_token_id=0, output_logits=True,
+                                       return_dict_in_generate=True)
+                    want.append(out.sequences[0, len(p):].tolist())
+                    scores.append([step[0].float().cpu() for step in out.logits])
+            del ref
+            llm = LLM(path, dtype=dtype, max_model_len=256, max_num_seqs=4, kv_cache_gb=0.25)
+            got = [o.token_ids for o in llm.generate(
+                prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))]
+            del llm
+            gc.collect()
+            rows.append(_parity_row(path.name, dtype, got, want, scores, new))
     return "\n".join(rows)
+
+
+def _parity_row(name: str, dtype: str, got: list[list[int]], want: list[list[int]],
+                scores: list[list[torch.Tensor]], new: int) -> str:
+    same = sum(g == w for g, w in zip(got, want, strict=True))
+    agree = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
+    firsts, ranks, gaps = [], [], []
+    for g, w, logits in zip(got, want, scores, strict=True):
+        i = next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), None)
+        if i is None:
+            continue
+        firsts.append(i)
+        step = logits[i]
+        ranks.append(int((step > step[g[i]]).sum()) + 1)
+        gaps.append(float(step.max() - step[g[i]]))
+    near = f"{max(ranks)}, {max(gaps):.3f}" if ranks else "-"
+    return (f"| {name} | {dtype} | {same}/{len(got)} | {agree / (new * len(got)):.0%} | "
+            f"{min(firsts) if firsts else '-'} | {near} |")
 
 
 # ---------------------------------------------------------------- section 6: GPTQ on the device
 
 def _gptq4(model: Path, out: Path, dev: str, sizes: Sizes, log: Path,
-           threads: int | None = None) -> tuple[float, dict]:
+           threads: int | None = None, timeout: float | None = None) -> tuple[float, dict]:
     """``thresher quantize`` GPTQ-4 of ``model`` on ``dev``: wall seconds and the report."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    env = {"COLUMNS": "200"}
     if threads is not None:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(model), "--out",
@@ -617,36 +671,46 @@ def _gptq4(model: Path, out: Path, dev: str, sizes: Sizes, log: Path,
            "--samples", str(sizes.gptq_samples), "--seq-len", "128" if not DRY else "16",
            "--device", dev]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - start
-    with log.open("a") as f:
-        f.write(f"$ {' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}\n")
-    if proc.returncode:
-        raise RuntimeError(f"quantize exited {proc.returncode}: {proc.stderr[-500:]}")
-    return wall, json.loads((out / "quantize_report.json").read_text())
+    run_checked(cmd, log, timeout, **env)
+    return time.perf_counter() - start, json.loads((out / "quantize_report.json").read_text())
 
 
-def section_gptq(ctx: MoEContext, tokenizer_dir: Path, log: Path) -> str:
-    gpu = "cuda" if not DRY else "cpu"
-    runs = [(f"{ctx.size / 1e9:.2f} GB, {ctx.sizes.moe['layers']} layers", gpu, None,
-             ctx.path)]
-    one = ctx.path.parent / "random-moe-1layer"  # the same first layer (same seed and order)
+GPTQ_ROWS = ["| checkpoint | device | threads | wall s | s / layer | peak device MiB | "
+             "CPU s/layer / GPU s/layer |", "|---|---|---|---|---|---|---|"]
+
+
+def _gptq_row(what: str, wall: float, report: dict, threads: int | None,
+              gpu_per_layer: float | None) -> tuple[str, float]:
+    seconds = sum(layer["seconds"] for layer in report["layers"]) / len(report["layers"])
+    ratio = "" if gpu_per_layer is None else f"{seconds / gpu_per_layer:.1f}x"
+    peak = report.get("peak_device_mb")
+    return (f"| {what} | {report['device']} | {threads or torch.get_num_threads()} | "
+            f"{wall:.0f} | {seconds:.1f} | {'-' if peak is None else f'{peak:.0f}'} | "
+            f"{ratio} |"), seconds
+
+
+def section_gptq(ctx: MoEContext, tokenizer_dir: Path, log: Path,
+                 left: Callable[[], float | None] = lambda: None) -> str:
+    """GPTQ-4 of the MoE's first layer (the same layer, same seed) on the device, then on the CPU
+    with 2 threads (the 2-core machine) and with every core: seconds per layer, and the ratio."""
+    one = ctx.path.parent / "random-moe-1layer"
     if not one.exists():
         build_random_moe(one, tokenizer_dir, {**ctx.sizes.moe, "layers": 1})
-    cores = os.cpu_count() or 1
-    runs += [("its first layer", "cpu", threads, one) for threads in sorted({2, cores})]
+    runs = [("cuda" if not DRY else "cpu", None)]
+    runs += [("cpu", threads) for threads in sorted({2, os.cpu_count() or 1})]
     rows = ["| checkpoint | device | threads | wall s | s / layer | peak device MiB | "
             "CPU s/layer / GPU s/layer |", "|---|---|---|---|---|---|---|"]
-    per_layer = {}
-    for i, (what, dev, threads, path) in enumerate(runs):
-        wall, report = _gptq4(path, ctx.path.parent / f"gptq4-{i}", dev, ctx.sizes, log, threads)
+    device_seconds = None
+    for i, (dev, threads) in enumerate(runs):
+        wall, report = _gptq4(one, ctx.path.parent / f"gptq4-1layer-{i}", dev, ctx.sizes, log,
+                              threads, left())
         seconds = sum(layer["seconds"] for layer in report["layers"]) / len(report["layers"])
-        per_layer[i] = seconds
-        ratio = "" if i == 0 else f"{seconds / per_layer[0]:.1f}x"
+        device_seconds = device_seconds or seconds
+        ratio = "" if i == 0 else f"{seconds / device_seconds:.1f}x"
         peak = report.get("peak_device_mb")
-        rows.append(f"| {what} | {report['device']} | {threads or torch.get_num_threads()} | "
-                    f"{wall:.0f} | {seconds:.1f} | {'-' if peak is None else f'{peak:.0f}'} | "
-                    f"{ratio} |")
+        rows.append(f"| first layer of the MoE | {report['device']} | "
+                    f"{threads or torch.get_num_threads()} | {wall:.0f} | {seconds:.1f} | "
+                    f"{'-' if peak is None else f'{peak:.0f}'} | {ratio} |")
     return "\n".join(rows)
 
 
@@ -676,7 +740,7 @@ def prepare(bundle: Path, demos: list[str]) -> None:
                 continue
             cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(base), "--out",
                    str(out), *args, "--samples", "8", "--seq-len", "64"]
-            subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            subprocess.run(cmd, cwd=ROOT, check=True, env=child_env())
     for family in CORRECTION_ROUTED:
         if not (bundle / "artifacts" / f"{family}-random").exists():
             write_random_glm(bundle / "artifacts" / f"{family}-random", build_demo_model("tiny"),
@@ -717,7 +781,7 @@ def write_random_glm(out: Path, tokenizer_dir: Path, model_type: str = "glm4_moe
             shutil.copy2(tokenizer_dir / name, out / name)
     cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(out), "--out",
            f"{out}-gptq4", *DEMO_QUANT["gptq4"], "--samples", "8", "--seq-len", "64"]
-    subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    subprocess.run(cmd, cwd=ROOT, check=True, env=child_env())
 
 
 def write_random_gpt_oss(out: Path, tokenizer_dir: Path) -> None:
@@ -747,7 +811,7 @@ def write_random_gpt_oss(out: Path, tokenizer_dir: Path) -> None:
             shutil.copy2(tokenizer_dir / name, out / name)
     cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(out), "--out",
            f"{out}-gptq4", *DEMO_QUANT["gptq4"], "--samples", "8", "--seq-len", "64"]
-    subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    subprocess.run(cmd, cwd=ROOT, check=True, env=child_env())
 
 
 def parity_models(bundle: Path) -> list[Path]:
@@ -758,7 +822,14 @@ def parity_models(bundle: Path) -> list[Path]:
                     if arts.is_dir() else [])
 
 
-def run_sections(out: Path, bundle: Path | None) -> None:
+SECTIONS = ("tests", "gemv", "moe", "decode", "parity", "qdecode", "gptq")
+
+
+def run_sections(out: Path, bundle: Path | None, order: tuple[str, ...] = SECTIONS,
+                 budget_s: float | None = None) -> None:
+    """Run the sections named in ``order``; once ``budget_s`` has passed, the rest are reported
+    as skipped, so a run under a device's time limit still ends with every table it made."""
+    deadline = None if budget_s is None else time.monotonic() + budget_s
     out.mkdir(parents=True, exist_ok=True)
     log, report = out / "gpu_suite.log", out / "gpu_suite.md"
     log.write_text("")
@@ -791,19 +862,30 @@ def run_sections(out: Path, bundle: Path | None) -> None:
         for family in CORRECTION_ROUTED:
             write_random_glm(parity_dir / "artifacts" / f"{family}-random", tokenizer_dir, family)
         write_random_gpt_oss(parity_dir / "artifacts" / "gpt_oss-random", tokenizer_dir)
-    sections = [("1. tests", lambda: section_tests(sizes, log)),
-                ("2. W4A16 / NF4 GEMV at M=1", lambda: section_gemv(sizes, log)),
-                ("2b. fused W4A16 MoE kernel at decode shapes",
-                 lambda: section_moe_kernel(sizes, log)),
-                ("3-4. decode roofline, engine vs transformers",
-                 lambda: section_decode_and_engine(moe(), log)),
-                ("5. greedy parity with transformers", lambda: section_parity(parity_dir, log)),
-                ("6. GPTQ-4 of the random MoE on the device and on the CPU",
-                 lambda: section_gptq(moe(), tokenizer_dir, log)),
-                ("7. decode of the quantized MoE (GPTQ-4, AWQ-4, NF4)",
-                 lambda: section_quantized_decode(moe(), log))]
+    def left() -> float | None:
+        return None if deadline is None else max(1.0, deadline - time.monotonic())
+
+    sections = {"tests": ("1. tests", lambda: section_tests(sizes, log, left())),
+                "gemv": ("2. W4A16 / NF4 GEMV at M=1", lambda: section_gemv(sizes, log)),
+                "moe": ("2b. fused W4A16 MoE kernel at decode shapes",
+                        lambda: section_moe_kernel(sizes, log)),
+                "decode": ("3-4. decode roofline, engine vs transformers",
+                           lambda: section_decode_and_engine(moe(), log)),
+                "parity": ("5. greedy parity with transformers",
+                           lambda: section_parity(parity_dir, log)),
+                "qdecode": ("7. decode of the quantized MoE (GPTQ-4 layout, AWQ-4, NF4)",
+                            lambda: section_quantized_decode(moe(), log, left)),
+                "gptq": ("6. GPTQ-4 of one MoE layer on the device and on the CPU",
+                         lambda: section_gptq(moe(), tokenizer_dir, log, left))}
     try:
-        for title, fn in sections:
+        for key in order:
+            title, fn = sections[key]
+            if deadline is not None and time.monotonic() > deadline:
+                text = f"## {title}\n\nSKIPPED: the run's time (--budget-s) was spent\n"
+                print(text, flush=True)
+                with report.open("a") as f:
+                    f.write(text + "\n")
+                continue
             start = time.perf_counter()
             try:
                 table = fn()
@@ -829,7 +911,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out/gpu_suite"))
     ap.add_argument("--dry-run", action="store_true",
                     help="every section at toy sizes on the CPU (kernels through the interpreter)")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma-separated sections to run, in this order (of {','.join(SECTIONS)})")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="seconds for the whole run: sections that would start later are skipped, "
+                         "and the tests' pytest is stopped at it")
     args = ap.parse_args()
+    order = tuple(x.strip() for x in args.sections.split(",") if x.strip())
+    unknown = [x for x in order if x not in SECTIONS]
+    if unknown:
+        ap.error(f"--sections: unknown {', '.join(unknown)} (known: {', '.join(SECTIONS)})")
     if args.prepare:
         prepare(args.prepare, args.demos)
         return
@@ -837,7 +928,7 @@ def main() -> None:
         raise SystemExit("no CUDA device: run with --dry-run on a CPU")
     if not DRY and args.bundle is None:
         raise SystemExit("--bundle is required on the GPU (made by --prepare on the CPU machine)")
-    run_sections(args.out, args.bundle)
+    run_sections(args.out, args.bundle, order, args.budget_s)
 
 
 if __name__ == "__main__":

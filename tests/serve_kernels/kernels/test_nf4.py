@@ -48,6 +48,12 @@ def random_nf4(n: int, k: int, double_quant: bool, dtype=torch.float32, seed=0) 
     return nf4.NF4Weight(packed, absmax, quant_map, (n, k), dtype=dtype, **nested)
 
 
+def on_device(weight: nf4.NF4Weight) -> nf4.NF4Weight:
+    """``weight`` with its tensors on the kernels' device (CUDA where there is one)."""
+    return nf4.NF4Weight(**{f: getattr(weight, f).to(DEVICE) if torch.is_tensor(getattr(weight, f))
+                            else getattr(weight, f) for f in weight.__dataclass_fields__})
+
+
 @pytest.mark.parametrize("double_quant", [False, True])
 @pytest.mark.parametrize("shape", [(72, 100), (33, 66)])
 def test_dequantize_matches_bitsandbytes(bnbf, double_quant, shape):
@@ -61,9 +67,7 @@ def test_dequantize_matches_bitsandbytes(bnbf, double_quant, shape):
 @pytest.mark.parametrize("m", [1, 3, 16, 40])
 @pytest.mark.parametrize("double_quant", [False, True])
 def test_triton_matches_ref(m, double_quant):
-    weight = random_nf4(N, K, double_quant, dtype=torch.float16, seed=m)
-    weight = nf4.NF4Weight(**{f: getattr(weight, f).to(DEVICE) if torch.is_tensor(getattr(weight, f))
-                              else getattr(weight, f) for f in weight.__dataclass_fields__})
+    weight = on_device(random_nf4(N, K, double_quant, dtype=torch.float16, seed=m))
     x = torch.randn(m, K, dtype=torch.float16, device=DEVICE)
     out = nf4.nf4_matmul_triton(x, weight)
     assert out.shape == (m, N) and out.dtype == x.dtype
@@ -72,8 +76,8 @@ def test_triton_matches_ref(m, double_quant):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_other_dtypes_and_configs(dtype, tol):
-    weight = random_nf4(N, K, True)
-    x = torch.randn(5, K, dtype=dtype)
+    weight = on_device(random_nf4(N, K, True))
+    x = torch.randn(5, K, dtype=dtype, device=DEVICE)
     for cfg in nf4.CONFIGS.values():
         assert rel_err(nf4.nf4_matmul_triton(x, weight, cfg), nf4.nf4_matmul_ref(x, weight)) < tol
 

@@ -121,6 +121,27 @@ def test_grouped_kernel_matches_ref(m, group_size):
     assert rel_err(out, w4a16.awq_matmul_ref(x, *awq, group_size)) < 1e-2
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the tiles a GPU tunes over; compiled kernels only")
+@pytest.mark.parametrize("m", [1, 3, 40])
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_grouped_kernel_every_tuned_tile(m, group_size):
+    """Every tile the tuner may pick for a shape computes the same product: a GPU picks by
+    timing, so a tile that computes wrongly would fail only on the machines where it wins."""
+    gptq, _ = random_gptq(K, N, group_size, False, seed=m)
+    awq, _ = random_awq(K, N, group_size, seed=m)
+    x = torch.randn(m, K, dtype=torch.float16, device=DEVICE)
+    want = {False: w4a16.gptq_matmul_ref(x, *gptq), True: w4a16.awq_matmul_ref(x, *awq, group_size)}
+    default = w4a16.grouped_config(m, K, group_size)
+    wrong = []
+    for cfg in w4a16.tile_candidates(default):
+        for is_awq, (qweight, qzeros, scales) in ((False, gptq[:3]), (True, awq)):
+            out = w4a16.grouped_matmul_triton(x, qweight, qzeros, scales, group_size, is_awq, cfg)
+            err = rel_err(out, want[is_awq])
+            if not err < 1e-2:
+                wrong.append(f"{'awq' if is_awq else 'gptq'} {cfg}: {err:.3f}")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_prefill_and_decode_share_the_grouped_kernel(monkeypatch):
     """Contiguous groups run the grouped kernel at every batch size, so prefill and decode
     multiply the same exact codes and scale in fp32 (the general kernel would round each

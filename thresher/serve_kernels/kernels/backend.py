@@ -9,9 +9,11 @@ whole process (``torch`` = the dequantizing references, which tests compare the 
 Tests run the Triton kernels on CPU tensors through Triton's interpreter (``TRITON_INTERPRET=1``).
 ``@triton.jit`` decides between a compiled and an interpreted kernel when the decorator runs, so a
 kernel module imported before the variable was set holds compiled kernels; ``launcher`` wraps such
-a kernel in the interpreter at launch time, which makes the result independent of import order.
-Kernels therefore call no other ``@triton.jit`` function (a nested compiled helper cannot run
-inside the interpreter, nor an interpreted one inside the compiler).
+a kernel in the interpreter at launch time, which makes the result independent of the kernel
+modules' import order. Triton's own library functions (``tl.sum``, ``tl.sigmoid``) are
+``@triton.jit`` functions too, decided when ``triton`` is first imported, and a compiled one cannot
+run inside the interpreter: where ``triton`` was imported without the variable (a GPU machine),
+``launcher`` refuses CPU tensors with that reason instead of failing inside a kernel.
 """
 
 from __future__ import annotations
@@ -73,10 +75,17 @@ def launcher(kernel: Any, x: torch.Tensor) -> Any:
             "Triton kernels need a CUDA device; set TRITON_INTERPRET=1 to run them on CPU tensors "
             f"(slowly), or {ENV_VAR}=torch to use the PyTorch references"
         )
+    from triton.language import standard
     from triton.runtime.interpreter import InterpretedFunction
 
     if isinstance(kernel, InterpretedFunction):
         return kernel
+    if not isinstance(standard.sigmoid, InterpretedFunction):
+        raise RuntimeError(
+            "Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is first "
+            "imported (its library functions were compiled); on a GPU pass CUDA tensors, or set "
+            f"{ENV_VAR}=torch to use the PyTorch references"
+        )
     if kernel.fn not in _interpreted:
         _interpreted[kernel.fn] = InterpretedFunction(kernel.fn)
     return _interpreted[kernel.fn]

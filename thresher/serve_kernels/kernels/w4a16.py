@@ -192,34 +192,36 @@ def _grouped_matmul_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Contiguous groups (AWQ, GPTQ without act-order) and BLOCK_K dividing the group size: each
-    K tile lies in one group, so its zeros and scales are one [BLOCK_N] row loaded once, and each
-    packed word is loaded once and split into its 8 nibbles in registers."""
+    K tile lies in one group, so its zeros and scales are one [BLOCK_N] row loaded once. A GPTQ
+    word (8 rows of one column) is loaded once and split into its nibbles in registers; an AWQ
+    word (8 columns of one row) is read by each of its columns (from L1). Splitting AWQ words in
+    registers, a [BLOCK_K, BLOCK_N / 8, 8] -> [BLOCK_K, BLOCK_N] reshape, was the one AWQ-only
+    step when the first H100 run (Triton 3.6) computed wrong AWQ results at group 32 for two of
+    three batch sizes, which the interpreter computed right (docs/gpu.md)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    nib = tl.arange(0, 8)
     # AWQ: column 8c + j sits in nibble (j // 2) + (j % 2) * 4 of word c; GPTQ: row 8r + j in
-    # nibble j of word r
-    nib_shift = (nib // 2 + nib % 2 * 4) * 4 if AWQ else nib * 4
-    offs_w = tl.program_id(1) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)  # packed columns
-    mask_w = offs_w < N // 8
+    # nibble j of word r, and its zeros (packed along N) in nibble j of word c
+    col = offs_n % 8
+    col_shift = (col // 2 + col % 2 * 4) * 4 if AWQ else col * 4
     if BLOCK_M == 1:
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(tl.program_id(2) * BLOCK_K, K, BLOCK_K * SPLIT_K):
         g = k0 // group_size
-        packed_z = tl.load(qzeros_ptr + g * (N // 8) + offs_w, mask=mask_w, other=0)
-        z = tl.reshape((packed_z[:, None] >> nib_shift[None, :]) & 0xF, (BLOCK_N,))
+        packed_z = tl.load(qzeros_ptr + g * (N // 8) + offs_n // 8, mask=mask_n, other=0)
+        z = (packed_z >> col_shift) & 0xF
         if AWQ:
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            packed = tl.load(qweight_ptr + offs_k[:, None] * (N // 8) + offs_w[None, :],
-                             mask=(offs_k[:, None] < K) & mask_w[None, :], other=0)
-            q = tl.reshape((packed[:, :, None] >> nib_shift[None, None, :]) & 0xF,
-                           (BLOCK_K, BLOCK_N))
+            packed = tl.load(qweight_ptr + offs_k[:, None] * (N // 8) + offs_n[None, :] // 8,
+                             mask=(offs_k[:, None] < K) & mask_n[None, :], other=0)
+            q = (packed >> col_shift[None, :]) & 0xF
         else:
             z = z + 1  # GPTQ v1 stores zero - 1
+            nib_shift = tl.arange(0, 8) * 4
             offs_r = k0 // 8 + tl.arange(0, BLOCK_K // 8)
             packed = tl.load(qweight_ptr + offs_r[:, None] * N + offs_n[None, :],
                              mask=(offs_r[:, None] < K // 8) & mask_n[None, :], other=0)
