@@ -315,8 +315,10 @@ def tile_choices() -> dict[tuple, object]:
 def section_moe_kernel(sizes: Sizes, log: Path) -> str:
     """The fused W4A16 MoE kernel at decode shapes (M tokens, top-k experts of E, GPTQ-4), where a
     quantized MoE spends its decode time: bytes it must read (the distinct experts the M tokens
-    route to) per second, against the copy bandwidth."""
-    from thresher.serve_kernels.kernels.moe import ExpertWeights, fused_moe_triton
+    route to) per second, against the copy bandwidth; with contiguous groups known (one row of
+    zeros and scales per K tile, what the engine runs for GPTQ without act-order) and without
+    (a gather through g_idx per weight, what act-order needs)."""
+    from thresher.serve_kernels.kernels.moe import DECODE, ExpertWeights, fused_moe_triton
 
     m = sizes.moe
     dev, gen = device(), torch.Generator().manual_seed(1)
@@ -324,21 +326,28 @@ def section_moe_kernel(sizes: Sizes, log: Path) -> str:
     group = 128 if not DRY else 32
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
 
-    def gptq_experts(k: int, n: int) -> ExpertWeights:
+    def gptq_experts(k: int, n: int, rows: bool) -> ExpertWeights:
         q = torch.randint(-2**31, 2**31 - 1, (e, k // 8, n), generator=gen, dtype=torch.int32)
         z = torch.randint(-2**31, 2**31 - 1, (e, k // group, n // 8), generator=gen,
                           dtype=torch.int32)
         sc = (torch.rand(e, k // group, n, generator=gen) * 0.01).to(dtype)
         g_idx = (torch.arange(k) // group).expand(e, k).int()
-        return ExpertWeights("gptq", q.to(dev), sc.to(dev), z.to(dev), g_idx.to(dev))
+        return ExpertWeights("gptq", q.to(dev), sc.to(dev), z.to(dev), g_idx.to(dev),
+                             contiguous_group=group if rows else None)
 
-    w1, w2 = gptq_experts(h, 2 * inter), gptq_experts(inter, h)
+    gen_state = gen.get_state()
+    kinds = {}
+    for rows_known in (True, False):  # the same weights twice
+        gen.set_state(gen_state)
+        kinds[rows_known] = (gptq_experts(h, 2 * inter, rows_known),
+                             gptq_experts(inter, h, rows_known))
+    w1, w2 = kinds[True]
     per_expert = sum(t[0].nbytes for w in (w1, w2) for t in (w.weight, w.scales, w.qzeros))
     bw = copy_bandwidth(sizes.copy_bytes)
     rows = [f"GPTQ-4 g{group} experts: E={e}, top-{top_k}, hidden {h}, intermediate {inter}; "
             f"{per_expert / 2**20:.2f} MiB per expert; copy {bw / 1e9:.0f} GB/s\n",
-            "| tokens M | distinct experts (mean) | us | GB/s | % of copy | timed by |",
-            "|---|---|---|---|---|---|"]
+            "| tokens M | distinct experts (mean) | groups | us | GB/s | % of copy | timed by |",
+            "|---|---|---|---|---|---|---|"]
     for tokens in ((1, 4) if DRY else (1, 2, 4, 8, 16, 32, 64)):
         x = torch.randn(tokens, h, generator=gen).to(dtype).to(dev)
         routes = []  # a different routing per call, so the calls do not share experts in L2
@@ -346,12 +355,15 @@ def section_moe_kernel(sizes: Sizes, log: Path) -> str:
             ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(tokens)])
             routes.append((ids.to(dev), torch.softmax(torch.rand(tokens, top_k, generator=gen),
                                                       -1).to(dev)))
-        sec, how = device_seconds([lambda x=x, ids=ids, w=w: fused_moe_triton(x, w1, w2, w, ids)
-                                   for ids, w in routes])
         distinct = sum(ids.unique().numel() for ids, _ in routes) / len(routes)
-        rate = distinct * per_expert / sec
-        rows.append(f"| {tokens} | {distinct:.1f} | {sec * 1e6:.1f} | {rate / 1e9:.0f} | "
-                    f"{rate / bw:.0%} | {how} |")
+        for w1, w2 in kinds.values():
+            sec, how = device_seconds([
+                lambda x=x, ids=ids, w=w, w1=w1, w2=w2: fused_moe_triton(x, w1, w2, w, ids)
+                for ids, w in routes])
+            rate = distinct * per_expert / sec
+            how_grouped = "rows" if w1.row_group(DECODE.block_k) else "g_idx"
+            rows.append(f"| {tokens} | {distinct:.1f} | {how_grouped} | "
+                        f"{sec * 1e6:.1f} | {rate / 1e9:.0f} | {rate / bw:.0%} | {how} |")
     return "\n".join(rows)
 
 

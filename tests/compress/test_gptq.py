@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.quant.helpers import correlated_inputs
-from thresher.compress.gptq import GPTQ
+from thresher.compress.gptq import GPTQ, quantize_batch
 from thresher.compress.rtn import rtn_quantize
 from thresher.errors import CompressionError
 from thresher.quant.grid import GridSpec
@@ -109,3 +109,29 @@ def test_rare_expert_shrink_keeps_few_token_gptq_from_losing_to_rtn():
     assert output_error(w, ruled.dequantize(), held_out) <= 1.001 * rtn
     assert rare_expert_shrink(cols, 100 * cols) < 0.01
     assert rare_expert_shrink(cols, 0) == 1.0
+
+
+@pytest.mark.parametrize("act_order,static_groups", [(False, True), (True, True), (True, False),
+                                                     (False, False)])
+@pytest.mark.parametrize("search", ["minmax", "mse"])
+def test_a_batch_gives_each_weight_its_own_codes(act_order, static_groups, search):
+    """A layer's experts run one column loop (``quantize_batch``); every weight gets the bits it
+    gets alone: codes, grids, groups and loss. With static groups under act-order each weight's
+    own permutation picks its groups, so the three Hessians differ in which columns matter."""
+    spec = GridSpec(3, sym=False, scale_search=search)
+    items = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x = correlated_inputs(512, 64) * torch.rand(64)
+        x[:, seed] = 0  # a dead column, a different one per weight
+        h = GPTQ(64, f"expert {seed}")
+        h.add_batch(x)
+        items.append((h, torch.randn(24, 64), 0.2 * seed))
+    batch = quantize_batch(items, spec, 16, act_order, static_groups, 0.01, 32)
+    for (h, w, shrink), (qb, loss_b) in zip(items, batch, strict=True):
+        alone, loss = h.quantize(w, spec, 16, act_order, static_groups, 0.01, 32, shrink)
+        for field in ("codes", "scales", "zeros", "g_idx"):
+            assert torch.equal(getattr(qb, field), getattr(alone, field)), field
+        assert loss_b == loss
+    orders = {tuple(torch.argsort(torch.diag(h.H), descending=True).tolist()) for h, _, _ in items}
+    assert len(orders) == len(items)  # under act-order, three different column orders

@@ -83,6 +83,8 @@ def test_small_quantized_layers_serve_dense_like_the_reference(name, artifacts, 
     for layer in model.layers:
         experts = layer.mlp.experts
         assert isinstance(experts, ExpertLoop if name == "nf4" else FusedExperts)
+        if name == "gptq-act-order":  # static groups keep g_idx contiguous: a GPU loads rows
+            assert experts.contiguous_groups == {"gate_up": 32, "down": 32}
         assert experts.cpu_dense is not None and not experts.cpu_packs
         qkv = layer.attn.qkv  # one dense matrix for q, k and v, even where they are kept apart
         dense = qkv.cpu_dense

@@ -115,6 +115,60 @@ def test_triton_matches_ref(fmt, tokens):
     assert rel_err(out, moe.fused_moe_ref(x, w1, w2, weights, ids)) < 1e-2
 
 
+def contiguous(fmt: str, k: int, n: int, group: int) -> moe.ExpertWeights:
+    """Random experts in contiguous groups (GPTQ without act-order, AWQ)."""
+    if fmt == "gptq":
+        sets = [random_gptq(k, n, group, act_order=False, seed=e)[0] for e in range(E)]
+        q, z, s, g = (torch.stack(t) for t in zip(*sets, strict=True))
+        return moe.ExpertWeights("gptq", q, scales=s, qzeros=z, g_idx=g, contiguous_group=group)
+    sets = [random_awq(k, n, group, seed=e)[0] for e in range(E)]
+    q, z, s = (torch.stack(t) for t in zip(*sets, strict=True))
+    return moe.ExpertWeights("awq", q, scales=s, qzeros=z, group_size=group)
+
+
+@pytest.mark.parametrize("fmt,group", [("gptq", 64), ("gptq", -1), ("awq", 64)])
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_row_groups_compute_the_gathered_tiles(fmt, group, tokens, monkeypatch):
+    """Contiguous groups that each K tile lies in: the kernel loads one row of zeros and scales
+    per tile (and a GPTQ word once), and computes bit for bit what the per-weight gather does."""
+    launches = []
+    launcher = moe.launcher
+
+    class Recording:  # what ``launcher`` returns, noting each launch's ROW_GROUPS
+        def __init__(self, kernel, x):
+            self.launch = launcher(kernel, x)
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: (launches.append(kw["ROW_GROUPS"]), self.launch[grid](*a, **kw))
+
+    monkeypatch.setattr(moe, "launcher", Recording)
+    h, inter = 128, 64  # two groups of 64 in gate_up's K, one in down's
+    w1, w2 = contiguous(fmt, h, 2 * inter, group), contiguous(fmt, inter, h, group)
+    x = torch.randn(tokens, h, device=DEVICE).half()
+    weights, ids = routing(tokens, seed=tokens)
+    cfg = moe.DECODE if tokens * TOP_K <= 64 else moe.PREFILL
+    assert w1.row_group(cfg.block_k) and w2.row_group(cfg.block_k)
+    sorted_ids, expert_ids = moe.moe_align(ids, E, cfg.block_m)
+    for w, a, per_row in ((w1, x, TOP_K), (w2, torch.randn(tokens * TOP_K, inter, device=DEVICE)
+                                           .half(), 1)):
+        rows, gathered = (moe.moe_matmul_triton(a, w, sorted_ids, expert_ids, tokens * TOP_K,
+                                                per_row, None, cfg, row_groups=r)
+                          for r in (True, False))
+        assert torch.equal(rows, gathered)
+    assert launches == [True, False, True, False]
+    out = moe.fused_moe_triton(x, w1, w2, weights, ids)
+    assert rel_err(out, moe.fused_moe_ref(x, w1, w2, weights, ids)) < 1e-2
+
+
+def test_row_groups_need_contiguous_groups_the_tile_divides():
+    (q, z, s, g), _ = random_gptq(128, 64, 32, act_order=True)
+    gathered = moe.ExpertWeights("gptq", q[None], scales=s[None], qzeros=z[None], g_idx=g[None])
+    assert gathered.row_group(64) is None  # act-order: no contiguous group known
+    assert contiguous("gptq", 128, 64, 32).row_group(64) is None  # tiles span two groups
+    assert contiguous("gptq", 128, 64, 32).row_group(32) == 32
+    assert contiguous("awq", 128, 64, -1).row_group(64) == 128
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_other_dtypes_and_configs(dtype, tol):
     w1, w2 = stacked("dense", H, 2 * INTER, dtype), stacked("gptq", INTER, H, dtype)
@@ -134,8 +188,9 @@ def test_aot_compiles():
                      "g_idx_ptr": "*i32", "out_ptr": "*fp16", "sorted_ids_ptr": "*i32",
                      "expert_ids_ptr": "*i32", "topk_weights_ptr": "*fp32"}
             for mul in (False, True):
-                consts = {**cfg.constexprs, "FORMAT": code, "MUL_WEIGHT": mul,
-                          "DOT_DTYPE": "tl.float16"}
-                specs.append(AotSpec(f"{moe.__name__}:_moe_matmul_kernel", types, consts,
-                                     cfg.num_warps, cfg.num_stages))
+                for row_groups in (False, True) if code else (False,):
+                    consts = {**cfg.constexprs, "FORMAT": code, "MUL_WEIGHT": mul,
+                              "DOT_DTYPE": "tl.float16", "ROW_GROUPS": row_groups}
+                    specs.append(AotSpec(f"{moe.__name__}:_moe_matmul_kernel", types, consts,
+                                         cfg.num_warps, cfg.num_stages))
     aot_compile_all(specs)

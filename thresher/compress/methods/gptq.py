@@ -27,10 +27,10 @@ from typing import ClassVar
 
 import torch
 
-from thresher.compress.gptq import GPTQ
+from thresher.compress.gptq import GPTQ, quantize_batch
 from thresher.compress.methods.protocol import LayerJob, LayerRecord, Quantized, grid_spec
 from thresher.compress.rtn import rtn_quantize
-from thresher.compress.targets import InputSite, sequential_stages
+from thresher.compress.targets import InputSite, Target, sequential_stages
 from thresher.formats.gptq import GPTQ as GPTQ_FORMAT
 from thresher.quant.grid import GridSpec
 from thresher.recipe import GPTQStage
@@ -39,6 +39,12 @@ log = logging.getLogger(__name__)
 
 GATED_BITS = 2  # expert_weighting auto: gate-weighted Hessians at this width and below
 RARE_SHRINK = 0.1  # r = 0.1 C / n: full shrink (RTN) below 0.1 C effective tokens
+# A layer's weights of one shape (its experts' gate and up, their down) run GPTQ's column loop
+# together, up to this many bytes of fp32 weights and inverse-Hessian factors per batch: the loop
+# launches a few kernels per column, ~30,000 for a 2048-column weight, once for the whole batch.
+# On the CPU a column's work on a large matrix outweighs its dispatch, so batches stay small there
+# (a whole layer of small experts still fits) and the quantize stage's peak memory stays put.
+BATCH_BYTES = {"cpu": 32 << 20, "cuda": 1 << 30}
 
 
 def rare_expert_shrink(columns: int, effective_tokens: float) -> float:
@@ -79,14 +85,28 @@ class GPTQMethod:
             dynamic=self.dynamic)
 
     def quantize_layer(self, job: LayerJob) -> None:
+        st = self.stage
         for sites in sequential_stages(job.parts):
             hessians = self.site_hessians(job, sites)
-            for site in job.progress(sites, f"layer {job.parts.idx} gptq"):
+            batches: dict[tuple, list[tuple[Target, GPTQ, float]]] = {}
+            for site in sites:
                 h = hessians.pop(site.name)
                 fallback, shrink = self.site_rule(job.record, site, h)
                 for t in site.targets:
-                    grid = self.grids[self.widths.get(t.key, self.bits)]
-                    q, loss = self.quantize_target(h, t.weight, grid, fallback, shrink)
+                    bits = self.widths.get(t.key, self.bits)
+                    if fallback:
+                        job.commit(t, rtn_quantize(t.weight, self.grids[bits], st.group_size))
+                    else:  # weights of one shape and width share a column loop
+                        key = (bits, *t.weight.shape, t.weight.device)
+                        batches.setdefault(key, []).append((t, h, shrink))
+            chunks = [chunk for key, items in batches.items()
+                      for chunk in _chunks(items, *key[1:])]
+            for chunk in job.progress(chunks, f"layer {job.parts.idx} gptq"):
+                grid = self.grids[self.widths.get(chunk[0][0].key, self.bits)]
+                done = quantize_batch([(h, t.weight, shrink) for t, h, shrink in chunk], grid,
+                                      st.group_size, st.act_order, st.static_groups,
+                                      st.damp_percent, st.block_size)
+                for (t, _, _), (q, loss) in zip(chunk, done, strict=True):
                     job.record.gptq_loss += loss
                     job.commit(t, q)
 
@@ -126,6 +146,13 @@ class GPTQMethod:
             return rtn_quantize(weight, grid, st.group_size), 0.0
         return h.quantize(weight, grid, st.group_size, st.act_order, st.static_groups,
                           st.damp_percent, st.block_size, diag_shrink=shrink)
+
+
+def _chunks(items: list, rows: int, cols: int, device: torch.device) -> list[list]:
+    """``items`` in column-loop batches of at most ``BATCH_BYTES`` of fp32 weights and factors."""
+    budget = BATCH_BYTES.get(torch.device(device).type, BATCH_BYTES["cuda"])
+    per = max(1, budget // (4 * (rows * cols + cols * cols)))
+    return [items[i:i + per] for i in range(0, len(items), per)]
 
 
 def _add_to_hessian(hessians: dict[str, GPTQ], gated: bool, site: InputSite,

@@ -52,10 +52,20 @@ class ExpertWeights:
     qzeros: torch.Tensor | None = None
     g_idx: torch.Tensor | None = None  # gptq only
     group_size: int = -1  # awq only (gptq's groups are its g_idx); -1 = one group
+    # gptq only: g_idx is arange(K) // this (no act-order; -1 for one group), known at load
+    contiguous_group: int | None = None
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise ValueError(f"expert weight format {self.format!r}: expected one of {list(FORMATS)}")
+
+    def row_group(self, block_k: int) -> int | None:
+        """The group size when every K tile of ``block_k`` lies in one group (contiguous groups
+        that ``block_k`` divides): then a tile's zeros and scales are one row each."""
+        k = self.out_in[1]
+        group = {"awq": self.group_size, "gptq": self.contiguous_group}.get(self.format)
+        group = k if group == -1 else group
+        return group if group is not None and group % block_k == 0 else None
 
     @property
     def out_in(self) -> tuple[int, int]:
@@ -132,8 +142,14 @@ def _moe_matmul_kernel(
     num_pairs, N, K, group_size, pairs_per_row,
     stride_be, stride_bk, stride_bn, stride_se, stride_ze, stride_ge,
     FORMAT: tl.constexpr, MUL_WEIGHT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    ROW_GROUPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """With ``ROW_GROUPS`` (contiguous groups, BLOCK_K dividing the group size) each K tile lies
+    in one group: its zeros and scales are one [BLOCK_N] row loaded once, and a GPTQ word (8 rows
+    of a column) is loaded once and split in registers, as in ``w4a16._grouped_matmul_kernel``.
+    Otherwise each weight gathers its group's zero and scale through g_idx (act-order). Both
+    dequantize a weight by the same formula, so they compute the same tiles."""
     expert = tl.load(expert_ids_ptr + tl.program_id(0)).to(tl.int64)
     if expert < 0:  # a worst-case block past the last expert's run: padding only
         return
@@ -155,6 +171,27 @@ def _moe_matmul_kernel(
         if FORMAT == 0:
             w = tl.load(b_base + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
                         mask=mask_kn, other=0.0).to(tl.float32)
+        elif ROW_GROUPS:
+            g = k0 // group_size
+            if FORMAT == 1:
+                offs_r = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+                packed = tl.load(b_base + offs_r[:, None] * N + offs_n[None, :],
+                                 mask=(offs_r[:, None] < K // 8) & mask_n[None, :], other=0)
+                q = tl.reshape((packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None])
+                               & 0xF, (BLOCK_K, BLOCK_N))
+                zero_shift = (offs_n % 8) * 4
+                zero_add = 1
+            else:
+                packed = tl.load(b_base + offs_k[:, None] * (N // 8) + offs_n[None, :] // 8,
+                                 mask=mask_kn, other=0)
+                q = (packed >> awq_shift[None, :]) & 0xF
+                zero_shift = awq_shift
+                zero_add = 0
+            packed_z = tl.load(zeros_ptr + expert * stride_ze + g * (N // 8) + offs_n // 8,
+                               mask=mask_n, other=0)
+            z = ((packed_z >> zero_shift) & 0xF) + zero_add
+            s = tl.load(scales_ptr + expert * stride_se + g * N + offs_n, mask=mask_n, other=0.0)
+            w = (q - z[None, :]).to(tl.float32) * s.to(tl.float32)[None, :]
         else:
             if FORMAT == 1:  # GPTQ: packed along K, zero - 1 packed along N, g_idx per row
                 packed = tl.load(b_base + (offs_k[:, None] // 8) * N + offs_n[None, :],
@@ -188,8 +225,10 @@ def _moe_matmul_kernel(
 def moe_matmul_triton(
     a: torch.Tensor, w: ExpertWeights, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
     num_pairs: int, pairs_per_row: int, topk_weights: torch.Tensor | None, config: TileConfig,
+    row_groups: bool = True,
 ) -> torch.Tensor:
-    """out[p] = a[p // pairs_per_row] @ W[expert of p].T (times topk_weights[p] if given)."""
+    """out[p] = a[p // pairs_per_row] @ W[expert of p].T (times topk_weights[p] if given);
+    ``row_groups=False`` keeps the per-weight gather where a tile could load rows."""
     n, k = w.out_in
     out = torch.empty(num_pairs, n, device=a.device, dtype=a.dtype)
     dummy = sorted_ids  # stands in for tensors a format does not use; never read
@@ -199,13 +238,15 @@ def moe_matmul_triton(
     weight = w.weight if w.format == "dense" else w.weight.contiguous()
     stride_bk, stride_bn = (weight.stride(2), weight.stride(1)) if w.format == "dense" else (0, 0)
     grid = (sorted_ids.numel() // config.block_m, triton.cdiv(n, config.block_n))
+    row_group = w.row_group(config.block_k) if row_groups else None
+    group = row_group or (k if w.group_size == -1 else w.group_size)
     launcher(_moe_matmul_kernel, a)[grid](
         a.contiguous(), weight, scales.contiguous(), qzeros.contiguous(), g_idx, out,
         sorted_ids, expert_ids, topk_weights if topk_weights is not None else dummy,
-        num_pairs, n, k, k if w.group_size == -1 else w.group_size, pairs_per_row,
+        num_pairs, n, k, group, pairs_per_row,
         weight.stride(0), stride_bk, stride_bn, scales.stride(0), qzeros.stride(0),
         g_idx.stride(0), FORMAT=FORMATS[w.format], MUL_WEIGHT=topk_weights is not None,
-        DOT_DTYPE=dot_dtype(a), **config.launch,
+        DOT_DTYPE=dot_dtype(a), ROW_GROUPS=row_group is not None, **config.launch,
     )
     return out
 

@@ -62,9 +62,11 @@ class FusedExperts(nn.Module):
     """All experts of a layer as two stacked projections for ``fused_moe``."""
 
     def __init__(self, fmt: str, gate_up: dict[str, torch.Tensor], down: dict[str, torch.Tensor],
-                 group_size: int = -1):
+                 group_size: int = -1, contiguous_groups: dict[str, int | None] | None = None):
         super().__init__()
         self.format, self.group_size = fmt, group_size
+        # GPTQ without act-order: each projection's group size (``ExpertWeights.contiguous_group``)
+        self.contiguous_groups = contiguous_groups or {}
         self._names = sorted(gate_up)
         for name in self._names:
             self.register_buffer(f"gate_up_{name}", gate_up[name])
@@ -117,7 +119,7 @@ class FusedExperts(nn.Module):
         if self.format == "dense" and self.cpu_matmul is blocked_matmul:  # read back, stacked
             t["weight"] = torch.stack([unblock(w) for w in getattr(self, f"cpu_{proj}")])
         return ExpertWeights(self.format, t["weight"], t.get("scales"), t.get("qzeros"),
-                             t.get("g_idx"), self.group_size)
+                             t.get("g_idx"), self.group_size, self.contiguous_groups.get(proj))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
@@ -335,12 +337,20 @@ def stack_experts(gate: list[Linear], up: list[Linear], down: list[Linear]) -> n
         return FusedExperts(GPTQ.kind, _stack_packed(gate, up, ("qweight", "qzeros", "scales"),
                                                   {"g_idx": [g.g_idx for g in gate]}),
                             _stack_packed(down, None, ("qweight", "qzeros", "scales"),
-                                          {"g_idx": [d.g_idx for d in down]}))
+                                          {"g_idx": [d.g_idx for d in down]}),
+                            contiguous_groups={"gate_up": _shared_group(gate),
+                                               "down": _shared_group(down)})
     if kinds == {AWQLinear} and len({m.group_size for m in (*gate, *up, *down)}) == 1:
         names = ("qweight", "qzeros", "scales")
         return FusedExperts(AWQ.kind, _stack_packed(gate, up, names, {}),
                             _stack_packed(down, None, names, {}), gate[0].group_size)
     return ExpertLoop(gate, up, down)
+
+
+def _shared_group(layers: list[GPTQLinear]) -> int | None:
+    """The group size every one of ``layers`` has in contiguous groups, else None."""
+    groups = {m.contiguous_group for m in layers}
+    return groups.pop() if len(groups) == 1 else None
 
 
 def _stack_packed(first: list[Linear], second: list[Linear] | None, names: tuple[str, ...],
