@@ -1,8 +1,10 @@
 """The GPU suite: every GPU measurement the project's goals name, in one command (< 9 min, H100).
 
-    python benchmarks/scale/gpu_suite.py --prepare BUNDLE          # CPU machine: models to carry
-    python benchmarks/scale/gpu_suite.py --bundle BUNDLE --out OUT  # GPU machine: every section
-    python benchmarks/scale/gpu_suite.py --dry-run --out OUT        # CPU: every section at toy sizes
+    python benchmarks/scale/gpu_suite.py --prepare gpu_bundle --demos tiny --carry .gpucarry
+                                                            # CPU machine: models, wheels, packed
+    python3 benchmarks/scale/gpu_suite.py --carry .gpucarry --out OUT --budget-s 480
+                                                            # GPU machine: every section
+    python benchmarks/scale/gpu_suite.py --dry-run --out OUT  # CPU: every section at toy sizes
 
 Sections, each a markdown table (printed, and written to OUT/gpu_suite.md; tracebacks and test
 output to OUT/gpu_suite.log; a failing section reports its error and the next one runs):
@@ -221,7 +223,7 @@ def section_tests(sizes: Sizes, log: Path, timeout: float | None = None) -> str:
     if DRY:
         cmd += ["-m", "cuda"]
     elif importlib.util.find_spec("xdist") is not None:  # Triton compiles dominate: spread them
-        cmd += ["-n", str(min(8, os.cpu_count() or 1))]
+        cmd += ["-n", str(min(16, os.cpu_count() or 1))]
     start = time.perf_counter()
     code, tail = run_logged(cmd, log, timeout)
     lines = tail.strip().splitlines()
@@ -763,6 +765,61 @@ def prepare(bundle: Path, demos: list[str]) -> None:
     print(f"bundle {bundle}: {total / 2**20:.1f} MiB")
 
 
+# What a GPU machine without network needs beyond its image, at this environment's versions:
+# thresher.recipe's pydantic (a release pins one pydantic-core) and NF4's bitsandbytes.
+CARRIED_WHEELS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection")
+BNB_LIBS_KEPT = ("libbitsandbytes_cpu.so", "libbitsandbytes_cuda13")  # 8 of the wheel's 41 MB
+
+
+def pack_carry(bundle: Path, carry: Path) -> None:
+    """``carry``: the bundle as ``bundle.tar.xz``, the pinned wheels in ``whl/`` and bitsandbytes
+    unpacked in ``site/`` with its CPU and CUDA 13 libraries only, so that all of it fits the
+    device tool's 64 MiB beside the source tree (48 MB with ``--demos tiny``)."""
+    import importlib.metadata
+    import lzma
+    import tarfile
+    import zipfile
+
+    whl = carry / "whl"
+    whl.mkdir(parents=True, exist_ok=True)
+    platform = ["--only-binary=:all:", "--no-deps", "--python-version", "3.12",
+                "--implementation", "cp", "--platform", "manylinux_2_17_x86_64",
+                "--platform", "manylinux_2_24_x86_64", "--platform", "manylinux_2_28_x86_64"]
+    pins = [f"{name}=={importlib.metadata.version(name)}" for name in CARRIED_WHEELS]
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", *platform, "-d", str(whl),
+                    *pins], check=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", *platform, "-d", tmp,
+                        f"bitsandbytes=={importlib.metadata.version('bitsandbytes')}"],
+                       check=True)
+        with zipfile.ZipFile(next(Path(tmp).glob("bitsandbytes-*.whl"))) as z:
+            keep = [n for n in z.namelist()
+                    if "/libbitsandbytes_" not in n or any(k in n for k in BNB_LIBS_KEPT)]
+            z.extractall(carry / "site", keep)
+    with lzma.open(carry / "bundle.tar.xz", "wb", preset=6) as xz, \
+            tarfile.open(fileobj=xz, mode="w") as tar:
+        tar.add(bundle, arcname="gpu_bundle")
+    total = sum(f.stat().st_size for f in carry.rglob("*") if f.is_file())
+    print(f"carry {carry}: {total / 2**20:.1f} MiB (the device tool takes 64 MiB with the tree)")
+
+
+def unpack_carry(carry: Path) -> Path:
+    """On the GPU machine: install ``carry``'s wheels and bitsandbytes into this Python's own
+    site-packages (so every child process sees them) and unpack the bundle; its path."""
+    import sysconfig
+    import tarfile
+
+    wheels = sorted(str(w) for w in (carry / "whl").glob("*.whl"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                    "--no-compile", *wheels], check=True)
+    shutil.copytree(carry / "site", sysconfig.get_paths()["purelib"], dirs_exist_ok=True)
+    importlib.invalidate_caches()
+    work = Path(tempfile.mkdtemp(prefix="thresher-gpu-bundle-"))
+    with tarfile.open(carry / "bundle.tar.xz") as tar:
+        tar.extractall(work, filter="data")
+    return work / "gpu_bundle"
+
+
 # Families whose router selects with a score-correction bias, in the parity section: GLM-4.5's
 # sigmoid router (DeepSeek-V3 adds latent attention) and ERNIE-4.5's softmax one.
 CORRECTION_ROUTED = ("glm4_moe", "deepseek_v3", "ernie4_5_moe")
@@ -920,6 +977,10 @@ def main() -> None:
     ap.add_argument("--demos", nargs="+", default=["tiny", "small"], choices=["tiny", "small"],
                     help="--prepare: the demo models to bundle with their artifacts")
     ap.add_argument("--bundle", type=Path, help="the prepared bundle (demo models, artifacts)")
+    ap.add_argument("--carry", type=Path,
+                    help="with --prepare: also pack the bundle and the wheels a GPU machine without "
+                         "network needs into this folder; on the GPU: install and unpack it "
+                         "(instead of --bundle)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out/gpu_suite"))
     ap.add_argument("--dry-run", action="store_true",
                     help="every section at toy sizes on the CPU (kernels through the interpreter)")
@@ -935,9 +996,13 @@ def main() -> None:
         ap.error(f"--sections: unknown {', '.join(unknown)} (known: {', '.join(SECTIONS)})")
     if args.prepare:
         prepare(args.prepare, args.demos)
+        if args.carry:
+            pack_carry(args.prepare, args.carry)
         return
     if not DRY and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --dry-run on a CPU")
+    if args.carry:
+        args.bundle = unpack_carry(args.carry)
     if not DRY and args.bundle is None:
         raise SystemExit("--bundle is required on the GPU (made by --prepare on the CPU machine)")
     run_sections(args.out, args.bundle, order, args.budget_s)
