@@ -35,9 +35,10 @@ from typing import ClassVar
 
 import torch
 
-from thresher.compress.gptq import GPTQ
-from thresher.compress.methods.gptq import GPTQMethod
-from thresher.compress.methods.protocol import LayerJob
+from thresher.compress.gptq import GPTQ, quantize_batch
+from thresher.compress.methods.gptq import GPTQMethod, column_loop_batches
+from thresher.compress.methods.protocol import LayerJob, Quantized
+from thresher.compress.rtn import rtn_quantize
 from thresher.compress.targets import sequential_stages
 from thresher.errors import CompressionError
 from thresher.formats import gptq as gptq_format
@@ -224,23 +225,39 @@ class SensitivityProbe:
 
     def quantize_layer(self, job: LayerJob) -> None:
         rule = self.gptq[self.candidates[0]]
+        st = self.stage
         for sites in sequential_stages(job.parts):
             hessians = rule.site_hessians(job, sites)
-            for site in job.progress(sites, f"layer {job.parts.idx} sensitivity"):
+            work = []  # (unit, target index, Hessian, weight, RTN instead of GPTQ, shrink)
+            for site in sites:
                 h = hessians.pop(site.name)
                 fallback, shrink = rule.site_rule(job.record, site, h)
                 unit = Unit(site.name, [t.key for t in site.targets],
                             [tuple(t.weight.shape) for t in site.targets], h.nsamples)
-                S = h.H * (h.nsamples / 2)  # GPTQ keeps 2/n * sum(w x x^T)
-                for b in self.candidates:
-                    unit.damage[b] = sum(self._damage(self.gptq[b], h, S, t.weight, fallback,
-                                                      shrink) for t in site.targets)
                 self.units.append(unit)
+                rtn = fallback or st.sensitivity != "gptq"
+                work += [(unit, i, h, t.weight, rtn, shrink) for i, t in enumerate(site.targets)]
+            damages: dict[tuple[int, int, int], float] = {}  # (unit, target, width) -> damage
+            gptq = [item for item in work if not item[4]]
+            batches = [(b, chunk) for b in self.candidates
+                       for chunk in column_loop_batches(gptq, lambda item: (item[3], None))]
+            for b, chunk in job.progress(batches, f"layer {job.parts.idx} sensitivity"):
+                done = quantize_batch([(h, w, shrink) for _, _, h, w, _, shrink in chunk],
+                                      self.gptq[b].grid, st.group_size, st.act_order,
+                                      st.static_groups, st.damp_percent, st.block_size)
+                for (unit, i, h, w, _, _), (q, _) in zip(chunk, done, strict=True):
+                    damages[id(unit), i, b] = _damage(h, w, q)
+            for unit, i, h, w, rtn, _ in work:
+                for b in self.candidates:
+                    if rtn:
+                        damages[id(unit), i, b] = _damage(
+                            h, w, rtn_quantize(w, self.gptq[b].grid, st.group_size))
+                    unit.damage[b] = unit.damage.get(b, 0) + damages[id(unit), i, b]
 
-    def _damage(self, method: GPTQMethod, h: GPTQ, S: torch.Tensor, w: torch.Tensor,
-                fallback: bool, shrink: float) -> float:
-        rtn = fallback or self.stage.sensitivity != "gptq"
-        q, _ = method.quantize_target(h, w, method.grid, rtn, shrink)
-        err = w.float() - q.dequantize()
-        d = float(((err @ S) * err).sum())
-        return d if math.isfinite(d) else float("inf")
+
+def _damage(h: GPTQ, w: torch.Tensor, q: Quantized) -> float:
+    """err S err^T of a quantized weight, S the unnormalized Hessian sum(w x x^T)."""
+    S = h.H * (h.nsamples / 2)  # GPTQ keeps 2/n * sum(w x x^T)
+    err = w.float() - q.dequantize()
+    d = float(((err @ S) * err).sum())
+    return d if math.isfinite(d) else float("inf")

@@ -22,21 +22,22 @@ falls back to RTN outright.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import partial
-from typing import ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
 from thresher.compress.gptq import GPTQ, quantize_batch
-from thresher.compress.methods.protocol import LayerJob, LayerRecord, Quantized, grid_spec
+from thresher.compress.methods.protocol import LayerJob, LayerRecord, grid_spec
 from thresher.compress.rtn import rtn_quantize
 from thresher.compress.targets import InputSite, Target, sequential_stages
 from thresher.formats.gptq import GPTQ as GPTQ_FORMAT
-from thresher.quant.grid import GridSpec
 from thresher.recipe import GPTQStage
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 GATED_BITS = 2  # expert_weighting auto: gate-weighted Hessians at this width and below
 RARE_SHRINK = 0.1  # r = 0.1 C / n: full shrink (RTN) below 0.1 C effective tokens
 # A layer's weights of one shape (its experts' gate and up, their down) run GPTQ's column loop
@@ -88,7 +89,7 @@ class GPTQMethod:
         st = self.stage
         for sites in sequential_stages(job.parts):
             hessians = self.site_hessians(job, sites)
-            batches: dict[tuple, list[tuple[Target, GPTQ, float]]] = {}
+            work: list[tuple[Target, GPTQ, float]] = []
             for site in sites:
                 h = hessians.pop(site.name)
                 fallback, shrink = self.site_rule(job.record, site, h)
@@ -96,11 +97,10 @@ class GPTQMethod:
                     bits = self.widths.get(t.key, self.bits)
                     if fallback:
                         job.commit(t, rtn_quantize(t.weight, self.grids[bits], st.group_size))
-                    else:  # weights of one shape and width share a column loop
-                        key = (bits, *t.weight.shape, t.weight.device)
-                        batches.setdefault(key, []).append((t, h, shrink))
-            chunks = [chunk for key, items in batches.items()
-                      for chunk in _chunks(items, *key[1:])]
+                    else:
+                        work.append((t, h, shrink))
+            chunks = column_loop_batches(
+                work, lambda item: (item[0].weight, self.widths.get(item[0].key, self.bits)))
             for chunk in job.progress(chunks, f"layer {job.parts.idx} gptq"):
                 grid = self.grids[self.widths.get(chunk[0][0].key, self.bits)]
                 done = quantize_batch([(h, t.weight, shrink) for t, h, shrink in chunk], grid,
@@ -138,21 +138,22 @@ class GPTQMethod:
             record.expert_shrink[site.name] = shrink
         return fallback, shrink
 
-    def quantize_target(self, h: GPTQ, weight: torch.Tensor, grid: GridSpec, rtn: bool,
-                        shrink: float) -> tuple[Quantized, float]:
-        """One weight on ``grid``: RTN, or GPTQ against the site's Hessian (and its loss)."""
-        st = self.stage
-        if rtn:
-            return rtn_quantize(weight, grid, st.group_size), 0.0
-        return h.quantize(weight, grid, st.group_size, st.act_order, st.static_groups,
-                          st.damp_percent, st.block_size, diag_shrink=shrink)
 
-
-def _chunks(items: list, rows: int, cols: int, device: torch.device) -> list[list]:
-    """``items`` in column-loop batches of at most ``BATCH_BYTES`` of fp32 weights and factors."""
-    budget = BATCH_BYTES.get(torch.device(device).type, BATCH_BYTES["cuda"])
-    per = max(1, budget // (4 * (rows * cols + cols * cols)))
-    return [items[i:i + per] for i in range(0, len(items), per)]
+def column_loop_batches(items: list[T], weight_and_key: Callable[[T], tuple[torch.Tensor, Any]]
+                        ) -> list[list[T]]:
+    """``items`` grouped into batches for one column loop each (``quantize_batch``): the same
+    weight shape, device and key (the width), at most ``BATCH_BYTES`` of fp32 weights and factors
+    per batch; the items' order is kept inside each batch."""
+    groups: dict[tuple, list[T]] = {}
+    for item in items:
+        w, key = weight_and_key(item)
+        groups.setdefault((*w.shape, w.device, key), []).append(item)
+    batches = []
+    for (rows, cols, device, _), group in groups.items():
+        budget = BATCH_BYTES.get(torch.device(device).type, BATCH_BYTES["cuda"])
+        per = max(1, budget // (4 * (rows * cols + cols * cols)))
+        batches += [group[i:i + per] for i in range(0, len(group), per)]
+    return batches
 
 
 def _add_to_hessian(hessians: dict[str, GPTQ], gated: bool, site: InputSite,
