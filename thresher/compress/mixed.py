@@ -240,7 +240,8 @@ class SensitivityProbe:
             damages: dict[tuple[int, int, int], float] = {}  # (unit, target, width) -> damage
             gptq = [item for item in work if not item[4]]
             batches = [(b, chunk) for b in self.candidates
-                       for chunk in column_loop_batches(gptq, lambda item: (item[3], None))]
+                       for chunk in column_loop_batches(gptq, lambda item: (item[3], item[2],
+                                                                            None))]
             for b, chunk in job.progress(batches, f"layer {job.parts.idx} sensitivity"):
                 done = quantize_batch([(h, w, shrink) for _, _, h, w, _, shrink in chunk],
                                       self.gptq[b].grid, st.group_size, st.act_order,

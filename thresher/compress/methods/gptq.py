@@ -100,7 +100,8 @@ class GPTQMethod:
                     else:
                         work.append((t, h, shrink))
             chunks = column_loop_batches(
-                work, lambda item: (item[0].weight, self.widths.get(item[0].key, self.bits)))
+                work, lambda item: (item[0].weight, item[1],
+                                    self.widths.get(item[0].key, self.bits)))
             for chunk in job.progress(chunks, f"layer {job.parts.idx} gptq"):
                 grid = self.grids[self.widths.get(chunk[0][0].key, self.bits)]
                 done = quantize_batch([(h, t.weight, shrink) for t, h, shrink in chunk], grid,
@@ -139,15 +140,16 @@ class GPTQMethod:
         return fallback, shrink
 
 
-def column_loop_batches(items: list[T], weight_and_key: Callable[[T], tuple[torch.Tensor, Any]]
+def column_loop_batches(items: list[T], parts: Callable[[T], tuple[torch.Tensor, GPTQ, Any]]
                         ) -> list[list[T]]:
-    """``items`` grouped into batches for one column loop each (``quantize_batch``): the same
-    weight shape, device and key (the width), at most ``BATCH_BYTES`` of fp32 weights and factors
-    per batch; the items' order is kept inside each batch."""
+    """``items`` grouped into batches for one column loop each (``quantize_batch``): ``parts``
+    gives an item's weight, Hessian and key (the width); a batch shares the weight shape, the
+    Hessian's device (where the loop runs) and the key, and holds at most ``BATCH_BYTES`` of fp32
+    weights and factors; the items' order is kept inside each batch."""
     groups: dict[tuple, list[T]] = {}
     for item in items:
-        w, key = weight_and_key(item)
-        groups.setdefault((*w.shape, w.device, key), []).append(item)
+        w, h, key = parts(item)
+        groups.setdefault((*w.shape, h.H.device, key), []).append(item)
     batches = []
     for (rows, cols, device, _), group in groups.items():
         budget = BATCH_BYTES.get(torch.device(device).type, BATCH_BYTES["cuda"])
