@@ -16,26 +16,29 @@ output to OUT/gpu_suite.log; a failing section reports its error and the next on
    are captured in a CUDA graph and timed with CUDA events (``device_seconds``), so launch
    latency is not counted; the tile each shape chose (``kernels/tuning.py``) is printed.
 2b. moe kernel: the fused GPTQ-4 MoE kernel at decode shapes (M = 1..64 tokens, top-8 of 128
-   experts), the bytes of the distinct experts routed to per second against the copy bandwidth.
+   experts), the bytes of the distinct experts routed to per second against the copy bandwidth,
+   with one row of zeros and scales per K tile (contiguous groups) and with the g_idx gather.
 3. decode: tokens/s at concurrency 1 on a random 16-layer Qwen3-MoE of >= 4 GB in bf16 against
    its roofline (copy bandwidth / bytes one token reads: attention weights, the router, top-k
    experts of each layer, the KV cache), with the step's wall time beside its GPU busy time.
 4. vs_hf: the engine against transformers' ``generate`` (bf16, same prompts, greedy, same new
    tokens) at concurrency 1, 16 and 64 on that model.
-5. parity: greedy tokens of the engine against transformers on the device for the demo models
-   and their GPTQ/AWQ/NF4 artifacts from the bundle (transformers runs the dequantized weights),
-   and a random GLM-4.5 (sigmoid router with correction bias and groups, dense first layer,
-   shared experts, partial rotary) and a random DeepSeek-V3 (the same router, latent attention
-   from a latent cache) with their GPTQ-4 artifacts, and a random gpt-oss (attention sinks,
-   sliding-window layers, biased router and experts, clamped SwiGLU, YaRN) with its GPTQ-4
-   artifact.
-6. gptq: GPTQ-4 of the random MoE with ``thresher quantize --device cuda``, and the same command
-   with ``--device cpu`` on a one-layer slice of it (the identical first layer; the whole model on
-   the CPU would not fit the time), limited to 2 threads like the 2-core machine and again with
-   every core: seconds per decoder layer from each report, and the CPU / GPU ratio. The dry run
-   runs both on the CPU at toy sizes.
-7. quantized decode: the same model in GPTQ-4 (section 6's artifact), AWQ-4 and NF4, decode at
-   concurrency 1 against the roofline of the bytes a token reads in each format.
+5. parity: greedy tokens of the engine against transformers on the device, in float32 and in
+   bfloat16, for the demo models and their GPTQ/AWQ/NF4 artifacts from the bundle (transformers
+   runs the dequantized weights), and random GLM-4.5, DeepSeek-V3, ERNIE-4.5 and gpt-oss
+   checkpoints with their GPTQ-4 artifacts; at each divergence, the rank and logit gap of the
+   engine's token in transformers' logits (near ties part bf16 implementations; defects show as
+   a high rank or a large gap).
+7. quantized decode: the same model in the GPTQ-4 layout (RTN codes: GPTQ's bytes and kernels,
+   in seconds), AWQ-4 and NF4, decode at concurrency 1 against the roofline of the bytes a token
+   reads in each format.
+6. gptq: GPTQ-4 of the random MoE's first layer with ``thresher quantize --device cuda``, then
+   ``--device cpu`` limited to 2 threads like the 2-core machine and again with every core:
+   seconds per decoder layer from each report, and the CPU / GPU ratio. The dry run runs all
+   three on the CPU at toy sizes.
+
+Sections run in the order above (``--sections`` picks and orders them); ``--budget-s`` skips
+those that would start after it, so a run under a device's time limit ends with its tables.
 
 ``--dry-run`` runs the same code at toy sizes on the CPU (Triton kernels through the
 interpreter), to prove the suite end to end before GPU minutes are spent.
@@ -689,20 +692,6 @@ def _gptq4(model: Path, out: Path, dev: str, sizes: Sizes, log: Path,
     return time.perf_counter() - start, json.loads((out / "quantize_report.json").read_text())
 
 
-GPTQ_ROWS = ["| checkpoint | device | threads | wall s | s / layer | peak device MiB | "
-             "CPU s/layer / GPU s/layer |", "|---|---|---|---|---|---|---|"]
-
-
-def _gptq_row(what: str, wall: float, report: dict, threads: int | None,
-              gpu_per_layer: float | None) -> tuple[str, float]:
-    seconds = sum(layer["seconds"] for layer in report["layers"]) / len(report["layers"])
-    ratio = "" if gpu_per_layer is None else f"{seconds / gpu_per_layer:.1f}x"
-    peak = report.get("peak_device_mb")
-    return (f"| {what} | {report['device']} | {threads or torch.get_num_threads()} | "
-            f"{wall:.0f} | {seconds:.1f} | {'-' if peak is None else f'{peak:.0f}'} | "
-            f"{ratio} |"), seconds
-
-
 def section_gptq(ctx: MoEContext, tokenizer_dir: Path, log: Path,
                  left: Callable[[], float | None] = lambda: None) -> str:
     """GPTQ-4 of the MoE's first layer (the same layer, same seed) on the device, then on the CPU
@@ -714,13 +703,13 @@ def section_gptq(ctx: MoEContext, tokenizer_dir: Path, log: Path,
     runs += [("cpu", threads) for threads in sorted({2, os.cpu_count() or 1})]
     rows = ["| checkpoint | device | threads | wall s | s / layer | peak device MiB | "
             "CPU s/layer / GPU s/layer |", "|---|---|---|---|---|---|---|"]
-    device_seconds = None
+    first = None  # seconds per layer on the device
     for i, (dev, threads) in enumerate(runs):
         wall, report = _gptq4(one, ctx.path.parent / f"gptq4-1layer-{i}", dev, ctx.sizes, log,
                               threads, left())
         seconds = sum(layer["seconds"] for layer in report["layers"]) / len(report["layers"])
-        device_seconds = device_seconds or seconds
-        ratio = "" if i == 0 else f"{seconds / device_seconds:.1f}x"
+        first = first or seconds
+        ratio = "" if i == 0 else f"{seconds / first:.1f}x"
         peak = report.get("peak_device_mb")
         rows.append(f"| first layer of the MoE | {report['device']} | "
                     f"{threads or torch.get_num_threads()} | {wall:.0f} | {seconds:.1f} | "
