@@ -1,4 +1,6 @@
-"""The GPU suite: every GPU measurement the project's goals name, in one command (< 9 min, H100).
+"""The GPU suite: every GPU measurement the project's goals name, from one command.
+
+On an H100 it takes two calls of under 10 minutes (``--budget-s``, then ``--sections``).
 
     python benchmarks/scale/gpu_suite.py --prepare gpu_bundle --demos tiny --carry .gpucarry
                                                             # CPU machine: models, wheels, packed
@@ -763,7 +765,7 @@ BNB_LIBS_KEPT = ("libbitsandbytes_cpu.so", "libbitsandbytes_cuda13")  # 8 of the
 def pack_carry(bundle: Path, carry: Path) -> None:
     """``carry``: the bundle as ``bundle.tar.xz``, the pinned wheels in ``whl/`` and bitsandbytes
     unpacked in ``site/`` with its CPU and CUDA 13 libraries only, so that all of it fits the
-    device tool's 64 MiB beside the source tree (48 MB with ``--demos tiny``)."""
+    device tool's 64 MiB beside the source tree (44 MiB with ``--demos tiny``)."""
     import importlib.metadata
     import lzma
     import tarfile
