@@ -147,3 +147,20 @@ if __name__ == "__main__":
         failures = [f for f in pool.map(_compile_or_error, jobs) if f]
     print("\n\n".join(failures))
     sys.exit(1 if failures else 0)
+
+
+def record_launches(monkeypatch, module, constexpr: str) -> list:
+    """Patch ``module.launcher`` so that each launch also appends its ``constexpr`` keyword to the
+    returned list: which variant of a kernel ran, where two compute the same result."""
+    launches = []
+    launcher = module.launcher
+
+    class Recording:
+        def __init__(self, kernel, x):
+            self.launch = launcher(kernel, x)
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: (launches.append(kw[constexpr]), self.launch[grid](*a, **kw))
+
+    monkeypatch.setattr(module, "launcher", Recording)
+    return launches

@@ -35,11 +35,13 @@ def test_fp32_dots_are_ieee():
                  "expert_ids_ptr": "*i32", "topk_weights_ptr": "*fp32"}
     specs.append(AotSpec(f"{moe.__name__}:_moe_matmul_kernel", moe_types,
                          {**cfg.constexprs, "FORMAT": moe.FORMATS["dense"], "MUL_WEIGHT": False,
-                          "DOT_DTYPE": "tl.float32"}, cfg.num_warps, cfg.num_stages, **no_tf32))
+                          "DOT_DTYPE": "tl.float32", "ROW_GROUPS": False}, cfg.num_warps,
+                         cfg.num_stages, **no_tf32))
     cfg = nf4.CONFIGS["prefill"]
     specs.append(AotSpec(f"{nf4.__name__}:_nf4_matmul_kernel",
                          {"x_ptr": "*fp32", "packed_ptr": "*u8", "absmax_ptr": "*fp32",
                           "quant_map_ptr": "*fp32", "out_ptr": "*fp32"},
-                         {**cfg.constexprs, "DOT_DTYPE": "tl.float32", "SPLIT_K": cfg.split_k},
+                         {**cfg.constexprs, "DOT_DTYPE": "tl.float32", "SPLIT_K": cfg.split_k,
+                          "BLOCKSIZE": 64, "ROW_BLOCKS": True},
                          cfg.num_warps, cfg.num_stages, **no_tf32))
     aot_compile_all(specs)

@@ -12,6 +12,7 @@ from tests.serve_kernels.kernels.helpers import (
     aot_compile_all,
     random_awq,
     random_gptq,
+    record_launches,
     rel_err,
 )
 from thresher.serve_kernels.kernels import moe
@@ -131,17 +132,7 @@ def contiguous(fmt: str, k: int, n: int, group: int) -> moe.ExpertWeights:
 def test_row_groups_compute_the_gathered_tiles(fmt, group, tokens, monkeypatch):
     """Contiguous groups that each K tile lies in: the kernel loads one row of zeros and scales
     per tile (and a GPTQ word once), and computes bit for bit what the per-weight gather does."""
-    launches = []
-    launcher = moe.launcher
-
-    class Recording:  # what ``launcher`` returns, noting each launch's ROW_GROUPS
-        def __init__(self, kernel, x):
-            self.launch = launcher(kernel, x)
-
-        def __getitem__(self, grid):
-            return lambda *a, **kw: (launches.append(kw["ROW_GROUPS"]), self.launch[grid](*a, **kw))
-
-    monkeypatch.setattr(moe, "launcher", Recording)
+    launches = record_launches(monkeypatch, moe, "ROW_GROUPS")
     h, inter = 128, 64  # two groups of 64 in gate_up's K, one in down's
     w1, w2 = contiguous(fmt, h, 2 * inter, group), contiguous(fmt, inter, h, group)
     x = torch.randn(tokens, h, device=DEVICE).half()

@@ -11,9 +11,16 @@ import math
 import pytest
 import torch
 
-from tests.serve_kernels.kernels.helpers import DEVICE, AotSpec, aot_compile_all, rel_err
+from tests.serve_kernels.kernels.helpers import (
+    DEVICE,
+    AotSpec,
+    aot_compile_all,
+    record_launches,
+    rel_err,
+)
 from thresher.quant.nf4 import NF4_CODES
 from thresher.serve_kernels.kernels import nf4
+from thresher.serve_kernels.kernels.backend import TileConfig
 
 N, K = 72, 101  # odd K: bytes and 64-element blocks straddle rows, N*K not a multiple of 64
 
@@ -82,6 +89,23 @@ def test_other_dtypes_and_configs(dtype, tol):
         assert rel_err(nf4.nf4_matmul_triton(x, weight, cfg), nf4.nf4_matmul_ref(x, weight)) < tol
 
 
+@pytest.mark.parametrize("block_k", [32, 64, 128])
+@pytest.mark.parametrize("m", [1, 5])
+def test_rows_of_whole_blocks_compute_the_flat_indexing(block_k, m, monkeypatch):
+    """K a multiple of 64: each row holds whole blocks, so the kernel indexes by row and column
+    (one absmax per column where the K tile lies in one block) and computes bit for bit what the
+    flattened indexing computes, which the reference checks."""
+    k = 192
+    weight = on_device(random_nf4(N, k, True, dtype=torch.float16, seed=m))
+    x = torch.randn(m, k, dtype=torch.float16, device=DEVICE)
+    cfg = TileConfig(block_m=16, block_n=32, block_k=block_k, split_k=1, num_warps=4,
+                     num_stages=2)
+    launches = record_launches(monkeypatch, nf4, "ROW_BLOCKS")
+    rows, flat = (nf4.nf4_matmul_triton(x, weight, cfg, row_blocks=r) for r in (True, False))
+    assert torch.equal(rows, flat) and launches == [True, False]
+    assert rel_err(rows, nf4.nf4_matmul_ref(x, weight)) < 1e-2
+
+
 def test_dispatch_torch_on_cpu(bnbf, monkeypatch):
     monkeypatch.delenv("THRESHER_KERNELS", raising=False)
     weight, (packed, state) = quantized(bnbf, N, 100, False)
@@ -95,7 +119,9 @@ def test_aot_compiles():
     for cfg in nf4.CONFIGS.values():
         types = {"x_ptr": "*fp16", "packed_ptr": "*u8", "absmax_ptr": "*fp32",
                  "quant_map_ptr": "*fp32", "out_ptr": "*fp32" if cfg.split_k > 1 else "*fp16"}
-        consts = {**cfg.constexprs, "DOT_DTYPE": "tl.float16", "SPLIT_K": cfg.split_k}
-        specs.append(AotSpec(f"{nf4.__name__}:_nf4_matmul_kernel", types, consts,
-                             cfg.num_warps, cfg.num_stages))
+        for row_blocks in (False, True):
+            consts = {**cfg.constexprs, "DOT_DTYPE": "tl.float16", "SPLIT_K": cfg.split_k,
+                      "BLOCKSIZE": 64, "ROW_BLOCKS": row_blocks}
+            specs.append(AotSpec(f"{nf4.__name__}:_nf4_matmul_kernel", types, consts,
+                                 cfg.num_warps, cfg.num_stages))
     aot_compile_all(specs)

@@ -53,10 +53,16 @@ def nf4_matmul_ref(x: torch.Tensor, weight: NF4Weight) -> torch.Tensor:
 @triton.jit(do_not_specialize=["M"])
 def _nf4_matmul_kernel(
     x_ptr, packed_ptr, absmax_ptr, quant_map_ptr, out_ptr,
-    M, N, K, blocksize,
-    DOT_DTYPE: tl.constexpr, SPLIT_K: tl.constexpr,
+    M, N, K,
+    DOT_DTYPE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCKSIZE: tl.constexpr,
+    ROW_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """With ``ROW_BLOCKS`` (K a multiple of the block size, so no block straddles two rows) the
+    indices are a row's offset plus the column's, and a K tile inside one block reads one absmax
+    per output column; otherwise each weight finds its byte and block in the flattened weight.
+    The block size is a compile-time constant: a division by a runtime value per weight is a
+    64-bit division, which a GPU emulates in dozens of instructions."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
@@ -69,11 +75,23 @@ def _nf4_matmul_kernel(
         mask_kn = mask_k[:, None] & mask_n[None, :]
         a = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        flat = row_start[None, :] + offs_k[:, None]  # [BLOCK_K, BLOCK_N] index into W.flat
-        byte = tl.load(packed_ptr + flat // 2, mask=mask_kn, other=0).to(tl.int32)
-        code = tl.where(flat % 2 == 0, byte >> 4, byte & 0xF)
+        if ROW_BLOCKS:
+            byte = tl.load(packed_ptr + row_start[None, :] // 2 + offs_k[:, None] // 2,
+                           mask=mask_kn, other=0).to(tl.int32)
+            code = tl.where(offs_k[:, None] % 2 == 0, byte >> 4, byte & 0xF)
+            block_row = row_start // BLOCKSIZE
+            if BLOCKSIZE % BLOCK_K == 0:  # the tile lies in one block of each row
+                scale = tl.load(absmax_ptr + block_row + k0 // BLOCKSIZE, mask=mask_n,
+                                other=0.0)[None, :]
+            else:
+                scale = tl.load(absmax_ptr + block_row[None, :] + offs_k[:, None] // BLOCKSIZE,
+                                mask=mask_kn, other=0.0)
+        else:
+            flat = row_start[None, :] + offs_k[:, None]  # [BLOCK_K, BLOCK_N] index into W.flat
+            byte = tl.load(packed_ptr + flat // 2, mask=mask_kn, other=0).to(tl.int32)
+            code = tl.where(flat % 2 == 0, byte >> 4, byte & 0xF)
+            scale = tl.load(absmax_ptr + flat // BLOCKSIZE, mask=mask_kn, other=0.0)
         value = tl.load(quant_map_ptr + code, mask=mask_kn, other=0.0)
-        scale = tl.load(absmax_ptr + flat // blocksize, mask=mask_kn, other=0.0)
         w = value * scale
         acc += tl.dot(a.to(tl.float32).to(DOT_DTYPE), w.to(DOT_DTYPE),
                       input_precision=DOT_PRECISION)
@@ -86,9 +104,10 @@ def _nf4_matmul_kernel(
 
 
 def nf4_matmul_triton(
-    x: torch.Tensor, weight: NF4Weight, config: TileConfig | None = None
+    x: torch.Tensor, weight: NF4Weight, config: TileConfig | None = None, row_blocks: bool = True
 ) -> torch.Tensor:
-    """x @ W.T with the Triton kernel; the tile is ``config``, or per shape (``tuning``)."""
+    """x @ W.T with the Triton kernel; the tile is ``config``, or per shape (``tuning``);
+    ``row_blocks=False`` keeps the flattened indexing where rows hold whole blocks."""
     n, k = weight.shape
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
@@ -102,8 +121,9 @@ def nf4_matmul_triton(
             y = torch.empty(m, n, device=x.device, dtype=x.dtype)
         grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
         launcher(_nf4_matmul_kernel, x)[grid](
-            x2, packed, absmax, quant_map, y, m, n, k, weight.blocksize,
-            DOT_DTYPE=dot_dtype(x), SPLIT_K=cfg.split_k, **cfg.launch,
+            x2, packed, absmax, quant_map, y, m, n, k,
+            DOT_DTYPE=dot_dtype(x), SPLIT_K=cfg.split_k, BLOCKSIZE=weight.blocksize,
+            ROW_BLOCKS=row_blocks and k % weight.blocksize == 0, **cfg.launch,
         )
         return y
 
