@@ -371,6 +371,10 @@ def section_moe_kernel(sizes: Sizes, log: Path) -> str:
             how_grouped = "rows" if w1.row_group(DECODE.block_k) else "g_idx"
             rows.append(f"| {tokens} | {distinct:.1f} | {how_grouped} | "
                         f"{sec * 1e6:.1f} | {rate / 1e9:.0f} | {rate / bw:.0%} | {how} |")
+    chosen = tuning.chosen().get("_moe_matmul_kernel", {})
+    rows.append("\ntiles chosen (pairs bucket, N, K, dtype, format, rows, block_m, block_k, "
+                "weighted): " + "; ".join(f"{key}: {tuning.describe(c)}"
+                                          for key, c in chosen.items()))
     return "\n".join(rows)
 
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from thresher.serve_kernels.kernels import nf4, tuning, w4a16
+from thresher.serve_kernels.kernels import moe, nf4, tuning, w4a16
 from thresher.serve_kernels.kernels.backend import TileConfig
 
 A = TileConfig(16, 64, 64, 4)
@@ -57,11 +57,12 @@ def test_a_gpu_times_each_shape_once(monkeypatch):
 
 
 def test_candidates_vary_around_the_default():
-    for module in (w4a16, nf4):
+    for module in (w4a16, nf4, moe):  # the MoE kernel's rows are its alignment's block
         for default in module.CONFIGS.values():
             cands = module.tile_candidates(default)
             assert cands[0] == default and len(set(cands)) == len(cands) > 4
             assert all(c.block_m == default.block_m and c.block_k == default.block_k
                        for c in cands)
+    assert {c.block_n for c in moe.tile_candidates(moe.DECODE)} == {32, 64, 128}
     assert tuning.m_bucket(7) == 7 and tuning.m_bucket(17) == 32 and tuning.m_bucket(64) == 64
     assert tuning.describe(A) == "16x64x64/s4/w4/st3"

@@ -27,6 +27,7 @@ import triton.language as tl
 from thresher.formats.awq import AWQ
 from thresher.formats.gptq import GPTQ
 from thresher.formats.registry import format_for
+from thresher.serve_kernels.kernels import tuning
 from thresher.serve_kernels.kernels.activation import silu_and_mul_triton
 from thresher.serve_kernels.kernels.backend import (
     DOT_PRECISION,
@@ -225,10 +226,11 @@ def _moe_matmul_kernel(
 def moe_matmul_triton(
     a: torch.Tensor, w: ExpertWeights, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
     num_pairs: int, pairs_per_row: int, topk_weights: torch.Tensor | None, config: TileConfig,
-    row_groups: bool = True,
+    row_groups: bool = True, tune: bool = True,
 ) -> torch.Tensor:
     """out[p] = a[p // pairs_per_row] @ W[expert of p].T (times topk_weights[p] if given);
-    ``row_groups=False`` keeps the per-weight gather where a tile could load rows."""
+    ``row_groups=False`` keeps the per-weight gather where a tile could load rows; with ``tune``
+    a GPU may widen or narrow ``config``'s columns, warps and stages (``tuning``)."""
     n, k = w.out_in
     out = torch.empty(num_pairs, n, device=a.device, dtype=a.dtype)
     dummy = sorted_ids  # stands in for tensors a format does not use; never read
@@ -237,35 +239,59 @@ def moe_matmul_triton(
     g_idx = w.g_idx.int().contiguous() if w.g_idx is not None else dummy
     weight = w.weight if w.format == "dense" else w.weight.contiguous()
     stride_bk, stride_bn = (weight.stride(2), weight.stride(1)) if w.format == "dense" else (0, 0)
-    grid = (sorted_ids.numel() // config.block_m, triton.cdiv(n, config.block_n))
     row_group = w.row_group(config.block_k) if row_groups else None
     group = row_group or (k if w.group_size == -1 else w.group_size)
-    launcher(_moe_matmul_kernel, a)[grid](
-        a.contiguous(), weight, scales.contiguous(), qzeros.contiguous(), g_idx, out,
-        sorted_ids, expert_ids, topk_weights if topk_weights is not None else dummy,
-        num_pairs, n, k, group, pairs_per_row,
-        weight.stride(0), stride_bk, stride_bn, scales.stride(0), qzeros.stride(0),
-        g_idx.stride(0), FORMAT=FORMATS[w.format], MUL_WEIGHT=topk_weights is not None,
-        DOT_DTYPE=dot_dtype(a), ROW_GROUPS=row_group is not None, **config.launch,
-    )
-    return out
+    a = a.contiguous()
+    scales, qzeros = scales.contiguous(), qzeros.contiguous()
+
+    def run(cfg: TileConfig) -> torch.Tensor:
+        grid = (sorted_ids.numel() // cfg.block_m, triton.cdiv(n, cfg.block_n))
+        launcher(_moe_matmul_kernel, a)[grid](
+            a, weight, scales, qzeros, g_idx, out,
+            sorted_ids, expert_ids, topk_weights if topk_weights is not None else dummy,
+            num_pairs, n, k, group, pairs_per_row,
+            weight.stride(0), stride_bk, stride_bn, scales.stride(0), qzeros.stride(0),
+            g_idx.stride(0), FORMAT=FORMATS[w.format], MUL_WEIGHT=topk_weights is not None,
+            DOT_DTYPE=dot_dtype(a), ROW_GROUPS=row_group is not None, **cfg.launch,
+        )
+        return out
+
+    if tune:  # on a GPU, the fastest tile for the shape with the same rows (the alignment's)
+        key = (tuning.m_bucket(num_pairs), n, k, a.dtype, w.format, row_group is not None,
+               config.block_m, config.block_k, topk_weights is not None)
+        config = tuning.tuner("_moe_matmul_kernel").pick(key, a, config, tile_candidates(config),
+                                                          run)
+    return run(config)
+
+
+def tile_candidates(default: TileConfig) -> list[TileConfig]:
+    """The tiles a GPU times for one shape (``tuning``): column width, warps and pipeline depth
+    around ``default``; its rows (the alignment's block) and K tile (the group's) kept. At one
+    decode token 8 experts x 24 column tiles are 1.5 programs per SM of an H100, too few loads in
+    flight to stream the experts at the memory's rate, so narrower tiles are among them."""
+    return tuning.variants(default, block_n=(32, 64, 128), num_warps=(4, 8),
+                           num_stages=(2, 3, 4))
 
 
 def fused_moe_triton(
     x: torch.Tensor, w_gate_up: ExpertWeights, w_down: ExpertWeights,
     topk_weights: torch.Tensor, topk_ids: torch.Tensor, config: TileConfig | None = None,
 ) -> torch.Tensor:
-    """The MoE MLP with two kernel launches. x [T, H], topk_* [T, top_k] -> [T, H]."""
+    """The MoE MLP with two kernel launches. x [T, H], topk_* [T, top_k] -> [T, H]; ``config``
+    fixes the tile, else it is the decode or prefill one, tuned per shape on a GPU."""
     tokens, top_k = topk_ids.shape
     num_pairs = tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x[:, : w_down.out_in[0]])
     cfg = config or (DECODE if num_pairs <= 64 else PREFILL)
+    tune = config is None
     sorted_ids, expert_ids = moe_align(topk_ids, w_gate_up.weight.shape[0], cfg.block_m)
-    gate_up = moe_matmul_triton(x, w_gate_up, sorted_ids, expert_ids, num_pairs, top_k, None, cfg)
+    gate_up = moe_matmul_triton(x, w_gate_up, sorted_ids, expert_ids, num_pairs, top_k, None, cfg,
+                                tune=tune)
     act = silu_and_mul_triton(gate_up)
     weights = topk_weights.float().flatten().contiguous()
-    down = moe_matmul_triton(act, w_down, sorted_ids, expert_ids, num_pairs, 1, weights, cfg)
+    down = moe_matmul_triton(act, w_down, sorted_ids, expert_ids, num_pairs, 1, weights, cfg,
+                             tune=tune)
     return down.view(tokens, top_k, -1).float().sum(dim=1).to(x.dtype)
 
 
