@@ -49,6 +49,7 @@ interpreter), to prove the suite end to end before GPU minutes are spent.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -333,22 +334,18 @@ def section_moe_kernel(sizes: Sizes, log: Path) -> str:
     group = 128 if not DRY else 32
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
 
-    def gptq_experts(k: int, n: int, rows: bool) -> ExpertWeights:
+    def gptq_experts(k: int, n: int) -> ExpertWeights:
         q = torch.randint(-2**31, 2**31 - 1, (e, k // 8, n), generator=gen, dtype=torch.int32)
         z = torch.randint(-2**31, 2**31 - 1, (e, k // group, n // 8), generator=gen,
                           dtype=torch.int32)
         sc = (torch.rand(e, k // group, n, generator=gen) * 0.01).to(dtype)
         g_idx = (torch.arange(k) // group).expand(e, k).int()
         return ExpertWeights("gptq", q.to(dev), sc.to(dev), z.to(dev), g_idx.to(dev),
-                             contiguous_group=group if rows else None)
+                             contiguous_group=group)
 
-    gen_state = gen.get_state()
-    kinds = {}
-    for rows_known in (True, False):  # the same weights twice
-        gen.set_state(gen_state)
-        kinds[rows_known] = (gptq_experts(h, 2 * inter, rows_known),
-                             gptq_experts(inter, h, rows_known))
-    w1, w2 = kinds[True]
+    w1, w2 = gptq_experts(h, 2 * inter), gptq_experts(inter, h)
+    # the same weights with their groups unknown: the g_idx gather act-order needs
+    kinds = [(w1, w2), tuple(dataclasses.replace(w, contiguous_group=None) for w in (w1, w2))]
     per_expert = sum(t[0].nbytes for w in (w1, w2) for t in (w.weight, w.scales, w.qzeros))
     bw = copy_bandwidth(sizes.copy_bytes)
     rows = [f"GPTQ-4 g{group} experts: E={e}, top-{top_k}, hidden {h}, intermediate {inter}; "
@@ -363,7 +360,7 @@ def section_moe_kernel(sizes: Sizes, log: Path) -> str:
             routes.append((ids.to(dev), torch.softmax(torch.rand(tokens, top_k, generator=gen),
                                                       -1).to(dev)))
         distinct = sum(ids.unique().numel() for ids, _ in routes) / len(routes)
-        for w1, w2 in kinds.values():
+        for w1, w2 in kinds:
             sec, how = device_seconds([
                 lambda x=x, ids=ids, w=w, w1=w1, w2=w2: fused_moe_triton(x, w1, w2, w, ids)
                 for ids, w in routes])

@@ -12,6 +12,7 @@ codes come back there too.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -76,13 +77,15 @@ def quantize_batch(items: list[tuple[GPTQ, torch.Tensor, float]], spec: GridSpec
     return results
 
 
-class _Prepared:
+class _Prepared(NamedTuple):
     """One weight made ready for the column loop: its dead columns zeroed, its static grids
     fitted on the original weights, weight and Hessian permuted (act-order)."""
 
-    def __init__(self, W: torch.Tensor, H: torch.Tensor, perm: torch.Tensor,
-                 pos_group: torch.Tensor, static: list[tuple[torch.Tensor, torch.Tensor]]):
-        self.W, self.H, self.perm, self.pos_group, self.static = W, H, perm, pos_group, static
+    W: torch.Tensor
+    H: torch.Tensor
+    perm: torch.Tensor
+    pos_group: torch.Tensor
+    static: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def _prepare(h: GPTQ, weight: torch.Tensor, spec: GridSpec, group_size: int, act_order: bool,

@@ -20,6 +20,13 @@ if TYPE_CHECKING:
     from thresher.serve_kernels.engine.sequence import Sequence
 
 
+def consecutive(rows: list[int]) -> bool:
+    """Whether ``rows`` are consecutive and in order (a steady decode batch): a view, not a
+    gather. The endpoints are compared first, so most other batches cost no list."""
+    return rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0],
+                                                                      rows[0] + len(rows)))
+
+
 class BlockTables:
     """``num_rows`` block tables of up to ``max_blocks`` entries each (int32, zero-padded)."""
 
@@ -93,8 +100,7 @@ class BlockTables:
         ``batch_tables`` views them; None otherwise (a gather) or on a GPU."""
         if self._host is None:
             return None
-        if rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0],
-                                                                       rows[0] + len(rows))):
+        if consecutive(rows):
             stride = self._host.shape[1]
         elif rows.count(rows[0]) == len(rows):
             stride = 0
@@ -109,8 +115,7 @@ class BlockTables:
         read each row only up to its length. One row repeated (the tokens of one sequence's
         speculative verify chunk, run as decode tokens) is that row broadcast (stride 0).
         Otherwise a gather."""
-        if (self._host is not None and rows[-1] - rows[0] == len(rows) - 1
-                and rows == list(range(rows[0], rows[0] + len(rows)))):
+        if self._host is not None and consecutive(rows):
             return self.tables[rows[0] : rows[0] + len(rows)]
         if self._host is not None and rows.count(rows[0]) == len(rows):
             return self.tables[rows[0] : rows[0] + 1].expand(len(rows), -1)

@@ -22,7 +22,7 @@ from itertools import accumulate, chain
 
 import torch
 
-from thresher.serve_kernels.engine.block_table import BlockTables
+from thresher.serve_kernels.engine.block_table import BlockTables, consecutive
 from thresher.serve_kernels.engine.scheduler import ScheduledBatch
 from thresher.serve_kernels.kernels.backend import use_cpu_kernels
 from thresher.serve_kernels.modeling.attention import AttentionMetadata
@@ -69,7 +69,7 @@ class StepResult:
 def _take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """x[rows]: x itself when they are all its rows in order (every decode batch; no
     operator), a view when they are consecutive, else a gather."""
-    if rows == list(range(rows[0], rows[0] + len(rows))):
+    if consecutive(rows):
         if rows[0] == 0 and len(rows) == x.shape[0]:
             return x
         return x[rows[0] : rows[0] + len(rows)]

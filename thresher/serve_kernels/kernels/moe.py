@@ -172,47 +172,44 @@ def _moe_matmul_kernel(
         if FORMAT == 0:
             w = tl.load(b_base + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
                         mask=mask_kn, other=0.0).to(tl.float32)
-        elif ROW_GROUPS:
-            g = k0 // group_size
-            if FORMAT == 1:
+        else:
+            # codes: GPTQ packed along K (a word split in registers for row groups, else each
+            # weight shifting its own), AWQ packed along N in the interleaved order
+            if FORMAT == 1 and ROW_GROUPS:
                 offs_r = k0 // 8 + tl.arange(0, BLOCK_K // 8)
                 packed = tl.load(b_base + offs_r[:, None] * N + offs_n[None, :],
                                  mask=(offs_r[:, None] < K // 8) & mask_n[None, :], other=0)
                 q = tl.reshape((packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None])
                                & 0xF, (BLOCK_K, BLOCK_N))
-                zero_shift = (offs_n % 8) * 4
-                zero_add = 1
+            elif FORMAT == 1:
+                packed = tl.load(b_base + (offs_k[:, None] // 8) * N + offs_n[None, :],
+                                 mask=mask_kn, other=0)
+                q = (packed >> ((offs_k[:, None] % 8) * 4)) & 0xF
             else:
                 packed = tl.load(b_base + offs_k[:, None] * (N // 8) + offs_n[None, :] // 8,
                                  mask=mask_kn, other=0)
                 q = (packed >> awq_shift[None, :]) & 0xF
-                zero_shift = awq_shift
-                zero_add = 0
-            packed_z = tl.load(zeros_ptr + expert * stride_ze + g * (N // 8) + offs_n // 8,
-                               mask=mask_n, other=0)
-            z = ((packed_z >> zero_shift) & 0xF) + zero_add
-            s = tl.load(scales_ptr + expert * stride_se + g * N + offs_n, mask=mask_n, other=0.0)
-            w = (q - z[None, :]).to(tl.float32) * s.to(tl.float32)[None, :]
-        else:
-            if FORMAT == 1:  # GPTQ: packed along K, zero - 1 packed along N, g_idx per row
-                packed = tl.load(b_base + (offs_k[:, None] // 8) * N + offs_n[None, :],
-                                 mask=mask_kn, other=0)
-                q = (packed >> ((offs_k[:, None] % 8) * 4)) & 0xF
-                g = tl.load(g_idx_ptr + expert * stride_ge + offs_k, mask=mask_k, other=0)
-                zero_shift = (offs_n[None, :] % 8) * 4
-                zero_add = 1
-            else:  # AWQ: packed along N in the interleaved order, true zero, groups of rows
-                packed = tl.load(b_base + offs_k[:, None] * (N // 8) + offs_n[None, :] // 8,
-                                 mask=mask_kn, other=0)
-                q = (packed >> awq_shift[None, :]) & 0xF
-                g = offs_k // group_size
-                zero_shift = awq_shift[None, :]
-                zero_add = 0
-            packed_z = tl.load(zeros_ptr + expert * stride_ze + g[:, None] * (N // 8)
-                               + offs_n[None, :] // 8, mask=mask_kn, other=0)
-            z = ((packed_z >> zero_shift) & 0xF) + zero_add
-            s = tl.load(scales_ptr + expert * stride_se + g[:, None] * N + offs_n[None, :],
-                        mask=mask_kn, other=0.0)
+            # zeros packed along N (GPTQ stores zero - 1, AWQ the zero) and scales: one row for
+            # the tile's group, or a gather per weight through its row's group
+            zero_shift = col * 4 if FORMAT == 1 else awq_shift
+            zero_add = 1 if FORMAT == 1 else 0
+            if ROW_GROUPS:
+                g = k0 // group_size
+                packed_z = tl.load(zeros_ptr + expert * stride_ze + g * (N // 8) + offs_n // 8,
+                                   mask=mask_n, other=0)
+                z = (((packed_z >> zero_shift) & 0xF) + zero_add)[None, :]
+                s = tl.load(scales_ptr + expert * stride_se + g * N + offs_n, mask=mask_n,
+                            other=0.0)[None, :]
+            else:
+                if FORMAT == 1:
+                    g = tl.load(g_idx_ptr + expert * stride_ge + offs_k, mask=mask_k, other=0)
+                else:
+                    g = offs_k // group_size
+                packed_z = tl.load(zeros_ptr + expert * stride_ze + g[:, None] * (N // 8)
+                                   + offs_n[None, :] // 8, mask=mask_kn, other=0)
+                z = ((packed_z >> zero_shift[None, :]) & 0xF) + zero_add
+                s = tl.load(scales_ptr + expert * stride_se + g[:, None] * N + offs_n[None, :],
+                            mask=mask_kn, other=0.0)
             w = (q - z).to(tl.float32) * s.to(tl.float32)
         acc += tl.dot(a.to(tl.float32).to(DOT_DTYPE), w.to(DOT_DTYPE),
                       input_precision=DOT_PRECISION)
