@@ -322,7 +322,8 @@ def main() -> None:
                          "and torch's _weight_int4pack_mm_for_cpu (q4 rows are skipped where it "
                          "does not build)")
     ap.add_argument("--gguf-types", nargs="*", default=["f16", "q8_0", "q4_0"],
-                    help="llama.cpp rows (thresher's GGUF export of the same weights); none: skip")
+                    help="llama.cpp rows (thresher's GGUF export of the same weights); none (or no "
+                         "value): no llama.cpp rows")
     ap.add_argument("--dir", type=Path, default=None, help="where to build (default: a temp dir)")
     ap.add_argument("--workdir", type=Path, default=None,
                     help="build here and keep; a model or artifact already there is reused")
@@ -334,6 +335,7 @@ def main() -> None:
                          "4-bit size (the rate its weights arrive at from the cache)")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
+    args.gguf_types = [t for t in args.gguf_types if t != "none"]
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
