@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.conftest import build_random_model
-from thresher.compress.awq import search_clip, search_scale
+from thresher.compress.awq import _partial_products, search_clip, search_scale
 from thresher.compress.rtn import rtn_quantize
 from thresher.compress.targets import LayerParts, apply_scale, scaling_groups
 from thresher.models.adapters import get_adapter
@@ -61,6 +61,14 @@ def test_scale_search_prefers_scaling_salient_channels():
     assert best.alpha > 0
     assert best.loss < loss(torch.ones(64))
     assert best.scale[:4].mean() > best.scale[4:].mean()
+
+
+def test_partial_products_are_each_groups_dot_products():
+    """The clip search's batched matmul against the definition it replaces: sum over a group's
+    columns of token times weight, per (row, token, group)."""
+    torch.manual_seed(0)
+    xg, wg = torch.randn(1, 40, 3, 32), torch.randn(5, 1, 3, 32)
+    torch.testing.assert_close(_partial_products(xg, wg), (xg * wg).sum(dim=-1))
 
 
 def test_clip_search_never_increases_the_partial_output_error():

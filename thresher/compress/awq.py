@@ -92,9 +92,15 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, spec: GridSpec, group_size: in
                                  max_shrink, cg) for r in range(0, rows, CLIP_ROWS)])
 
 
+def _partial_products(xg: torch.Tensor, wg: torch.Tensor) -> torch.Tensor:
+    """Each group's partial dot products [rows, T, G] of tokens xg [1, T, G, gs] and weights
+    wg [rows, 1, G, gs]: one batched matmul over the groups, not a [rows, T, G, gs] product."""
+    return torch.einsum("tgk,rgk->rtg", xg[0], wg[:, 0])
+
+
 def _group_error(q: torch.Tensor, xg: torch.Tensor, org_out: torch.Tensor) -> torch.Tensor:
     """Mean squared error of the partial dot products per (row, group): [rows, 1, G, 1]."""
-    return ((xg * q).sum(dim=-1) - org_out).pow(2).mean(dim=1, keepdim=True).unsqueeze(-1)
+    return (_partial_products(xg, q) - org_out).pow(2).mean(dim=1, keepdim=True).unsqueeze(-1)
 
 
 def _clip_rows(w: torch.Tensor, xg: torch.Tensor, spec: GridSpec, group_size: int, n_grid: int,
@@ -104,7 +110,7 @@ def _clip_rows(w: torch.Tensor, xg: torch.Tensor, spec: GridSpec, group_size: in
     org_max = wg.abs().amax(dim=-1, keepdim=True)  # [rows, 1, G, 1]
     best_max = org_max.clone()
     best_err = torch.full_like(org_max, float("inf"))
-    org_out = (xg * wg).sum(dim=-1)  # [rows, T, G]
+    org_out = _partial_products(xg, wg)  # [rows, T, G]
 
     def quantized(max_val: torch.Tensor) -> torch.Tensor:
         clipped = torch.clamp(wg, -max_val, max_val)
@@ -117,7 +123,7 @@ def _clip_rows(w: torch.Tensor, xg: torch.Tensor, spec: GridSpec, group_size: in
         best_err = torch.where(better, err, best_err)
         best_max = torch.where(better, max_val, best_max)
     if check is not None:
-        check_out = (check * wg).sum(dim=-1)
+        check_out = _partial_products(check, wg)
         keep = _group_error(quantized(best_max), check, check_out) <= _group_error(
             quantized(org_max), check, check_out)
         best_max = torch.where(keep, best_max, org_max)
