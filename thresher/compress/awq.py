@@ -21,7 +21,7 @@ from thresher.quant.grid import GridSpec
 N_GRID = 20
 MAX_SHRINK = 0.5  # clipping search: shrink the max range down to 1 - 0.5 + 1/20 = 55 %
 CLIP_TOKENS = 512  # tokens sampled for the clipping search
-CLIP_ROWS = 64  # output rows searched at once (bounds the [rows, T, C] product)
+CLIP_ROWS = 64  # output rows searched at once (bounds the [rows, T, groups] partial products)
 
 
 @dataclass(frozen=True)
