@@ -31,7 +31,7 @@ import heapq
 import math
 import random
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -228,7 +228,7 @@ class SensitivityProbe:
         st = self.stage
         for sites in sequential_stages(job.parts):
             hessians = rule.site_hessians(job, sites)
-            work = []  # (unit, target index, Hessian, weight, RTN instead of GPTQ, shrink)
+            work: list[_Probe] = []
             for site in sites:
                 h = hessians.pop(site.name)
                 fallback, shrink = rule.site_rule(job.record, site, h)
@@ -236,29 +236,41 @@ class SensitivityProbe:
                             [tuple(t.weight.shape) for t in site.targets], h.nsamples)
                 self.units.append(unit)
                 rtn = fallback or st.sensitivity != "gptq"
-                work += [(unit, i, h, t.weight, rtn, shrink) for i, t in enumerate(site.targets)]
-            damages: dict[tuple[int, int, int], float] = {}  # (unit, target, width) -> damage
-            gptq = [item for item in work if not item[4]]
+                S = h.H * (h.nsamples / 2)  # GPTQ keeps 2/n * sum(w x x^T)
+                work += [_Probe(unit, h, S, t.weight, rtn, shrink) for t in site.targets]
+            damages: dict[tuple[int, int], float] = {}  # (id of the probe, width) -> damage
+            gptq = [p for p in work if not p.rtn]
             batches = [(b, chunk) for b in self.candidates
-                       for chunk in column_loop_batches(gptq, lambda item: (item[3], item[2],
-                                                                            None))]
+                       for chunk in column_loop_batches(gptq, lambda p: (p.weight, p.h, None))]
             for b, chunk in job.progress(batches, f"layer {job.parts.idx} sensitivity"):
-                done = quantize_batch([(h, w, shrink) for _, _, h, w, _, shrink in chunk],
+                done = quantize_batch([(p.h, p.weight, p.shrink) for p in chunk],
                                       self.gptq[b].grid, st.group_size, st.act_order,
                                       st.static_groups, st.damp_percent, st.block_size)
-                for (unit, i, h, w, _, _), (q, _) in zip(chunk, done, strict=True):
-                    damages[id(unit), i, b] = _damage(h, w, q)
-            for unit, i, h, w, rtn, _ in work:
+                for p, (q, _) in zip(chunk, done, strict=True):
+                    damages[id(p), b] = _damage(p.S, p.weight, q)
+            for p in work:  # summed per unit in target order
                 for b in self.candidates:
-                    if rtn:
-                        damages[id(unit), i, b] = _damage(
-                            h, w, rtn_quantize(w, self.gptq[b].grid, st.group_size))
-                    unit.damage[b] = unit.damage.get(b, 0) + damages[id(unit), i, b]
+                    if p.rtn:
+                        damages[id(p), b] = _damage(
+                            p.S, p.weight, rtn_quantize(p.weight, self.gptq[b].grid,
+                                                        st.group_size))
+                    p.unit.damage[b] = p.unit.damage.get(b, 0) + damages[id(p), b]
 
 
-def _damage(h: GPTQ, w: torch.Tensor, q: Quantized) -> float:
+class _Probe(NamedTuple):
+    """One matrix the probe measures: its unit, the site's Hessian and its unnormalized sum S,
+    the weight, whether it is rounded (RTN) instead of GPTQ'd, and the rare-expert shrink."""
+
+    unit: Unit
+    h: GPTQ
+    S: torch.Tensor
+    weight: torch.Tensor
+    rtn: bool
+    shrink: float
+
+
+def _damage(S: torch.Tensor, w: torch.Tensor, q: Quantized) -> float:
     """err S err^T of a quantized weight, S the unnormalized Hessian sum(w x x^T)."""
-    S = h.H * (h.nsamples / 2)  # GPTQ keeps 2/n * sum(w x x^T)
     err = w.float() - q.dequantize()
     d = float(((err @ S) * err).sum())
     return d if math.isfinite(d) else float("inf")
