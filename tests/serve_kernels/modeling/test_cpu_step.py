@@ -124,7 +124,7 @@ def _decode_meta(tables: torch.Tensor, lens: list[int]) -> AttentionMetadata:
 
 @pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler here, or no AVX2 and FMA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d", [32, 20, 136])  # vector widths, a scalar tail, two register passes
+@pytest.mark.parametrize("d", [32, 20, 64, 128, 136])  # widths, a tail, two register passes
 def test_decode_attention_c_matches_the_operators(dtype, d):
     """Scattered blocks, grouped heads, lengths across block boundaries and not multiples of 8,
     16-bit caches: the C walk and the gather + SDPA path agree to fp32 rounding (bf16: one

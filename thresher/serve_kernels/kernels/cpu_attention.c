@@ -59,7 +59,9 @@ static inline __m256 reduce8(const __m256 *a) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 /* With AVX-512, each block of 8 cached keys and each cached value is widened to fp32 once for
  * all the query heads that share it (not once per head), and the products run 16 lanes wide. The
- * sums are the 8-lane path's, lane for lane and in the same order, so the bits are too. */
+ * sums are the 8-lane path's, lane for lane and in the same order, so the bits are too; where the
+ * CPU has AVX512-BF16, bf16 caches' scores take vdpbf16ps instead (ATT_BF16DOT below: the same
+ * fp32 products, summed in another order). */
 #define ATT_WIDE 1
 #ifndef VAHEAD
 #define VAHEAD 32 /* from memory: 1.2x 8 tokens at 1,024 (16 / 4 heads x 64) */
@@ -146,6 +148,56 @@ static inline __attribute__((always_inline)) void values4(
 }
 #endif
 
+#if defined(ATT_WIDE) && defined(__AVX512BF16__)
+#define ATT_BF16DOT 1
+/* Lane j: the sum of the 16 lanes of a[(j % 4) * 4 + j / 4] (a transposing tree of 128-bit and
+ * in-lane shuffles: 45 instructions for 16 sums). */
+static inline __m512 reduce16(const __m512 *a) {
+    __m512 b[8], c[4], e[2];
+    for (int i = 0; i < 8; i++) /* 128-bit blocks: a[2i]'s halves in 0-1, a[2i + 1]'s in 2-3 */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xee));
+    for (int i = 0; i < 4; i++) /* block k: a[4i + k]'s 4 partial sums */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+    for (int i = 0; i < 2; i++) /* block k: two lanes of a[8i + k], two of a[8i + 4 + k] */
+        e[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xee));
+    return _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88), _mm512_shuffle_ps(e[0], e[1], 0xdd));
+}
+
+/* Scores of up to 16 cached keys (nt) for `group` heads with bf16 caches: each key's dims pair
+ * with the bf16 query's in vdpbf16ps, 32 dims an instruction and no widening (the keys' widening
+ * and the 8-token reductions were most of a short context's time); the 16 tokens' sums are
+ * reduced together. Products are exact in fp32 and summed in fp32 as by the fma chains, in
+ * another order; the instruction flushes subnormal inputs and sums to zero. qb holds each head's
+ * query padded with zeros to dp dims (a multiple of 32); `tail` masks a key's last 32 dims. */
+static inline __attribute__((always_inline)) void scores16_bf16(
+    const uint16_t *qb, int64_t dp, int64_t group, const uint16_t *k_cache, const int64_t *rows,
+    int nt, __mmask32 tail, float scale, float *s, int64_t len) {
+    for (int64_t g = 0; g < group; g++) {
+        const uint16_t *qg = qb + g * dp;
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; j++) {
+            __m512 a = _mm512_setzero_ps();
+            if (j < nt) {
+                const uint16_t *kr = k_cache + rows[j];
+                int64_t c = 0;
+                for (; c + 32 < dp; c += 32)
+                    a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qg + c),
+                                         (__m512bh)_mm512_loadu_si512(kr + c));
+                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qg + c),
+                                     (__m512bh)_mm512_maskz_loadu_epi16(tail, kr + c));
+            }
+            acc[(j % 4) * 4 + j / 4] = a;
+        }
+        __m512 r = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale));
+        _mm512_mask_storeu_ps(s + g * len, (__mmask16)((1u << nt) - 1), r);
+    }
+}
+#endif
+
 /* One sequence, one kv head, its `group` query heads: scores, softmax, values. `s` holds
  * group * len scores, `rows` the len cache rows, `qf` the queries in fp32. Scores go 8 cached
  * tokens at a time (8 independent sums, reduced together); the weighted values keep 64 output
@@ -164,8 +216,31 @@ static void head_group(const float *qf, const void *k_cache, const void *v_cache
     }
     int64_t t0 = 0;
     float *inv = scratch; /* per head: 1 / the softmax's denominator */
+#ifdef ATT_BF16DOT
+    if (bf16) {
+        int64_t dp = (d + 31) / 32 * 32;
+        uint16_t *qb = (uint16_t *)(scratch + group);
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t i = 0; i < dp; i++)
+                qb[g * dp + i] = i < d ? f32_to_bf16(qf[g * d + i]) : 0; /* exact: q is bf16 */
+        __mmask32 tail = d % 32 ? (__mmask32)((1u << (d % 32)) - 1) : 0xffffffffu;
+        for (; t0 < len; t0 += 16) {
+            int nt = len - t0 < 16 ? (int)(len - t0) : 16;
+            for (int64_t j = t0 + 16; j < t0 + 32 && j < len; j++) /* the next 16 keys' lines */
+                for (int64_t b = 0; b < d * 2; b += 64)
+                    _mm_prefetch((const char *)k_cache + rows[j] * 2 + b, _MM_HINT_T0);
+            const uint16_t *kc = k_cache; /* the common widths as constants: unrolled */
+            if (dp == 64)
+                scores16_bf16(qb, 64, group, kc, rows + t0, nt, tail, scale, s + t0, len);
+            else if (dp == 128)
+                scores16_bf16(qb, 128, group, kc, rows + t0, nt, tail, scale, s + t0, len);
+            else
+                scores16_bf16(qb, dp, group, kc, rows + t0, nt, tail, scale, s + t0, len);
+        }
+    }
+#endif
 #ifdef ATT_WIDE
-    if (d % 8 == 0) {
+    if (d % 8 == 0 && t0 == 0) {
         float *qd = scratch + group, *kp = qd + group * 2 * d;
         for (int64_t g = 0; g < group; g++)
             for (int64_t i = 0; i < d; i += 8) {
@@ -304,7 +379,7 @@ static int paged_decode(const void *q, const void *k_cache, const void *v_cache,
         int64_t *rows = malloc(sizeof(int64_t) * (size_t)max_len);
         float *qf = malloc(sizeof(float) * (size_t)(per * d));
         /* 1 / denominators; with ATT_WIDE the doubled queries and 8 paired keys too */
-        float *scratch = malloc(sizeof(float) * (size_t)(per + per * 2 * d + 8 * d));
+        float *scratch = malloc(sizeof(float) * (size_t)(per + per * 2 * d + per * 32 + 8 * d));
         if (!s || !rows || !qf || !scratch) {
 #pragma omp atomic write
             failed = 1;
