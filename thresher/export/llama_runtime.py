@@ -82,9 +82,11 @@ def amx_build() -> bool:
 
 
 class LlamaCppModel:
-    """One GGUF file loaded in llama.cpp on the CPU, every position's logits kept."""
+    """One GGUF file loaded in llama.cpp on the CPU, every position's logits kept (``logits``
+    needs them; ``logits_all=False`` keeps the last only, as a prompt is served)."""
 
-    def __init__(self, path: str | Path, n_ctx: int = 512, n_threads: int | None = None):
+    def __init__(self, path: str | Path, n_ctx: int = 512, n_threads: int | None = None,
+                 logits_all: bool = True):
         if not LLAMA_CPP_AVAILABLE:
             raise ExportError(INSTALL_HINT)
         from llama_cpp import Llama
@@ -92,7 +94,8 @@ class LlamaCppModel:
         self.path = Path(path)
         with _without_extra_buffer_types() if amx_build() else contextlib.nullcontext():
             self.llm = Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
-                             logits_all=True, n_threads=n_threads, n_threads_batch=n_threads,
+                             logits_all=logits_all, n_threads=n_threads,
+                             n_threads_batch=n_threads,
                              verbose=False)
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:

@@ -142,6 +142,53 @@ def test_8bit_rows_do_not_depend_on_the_batch_and_odd_shapes_are_refused(lib, g)
                                  g_bad, y.data_ptr(), 0) == -2
 
 
+def _dequant(lib, codes, sz, k, g, bits):
+    w = torch.empty(codes.shape[0], k, dtype=torch.bfloat16)
+    assert lib.thr_q_dequant(codes.data_ptr(), bits, sz.data_ptr(), codes.shape[0], k, g,
+                             w.data_ptr()) == 0
+    return w
+
+
+@pytest.mark.parametrize(("k", "n", "g"), [(64, 5, 64), (256, 80, 32), (256, 83, 128),
+                                           (512, 40, 512), (1024, 33, 256)])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dequantize_is_the_weight_rounded_once_to_bf16(lib, k, n, g, bits):
+    """thr_q_dequant (a prefill's weight): q * s - s * z in fp32, rounded to bf16 as torch
+    rounds, for both code layouts and every group layout the matmuls take."""
+    if bits == 4:
+        q, s, z = _weight(k, n, g)
+        codes, sz = cpu_q4.pack_codes(q), cpu_q4.scales_zeros(s, z)
+    else:
+        q, s, z, codes, sz = _weight8(k, n, g)
+    gi = torch.arange(k) // g
+    want = (q.T.float() * sz[:, 0][:, gi] - sz[:, 1][:, gi]).bfloat16()
+    assert torch.equal(_dequant(lib, codes, sz, k, g, bits), want)
+    assert lib.thr_q_dequant(codes.data_ptr(), bits, sz.data_ptr(), n, k, 96, want.data_ptr()) == -2
+
+
+@pytest.mark.parametrize("m", [cpu_q4.DEQUANT_ROWS - 1, cpu_q4.DEQUANT_ROWS, 70])
+def test_prefill_rows_take_the_dequantized_weight_where_matmuls_have_amx(m):
+    """From DEQUANT_ROWS bf16 rows on (and AMX tiles for torch's matmul), matmul is the bf16
+    product with the dequantized weight; below, or without the tiles, the integer kernel's. Both
+    stay within bf16 rounding of the exact product."""
+    k, n, g = 512, 72, 128
+    q, s, z = _weight(k, n, g)
+    codes, sz = cpu_q4.pack_codes(q), cpu_q4.scales_zeros(s, z)
+    x = torch.randn(m, k).bfloat16()
+    y = cpu_q4.matmul(x, codes, sz, g)
+    if m >= cpu_q4.DEQUANT_ROWS and cpu_q4._amx_matmul():
+        assert torch.equal(y, x @ cpu_q4.dequantize(codes, sz, k, g).T)
+    else:
+        assert torch.equal(y, _run(cpu_q4.library(), x, codes, sz, g))
+    gi = torch.arange(k) // g
+    exact = x.double() @ ((q.double() - z.double()[gi]) * s.double()[gi])
+    assert ((y.double() - exact).norm() / exact.norm()).item() < 2 ** -7
+    y8 = cpu_q4.matmul8(x, *_weight8(k, n, g)[3:], g)  # the 8-bit codes take the same path
+    q8, s8, z8 = _weight8(k, n, g)[:3]
+    exact8 = x.double() @ ((q8.double() - z8.double()[gi]) * s8.double()[gi])
+    assert ((y8.double() - exact8).norm() / exact8.norm()).item() < 2 ** -7
+
+
 def test_bf16_output_is_the_fp32_output_rounded(lib):
     """Same activations (bf16 values) in both dtypes give the same sums; the bf16 output is the
     fp32 one rounded to nearest even."""

@@ -102,6 +102,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.thr_q4_matmul.restype = cint
     lib.thr_q8_matmul.argtypes = [ptr, cint, i64, i64, ptr, ptr, i64, i64, ptr, cint]
     lib.thr_q8_matmul.restype = cint
+    lib.thr_q_dequant.argtypes = [ptr, cint, ptr, i64, i64, i64, ptr]
+    lib.thr_q_dequant.restype = cint
     lib.thr_rms_norm.argtypes = [ptr, ptr, ptr, ptr, cint, i64, ptr, i64, i64, ctypes.c_float,
                                  cint]
     lib.thr_rms_norm.restype = None

@@ -545,3 +545,33 @@ int thr_q8_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t
     free(xq), free(d), free(gsum);
     return 0;
 }
+
+/* W [n, k] in bf16 from 4-bit codes in the layout above (bits 4) or 8-bit codes a byte each
+ * (bits 8), scales as the matmuls': w = q * s - s * z in fp32, rounded once to bf16 (nearest
+ * even). For many activation rows (a prefill) a bf16 matmul on AMX tiles runs several times the
+ * integer kernels' multiply-adds a second, and this pass costs about what they spend on 8 rows
+ * (cpu_q4.py). Returns 0, -2 for a shape the matmuls do not hold. */
+int thr_q_dequant(const uint8_t *codes, int bits, const float *sz, int64_t n, int64_t k,
+                  int64_t g, uint16_t *out) {
+    if (k % 64 || g <= 0 || k % g || (g != 32 && g % 64) || (bits != 4 && bits != 8)) return -2;
+    int64_t groups = k / g, row_bytes = bits == 4 ? k / 2 : k;
+#pragma omp parallel for schedule(static) if (n * k >= 65536 && !omp_in_parallel())
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *c = codes + r * row_bytes;
+        const float *s = sz + r * 2 * groups, *sz_r = s + groups;
+        uint16_t *o = out + r * k;
+        for (int64_t j = 0; j < k; j += 64) { /* 64 codes: two halves of 32, a group each */
+            float s0 = s[j / g], m0 = sz_r[j / g], s1 = s[(j + 32) / g], m1 = sz_r[(j + 32) / g];
+            uint8_t lo[32], hi[32];
+            for (int i = 0; i < 32; i++) {
+                lo[i] = bits == 4 ? c[j / 2 + i] & 15 : c[j + i];
+                hi[i] = bits == 4 ? c[j / 2 + i] >> 4 : c[j + 32 + i];
+            }
+            for (int i = 0; i < 32; i++) {
+                o[j + i] = f32_to_bf16((float)lo[i] * s0 - m0);
+                o[j + 32 + i] = f32_to_bf16((float)hi[i] * s1 - m1);
+            }
+        }
+    }
+    return 0;
+}

@@ -14,6 +14,8 @@ rounding adds an error of the size of bf16's (see tests). Built and loaded by ``
 from __future__ import annotations
 
 import ctypes
+import functools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -21,9 +23,13 @@ import torch
 from thresher.serve_kernels.kernels.cpu_native import library, loaded
 
 BLOCK = 32  # activation block (one int8 scale each)
+# From this many activation rows on, a bf16 matmul on AMX tiles over the weight dequantized once
+# per call beats the integer kernels: 1.2x at 32 rows, 2x at 64, 3.3x at 128, 7x at 512 (2 cores,
+# 2048 x 1024 and 1024 x 2048; docs/benchmarks.md "The 4-bit CPU matmul")
+DEQUANT_ROWS = 32
 
-__all__ = ["BLOCK", "ExpertTable", "library", "matmul", "matmul8", "pack_codes", "scales_zeros",
-           "supports"]
+__all__ = ["BLOCK", "DEQUANT_ROWS", "ExpertTable", "dequantize", "library", "matmul", "matmul8",
+           "pack_codes", "scales_zeros", "supports"]
 
 
 def supports(k: int, group_size: int) -> bool:
@@ -60,13 +66,53 @@ def matmul8(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
     return _matmul("thr_q8_matmul", x, codes, sz, group_size)
 
 
+def dequantize(codes: torch.Tensor, sz: torch.Tensor, k: int, group_size: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """W [N, K] in bf16 (w = q * s - s * z, rounded once) from 4-bit codes in ``pack_codes``'s
+    layout ([N, K/2]) or 8-bit codes ([N, K]); into ``out`` (bf16, at least N * K) if given."""
+    lib = loaded()
+    assert lib is not None, "cpu_q4 is not loaded: pack weights after library() returned it"
+    n = codes.shape[0]
+    bits = 4 if codes.shape[1] * 2 == k else 8
+    w = (torch.empty(n * k, dtype=torch.bfloat16) if out is None else out)[: n * k].view(n, k)
+    rc = lib.thr_q_dequant(codes.data_ptr(), bits, sz.data_ptr(), n, k, group_size, w.data_ptr())
+    if rc:
+        raise ValueError(f"cpu_q4: rows of {k} in groups of {group_size} are not held")
+    return w
+
+
+@functools.cache
+def _amx_matmul() -> bool:
+    """Whether torch's bf16 matmul runs on AMX tiles here (oneDNN). Without them it ran slower
+    than the integer kernels (110 against 125 G multiply-adds a second on two cores)."""
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(check and check())
+
+
+_scratch = threading.local()  # per thread: the bf16 weight a prefill matmul dequantizes into
+
+
+def _prefill_matmul(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
+                    group_size: int) -> torch.Tensor:
+    """x @ W.T with W dequantized to bf16 into a reused buffer, on torch's (AMX) matmul."""
+    need = codes.shape[0] * x.shape[1]
+    buf = getattr(_scratch, "weight", None)
+    if buf is None or buf.numel() < need:
+        buf = _scratch.weight = torch.empty(need, dtype=torch.bfloat16)
+    return x @ dequantize(codes, sz, x.shape[1], group_size, buf).T
+
+
 def _matmul(name: str, x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
             group_size: int) -> torch.Tensor:
-    """One of the C matmuls (same arguments): -1 is out of memory, -2 a shape it does not hold."""
+    """One of the C matmuls (same arguments): -1 is out of memory, -2 a shape it does not hold.
+    ``DEQUANT_ROWS`` or more bf16 rows (a prefill) take the dequantized weight where torch's
+    bf16 matmul has AMX tiles."""
     lib = loaded()
     assert lib is not None, "cpu_q4 is not loaded: pack weights after library() returned it"
     m, k = x.shape
     n = codes.shape[0]
+    if m >= DEQUANT_ROWS and x.dtype == torch.bfloat16 and _amx_matmul():
+        return _prefill_matmul(x, codes, sz, group_size)
     y = torch.empty(m, n, dtype=x.dtype)
     bf16 = int(x.dtype == torch.bfloat16)
     rc = getattr(lib, name)(x.data_ptr(), bf16, m, k, codes.data_ptr(), sz.data_ptr(), n,

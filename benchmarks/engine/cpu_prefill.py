@@ -1,0 +1,147 @@
+"""CPU prompt processing (prefill) of one random MoE: the engine against llama.cpp.
+
+    PYTHONPATH=. python benchmarks/engine/cpu_prefill.py --threads 2 --prompts 128 512 2048
+
+Time to the first token of one prompt (no prefix cache, nothing generated after it), as prompt
+tokens per second, for the engine's bf16 model and GPTQ-4 artifact and llama.cpp's F16 and Q4_0
+exports of the same weights, with the same thread count (llama.cpp keeps the last position's
+logits only, as it serves a prompt). The GPTQ-4 row runs twice: as served (from
+``cpu_q4.DEQUANT_ROWS`` rows on, each matrix dequantized to bf16 once per call for torch's
+matmul, where that matmul has AMX tiles) and with every row on the integer kernel. Rounds
+alternate the variants; each reports its best. Models and exports are built as
+``cpu_decode.py`` builds them (``--workdir`` shares them with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from cpu_decode import BUILDERS, QUANTIZE, long_enough, prompt_of  # this directory's
+
+from thresher.export import export_gguf
+from thresher.export.llama_runtime import INSTALL_HINT, LLAMA_CPP_AVAILABLE, LlamaCppModel
+from thresher.serve_kernels import LLM, SamplingParams
+from thresher.serve_kernels.kernels import cpu_q4
+
+INTEGER = "engine GPTQ-4 integer kernel"
+
+
+def engine_seconds(llm: LLM, prompt: list[int], integer: bool) -> float:
+    """Seconds from submitting ``prompt`` to its first token."""
+    rows = cpu_q4.DEQUANT_ROWS
+    cpu_q4.DEQUANT_ROWS = 1 << 30 if integer else rows  # read at each call
+    try:
+        start = time.perf_counter()
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        return time.perf_counter() - start
+    finally:
+        cpu_q4.DEQUANT_ROWS = rows
+
+
+def build(root: Path, args: argparse.Namespace) -> tuple[Path, Path, list[tuple[str, Path]]]:
+    """The random model, its GPTQ-4 artifact and GGUF exports under ``root`` (reused there)."""
+    src, gptq = root / "model", root / "gptq4"
+    if not (src / "config.json").is_file():
+        BUILDERS[args.family](src, args.layers, args.hidden, args.experts, args.intermediate,
+                              args.top_k)
+    if not (gptq / "config.json").is_file():
+        cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(src), "--out",
+               str(gptq), *QUANTIZE["gptq4"]]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-2000:])
+            raise SystemExit(f"quantize failed with exit status {proc.returncode}")
+    for path in (src, gptq):
+        long_enough(path, max(args.prompts) + 8)
+    ggufs = []
+    if not LLAMA_CPP_AVAILABLE:
+        print(f"llama.cpp rows skipped: {INSTALL_HINT}")
+    else:
+        for gguf_type in ("f16", "q4_0"):
+            out = root / f"model-{gguf_type}.gguf"
+            if not out.is_file():
+                export_gguf(src, out, gguf_type, show_progress=False)
+            ggufs.append((f"llama.cpp {gguf_type.upper()}", out))
+    return src, gptq, ggufs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--family", choices=list(BUILDERS), default="qwen3_moe")
+    ap.add_argument("--layers", type=int, default=10)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--intermediate", type=int, default=2048)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--prompts", type=int, nargs="+", default=[128, 512, 2048],
+                    help="prompt lengths (tokens)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch and llama.cpp threads (default: torch's)")
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="build here and keep; what is already there is reused")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    if cpu_q4.library() is None:
+        raise SystemExit("thresher's C kernels do not build here: no integer kernel to compare")
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="thresher-cpu-prefill-"))
+    try:
+        src, gptq, ggufs = build(root, args)
+        max_len = max(args.prompts) + 8
+        kw = dict(dtype="bfloat16", max_model_len=max_len, max_num_batched_tokens=max_len,
+                  enable_prefix_caching=False)
+        engines = {"engine bf16": (LLM(src, **kw), False),
+                   "engine GPTQ-4": (LLM(gptq, **kw), False)}
+        engines[INTEGER] = (engines["engine GPTQ-4"][0], True)
+        llamas = {name: LlamaCppModel(path, n_ctx=max_len, n_threads=threads, logits_all=False)
+                  for name, path in ggufs}
+        best: dict[str, list[float]] = {n: [float("inf")] * len(args.prompts)
+                                        for n in [*engines, *llamas]}
+        try:
+            for llm, integer in engines.values():  # warm-up: kernels, buffers
+                engine_seconds(llm, prompt_of(min(args.prompts)), integer)
+            for r in range(args.repeats):
+                for i, n in enumerate(args.prompts):
+                    prompt = prompt_of(n, r + 1)
+                    for name, (llm, integer) in engines.items():
+                        best[name][i] = min(best[name][i], engine_seconds(llm, prompt, integer))
+                    for name, llama in llamas.items():
+                        seconds = llama.greedy(prompt, 1)[1].prompt_seconds
+                        best[name][i] = min(best[name][i], seconds)
+        finally:
+            for llama in llamas.values():
+                llama.close()
+        amx = cpu_q4._amx_matmul()
+        print(f"\n{platform.processor() or platform.machine()}, {threads} threads, torch "
+              f"{torch.__version__}; bf16 matmul on AMX tiles: {'yes' if amx else 'no'} "
+              f"(dequantized prefill from {cpu_q4.DEQUANT_ROWS} rows)\n")
+        print("| variant | " + " | ".join(f"{n} tokens: tok/s" for n in args.prompts) + " |")
+        print("|---|" + "---|" * len(args.prompts))
+        for name, seconds in best.items():
+            print(f"| {name} | " + " | ".join(f"{n / s:.0f}" for n, s in
+                                              zip(args.prompts, seconds, strict=True)) + " |")
+        print("\n| ratio | " + " | ".join(f"{n} tokens" for n in args.prompts) + " |")
+        print("|---|" + "---|" * len(args.prompts))
+        pairs = [("engine GPTQ-4", INTEGER), ("engine GPTQ-4", "engine bf16"),
+                 ("engine GPTQ-4", "llama.cpp Q4_0"), ("engine bf16", "llama.cpp F16")]
+        for a, b in pairs:
+            if a in best and b in best:
+                print(f"| {a} / {b} | " + " | ".join(
+                    f"{sb / sa:.2f}x" for sa, sb in zip(best[a], best[b], strict=True)) + " |")
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
