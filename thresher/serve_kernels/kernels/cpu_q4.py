@@ -24,9 +24,10 @@ from thresher.serve_kernels.kernels.cpu_native import library, loaded
 
 BLOCK = 32  # activation block (one int8 scale each)
 # From this many activation rows on, a bf16 matmul on AMX tiles over the weight dequantized once
-# per call beats the integer kernels: 1.2x at 32 rows, 2x at 64, 3.3x at 128, 7x at 512 (2 cores,
-# 2048 x 1024 and 1024 x 2048; docs/benchmarks.md "The 4-bit CPU matmul")
-DEQUANT_ROWS = 32
+# per call beats the integer kernels, weights from memory: 1.05-1.35x at 48 rows, 1.2-1.7x at 64,
+# 2.2-3.0x at 128, 5.4-6.8x at 512; 0.8-1.0x at 32 (benchmarks/engine/cpu_q4_matmul.py, one and
+# two threads; docs/benchmarks.md "The 4-bit CPU matmul")
+DEQUANT_ROWS = 48
 
 __all__ = ["BLOCK", "DEQUANT_ROWS", "ExpertTable", "dequantize", "library", "matmul", "matmul8",
            "pack_codes", "scales_zeros", "supports"]
