@@ -546,6 +546,25 @@ int thr_q8_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t
     return 0;
 }
 
+#if defined(__AVX512BW__)
+/* 32 codes (bytes) to bf16: q * s - m in fp32 (a product, then a difference: no fma, so the
+ * scalar loop's bits), rounded to nearest even as f32_to_bf16 rounds a finite value */
+static inline void dequant32(__m256i q, float s, float m, uint16_t *out) {
+    __m512 sv = _mm512_set1_ps(s), mv = _mm512_set1_ps(m);
+    for (int half = 0; half < 2; half++) {
+        __m128i q16 = half ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q);
+        __m512 w = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q16)), sv),
+                                 mv);
+        __m512i u = _mm512_castps_si512(w);
+        u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                 _mm512_and_si512(_mm512_srli_epi32(u, 16),
+                                                                  _mm512_set1_epi32(1))));
+        _mm256_storeu_si256((__m256i *)(out + 16 * half),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+    }
+}
+#endif
+
 /* W [n, k] in bf16 from 4-bit codes in the layout above (bits 4) or 8-bit codes a byte each
  * (bits 8), scales as the matmuls': w = q * s - s * z in fp32, rounded once to bf16 (nearest
  * even). For many activation rows (a prefill) a bf16 matmul on AMX tiles runs several times the
@@ -562,6 +581,18 @@ int thr_q_dequant(const uint8_t *codes, int bits, const float *sz, int64_t n, in
         uint16_t *o = out + r * k;
         for (int64_t j = 0; j < k; j += 64) { /* 64 codes: two halves of 32, a group each */
             float s0 = s[j / g], m0 = sz_r[j / g], s1 = s[(j + 32) / g], m1 = sz_r[(j + 32) / g];
+#if defined(__AVX512BW__)
+            __m256i b = _mm256_loadu_si256((const __m256i *)(c + (bits == 4 ? j / 2 : j)));
+            __m256i h = bits == 4 ? _mm256_loadu_si256((const __m256i *)(c + j / 2))
+                                  : _mm256_loadu_si256((const __m256i *)(c + j + 32));
+            if (bits == 4) {
+                b = _mm256_and_si256(b, _mm256_set1_epi8(15));
+                h = _mm256_and_si256(_mm256_srli_epi16(h, 4), _mm256_set1_epi8(15));
+            }
+            dequant32(b, s0, m0, o + j);
+            dequant32(h, s1, m1, o + j + 32);
+            continue;
+#endif
             uint8_t lo[32], hi[32];
             for (int i = 0; i < 32; i++) {
                 lo[i] = bits == 4 ? c[j / 2 + i] & 15 : c[j + i];

@@ -24,10 +24,10 @@ from thresher.serve_kernels.kernels.cpu_native import library, loaded
 
 BLOCK = 32  # activation block (one int8 scale each)
 # From this many activation rows on, a bf16 matmul on AMX tiles over the weight dequantized once
-# per call beats the integer kernels, weights from memory: 1.05-1.35x at 48 rows, 1.2-1.7x at 64,
-# 2.2-3.0x at 128, 5.4-6.8x at 512; 0.8-1.0x at 32 (benchmarks/engine/cpu_q4_matmul.py, one and
+# per call beats the integer kernels, weights from memory: 1.26-1.54x at 32 rows, 1.8-2.4x at 64,
+# 2.8-4.1x at 128, 6-8x at 512; 0.99-1.20x at 24 (benchmarks/engine/cpu_q4_matmul.py, one and
 # two threads; docs/benchmarks.md "The 4-bit CPU matmul")
-DEQUANT_ROWS = 48
+DEQUANT_ROWS = 32
 
 __all__ = ["BLOCK", "DEQUANT_ROWS", "ExpertTable", "dequantize", "library", "matmul", "matmul8",
            "pack_codes", "scales_zeros", "supports"]
