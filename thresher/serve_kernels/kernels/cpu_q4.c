@@ -582,26 +582,25 @@ int thr_q_dequant(const uint8_t *codes, int bits, const float *sz, int64_t n, in
         for (int64_t j = 0; j < k; j += 64) { /* 64 codes: two halves of 32, a group each */
             float s0 = s[j / g], m0 = sz_r[j / g], s1 = s[(j + 32) / g], m1 = sz_r[(j + 32) / g];
 #if defined(__AVX512BW__)
-            __m256i b = _mm256_loadu_si256((const __m256i *)(c + (bits == 4 ? j / 2 : j)));
-            __m256i h = bits == 4 ? _mm256_loadu_si256((const __m256i *)(c + j / 2))
-                                  : _mm256_loadu_si256((const __m256i *)(c + j + 32));
-            if (bits == 4) {
-                b = _mm256_and_si256(b, _mm256_set1_epi8(15));
-                h = _mm256_and_si256(_mm256_srli_epi16(h, 4), _mm256_set1_epi8(15));
+            __m256i lo, hi;
+            if (bits == 4) { /* one load: low nibbles are codes j.., high ones j + 32.. */
+                __m256i b = _mm256_loadu_si256((const __m256i *)(c + j / 2));
+                lo = _mm256_and_si256(b, _mm256_set1_epi8(15));
+                hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(15));
+            } else {
+                lo = _mm256_loadu_si256((const __m256i *)(c + j));
+                hi = _mm256_loadu_si256((const __m256i *)(c + j + 32));
             }
-            dequant32(b, s0, m0, o + j);
-            dequant32(h, s1, m1, o + j + 32);
-            continue;
+            dequant32(lo, s0, m0, o + j);
+            dequant32(hi, s1, m1, o + j + 32);
+#else
+            for (int i = 0; i < 32; i++) {
+                int lo = bits == 4 ? c[j / 2 + i] & 15 : c[j + i];
+                int hi = bits == 4 ? c[j / 2 + i] >> 4 : c[j + 32 + i];
+                o[j + i] = f32_to_bf16((float)lo * s0 - m0);
+                o[j + 32 + i] = f32_to_bf16((float)hi * s1 - m1);
+            }
 #endif
-            uint8_t lo[32], hi[32];
-            for (int i = 0; i < 32; i++) {
-                lo[i] = bits == 4 ? c[j / 2 + i] & 15 : c[j + i];
-                hi[i] = bits == 4 ? c[j / 2 + i] >> 4 : c[j + 32 + i];
-            }
-            for (int i = 0; i < 32; i++) {
-                o[j + i] = f32_to_bf16((float)lo[i] * s0 - m0);
-                o[j + 32 + i] = f32_to_bf16((float)hi[i] * s1 - m1);
-            }
         }
     }
     return 0;
