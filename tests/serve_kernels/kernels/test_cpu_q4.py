@@ -189,6 +189,22 @@ def test_prefill_rows_take_the_dequantized_weight_where_matmuls_have_amx(m):
     assert ((y8.double() - exact8).norm() / exact8.norm()).item() < 2 ** -7
 
 
+@pytest.mark.skipif(not cpu_q4._amx_matmul(), reason="torch's bf16 matmul has no AMX tiles here")
+def test_a_large_prefill_weight_is_dequantized_in_bounded_slices(monkeypatch):
+    """A weight over SCRATCH_WEIGHTS goes in slices of output rows (the last one short) through
+    a buffer of at most that size, with the unsliced product's values."""
+    k, n, g = 256, 80, 32
+    q, s, z = _weight(k, n, g)
+    codes, sz = cpu_q4.pack_codes(q), cpu_q4.scales_zeros(s, z)
+    x = torch.randn(cpu_q4.DEQUANT_ROWS + 3, k).bfloat16()
+    whole = x @ cpu_q4.dequantize(codes, sz, k, g).T
+    monkeypatch.setattr(cpu_q4, "SCRATCH_WEIGHTS", 24 * k)  # slices of 24 rows: 24, 24, 24, 8
+    monkeypatch.setattr(cpu_q4._scratch, "weight", None, raising=False)
+    y = cpu_q4.matmul(x, codes, sz, g)
+    assert cpu_q4._scratch.weight.numel() == 24 * k
+    assert torch.allclose(y.float(), whole.float(), rtol=2 ** -7, atol=1e-3)
+
+
 def test_bf16_output_is_the_fp32_output_rounded(lib):
     """Same activations (bf16 values) in both dtypes give the same sums; the bf16 output is the
     fp32 one rounded to nearest even."""

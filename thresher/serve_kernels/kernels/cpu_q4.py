@@ -90,17 +90,26 @@ def _amx_matmul() -> bool:
     return bool(check and check())
 
 
-_scratch = threading.local()  # per thread: the bf16 weight a prefill matmul dequantizes into
+SCRATCH_WEIGHTS = 1 << 23  # a prefill dequantizes at most this many weights at once (16 MB)
+_scratch = threading.local()  # per thread: the bf16 buffer a prefill matmul dequantizes into
 
 
 def _prefill_matmul(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
                     group_size: int) -> torch.Tensor:
-    """x @ W.T with W dequantized to bf16 into a reused buffer, on torch's (AMX) matmul."""
-    need = codes.shape[0] * x.shape[1]
+    """x @ W.T with W dequantized to bf16 into a reused buffer, on torch's (AMX) matmul; a large
+    W goes in slices of output rows, so that the buffer stays within ``SCRATCH_WEIGHTS``."""
+    n, k = codes.shape[0], x.shape[1]
+    rows = max(1, min(n, SCRATCH_WEIGHTS // k))
     buf = getattr(_scratch, "weight", None)
-    if buf is None or buf.numel() < need:
-        buf = _scratch.weight = torch.empty(need, dtype=torch.bfloat16)
-    return x @ dequantize(codes, sz, x.shape[1], group_size, buf).T
+    if buf is None or buf.numel() < rows * k:
+        buf = _scratch.weight = torch.empty(rows * k, dtype=torch.bfloat16)
+    if rows == n:
+        return x @ dequantize(codes, sz, k, group_size, buf).T
+    y = torch.empty(x.shape[0], n, dtype=x.dtype)
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        y[:, n0:n1] = x @ dequantize(codes[n0:n1], sz[n0:n1], k, group_size, buf).T
+    return y
 
 
 def _matmul(name: str, x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
