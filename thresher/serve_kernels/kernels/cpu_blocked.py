@@ -27,6 +27,7 @@ ENV_VAR = "THRESHER_CPU_BLOCKED_MIN"
 # weights per matrix: 512 x 512 and larger ran 1.2-1.5x faster blocked at 1 and 16 rows, 8 x 1024
 # and 512 x 256 level or slower (benchmarks/engine/cpu_small_matrices.py --blocked)
 BLOCKED_MIN_ELEMENTS = 512 * 512
+ROW_BUCKET = 32  # a prefill's rows are padded to a multiple of this (``pad_rows``)
 
 
 def blocked_min_elements() -> int | None:
@@ -78,10 +79,27 @@ def block(weight: torch.Tensor) -> BlockedWeight:
                          weight.shape[0])
 
 
+def pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] with zero rows appended up to a multiple of ``ROW_BUCKET``, from that many rows
+    on. oneDNN builds a kernel for each row count it meets, 1-2 ms each (more than a prefill's
+    product with the matrix) and keeps 1,024 of them: with the counts bucketed, a server builds
+    few per weight shape and keeps them, whatever its prompts' lengths. The caller takes the
+    first M rows of the product."""
+    m = x.shape[0]
+    if m < ROW_BUCKET or m % ROW_BUCKET == 0:
+        return x
+    return torch.cat([x, x.new_zeros(ROW_BUCKET - m % ROW_BUCKET, x.shape[1])])
+
+
 def blocked_matmul(x: torch.Tensor, w: BlockedWeight,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) in x's dtype, which must be the weight's."""
-    return torch.ops.mkldnn._linear_pointwise(x, w.weight, bias, "none", [], "")
+    x2 = x.reshape(-1, x.shape[-1])
+    m = x2.shape[0]
+    if m < ROW_BUCKET:  # decode batches: as they are
+        return torch.ops.mkldnn._linear_pointwise(x, w.weight, bias, "none", [], "")
+    y = torch.ops.mkldnn._linear_pointwise(pad_rows(x2), w.weight, bias, "none", [], "")
+    return y[:m].reshape(*x.shape[:-1], w.out_features)
 
 
 def unblock(w: BlockedWeight) -> torch.Tensor:

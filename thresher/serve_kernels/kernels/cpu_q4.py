@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from thresher.serve_kernels.kernels.cpu_blocked import pad_rows
 from thresher.serve_kernels.kernels.cpu_native import library, loaded
 
 BLOCK = 32  # activation block (one int8 scale each)
@@ -98,18 +99,19 @@ def _prefill_matmul(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
                     group_size: int) -> torch.Tensor:
     """x @ W.T with W dequantized to bf16 into a reused buffer, on torch's (AMX) matmul; a large
     W goes in slices of output rows, so that the buffer stays within ``SCRATCH_WEIGHTS``."""
-    n, k = codes.shape[0], x.shape[1]
+    n, k, m = codes.shape[0], x.shape[1], x.shape[0]
+    x = pad_rows(x)  # a bucketed row count: oneDNN builds a kernel per count it meets
     rows = max(1, min(n, SCRATCH_WEIGHTS // k))
     buf = getattr(_scratch, "weight", None)
     if buf is None or buf.numel() < rows * k:
         buf = _scratch.weight = torch.empty(rows * k, dtype=torch.bfloat16)
     if rows == n:
-        return x @ dequantize(codes, sz, k, group_size, buf).T
+        return (x @ dequantize(codes, sz, k, group_size, buf).T)[:m]
     y = torch.empty(x.shape[0], n, dtype=x.dtype)
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
         y[:, n0:n1] = x @ dequantize(codes[n0:n1], sz[n0:n1], k, group_size, buf).T
-    return y
+    return y[:m]
 
 
 def _matmul(name: str, x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
