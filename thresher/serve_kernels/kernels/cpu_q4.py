@@ -8,7 +8,10 @@ of 32 and multiplies on the integer units; cpu_q4.c does the same for GPTQ and A
 (asymmetric, any group of 32 or a multiple of 64), with AVX512-VNNI where the CPU has it and
 AVX2 otherwise, and prefetches the weight rows ahead of the dot products. ``matmul8`` does the
 same for 8-bit GPTQ codes, a byte each (llama.cpp's Q8_0 x Q8_0, with GPTQ's zero points). The activation
-rounding adds an error of the size of bf16's (see tests). Built and loaded by ``cpu_native``.
+rounding adds an error of the size of bf16's (see tests). A prefill's many rows are another
+matter: the integer kernels' multiply-adds cost the same per row, so from ``DEQUANT_ROWS`` bf16
+rows on, where torch's bf16 matmul has AMX tiles, the weight is dequantized to bf16 once per call
+(``dequantize``) and multiplied there. Built and loaded by ``cpu_native``.
 """
 
 from __future__ import annotations
