@@ -33,13 +33,14 @@ def best_ms(fn, repeats: int) -> float:
 
 
 def time_row(x: torch.Tensor, dense: torch.Tensor, pack: cpu_nf4.NF4Pack, repeats: int
-             ) -> tuple[float, float, float]:
-    """(bf16, NF4 gemv, dequantize + bf16) ms of x @ W.T."""
+             ) -> tuple[float, float, float, float]:
+    """(bf16, NF4 gemv, dequantize + bf16, as served) ms of x @ W.T."""
     bnbf = cpu_nf4.bitsandbytes_functional()
     return (best_ms(lambda: x @ dense.T, repeats),
             best_ms(lambda: bnbf.gemv_4bit(x, pack.weight, state=pack.state), repeats),
             best_ms(lambda: x @ bnbf.dequantize_4bit(pack.published, pack.dense_state).T,
-                    repeats))
+                    repeats),
+            best_ms(lambda: cpu_nf4.nf4_cpu_matmul(x, pack), repeats))
 
 
 def main() -> None:
@@ -54,9 +55,11 @@ def main() -> None:
     if not cpu_nf4.cpu_nf4_available():
         raise SystemExit("bitsandbytes' CPU NF4 kernel needs AVX512-BF16; this CPU lacks it")
     print(f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}\n")
+    print("as served: the gemv below cpu_nf4.dequantize_rows(N * K) rows, the dequantized "
+          f"weight from there ({cpu_nf4.dequantize_rows(1)} rows for small matrices here)\n")
     print("| N x K | M | bf16 ms | NF4 gemv ms | gemv / bf16 | dequantize + bf16 ms | "
-          "dequantize / bf16 |")
-    print("|---|---|---|---|---|---|---|")
+          "dequantize / bf16 | as served ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for shape in args.shapes:
         n, k = (int(v) for v in shape.split("x"))
         w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
@@ -64,9 +67,9 @@ def main() -> None:
         pack = cpu_nf4.pack_nf4_cpu(nf4_quantize(w, False, torch.float32))
         for m in args.rows:
             x = torch.randn(m, k).to(torch.bfloat16)
-            bf16, gemv, deq = time_row(x, dense, pack, args.repeats)
+            bf16, gemv, deq, served = time_row(x, dense, pack, args.repeats)
             print(f"| {n} x {k} | {m} | {bf16:.3f} | {gemv:.3f} | {gemv / bf16:.2f}x | {deq:.3f} | "
-                  f"{deq / bf16:.2f}x |")
+                  f"{deq / bf16:.2f}x | {served:.3f} |")
 
 
 if __name__ == "__main__":

@@ -121,7 +121,7 @@ def main() -> None:
         finally:
             for llama in llamas.values():
                 llama.close()
-        amx = cpu_q4._amx_matmul()
+        amx = cpu_q4.amx_matmul()
         print(f"\n{platform.processor() or platform.machine()}, {threads} threads, torch "
               f"{torch.__version__}; bf16 matmul on AMX tiles: {'yes' if amx else 'no'} "
               f"(dequantized prefill from {cpu_q4.DEQUANT_ROWS} rows)\n")

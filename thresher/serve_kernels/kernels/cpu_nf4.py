@@ -14,7 +14,8 @@ The kernel runs in bf16 (activations and absmax rounded to bf16) and its time gr
 number of rows like a loop of matvecs: up to 16-64 rows it beats dequantize-then-matmul clearly,
 from 256 rows the bf16 matrix dequantized by bitsandbytes' native routine plus one dense matmul
 is faster (``benchmarks/engine/cpu_nf4.py``, docs/benchmarks.md; at 128 it went both ways), so calls with
-``DEQUANTIZE_ROWS`` rows or more take that.
+``DEQUANTIZE_ROWS`` rows or more take that; where torch's bf16 matmul has AMX tiles, from 32 rows
+(64 for matrices over 4M weights), their row counts bucketed as ``cpu_blocked.pad_rows`` says.
 
 The kernel exists only on CPUs with AVX512-BF16 (bitsandbytes registers it only there); elsewhere
 ``cpu_nf4_available`` is False and NF4 layers keep the dequantizing reference.
@@ -29,8 +30,16 @@ from typing import Any
 import torch
 
 from thresher.formats.nf4 import NF4Weight, bitsandbytes_functional
+from thresher.serve_kernels.kernels.cpu_blocked import pad_rows
+from thresher.serve_kernels.kernels.cpu_q4 import amx_matmul
 
 DEQUANTIZE_ROWS = 256  # from this many rows on, dequantize to bf16 and run one dense matmul
+# Where torch's bf16 matmul has AMX tiles (benchmarks/engine/cpu_nf4.py, one and two threads):
+# up to 4M weights dequantizing won from 32 rows (1.9-2.1x the gemv; 0.9-1.1x at 16), larger
+# matrices from 48-64 (bitsandbytes' dequantization of 16M weights takes 11-17 ms, most of it
+# the new tensor's first touch): 4096 x 4096 at 32 rows 0.59-0.80x, at 64 1.08-1.50x
+DEQUANTIZE_AMX_ROWS = 32
+DEQUANTIZE_AMX_ROWS_LARGE, LARGE_WEIGHTS = 64, 1 << 22
 BLOCK_N = 32  # output rows per block of bitsandbytes' CPU layout
 
 
@@ -85,12 +94,20 @@ def pack_nf4_cpu(weight: NF4Weight) -> NF4Pack | None:
     return NF4Pack(packed.contiguous(), state, plain.state, weight.packed)
 
 
+def dequantize_rows(weights: int) -> int:
+    """Rows from which a call with a matrix of ``weights`` dequantizes it (constants above)."""
+    if not amx_matmul():
+        return DEQUANTIZE_ROWS
+    return DEQUANTIZE_AMX_ROWS if weights <= LARGE_WEIGHTS else DEQUANTIZE_AMX_ROWS_LARGE
+
+
 def nf4_cpu_matmul(x: torch.Tensor, pack: NF4Pack) -> torch.Tensor:
     """x @ W.T for x [..., K] on the CPU kernel (bf16 inside), returned in x's dtype."""
     bnbf = bitsandbytes_functional()
     x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
-    if x2.shape[0] >= DEQUANTIZE_ROWS:
-        y = x2 @ bnbf.dequantize_4bit(pack.published, pack.dense_state).T
+    m = x2.shape[0]
+    if m >= dequantize_rows(pack.out_features * x2.shape[1]):  # rows bucketed for oneDNN
+        y = (pad_rows(x2) @ bnbf.dequantize_4bit(pack.published, pack.dense_state).T)[:m]
     else:
         y = bnbf.gemv_4bit(x2, pack.weight, state=pack.state)
     return y.to(x.dtype).reshape(*x.shape[:-1], pack.out_features)

@@ -33,8 +33,8 @@ BLOCK = 32  # activation block (one int8 scale each)
 # two threads; docs/benchmarks.md "The 4-bit CPU matmul")
 DEQUANT_ROWS = 32
 
-__all__ = ["BLOCK", "DEQUANT_ROWS", "ExpertTable", "dequantize", "library", "matmul", "matmul8",
-           "pack_codes", "scales_zeros", "supports"]
+__all__ = ["BLOCK", "DEQUANT_ROWS", "ExpertTable", "amx_matmul", "dequantize", "library", "matmul",
+           "matmul8", "pack_codes", "scales_zeros", "supports"]
 
 
 def supports(k: int, group_size: int) -> bool:
@@ -87,7 +87,7 @@ def dequantize(codes: torch.Tensor, sz: torch.Tensor, k: int, group_size: int,
 
 
 @functools.cache
-def _amx_matmul() -> bool:
+def amx_matmul() -> bool:
     """Whether torch's bf16 matmul runs on AMX tiles here (oneDNN). Without them it ran slower
     than the integer kernels (110 against 125 G multiply-adds a second on two cores)."""
     check = getattr(torch.cpu, "_is_amx_tile_supported", None)
@@ -126,7 +126,7 @@ def _matmul(name: str, x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
     assert lib is not None, "cpu_q4 is not loaded: pack weights after library() returned it"
     m, k = x.shape
     n = codes.shape[0]
-    if m >= DEQUANT_ROWS and x.dtype == torch.bfloat16 and _amx_matmul():
+    if m >= DEQUANT_ROWS and x.dtype == torch.bfloat16 and amx_matmul():
         return _prefill_matmul(x, codes, sz, group_size)
     y = torch.empty(m, n, dtype=x.dtype)
     bf16 = int(x.dtype == torch.bfloat16)
