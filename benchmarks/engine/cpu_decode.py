@@ -286,6 +286,31 @@ def measure(engines: dict[str, LLM], llamas: dict[str, LlamaCppModel], cells: li
     return rates, host
 
 
+def quantize(src: Path, out: Path, fmt: str) -> None:
+    """``thresher quantize`` of the random model into ``out`` as ``fmt`` (QUANTIZE's options)."""
+    cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(src), "--out", str(out),
+           *QUANTIZE[fmt]]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-2000:])
+        raise SystemExit(f"quantize {fmt} failed with exit status {proc.returncode}")
+
+
+def gguf_exports(root: Path, src: Path, gguf_types: list[str]) -> list[tuple[str, Path]]:
+    """(row name, file) of each GGUF export of ``src`` under ``root``, written where missing;
+    none, with the install hint, where llama-cpp-python is not installed."""
+    if gguf_types and not LLAMA_CPP_AVAILABLE:
+        print(f"llama.cpp rows skipped: {INSTALL_HINT}")
+        return []
+    ggufs = []
+    for gguf_type in gguf_types:
+        out = root / f"model-{gguf_type}.gguf"
+        if not out.is_file():
+            export_gguf(src, out, gguf_type, show_progress=False)
+        ggufs.append((f"llama.cpp {gguf_type.upper()}", out))
+    return ggufs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--family", choices=list(BUILDERS), default="qwen3_moe",
@@ -360,23 +385,10 @@ def main() -> None:
             if (out / "config.json").is_file():
                 long_enough(out, max(args.contexts) + args.tokens + 8)
                 continue
-            cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(src),
-                   "--out", str(out), *QUANTIZE[fmt]]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode:
-                sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-2000:])
-                raise SystemExit(f"quantize {fmt} failed with exit status {proc.returncode}")
+            quantize(src, out, fmt)
         variants = [(name + (" ops" if step == "ops" else ""), path, dtype, kernel, step)
                     for name, path, dtype, kernel in variants for step in args.steps]
-        ggufs = []
-        if args.gguf_types and not LLAMA_CPP_AVAILABLE:
-            print(f"llama.cpp rows skipped: {INSTALL_HINT}")
-        elif args.gguf_types:
-            for gguf_type in args.gguf_types:
-                out = root / f"model-{gguf_type}.gguf"
-                if not out.is_file():
-                    export_gguf(src, out, gguf_type, show_progress=False)
-                ggufs.append((f"llama.cpp {gguf_type.upper()}", out))
+        ggufs = gguf_exports(root, src, args.gguf_types)
         bandwidth = copy_bandwidth(args.copy_mb)
         rows: dict[str, tuple[int | None, list[float | None], str, str]] = {}
         engines: dict[str, LLM] = {}

@@ -17,19 +17,16 @@ from __future__ import annotations
 import argparse
 import platform
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from cpu_decode import BUILDERS, QUANTIZE, long_enough, prompt_of  # this directory's
+from cpu_decode import BUILDERS, gguf_exports, long_enough, prompt_of, quantize  # this directory's
 
-from thresher.export import export_gguf
-from thresher.export.llama_runtime import INSTALL_HINT, LLAMA_CPP_AVAILABLE, LlamaCppModel
+from thresher.export.llama_runtime import LlamaCppModel
 from thresher.serve_kernels import LLM, SamplingParams
-from thresher.serve_kernels.kernels import cpu_q4
+from thresher.serve_kernels.kernels import cpu_blocked, cpu_q4
 
 INTEGER = "engine GPTQ-4 integer kernel"
 
@@ -53,24 +50,10 @@ def build(root: Path, args: argparse.Namespace) -> tuple[Path, Path, list[tuple[
         BUILDERS[args.family](src, args.layers, args.hidden, args.experts, args.intermediate,
                               args.top_k)
     if not (gptq / "config.json").is_file():
-        cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(src), "--out",
-               str(gptq), *QUANTIZE["gptq4"]]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode:
-            sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-2000:])
-            raise SystemExit(f"quantize failed with exit status {proc.returncode}")
+        quantize(src, gptq, "gptq4")
     for path in (src, gptq):
         long_enough(path, max(args.prompts) + 8)
-    ggufs = []
-    if not LLAMA_CPP_AVAILABLE:
-        print(f"llama.cpp rows skipped: {INSTALL_HINT}")
-    else:
-        for gguf_type in ("f16", "q4_0"):
-            out = root / f"model-{gguf_type}.gguf"
-            if not out.is_file():
-                export_gguf(src, out, gguf_type, show_progress=False)
-            ggufs.append((f"llama.cpp {gguf_type.upper()}", out))
-    return src, gptq, ggufs
+    return src, gptq, gguf_exports(root, src, ["f16", "q4_0"])
 
 
 def main() -> None:
@@ -121,7 +104,7 @@ def main() -> None:
         finally:
             for llama in llamas.values():
                 llama.close()
-        amx = cpu_q4.amx_matmul()
+        amx = cpu_blocked.amx_matmul()
         print(f"\n{platform.processor() or platform.machine()}, {threads} threads, torch "
               f"{torch.__version__}; bf16 matmul on AMX tiles: {'yes' if amx else 'no'} "
               f"(dequantized prefill from {cpu_q4.DEQUANT_ROWS} rows)\n")

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from thresher.serve_kernels.kernels import cpu_native, cpu_q4
+from thresher.serve_kernels.kernels import cpu_blocked, cpu_native, cpu_q4
 
 pytestmark = pytest.mark.skipif(cpu_q4.library() is None,
                                 reason="cpu_q4 does not build here (no cc, or no AVX2)")
@@ -176,7 +176,7 @@ def test_prefill_rows_take_the_dequantized_weight_where_matmuls_have_amx(m):
     codes, sz = cpu_q4.pack_codes(q), cpu_q4.scales_zeros(s, z)
     x = torch.randn(m, k).bfloat16()
     y = cpu_q4.matmul(x, codes, sz, g)
-    if m >= cpu_q4.DEQUANT_ROWS and cpu_q4.amx_matmul():
+    if m >= cpu_q4.DEQUANT_ROWS and cpu_blocked.amx_matmul():
         assert torch.equal(y, x @ cpu_q4.dequantize(codes, sz, k, g).T)
     else:
         assert torch.equal(y, _run(cpu_q4.library(), x, codes, sz, g))
@@ -189,7 +189,7 @@ def test_prefill_rows_take_the_dequantized_weight_where_matmuls_have_amx(m):
     assert ((y8.double() - exact8).norm() / exact8.norm()).item() < 2 ** -7
 
 
-@pytest.mark.skipif(not cpu_q4.amx_matmul(), reason="torch's bf16 matmul has no AMX tiles here")
+@pytest.mark.skipif(not cpu_blocked.amx_matmul(), reason="torch's bf16 matmul has no AMX tiles here")
 def test_a_large_prefill_weight_is_dequantized_in_bounded_slices(monkeypatch):
     """A weight over SCRATCH_WEIGHTS goes in slices of output rows (the last one short) through
     a buffer of at most that size, with the unsliced product's values."""

@@ -378,7 +378,8 @@ static int paged_decode(const void *q, const void *k_cache, const void *v_cache,
         float *s = malloc(sizeof(float) * (size_t)(per * max_len));
         int64_t *rows = malloc(sizeof(int64_t) * (size_t)max_len);
         float *qf = malloc(sizeof(float) * (size_t)(per * d));
-        /* 1 / denominators; with ATT_WIDE the doubled queries and 8 paired keys too */
+        /* 1 / denominators; with ATT_WIDE the doubled queries and 8 paired keys too, or with
+         * ATT_BF16DOT the bf16 queries padded to 32 dims (per * 32 more covers a small d) */
         float *scratch = malloc(sizeof(float) * (size_t)(per + per * 2 * d + per * 32 + 8 * d));
         if (!s || !rows || !qf || !scratch) {
 #pragma omp atomic write

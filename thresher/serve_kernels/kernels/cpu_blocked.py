@@ -18,6 +18,7 @@ turns the layout off. fp32 engines keep plain weights: there the blocked matvec 
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -51,6 +52,14 @@ def blocked_supported(dtype: torch.dtype) -> bool:
     if dtype == torch.float16:
         return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     return False
+
+
+@functools.cache
+def amx_matmul() -> bool:
+    """True when oneDNN runs torch's bf16 matmul on AMX tiles here: there a prefill's 4-bit,
+    8-bit and NF4 weights are dequantized for it (``cpu_q4``, ``cpu_nf4``)."""
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(check and check())
 
 
 def serve_blocked(weight: torch.Tensor) -> bool:

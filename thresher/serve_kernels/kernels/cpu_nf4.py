@@ -30,8 +30,7 @@ from typing import Any
 import torch
 
 from thresher.formats.nf4 import NF4Weight, bitsandbytes_functional
-from thresher.serve_kernels.kernels.cpu_blocked import pad_rows
-from thresher.serve_kernels.kernels.cpu_q4 import amx_matmul
+from thresher.serve_kernels.kernels.cpu_blocked import amx_matmul, pad_rows
 
 DEQUANTIZE_ROWS = 256  # from this many rows on, dequantize to bf16 and run one dense matmul
 # Where torch's bf16 matmul has AMX tiles (benchmarks/engine/cpu_nf4.py, one and two threads):

@@ -17,13 +17,12 @@ rows on, where torch's bf16 matmul has AMX tiles, the weight is dequantized to b
 from __future__ import annotations
 
 import ctypes
-import functools
 import threading
 from dataclasses import dataclass
 
 import torch
 
-from thresher.serve_kernels.kernels.cpu_blocked import pad_rows
+from thresher.serve_kernels.kernels.cpu_blocked import amx_matmul, pad_rows
 from thresher.serve_kernels.kernels.cpu_native import library, loaded
 
 BLOCK = 32  # activation block (one int8 scale each)
@@ -33,8 +32,8 @@ BLOCK = 32  # activation block (one int8 scale each)
 # two threads; docs/benchmarks.md "The 4-bit CPU matmul")
 DEQUANT_ROWS = 32
 
-__all__ = ["BLOCK", "DEQUANT_ROWS", "ExpertTable", "amx_matmul", "dequantize", "library", "matmul",
-           "matmul8", "pack_codes", "scales_zeros", "supports"]
+__all__ = ["BLOCK", "DEQUANT_ROWS", "ExpertTable", "dequantize", "library", "matmul", "matmul8",
+           "pack_codes", "scales_zeros", "supports"]
 
 
 def supports(k: int, group_size: int) -> bool:
@@ -86,14 +85,6 @@ def dequantize(codes: torch.Tensor, sz: torch.Tensor, k: int, group_size: int,
     return w
 
 
-@functools.cache
-def amx_matmul() -> bool:
-    """Whether torch's bf16 matmul runs on AMX tiles here (oneDNN). Without them it ran slower
-    than the integer kernels (110 against 125 G multiply-adds a second on two cores)."""
-    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(check and check())
-
-
 SCRATCH_WEIGHTS = 1 << 23  # a prefill dequantizes at most this many weights at once (16 MB)
 _scratch = threading.local()  # per thread: the bf16 buffer a prefill matmul dequantizes into
 
@@ -126,6 +117,8 @@ def _matmul(name: str, x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
     assert lib is not None, "cpu_q4 is not loaded: pack weights after library() returned it"
     m, k = x.shape
     n = codes.shape[0]
+    # without AMX tiles the bf16 matmul ran slower than these kernels (110 against 125 G
+    # multiply-adds a second on two cores)
     if m >= DEQUANT_ROWS and x.dtype == torch.bfloat16 and amx_matmul():
         return _prefill_matmul(x, codes, sz, group_size)
     y = torch.empty(m, n, dtype=x.dtype)
