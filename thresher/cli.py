@@ -792,7 +792,8 @@ def serve(
     kv_cache_gb: Annotated[float | None, typer.Option(
         help="KV-cache size in GiB (instead of --num-kv-blocks).")] = None,
     gpu_memory_utilization: Annotated[float, typer.Option(
-        help="CUDA: fraction of GPU memory for weights, activations and the KV cache.")] = 0.9,
+        help="CUDA: this engine's share of the GPU's memory for weights, activations "
+             "and the KV cache (other processes' use not counted; free memory caps it).")] = 0.9,
     enforce_eager: Annotated[bool, typer.Option(
         help="CUDA: run decode steps eagerly instead of replaying CUDA graphs.")] = False,
     max_body_bytes: Annotated[int, typer.Option(

@@ -76,7 +76,9 @@ def test_decode_forward_never_synchronises(graphed):
 
 
 def test_kv_cache_sized_from_gpu_memory(tiny_demo):
-    total = torch.cuda.mem_get_info()[1]
+    """The share is this engine's, whatever other engines (this module's ``graphed``, other
+    test workers) hold; free memory caps it."""
+    free, total = torch.cuda.mem_get_info()
     sizes = []
     for utilization in (0.05, 0.3):
         llm = LLM(tiny_demo, dtype="bfloat16", gpu_memory_utilization=utilization,
@@ -85,7 +87,9 @@ def test_kv_cache_sized_from_gpu_memory(tiny_demo):
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    assert 0 < sizes[0] < sizes[1] <= 0.3 * total
+    assert 0 < sizes[0] <= 0.05 * total and 0 < sizes[1] <= 0.3 * total
+    if free > 0.35 * total:
+        assert sizes[0] < sizes[1]
     fixed = LLM(tiny_demo, dtype="bfloat16", kv_cache_gb=0.25, enforce_eager=True)
     assert 0.24 * 2**30 < fixed.engine.model_info["kv_cache_bytes"] <= 0.25 * 2**30
 

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from thresher.serve_kernels import LLM, SamplingParams
-from thresher.serve_kernels.engine.kv_budget import KV_BUDGET_BYTES, KVCacheConfig, size_kv_cache
+from thresher.serve_kernels.engine.kv_budget import (
+    KV_BUDGET_BYTES,
+    GPUMemory,
+    KVCacheConfig,
+    kv_cache_budget,
+    size_kv_cache,
+)
 from thresher.serve_kernels.engine.model_runner import graph_buckets
 from thresher.serve_kernels.kernels import attention
 from thresher.serve_kernels.modeling.linear import DenseLinear
@@ -55,6 +61,21 @@ def test_kv_cache_sizing_rules():
         KVCacheConfig(gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="kv_cache_gb=0"):
         KVCacheConfig(cache_gb=0)
+
+
+def test_gpu_share_is_per_engine_and_capped_by_free_memory():
+    """vLLM's meaning of gpu_memory_utilization: another process's 60 GiB does not shrink this
+    engine's share, what the engine loaded (2 GiB of tensors, 0.5 GiB outside torch's pool) and
+    its activation peak do, and the cache never takes more than is free."""
+    gib = 2**30
+    start = GPUMemory(total=80 * gib, free=20 * gib, allocated=0, reserved=0)
+    now = GPUMemory(total=80 * gib, free=int(17.5 * gib), allocated=2 * gib, reserved=2 * gib)
+    assert kv_cache_budget(start, now, gib, 0.1) == 8 * gib - int(2.5 * gib) - gib
+    assert kv_cache_budget(start, now, gib, 0.9) == int(16.5 * gib)  # free memory, not the share
+    assert kv_cache_budget(start, now, gib, 0.01) < 0  # the engine reports it cannot fit
+    alone = GPUMemory(total=80 * gib, free=80 * gib, allocated=0, reserved=0)
+    after = GPUMemory(total=80 * gib, free=77 * gib, allocated=2 * gib, reserved=3 * gib)
+    assert kv_cache_budget(alone, after, 0, 0.5) == 40 * gib - 2 * gib  # pool slack is free
 
 
 def test_graph_buckets_cover_every_batch_size():

@@ -1,9 +1,11 @@
 """How many KV-cache blocks the engine allocates: a given count, a size in GiB, or what a GPU has.
 
-On a GPU the cache takes the memory the model leaves (nano-vllm's rule): a profiling forward of
-the largest step (``max_num_batched_tokens`` prompt tokens) shows the activations' peak, and the
-cache gets ``gpu_memory_utilization`` of the device's total memory minus everything else in use
-at that peak. On a CPU the default is a fixed budget (``KV_BUDGET_BYTES``), capped at what
+On a GPU the cache takes what the engine's share leaves (vLLM's per-instance meaning):
+``gpu_memory_utilization`` of the device's total memory, less what this engine holds (weights,
+states, a draft model, memory the driver took outside torch since the engine started) and the
+activations' peak, which a profiling forward of the largest step (``max_num_batched_tokens``
+prompt tokens) shows. Other processes' memory does not shrink the share (two engines at 0.45 share
+a device), but the cache never takes more than the device has free. On a CPU the default is a fixed budget (``KV_BUDGET_BYTES``), capped at what
 ``max_num_seqs`` full-length sequences can use, as before this module existed.
 """
 
@@ -40,22 +42,50 @@ class KVCacheConfig:
                              "(0, 1]")
 
 
-def free_gpu_bytes(device: torch.device, utilization: float,
+@dataclass(frozen=True)
+class GPUMemory:
+    """A device's memory at one moment: the driver's view and torch's."""
+
+    total: int
+    free: int
+    allocated: int  # by this process's torch tensors
+    reserved: int  # by this process's torch caching allocator
+
+    @classmethod
+    def read(cls, device: torch.device) -> GPUMemory:
+        free, total = torch.cuda.mem_get_info(device)
+        return cls(total, free, torch.cuda.memory_allocated(device),
+                   torch.cuda.memory_reserved(device))
+
+
+def kv_cache_budget(start: GPUMemory, now: GPUMemory, transient: int, utilization: float) -> int:
+    """Bytes for the KV cache: the engine's share of the device, less what it has taken since
+    ``start`` (tensors, and the driver's use outside torch's pool) and the activations' peak
+    (``transient``), and at most the free memory less that peak."""
+    outside_torch = ((now.total - now.free) - (start.total - start.free)
+                     - (now.reserved - start.reserved))
+    own = now.allocated - start.allocated + max(0, outside_torch)
+    share = int(now.total * utilization) - own - transient
+    return min(share, now.free - transient)
+
+
+def free_gpu_bytes(device: torch.device, utilization: float, start: GPUMemory,
                    profile_forward: Callable[[], None]) -> int:
-    """Bytes left for the KV cache after ``profile_forward`` (the largest step) has run."""
+    """Bytes left for the KV cache after ``profile_forward`` (the largest step) has run;
+    ``start`` is the device's memory before the engine loaded anything."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     profile_forward()
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # the profile's freed blocks would otherwise count as in use
-    free, total = torch.cuda.mem_get_info(device)
     stats = torch.cuda.memory_stats(device)
     transient = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
-    budget = int(total * utilization) - (total - free) - transient
-    log.info("GPU memory: %.1f GiB total, %.1f GiB in use, %.1f GiB activation peak -> "
-             "%.1f GiB for the KV cache", total / 2**30, (total - free) / 2**30,
-             transient / 2**30, budget / 2**30)
-    return budget
+    now = GPUMemory.read(device)
+    budget = kv_cache_budget(start, now, transient, utilization)
+    log.info("GPU memory: %.1f GiB total, %.1f GiB free, this engine %.1f GiB, activation peak "
+             "%.1f GiB -> %.1f GiB for the KV cache", now.total / 2**30, now.free / 2**30,
+             (now.allocated - start.allocated) / 2**30, transient / 2**30, budget / 2**30)
+    return max(0, budget)
 
 
 def size_kv_cache(cfg: KVCacheConfig, bytes_per_block: int, blocks_per_seq: int,

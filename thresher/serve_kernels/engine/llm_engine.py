@@ -28,7 +28,12 @@ from thresher.models.source import resolve_model
 from thresher.serve_kernels.engine.block_manager import BlockManager
 from thresher.serve_kernels.engine.block_table import BlockTables
 from thresher.serve_kernels.engine.detokenizer import Detokenizer, find_stop, visible_text
-from thresher.serve_kernels.engine.kv_budget import KVCacheConfig, free_gpu_bytes, size_kv_cache
+from thresher.serve_kernels.engine.kv_budget import (
+    GPUMemory,
+    KVCacheConfig,
+    free_gpu_bytes,
+    size_kv_cache,
+)
 from thresher.serve_kernels.engine.model_runner import ModelRunner, StepResult
 from thresher.serve_kernels.engine.sampler import Sampler, SampleResult, adjust_logits
 from thresher.serve_kernels.engine.sampling_params import (
@@ -118,6 +123,7 @@ class LLMEngine:
                 raise ValueError(f"{name}={value}: must be >= 1")
         kv_config = KVCacheConfig(num_kv_blocks, kv_cache_gb, gpu_memory_utilization)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        start = GPUMemory.read(self.device) if self.device.type == "cuda" else None
         path = resolve_model(str(model))
         dtype = resolve_dtype(dtype, self.device, weight_bytes(path))
         loaded = load_engine_model(path, dtype, self.device)
@@ -151,8 +157,9 @@ class LLMEngine:
             profile_len = min(max_num_batched_tokens, self.max_model_len)
 
             def gpu_free() -> int:
-                return free_gpu_bytes(self.device, gpu_memory_utilization, lambda: profile_forward(
-                    loaded.model, profile_len, block_size, torch_dtype, self.device))
+                return free_gpu_bytes(self.device, gpu_memory_utilization, start,
+                                      lambda: profile_forward(loaded.model, profile_len,
+                                                              block_size, torch_dtype, self.device))
         num_kv_blocks = size_kv_cache(kv_config, per_block, blocks_per_seq, max_num_seqs,
                                       gpu_free)
         if num_kv_blocks < blocks_per_seq:
