@@ -5,9 +5,11 @@
 For each shape (the random MoE of ``cpu_decode.py``: an expert's gate|up 4096 x 1024 and down
 1024 x 2048, and a 4096 x 4096 matrix) and row count M, the best of ``--repeats`` wall times of
 x [M, K] @ W.T: the bf16 dense matmul, the NF4 gemv on weights repacked at load
-(``kernels.cpu_nf4``), and bitsandbytes' native dequantization to bf16 followed by the dense
-matmul. The row count from which ``nf4_cpu_matmul`` switches from the gemv to dequantizing
-(``DEQUANTIZE_ROWS``) comes from this table. Prints one table, times in ms, ratios to bf16.
+(``kernels.cpu_nf4``), bitsandbytes' native dequantization to bf16 (a new tensor a call) followed
+by the dense matmul, thresher's C dequantization (``thr_nf4_dequant``, same bits) into a reused
+buffer followed by the same matmul (``cpu_blocked.dequantized_matmul``), and ``nf4_cpu_matmul``
+as the engine calls it. The row count from which it switches from the gemv to dequantizing
+(``dequantize_rows``) comes from this table. Prints one table, times in ms, ratios to bf16.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 import torch
 
 from thresher.compress.nf4 import nf4_quantize
-from thresher.serve_kernels.kernels import cpu_nf4
+from thresher.serve_kernels.kernels import cpu_blocked, cpu_native, cpu_nf4
 
 
 def best_ms(fn, repeats: int) -> float:
@@ -33,13 +35,17 @@ def best_ms(fn, repeats: int) -> float:
 
 
 def time_row(x: torch.Tensor, dense: torch.Tensor, pack: cpu_nf4.NF4Pack, repeats: int
-             ) -> tuple[float, float, float, float]:
-    """(bf16, NF4 gemv, dequantize + bf16, as served) ms of x @ W.T."""
+             ) -> tuple[float, float, float, float, float]:
+    """(bf16, NF4 gemv, bitsandbytes' dequantize + bf16, thresher's dequantize + bf16, as
+    served) ms of x @ W.T."""
     bnbf = cpu_nf4.bitsandbytes_functional()
+    n = pack.out_features
     return (best_ms(lambda: x @ dense.T, repeats),
             best_ms(lambda: bnbf.gemv_4bit(x, pack.weight, state=pack.state), repeats),
             best_ms(lambda: x @ bnbf.dequantize_4bit(pack.published, pack.dense_state).T,
                     repeats),
+            best_ms(lambda: cpu_blocked.dequantized_matmul(
+                x, n, lambda n0, n1, buf: cpu_nf4.dequantize(pack, n0, n1, buf)), repeats),
             best_ms(lambda: cpu_nf4.nf4_cpu_matmul(x, pack), repeats))
 
 
@@ -52,14 +58,14 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not cpu_nf4.cpu_nf4_available():
-        raise SystemExit("bitsandbytes' CPU NF4 kernel needs AVX512-BF16; this CPU lacks it")
+    if not cpu_nf4.cpu_nf4_available() or cpu_native.library() is None:
+        raise SystemExit("needs bitsandbytes' CPU NF4 kernel (AVX512-BF16) and thresher's C kernels")
     print(f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}\n")
     print("as served: the gemv below cpu_nf4.dequantize_rows(N * K) rows, the dequantized "
           f"weight from there ({cpu_nf4.dequantize_rows(1)} rows for small matrices here)\n")
-    print("| N x K | M | bf16 ms | NF4 gemv ms | gemv / bf16 | dequantize + bf16 ms | "
-          "dequantize / bf16 | as served ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| N x K | M | bf16 ms | NF4 gemv ms | gemv / bf16 | bitsandbytes dequantize + bf16 ms "
+          "| thresher dequantize + bf16 ms | thresher dequantize / bf16 | as served ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for shape in args.shapes:
         n, k = (int(v) for v in shape.split("x"))
         w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
@@ -67,9 +73,9 @@ def main() -> None:
         pack = cpu_nf4.pack_nf4_cpu(nf4_quantize(w, False, torch.float32))
         for m in args.rows:
             x = torch.randn(m, k).to(torch.bfloat16)
-            bf16, gemv, deq, served = time_row(x, dense, pack, args.repeats)
-            print(f"| {n} x {k} | {m} | {bf16:.3f} | {gemv:.3f} | {gemv / bf16:.2f}x | {deq:.3f} | "
-                  f"{deq / bf16:.2f}x | {served:.3f} |")
+            bf16, gemv, bnb, own, served = time_row(x, dense, pack, args.repeats)
+            print(f"| {n} x {k} | {m} | {bf16:.3f} | {gemv:.3f} | {gemv / bf16:.2f}x | {bnb:.3f} "
+                  f"| {own:.3f} | {own / bf16:.2f}x | {served:.3f} |")
 
 
 if __name__ == "__main__":

@@ -157,3 +157,45 @@ int thr_nf4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *codes,
     free(xs);
     return 0;
 }
+
+/* W [n, k] in bf16 from the published NF4 codes above, absmax fp32 [n, k / bs]: w = map[code] *
+ * absmax in fp32, rounded once to bf16 (nearest even), the bits bitsandbytes' dequantize_4bit to
+ * bf16 gives. A prefill multiplies many rows by W, where a bf16 matmul on AMX tiles runs far
+ * ahead of any gemv: this pass writes W into a buffer the caller reuses (cpu_nf4.py), at several
+ * times bitsandbytes' rate, which allocates a new tensor a call. With AVX-512 the 16 values of a
+ * block sit in one register as in the matmul, even codes (high nibbles) and odd ones are looked
+ * up apart, and each pair's two bf16 halves meet in one 32-bit lane, so 32 weights are one store.
+ * Returns 0, -2 when bs is not a multiple of 32 dividing k. */
+int thr_nf4_dequant(const uint8_t *codes, const float *absmax, const float *map, int64_t bs,
+                    int64_t n, int64_t k, uint16_t *out) {
+    if (bs <= 0 || bs % 32 || k % bs) return -2;
+    int64_t blocks = k / bs, half = k / 2;
+#pragma omp parallel for schedule(static) if (n * k >= 65536 && !omp_in_parallel())
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *c = codes + r * half;
+        uint16_t *o = out + r * k;
+        for (int64_t b = 0; b < blocks; b++) {
+            float a = absmax[r * blocks + b];
+#if defined(__AVX512BW__)
+            __m512 table = _mm512_mul_ps(_mm512_loadu_ps(map), _mm512_set1_ps(a));
+            const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
+            for (int64_t j = b * bs / 2; j < (b + 1) * bs / 2; j += 16) { /* 32 codes */
+                __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + j)));
+                __m512i e = _mm512_castps_si512(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table));
+                __m512i d = _mm512_castps_si512(_mm512_permutexvar_ps(v, table));
+                e = _mm512_add_epi32(e, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(e, 16), one)));
+                d = _mm512_add_epi32(d, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(d, 16), one)));
+                __m512i pair = _mm512_or_si512(_mm512_srli_epi32(e, 16),
+                                               _mm512_and_si512(d, _mm512_set1_epi32((int)0xffff0000u)));
+                _mm512_storeu_si512((void *)(o + 2 * j), pair);
+            }
+#else
+            for (int64_t j = b * bs / 2; j < (b + 1) * bs / 2; j++) {
+                o[2 * j] = f32_to_bf16(map[c[j] >> 4] * a);
+                o[2 * j + 1] = f32_to_bf16(map[c[j] & 15] * a);
+            }
+#endif
+        }
+    }
+    return 0;
+}

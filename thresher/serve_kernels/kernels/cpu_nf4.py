@@ -16,6 +16,10 @@ from 256 rows the bf16 matrix dequantized by bitsandbytes' native routine plus o
 is faster (``benchmarks/engine/cpu_nf4.py``, docs/benchmarks.md; at 128 it went both ways), so calls with
 ``DEQUANTIZE_ROWS`` rows or more take that; where torch's bf16 matmul has AMX tiles, from 32 rows
 (64 for matrices over 4M weights), their row counts bucketed as ``cpu_blocked.pad_rows`` says.
+Where ``cpu_native`` built thresher's C kernels, the dequantizing is their pass instead
+(``thr_nf4_dequant``: the bits of bitsandbytes' ``dequantize_4bit``, 5x its speed on 16M weights,
+into a reused buffer), which moves the switch to 16 rows with AMX and 64 without
+(``dequantize_rows``).
 
 The kernel exists only on CPUs with AVX512-BF16 (bitsandbytes registers it only there); elsewhere
 ``cpu_nf4_available`` is False and NF4 layers keep the dequantizing reference.
@@ -30,7 +34,8 @@ from typing import Any
 import torch
 
 from thresher.formats.nf4 import NF4Weight, bitsandbytes_functional
-from thresher.serve_kernels.kernels.cpu_blocked import amx_matmul, pad_rows
+from thresher.serve_kernels.kernels.cpu_blocked import amx_matmul, dequantized_matmul, pad_rows
+from thresher.serve_kernels.kernels.cpu_native import loaded
 
 DEQUANTIZE_ROWS = 256  # from this many rows on, dequantize to bf16 and run one dense matmul
 # Where torch's bf16 matmul has AMX tiles (benchmarks/engine/cpu_nf4.py, one and two threads):
@@ -39,6 +44,10 @@ DEQUANTIZE_ROWS = 256  # from this many rows on, dequantize to bf16 and run one 
 # the new tensor's first touch): 4096 x 4096 at 32 rows 0.59-0.80x, at 64 1.08-1.50x
 DEQUANTIZE_AMX_ROWS = 32
 DEQUANTIZE_AMX_ROWS_LARGE, LARGE_WEIGHTS = 64, 1 << 22
+# With thresher's dequantizing pass (same table, its "thresher dequantize" column): with AMX it
+# won from 12-16 rows at every shape (1.5-1.7x the gemv at 16, 0.8x at 8); with oneDNN held to
+# AVX512-BF16 from 64 (1.12-1.13x; 0.92-0.96x at 32)
+OWN_DEQUANTIZE_AMX_ROWS, OWN_DEQUANTIZE_ROWS = 16, 64
 BLOCK_N = 32  # output rows per block of bitsandbytes' CPU layout
 
 
@@ -61,6 +70,8 @@ class NF4Pack:
     state: Any  # bitsandbytes QuantState: bf16 absmax [K/blocksize, N], non-nested
     dense_state: Any  # QuantState of the published bytes with fp32 absmax, dequantizing to bf16
     published: torch.Tensor  # the published packed bytes (shared with the layer, not a copy)
+    absmax: torch.Tensor  # fp32 [N, K / blocksize], double quantization undone
+    quant_map: torch.Tensor  # fp32 [16]
 
     @property
     def out_features(self) -> int:
@@ -90,14 +101,36 @@ def pack_nf4_cpu(weight: NF4Weight) -> NF4Pack | None:
     plain = NF4Weight(weight.packed, absmax, weight.quant_map.float(), weight.shape,
                       weight.blocksize, dtype=torch.bfloat16)
     packed, state = _convert_for_cpu(weight.packed.reshape(-1), plain.state)
-    return NF4Pack(packed.contiguous(), state, plain.state, weight.packed)
+    return NF4Pack(packed.contiguous(), state, plain.state, weight.packed,
+                   absmax.view(n, k // weight.blocksize), plain.quant_map.contiguous())
 
 
 def dequantize_rows(weights: int) -> int:
     """Rows from which a call with a matrix of ``weights`` dequantizes it (constants above)."""
+    if loaded() is not None:
+        return OWN_DEQUANTIZE_AMX_ROWS if amx_matmul() else OWN_DEQUANTIZE_ROWS
     if not amx_matmul():
         return DEQUANTIZE_ROWS
     return DEQUANTIZE_AMX_ROWS if weights <= LARGE_WEIGHTS else DEQUANTIZE_AMX_ROWS_LARGE
+
+
+def dequantize(pack: NF4Pack, n0: int = 0, n1: int | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """W's rows n0:n1 [n1 - n0, K] in bf16 (map[code] * absmax in fp32, rounded once: the bits
+    of bitsandbytes' ``dequantize_4bit``) on thresher's C pass, into ``out`` if given."""
+    lib = loaded()
+    assert lib is not None, "thr_nf4_dequant needs thresher's C kernels (cpu_native.library())"
+    n, blocks = pack.absmax.shape
+    n1 = n if n1 is None else n1
+    k = pack.published.numel() * 2 // n
+    w = torch.empty((n1 - n0) * k, dtype=torch.bfloat16) if out is None else out
+    w = w[: (n1 - n0) * k].view(n1 - n0, k)
+    codes = pack.published.reshape(n, k // 2)[n0:n1]
+    rc = lib.thr_nf4_dequant(codes.data_ptr(), pack.absmax[n0:n1].data_ptr(),
+                             pack.quant_map.data_ptr(), k // blocks, n1 - n0, k, w.data_ptr())
+    if rc:
+        raise ValueError(f"NF4 block size {k // blocks} must be a multiple of 32 dividing {k}")
+    return w
 
 
 def nf4_cpu_matmul(x: torch.Tensor, pack: NF4Pack) -> torch.Tensor:
@@ -105,8 +138,12 @@ def nf4_cpu_matmul(x: torch.Tensor, pack: NF4Pack) -> torch.Tensor:
     bnbf = bitsandbytes_functional()
     x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
     m = x2.shape[0]
-    if m >= dequantize_rows(pack.out_features * x2.shape[1]):  # rows bucketed for oneDNN
-        y = (pad_rows(x2) @ bnbf.dequantize_4bit(pack.published, pack.dense_state).T)[:m]
+    if m >= dequantize_rows(pack.out_features * x2.shape[1]):
+        if loaded() is not None:
+            y = dequantized_matmul(x2, pack.out_features,
+                                   lambda n0, n1, buf: dequantize(pack, n0, n1, buf))
+        else:  # rows bucketed for oneDNN
+            y = (pad_rows(x2) @ bnbf.dequantize_4bit(pack.published, pack.dense_state).T)[:m]
     else:
         y = bnbf.gemv_4bit(x2, pack.weight, state=pack.state)
     return y.to(x.dtype).reshape(*x.shape[:-1], pack.out_features)

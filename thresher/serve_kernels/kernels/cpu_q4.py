@@ -17,12 +17,11 @@ rows on, where torch's bf16 matmul has AMX tiles, the weight is dequantized to b
 from __future__ import annotations
 
 import ctypes
-import threading
 from dataclasses import dataclass
 
 import torch
 
-from thresher.serve_kernels.kernels.cpu_blocked import amx_matmul, pad_rows
+from thresher.serve_kernels.kernels.cpu_blocked import amx_matmul, dequantized_matmul
 from thresher.serve_kernels.kernels.cpu_native import library, loaded
 
 BLOCK = 32  # activation block (one int8 scale each)
@@ -85,29 +84,6 @@ def dequantize(codes: torch.Tensor, sz: torch.Tensor, k: int, group_size: int,
     return w
 
 
-SCRATCH_WEIGHTS = 1 << 23  # a prefill dequantizes at most this many weights at once (16 MB)
-_scratch = threading.local()  # per thread: the bf16 buffer a prefill matmul dequantizes into
-
-
-def _prefill_matmul(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
-                    group_size: int) -> torch.Tensor:
-    """x @ W.T with W dequantized to bf16 into a reused buffer, on torch's (AMX) matmul; a large
-    W goes in slices of output rows, so that the buffer stays within ``SCRATCH_WEIGHTS``."""
-    n, k, m = codes.shape[0], x.shape[1], x.shape[0]
-    x = pad_rows(x)  # a bucketed row count: oneDNN builds a kernel per count it meets
-    rows = max(1, min(n, SCRATCH_WEIGHTS // k))
-    buf = getattr(_scratch, "weight", None)
-    if buf is None or buf.numel() < rows * k:
-        buf = _scratch.weight = torch.empty(rows * k, dtype=torch.bfloat16)
-    if rows == n:
-        return (x @ dequantize(codes, sz, k, group_size, buf).T)[:m]
-    y = torch.empty(x.shape[0], n, dtype=x.dtype)
-    for n0 in range(0, n, rows):
-        n1 = min(n, n0 + rows)
-        y[:, n0:n1] = x @ dequantize(codes[n0:n1], sz[n0:n1], k, group_size, buf).T
-    return y[:m]
-
-
 def _matmul(name: str, x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
             group_size: int) -> torch.Tensor:
     """One of the C matmuls (same arguments): -1 is out of memory, -2 a shape it does not hold.
@@ -120,7 +96,8 @@ def _matmul(name: str, x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
     # without AMX tiles the bf16 matmul ran slower than these kernels (110 against 125 G
     # multiply-adds a second on two cores)
     if m >= DEQUANT_ROWS and x.dtype == torch.bfloat16 and amx_matmul():
-        return _prefill_matmul(x, codes, sz, group_size)
+        return dequantized_matmul(x, n, lambda n0, n1, buf: dequantize(
+            codes[n0:n1], sz[n0:n1], k, group_size, buf))
     y = torch.empty(m, n, dtype=x.dtype)
     bf16 = int(x.dtype == torch.bfloat16)
     rc = getattr(lib, name)(x.data_ptr(), bf16, m, k, codes.data_ptr(), sz.data_ptr(), n,
