@@ -125,11 +125,17 @@ def test_native_step_matches_operator_path(family, fmt, dtype, tmp_path, monkeyp
     # fp32: the same roundings, sums in another order (measured 5e-7); bf16: one bf16 step of
     # the largest value where a sum's order flips a rounding (measured up to 1.3%); NF4, bf16
     # inside in either dtype: bitsandbytes' kernel on the operator path sums in lower precision
-    # than cpu_nf4.c (test_nf4_matmul_is_closer_than_bitsandbytes), measured up to 2.2%
+    # than cpu_nf4.c (test_nf4_matmul_is_closer_than_bitsandbytes), measured up to 2.2%, and a
+    # decode token whose top-k sits at a near-tie may go to another expert in one of the two
+    # (measured: gpt-oss, router logits 0.005 apart, that token's state moved 26%), so with NF4
+    # one token row of a prompt set's decode steps may leave the tolerance
     tol = 4e-2 if fmt == "nf4" else 1e-5 if dtype == "float32" else 2e-2
     for prompts in (PROMPTS[:1], PROMPTS):  # c=1, then c=3 (contexts cross blocks of 4)
+        errors = []
         for fast, ref in _decode_pairs(llm, prompts, 3, monkeypatch):
-            assert (fast.float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
+            scale = ref.float().abs().max()
+            errors += ((fast.float() - ref.float()).abs().amax(-1) / scale).tolist()
+        assert sum(e > tol for e in errors) <= (1 if fmt == "nf4" else 0), errors
     model = llm.engine.runner.model  # the LM head in C against torch's, on the same states
     assert step.table.lm_head.kind != cpu_step.LIN_NONE
     head = model.logits(fast)
