@@ -1,6 +1,7 @@
 """The GPU suite: every GPU measurement the project's goals name, from one command.
 
-On an H100 it takes two calls of under 10 minutes (``--budget-s``, then ``--sections``).
+Every section takes about 25 minutes of an H100, more than a session's device time (15 minutes,
+start-up included): name the sections to run (``--sections``) and bound them (``--budget-s``).
 
     python benchmarks/scale/gpu_suite.py --prepare gpu_bundle --demos tiny --carry .gpucarry
                                                             # CPU machine: models, wheels, packed
@@ -11,7 +12,8 @@ On an H100 it takes two calls of under 10 minutes (``--budget-s``, then ``--sect
 Sections, each a markdown table (printed, and written to OUT/gpu_suite.md; tracebacks and test
 output to OUT/gpu_suite.log; a failing section reports its error and the next one runs):
 
-1. tests: the kernel tests on CUDA tensors and the ``cuda``-marked engine tests.
+1. tests: the kernel tests on CUDA tensors and the ``cuda``-marked engine tests (``cuda``, by
+   name only: the engine tests alone, under a minute where the kernel tests take four).
 2. gemv: W4A16 (grouped GPTQ, AWQ; the act-order GPTQ kernel beside them) and NF4 at M=1 for
    K, N in {4096, 8192, 14336}, against the device copy bandwidth measured first (bytes read +
    written). Weights rotate through > 256 MiB of copies, so L2 does not serve them; the calls
@@ -221,9 +223,12 @@ def copy_bandwidth(nbytes: int) -> float:
 
 # ---------------------------------------------------------------- section 1: tests
 
-def section_tests(sizes: Sizes, log: Path, timeout: float | None = None) -> str:
+def section_tests(sizes: Sizes, log: Path, timeout: float | None = None,
+                  kernels: bool = True) -> str:
+    """The ``cuda`` engine tests, and with ``kernels`` every kernel test on CUDA tensors (about 4
+    minutes of Triton compiles on 16 workers)."""
     files = ["tests/serve_kernels/test_cuda.py"]
-    if not DRY:
+    if kernels and not DRY:
         files.append("tests/serve_kernels/kernels")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
     if DRY:
@@ -886,6 +891,7 @@ def parity_models(bundle: Path) -> list[Path]:
 
 
 SECTIONS = ("tests", "gemv", "moe", "decode", "parity", "qdecode", "gptq")
+EXTRA_SECTIONS = ("cuda",)  # by name only: the engine tests without the kernel tests
 
 
 def run_sections(out: Path, bundle: Path | None, order: tuple[str, ...] = SECTIONS,
@@ -929,6 +935,8 @@ def run_sections(out: Path, bundle: Path | None, order: tuple[str, ...] = SECTIO
         return None if deadline is None else max(1.0, deadline - time.monotonic())
 
     sections = {"tests": ("1. tests", lambda: section_tests(sizes, log, left())),
+                "cuda": ("1. cuda engine tests",
+                         lambda: section_tests(sizes, log, left(), kernels=False)),
                 "gemv": ("2. W4A16 / NF4 GEMV at M=1", lambda: section_gemv(sizes, log)),
                 "moe": ("2b. fused W4A16 MoE kernel at decode shapes",
                         lambda: section_moe_kernel(sizes, log)),
@@ -979,15 +987,17 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true",
                     help="every section at toy sizes on the CPU (kernels through the interpreter)")
     ap.add_argument("--sections", default=",".join(SECTIONS),
-                    help=f"comma-separated sections to run, in this order (of {','.join(SECTIONS)})")
+                    help="comma-separated sections to run, in this order (of "
+                         f"{','.join(SECTIONS + EXTRA_SECTIONS)})")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="seconds for the whole run: sections that would start later are skipped, "
                          "and the tests' pytest is stopped at it")
     args = ap.parse_args()
     order = tuple(x.strip() for x in args.sections.split(",") if x.strip())
-    unknown = [x for x in order if x not in SECTIONS]
+    known = SECTIONS + EXTRA_SECTIONS
+    unknown = [x for x in order if x not in known]
     if unknown:
-        ap.error(f"--sections: unknown {', '.join(unknown)} (known: {', '.join(SECTIONS)})")
+        ap.error(f"--sections: unknown {', '.join(unknown)} (known: {', '.join(known)})")
     if args.prepare:
         prepare(args.prepare, args.demos)
         if args.carry:
