@@ -1,7 +1,8 @@
 """The GPU suite: every GPU measurement the project's goals name, from one command.
 
-All sections together take over 20 minutes of an H100, more than a session's device time (15 minutes,
-start-up included): name the sections to run (``--sections``) and bound them (``--budget-s``).
+All sections together take over 20 minutes of an H100, more than a session's device time (15
+minutes, start-up included): name the sections to run (``--sections``) and bound them
+(``--budget-s``).
 
     python benchmarks/scale/gpu_suite.py --prepare gpu_bundle --demos tiny --carry .gpucarry
                                                             # CPU machine: models, wheels, packed
