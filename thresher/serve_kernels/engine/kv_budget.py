@@ -5,8 +5,9 @@ On a GPU the cache takes what the engine's share leaves (vLLM's per-instance mea
 states, a draft model, memory the driver took outside torch since the engine started) and the
 activations' peak, which a profiling forward of the largest step (``max_num_batched_tokens``
 prompt tokens) shows. Other processes' memory does not shrink the share (two engines at 0.45 share
-a device), but the cache never takes more than the device has free. On a CPU the default is a fixed budget (``KV_BUDGET_BYTES``), capped at what
-``max_num_seqs`` full-length sequences can use, as before this module existed.
+a device), but the cache never takes more than the device has free. On a CPU the default is a
+fixed budget (``KV_BUDGET_BYTES``), capped at what ``max_num_seqs`` full-length sequences can
+use, as before this module existed.
 """
 
 from __future__ import annotations

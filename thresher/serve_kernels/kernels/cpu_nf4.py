@@ -17,8 +17,8 @@ is faster (``benchmarks/engine/cpu_nf4.py``, docs/benchmarks.md; at 128 it went 
 ``DEQUANTIZE_ROWS`` rows or more take that; where torch's bf16 matmul has AMX tiles, from 32 rows
 (64 for matrices over 4M weights), their row counts bucketed as ``cpu_blocked.pad_rows`` says.
 Where ``cpu_native`` built thresher's C kernels, the dequantizing is their pass instead
-(``thr_nf4_dequant``: the bits of bitsandbytes' ``dequantize_4bit``, 5x its speed on 16M weights,
-into a reused buffer), which moves the switch to 16 rows with AMX and 64 without
+(``thr_nf4_dequant``: the bits of bitsandbytes' ``dequantize_4bit``, 2x its speed on 4M weights
+and 8x on 16M, into a reused buffer), which moves the switch to 16 rows with AMX and 64 without
 (``dequantize_rows``).
 
 The kernel exists only on CPUs with AVX512-BF16 (bitsandbytes registers it only there); elsewhere
