@@ -19,6 +19,7 @@ from thresher.formats.nf4 import concat_rows
 from thresher.recipe import NF4Stage
 from thresher.serve_kernels import LLM, SamplingParams
 from thresher.serve_kernels.kernels import cpu_nf4
+from thresher.serve_kernels.modeling import linear as linear_module
 from thresher.serve_kernels.modeling import native_step
 from thresher.serve_kernels.modeling.linear import NF4Linear
 from thresher.serve_kernels.modeling.moe import ExpertLoop
@@ -96,14 +97,29 @@ def test_concat_rows_is_exact():
     assert concat_rows(odd) is None  # 64-element blocks straddle rows of 100
 
 
-def test_without_the_kernel_nf4_keeps_the_reference(tiny_demo, tmp_path, monkeypatch):
-    """A CPU without AVX512-BF16 (the probe answering no): nothing is converted, bitsandbytes'
-    kernel is never called, and decoding runs on the reference."""
+def test_without_the_kernel_nf4_runs_the_reference_arithmetic(tiny_demo, tmp_path, monkeypatch):
+    """A CPU without AVX512-BF16 (the probe answering no): nothing is converted for bitsandbytes'
+    kernel, prompts run the reference's fp32 arithmetic with W from thresher's C pass (the
+    reference's logits, up to the fp32 sums' order), and decoding works."""
     out = tmp_path / "q"
     quantize_model(tiny_demo, NF4Stage(), None, out, show_progress=False)
     monkeypatch.setattr(cpu_nf4, "cpu_nf4_available", lambda: False)
-    llm = LLM(out, max_model_len=64)
+    monkeypatch.setenv("THRESHER_CPU_DENSE_MAX", "0")  # every NF4 matrix stays NF4
+    llm = LLM(out, max_model_len=64, dtype="float32")
     model = llm.engine.runner.model
     assert not any(getattr(m, "cpu_packs", None) for m in model.modules())
+    calls = []
+    fp32_matmul = linear_module.nf4_fp32_matmul
+    monkeypatch.setattr(linear_module, "nf4_fp32_matmul",
+                        lambda x, w: calls.append(x.shape[0]) or fp32_matmul(x, w))
+    monkeypatch.setenv(native_step.ENV, "off")
+    got = prompt_pass(llm, PROMPTS[2])
+    assert calls  # the C pass served the prompt's NF4 matrices
+    monkeypatch.setenv("THRESHER_KERNELS", "torch")
+    ref = prompt_pass(llm, PROMPTS[2])
+    assert torch.equal(got[1], ref[1])  # the same experts for every token
+    assert (got[0] - ref[0]).abs().max() < 1e-4 * ref[0].abs().max()
+    monkeypatch.delenv("THRESHER_KERNELS")
+    monkeypatch.delenv(native_step.ENV)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     assert len(llm.generate(PROMPTS[:1], params)[0].token_ids) == 8

@@ -1,6 +1,6 @@
-"""thresher's NF4 dequantization for prefills (``thr_nf4_dequant``): the bits of bitsandbytes'
-``dequantize_4bit`` to bf16, in the AVX-512 build and the Haswell build's scalar loop, and the
-matmul that multiplies by it through a bounded buffer."""
+"""thresher's NF4 dequantization (``thr_nf4_dequant``): in bf16 the bits of bitsandbytes'
+``dequantize_4bit``, in fp32 those of the dequantizing reference, in the AVX-512 build and the
+Haswell build's scalar loop; the matmuls that multiply by it through a bounded buffer."""
 
 from __future__ import annotations
 
@@ -43,11 +43,17 @@ def test_dequant_is_bitsandbytes_bits(lib, k, blocksize, double_quant):
     assert want.dtype == torch.bfloat16
     got = torch.empty(64, k, dtype=torch.bfloat16)
     rc = lib.thr_nf4_dequant(pack.published.data_ptr(), pack.absmax.data_ptr(),
-                             pack.quant_map.data_ptr(), blocksize, 64, k, got.data_ptr())
+                             pack.quant_map.data_ptr(), blocksize, 64, k, got.data_ptr(), 1)
     assert rc == 0
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    exact = NF4Weight(pack.published, pack.absmax.reshape(-1), pack.quant_map, (64, k),
+                      blocksize).dequantize_fp32()
+    got32 = torch.empty(64, k)
+    rc = lib.thr_nf4_dequant(pack.published.data_ptr(), pack.absmax.data_ptr(),
+                             pack.quant_map.data_ptr(), blocksize, 64, k, got32.data_ptr(), 0)
+    assert rc == 0 and torch.equal(got32.view(torch.int32), exact.view(torch.int32))
     assert lib.thr_nf4_dequant(pack.published.data_ptr(), pack.absmax.data_ptr(),
-                               pack.quant_map.data_ptr(), 48, 64, k, got.data_ptr()) == -2
+                               pack.quant_map.data_ptr(), 48, 64, k, got.data_ptr(), 1) == -2
 
 
 def test_rows_slice_and_buffer():
@@ -77,11 +83,32 @@ def test_prefill_matmul_takes_the_c_pass_in_bounded_slices(monkeypatch):
 
     monkeypatch.setattr(cpu_nf4, "dequantize", counted)
     monkeypatch.setattr(cpu_blocked, "SCRATCH_WEIGHTS", 40 * 256)  # slices of 40, 40 and 16 rows
-    monkeypatch.setattr(cpu_blocked._scratch, "weight", None, raising=False)
+    monkeypatch.setattr(cpu_blocked._scratch, "buffers", {}, raising=False)
     monkeypatch.setattr(bitsandbytes_functional(), "dequantize_4bit",
                         lambda *a, **kw: pytest.fail("bitsandbytes' dequantization was called"))
     y = cpu_nf4.nf4_cpu_matmul(x, pack)
     assert calls == [(0, 40), (40, 80), (80, 96)]
-    assert cpu_blocked._scratch.weight.numel() == 40 * 256
+    assert cpu_blocked._scratch.buffers[torch.bfloat16].numel() == 40 * 256
     assert torch.allclose(y.float(), whole, rtol=2 ** -7, atol=1e-3)
 
+
+
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_fp32_matmul_is_the_reference_in_bounded_slices(rows, monkeypatch):
+    """``nf4_fp32_matmul`` (CPUs without bitsandbytes' kernel): the reference's fp32 product,
+    through slices of at most ``SCRATCH_WEIGHTS`` in fp32; in the input's dtype."""
+    from thresher.serve_kernels.kernels.nf4 import nf4_matmul_ref
+
+    pack = _pack(96, 256, 64, True)
+    w = NF4Weight(pack.published, pack.absmax.reshape(-1), pack.quant_map, (96, 256), 64)
+    assert cpu_nf4.nf4_fp32_holds(w)
+    monkeypatch.setattr(cpu_blocked, "SCRATCH_WEIGHTS", 40 * 256)
+    monkeypatch.setattr(cpu_blocked._scratch, "buffers", {}, raising=False)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2, rows, 256).to(dtype)
+        got, want = cpu_nf4.nf4_fp32_matmul(x, w), nf4_matmul_ref(x, w)
+        assert got.shape == (2, rows, 96) and got.dtype == dtype
+        assert torch.allclose(got.float(), want.float(), rtol=1e-5, atol=1e-6)
+    assert cpu_blocked._scratch.buffers[torch.float32].numel() == 40 * 256
+    straddling = NF4Weight(pack.published, pack.absmax.reshape(-1), pack.quant_map, (128, 160), 64)
+    assert not cpu_nf4.nf4_fp32_holds(straddling)  # blocks of 64 across rows of 160: the reference

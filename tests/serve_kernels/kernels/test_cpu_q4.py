@@ -199,9 +199,9 @@ def test_a_large_prefill_weight_is_dequantized_in_bounded_slices(monkeypatch):
     x = torch.randn(cpu_q4.DEQUANT_ROWS + 3, k).bfloat16()
     whole = x @ cpu_q4.dequantize(codes, sz, k, g).T
     monkeypatch.setattr(cpu_blocked, "SCRATCH_WEIGHTS", 24 * k)  # slices of 24 rows: 24, 24, 24, 8
-    monkeypatch.setattr(cpu_blocked._scratch, "weight", None, raising=False)
+    monkeypatch.setattr(cpu_blocked._scratch, "buffers", {}, raising=False)
     y = cpu_q4.matmul(x, codes, sz, g)
-    assert cpu_blocked._scratch.weight.numel() == 24 * k
+    assert cpu_blocked._scratch.buffers[torch.bfloat16].numel() == 24 * k
     assert torch.allclose(y.float(), whole.float(), rtol=2 ** -7, atol=1e-3)
 
 

@@ -31,8 +31,8 @@ ENV_VAR = "THRESHER_CPU_BLOCKED_MIN"
 # and 512 x 256 level or slower (benchmarks/engine/cpu_small_matrices.py --blocked)
 BLOCKED_MIN_ELEMENTS = 512 * 512
 ROW_BUCKET = 32  # a prefill's rows are padded to a multiple of this (``pad_rows``)
-SCRATCH_WEIGHTS = 1 << 23  # a prefill dequantizes at most this many weights at once (16 MB)
-_scratch = threading.local()  # per thread: the bf16 buffer a prefill matmul dequantizes into
+SCRATCH_WEIGHTS = 1 << 23  # a prefill dequantizes at most this many weights at once (16 MB bf16)
+_scratch = threading.local()  # per thread: ``buffers``, by dtype, that a matmul dequantizes into
 
 
 def blocked_min_elements() -> int | None:
@@ -106,18 +106,23 @@ def pad_rows(x: torch.Tensor) -> torch.Tensor:
 
 def dequantized_matmul(x: torch.Tensor, n: int,
                        dequantize: Callable[[int, int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """x [M, K] (bf16) @ W.T for a packed W [n, K] on torch's (AMX) matmul: ``dequantize(n0, n1,
-    buf)`` writes W's rows n0:n1 in bf16 into ``buf`` and returns them as [n1 - n0, K]. The
-    buffer is reused per thread, and a large W goes in slices of output rows so that it stays
-    within ``SCRATCH_WEIGHTS`` (a fresh 32 MB tensor per call costs more in first touches than
-    the dequantizing); the rows are bucketed as ``pad_rows`` says, fewer than ``ROW_BUCKET``
-    padded to it (one oneDNN kernel for them all; 16 rows more cost little beside the pass)."""
+    """x [M, K] @ W.T for a packed W [n, K] on torch's matmul (AMX tiles for bf16), in x's dtype:
+    ``dequantize(n0, n1, buf)`` writes W's rows n0:n1 in that dtype into ``buf`` and returns them
+    as [n1 - n0, K]. The buffer is reused per thread and dtype, and a large W goes in slices of
+    output rows so that it stays within ``SCRATCH_WEIGHTS`` (a fresh 32 MB tensor per call costs
+    more in first touches than the dequantizing). bf16 rows are bucketed as ``pad_rows`` says,
+    fewer than ``ROW_BUCKET`` padded to it (one oneDNN kernel for them all; 16 rows more cost
+    little beside the pass)."""
     m, k = x.shape
-    x = pad_rows(x) if m >= ROW_BUCKET else torch.cat([x, x.new_zeros(ROW_BUCKET - m, k)])
+    if x.dtype == torch.bfloat16:
+        x = pad_rows(x) if m >= ROW_BUCKET else torch.cat([x, x.new_zeros(ROW_BUCKET - m, k)])
     rows = max(1, min(n, SCRATCH_WEIGHTS // k))
-    buf = getattr(_scratch, "weight", None)
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = {}
+    buf = buffers.get(x.dtype)
     if buf is None or buf.numel() < rows * k:
-        buf = _scratch.weight = torch.empty(rows * k, dtype=torch.bfloat16)
+        buf = buffers[x.dtype] = torch.empty(rows * k, dtype=x.dtype)
     if rows == n:
         return (x @ dequantize(0, n, buf).T)[:m]
     y = torch.empty(x.shape[0], n, dtype=x.dtype)

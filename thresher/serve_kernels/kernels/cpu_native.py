@@ -121,7 +121,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib.thr_dense_matmul.restype = cint
     lib.thr_nf4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr]
     lib.thr_nf4_matmul.restype = cint
-    lib.thr_nf4_dequant.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr]
+    lib.thr_nf4_dequant.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, cint]
     lib.thr_nf4_dequant.restype = cint
     lib.thr_amx.argtypes = [cint]
     lib.thr_amx.restype = cint

@@ -158,31 +158,42 @@ int thr_nf4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *codes,
     return 0;
 }
 
-/* W [n, k] in bf16 from the published NF4 codes above, absmax fp32 [n, k / bs]: w = map[code] *
- * absmax in fp32, rounded once to bf16 (nearest even), the bits bitsandbytes' dequantize_4bit to
- * bf16 gives. A prefill multiplies many rows by W, where a bf16 matmul on AMX tiles runs far
- * ahead of any gemv: this pass writes W into a buffer the caller reuses (cpu_nf4.py), at several
- * times bitsandbytes' rate, which allocates a new tensor a call. With AVX-512 the 16 values of a
- * block sit in one register as in the matmul, even codes (high nibbles) and odd ones are looked
- * up apart, and each pair's two bf16 halves meet in one 32-bit lane, so 32 weights are one store.
+/* W [n, k] from the published NF4 codes above, absmax fp32 [n, k / bs]: w = map[code] * absmax
+ * in fp32, rounded once to bf16 (nearest even) with bf16 set, the bits bitsandbytes'
+ * dequantize_4bit to bf16 gives, else kept in fp32 (the dequantizing reference's bits). A prefill
+ * multiplies many rows by W, where a bf16 matmul on AMX tiles runs far ahead of any gemv (and,
+ * where bitsandbytes has no CPU kernel, an fp32 matmul far ahead of the reference, which rebuilds
+ * W from int64 codes each call): this pass writes W into a buffer the caller reuses (cpu_nf4.py).
+ * With AVX-512 the 16 values of a block sit in one register as in the matmul, even codes (high
+ * nibbles) and odd ones are looked up apart, then put back in order: in bf16 each pair's halves
+ * meet in one 32-bit lane, so 32 weights are one store; in fp32 two interleaving permutes.
  * Returns 0, -2 when bs is not a multiple of 32 dividing k. */
 int thr_nf4_dequant(const uint8_t *codes, const float *absmax, const float *map, int64_t bs,
-                    int64_t n, int64_t k, uint16_t *out) {
+                    int64_t n, int64_t k, void *out, int bf16) {
     if (bs <= 0 || bs % 32 || k % bs) return -2;
     int64_t blocks = k / bs, half = k / 2;
 #pragma omp parallel for schedule(static) if (n * k >= 65536 && !omp_in_parallel())
     for (int64_t r = 0; r < n; r++) {
         const uint8_t *c = codes + r * half;
-        uint16_t *o = out + r * k;
+        uint16_t *o = (uint16_t *)out + r * k;
+        float *of = (float *)out + r * k;
         for (int64_t b = 0; b < blocks; b++) {
             float a = absmax[r * blocks + b];
 #if defined(__AVX512BW__)
             __m512 table = _mm512_mul_ps(_mm512_loadu_ps(map), _mm512_set1_ps(a));
             const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
+            const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+            const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
             for (int64_t j = b * bs / 2; j < (b + 1) * bs / 2; j += 16) { /* 32 codes */
                 __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + j)));
-                __m512i e = _mm512_castps_si512(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table));
-                __m512i d = _mm512_castps_si512(_mm512_permutexvar_ps(v, table));
+                __m512 we = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+                __m512 wo = _mm512_permutexvar_ps(v, table);
+                if (!bf16) {
+                    _mm512_storeu_ps(of + 2 * j, _mm512_permutex2var_ps(we, lo, wo));
+                    _mm512_storeu_ps(of + 2 * j + 16, _mm512_permutex2var_ps(we, hi, wo));
+                    continue;
+                }
+                __m512i e = _mm512_castps_si512(we), d = _mm512_castps_si512(wo);
                 e = _mm512_add_epi32(e, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(e, 16), one)));
                 d = _mm512_add_epi32(d, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(d, 16), one)));
                 __m512i pair = _mm512_or_si512(_mm512_srli_epi32(e, 16),
@@ -191,8 +202,14 @@ int thr_nf4_dequant(const uint8_t *codes, const float *absmax, const float *map,
             }
 #else
             for (int64_t j = b * bs / 2; j < (b + 1) * bs / 2; j++) {
-                o[2 * j] = f32_to_bf16(map[c[j] >> 4] * a);
-                o[2 * j + 1] = f32_to_bf16(map[c[j] & 15] * a);
+                float e = map[c[j] >> 4] * a, d = map[c[j] & 15] * a;
+                if (bf16) {
+                    o[2 * j] = f32_to_bf16(e);
+                    o[2 * j + 1] = f32_to_bf16(d);
+                } else {
+                    of[2 * j] = e;
+                    of[2 * j + 1] = d;
+                }
             }
 #endif
         }

@@ -22,7 +22,9 @@ and 8x on 16M, into a reused buffer), which moves the switch to 16 rows with AMX
 (``dequantize_rows``).
 
 The kernel exists only on CPUs with AVX512-BF16 (bitsandbytes registers it only there); elsewhere
-``cpu_nf4_available`` is False and NF4 layers keep the dequantizing reference.
+``cpu_nf4_available`` is False and NF4 layers run the dequantizing reference's fp32 arithmetic
+with W rebuilt by the C pass into a reused buffer (``nf4_fp32_matmul``), or, without thresher's
+C kernels, the reference itself.
 """
 
 from __future__ import annotations
@@ -114,23 +116,54 @@ def dequantize_rows(weights: int) -> int:
     return DEQUANTIZE_AMX_ROWS if weights <= LARGE_WEIGHTS else DEQUANTIZE_AMX_ROWS_LARGE
 
 
+def _dequantize(codes: torch.Tensor, absmax: torch.Tensor, quant_map: torch.Tensor, n0: int,
+                n1: int, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Rows n0:n1 of the W that ``codes`` (uint8, N * K / 2 as published), ``absmax`` (fp32
+    [N, K / blocksize]) and ``quant_map`` (fp32 [16]) hold, in ``dtype`` (bf16 or fp32), on
+    thresher's C pass, into ``out`` if given."""
+    lib = loaded()
+    assert lib is not None, "thr_nf4_dequant needs thresher's C kernels (cpu_native.library())"
+    n, blocks = absmax.shape
+    k = codes.numel() * 2 // n
+    w = torch.empty((n1 - n0) * k, dtype=dtype) if out is None else out
+    w = w[: (n1 - n0) * k].view(n1 - n0, k)
+    rows = codes.reshape(n, k // 2)[n0:n1]
+    rc = lib.thr_nf4_dequant(rows.data_ptr(), absmax[n0:n1].data_ptr(), quant_map.data_ptr(),
+                             k // blocks, n1 - n0, k, w.data_ptr(), int(dtype == torch.bfloat16))
+    if rc:
+        raise ValueError(f"NF4 block size {k // blocks} must be a multiple of 32 dividing {k}")
+    return w
+
+
 def dequantize(pack: NF4Pack, n0: int = 0, n1: int | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """W's rows n0:n1 [n1 - n0, K] in bf16 (map[code] * absmax in fp32, rounded once: the bits
     of bitsandbytes' ``dequantize_4bit``) on thresher's C pass, into ``out`` if given."""
-    lib = loaded()
-    assert lib is not None, "thr_nf4_dequant needs thresher's C kernels (cpu_native.library())"
-    n, blocks = pack.absmax.shape
-    n1 = n if n1 is None else n1
-    k = pack.published.numel() * 2 // n
-    w = torch.empty((n1 - n0) * k, dtype=torch.bfloat16) if out is None else out
-    w = w[: (n1 - n0) * k].view(n1 - n0, k)
-    codes = pack.published.reshape(n, k // 2)[n0:n1]
-    rc = lib.thr_nf4_dequant(codes.data_ptr(), pack.absmax[n0:n1].data_ptr(),
-                             pack.quant_map.data_ptr(), k // blocks, n1 - n0, k, w.data_ptr())
-    if rc:
-        raise ValueError(f"NF4 block size {k // blocks} must be a multiple of 32 dividing {k}")
-    return w
+    n1 = pack.out_features if n1 is None else n1
+    return _dequantize(pack.published, pack.absmax, pack.quant_map, n0, n1, out, torch.bfloat16)
+
+
+def nf4_fp32_holds(weight: NF4Weight) -> bool:
+    """Whether ``nf4_fp32_matmul`` takes ``weight``: thresher's C kernels built, whole blocks of a
+    multiple of 32 codes per row, the absmax fp32 (double quantization undone)."""
+    n, k = weight.shape
+    return (loaded() is not None and weight.nested_absmax is None and weight.blocksize % 32 == 0
+            and k % weight.blocksize == 0 and weight.absmax.dtype == torch.float32
+            and weight.absmax.is_contiguous() and weight.packed.is_contiguous())
+
+
+def nf4_fp32_matmul(x: torch.Tensor, weight: NF4Weight) -> torch.Tensor:
+    """x @ W.T in fp32, returned in x's dtype: the dequantizing reference's arithmetic
+    (``kernels.nf4.nf4_matmul_ref``), with W rebuilt by thresher's C pass into a reused buffer.
+    The operator path's NF4 where bitsandbytes has no CPU kernel (CPUs without AVX512-BF16),
+    where the reference took 13 ms for a 4096 x 1024 matvec."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k).float()
+    absmax = weight.absmax.view(n, k // weight.blocksize)
+    quant_map = weight.quant_map.float().contiguous()
+    y = dequantized_matmul(x2, n, lambda n0, n1, buf: _dequantize(
+        weight.packed, absmax, quant_map, n0, n1, buf, torch.float32))
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
 def nf4_cpu_matmul(x: torch.Tensor, pack: NF4Pack) -> torch.Tensor:

@@ -52,7 +52,13 @@ from thresher.serve_kernels.kernels.cpu_int8 import (
     pack_q8,
     q8_matmul,
 )
-from thresher.serve_kernels.kernels.cpu_nf4 import NF4Pack, nf4_cpu_matmul, pack_nf4_cpu
+from thresher.serve_kernels.kernels.cpu_nf4 import (
+    NF4Pack,
+    nf4_cpu_matmul,
+    nf4_fp32_holds,
+    nf4_fp32_matmul,
+    pack_nf4_cpu,
+)
 from thresher.serve_kernels.kernels.nf4 import nf4_dequantize
 
 NARROW_ROWS = 16  # a 16-bit matrix with at most this many rows (a router) runs in fp32 on a CPU
@@ -284,6 +290,8 @@ class NF4Linear(nn.Module):
             return dense_forward(x, self.cpu_dense, self.bias)
         if self.cpu_pack is not None and use_cpu_kernels(x):
             y = nf4_cpu_matmul(x, self.cpu_pack)
+        elif use_cpu_kernels(x) and nf4_fp32_holds(self.nf4):
+            y = nf4_fp32_matmul(x, self.nf4)  # the reference's fp32, W from the C pass
         else:
             y = nf4_matmul(x, self.nf4)
         return y if self.bias is None else y + self.bias
