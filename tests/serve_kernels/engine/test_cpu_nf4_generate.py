@@ -100,7 +100,7 @@ def test_concat_rows_is_exact():
 def test_without_the_kernel_nf4_runs_the_reference_arithmetic(tiny_demo, tmp_path, monkeypatch):
     """A CPU without AVX512-BF16 (the probe answering no): nothing is converted for bitsandbytes'
     kernel, prompts run the reference's fp32 arithmetic with W from thresher's C pass (the
-    reference's logits, up to the fp32 sums' order), and decoding works."""
+    reference's logits, up to the fp32 sums' order), and decoding runs in the C step."""
     out = tmp_path / "q"
     quantize_model(tiny_demo, NF4Stage(), None, out, show_progress=False)
     monkeypatch.setattr(cpu_nf4, "cpu_nf4_available", lambda: False)
@@ -122,4 +122,6 @@ def test_without_the_kernel_nf4_runs_the_reference_arithmetic(tiny_demo, tmp_pat
     monkeypatch.delenv("THRESHER_KERNELS")
     monkeypatch.delenv(native_step.ENV)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    steps = model.native_step.calls
     assert len(llm.generate(PROMPTS[:1], params)[0].token_ids) == 8
+    assert model.native_step.calls - steps >= 7  # decode on the C step's own NF4 kernel
