@@ -176,8 +176,9 @@ def test_prefill_rows_take_the_dequantized_weight_where_matmuls_have_amx(m):
     codes, sz = cpu_q4.pack_codes(q), cpu_q4.scales_zeros(s, z)
     x = torch.randn(m, k).bfloat16()
     y = cpu_q4.matmul(x, codes, sz, g)
-    if m >= cpu_q4.DEQUANT_ROWS and cpu_blocked.amx_matmul():
-        assert torch.equal(y, x @ cpu_q4.dequantize(codes, sz, k, g).T)
+    if m >= cpu_q4.DEQUANT_ROWS and cpu_blocked.amx_matmul():  # rows padded as a prefill's
+        padded = cpu_blocked.pad_rows(x)  # (oneDNN's sums at 70 and 96 rows may part in a bit)
+        assert torch.equal(y, (padded @ cpu_q4.dequantize(codes, sz, k, g).T)[:m])
     else:
         assert torch.equal(y, _run(cpu_q4.library(), x, codes, sz, g))
     gi = torch.arange(k) // g
