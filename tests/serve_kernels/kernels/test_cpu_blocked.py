@@ -20,6 +20,9 @@ def test_pad_rows_buckets_a_prefills_rows_with_zeros(m):
     else:
         assert padded.shape == (-(-m // cpu_blocked.ROW_BUCKET) * cpu_blocked.ROW_BUCKET, 48)
         assert torch.equal(padded[:m], x) and not padded[m:].any()
+    short = cpu_blocked.pad_rows(x, short=True)  # a dequantized weight's call: fewer rows too
+    assert short.shape == (-(-m // cpu_blocked.ROW_BUCKET) * cpu_blocked.ROW_BUCKET, 48)
+    assert torch.equal(short[:m], x) and not short[m:].any()
 
 
 @pytest.mark.parametrize("shape", [(1, 256), (5, 256), (33, 256), (2, 35, 256)])

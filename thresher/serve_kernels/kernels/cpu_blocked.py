@@ -92,16 +92,16 @@ def block(weight: torch.Tensor) -> BlockedWeight:
                          weight.shape[0])
 
 
-def pad_rows(x: torch.Tensor) -> torch.Tensor:
+def pad_rows(x: torch.Tensor, short: bool = False) -> torch.Tensor:
     """x [M, K] with zero rows appended up to a multiple of ``ROW_BUCKET``, from that many rows
-    on. oneDNN builds a kernel for each row count it meets, 1-2 ms each (more than a prefill's
-    product with the matrix) and keeps 1,024 of them: with the counts bucketed, a server builds
-    few per weight shape and keeps them, whatever its prompts' lengths. The caller takes the
-    first M rows of the product."""
+    on (with ``short``, fewer rows too). oneDNN builds a kernel for each row count it meets, 1-2
+    ms each (more than a prefill's product with the matrix) and keeps 1,024 of them: with the
+    counts bucketed, a server builds few per weight shape and keeps them, whatever its prompts'
+    lengths. The caller takes the first M rows of the product."""
     m = x.shape[0]
-    if m < ROW_BUCKET or m % ROW_BUCKET == 0:
+    if m % ROW_BUCKET == 0 or (m < ROW_BUCKET and not short):
         return x
-    return torch.cat([x, x.new_zeros(ROW_BUCKET - m % ROW_BUCKET, x.shape[1])])
+    return torch.cat([x, x.new_zeros(-m % ROW_BUCKET, x.shape[1])])
 
 
 def dequantized_matmul(x: torch.Tensor, n: int,
@@ -115,7 +115,7 @@ def dequantized_matmul(x: torch.Tensor, n: int,
     little beside the pass)."""
     m, k = x.shape
     if x.dtype == torch.bfloat16:
-        x = pad_rows(x) if m >= ROW_BUCKET else torch.cat([x, x.new_zeros(ROW_BUCKET - m, k)])
+        x = pad_rows(x, short=True)
     rows = max(1, min(n, SCRATCH_WEIGHTS // k))
     buffers = getattr(_scratch, "buffers", None)
     if buffers is None:

@@ -38,6 +38,17 @@ static inline float store_f(void *p, int64_t i, float f, int bf16) {
     return bf16_to_f32(h);
 }
 
+#if defined(__AVX512F__)
+/* 16 finite fp32 values rounded to bf16 (nearest even, as f32_to_bf16): the bf16 bits are the
+ * high half of each lane of the result */
+static inline __m512i round_bf16_hi(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    return _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                _mm512_and_si512(_mm512_srli_epi32(u, 16),
+                                                                 _mm512_set1_epi32(1))));
+}
+#endif
+
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

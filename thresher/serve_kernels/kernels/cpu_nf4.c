@@ -181,7 +181,6 @@ int thr_nf4_dequant(const uint8_t *codes, const float *absmax, const float *map,
             float a = absmax[r * blocks + b];
 #if defined(__AVX512BW__)
             __m512 table = _mm512_mul_ps(_mm512_loadu_ps(map), _mm512_set1_ps(a));
-            const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
             const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
             const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
             for (int64_t j = b * bs / 2; j < (b + 1) * bs / 2; j += 16) { /* 32 codes */
@@ -193,11 +192,9 @@ int thr_nf4_dequant(const uint8_t *codes, const float *absmax, const float *map,
                     _mm512_storeu_ps(of + 2 * j + 16, _mm512_permutex2var_ps(we, hi, wo));
                     continue;
                 }
-                __m512i e = _mm512_castps_si512(we), d = _mm512_castps_si512(wo);
-                e = _mm512_add_epi32(e, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(e, 16), one)));
-                d = _mm512_add_epi32(d, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(d, 16), one)));
-                __m512i pair = _mm512_or_si512(_mm512_srli_epi32(e, 16),
-                                               _mm512_and_si512(d, _mm512_set1_epi32((int)0xffff0000u)));
+                __m512i pair = _mm512_or_si512(_mm512_srli_epi32(round_bf16_hi(we), 16),
+                                               _mm512_and_si512(round_bf16_hi(wo),
+                                                                _mm512_set1_epi32((int)0xffff0000u)));
                 _mm512_storeu_si512((void *)(o + 2 * j), pair);
             }
 #else

@@ -555,12 +555,8 @@ static inline void dequant32(__m256i q, float s, float m, uint16_t *out) {
         __m128i q16 = half ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q);
         __m512 w = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q16)), sv),
                                  mv);
-        __m512i u = _mm512_castps_si512(w);
-        u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                                 _mm512_and_si512(_mm512_srli_epi32(u, 16),
-                                                                  _mm512_set1_epi32(1))));
         _mm256_storeu_si256((__m256i *)(out + 16 * half),
-                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_hi(w), 16)));
     }
 }
 #endif
