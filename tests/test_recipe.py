@@ -85,6 +85,15 @@ def test_demo_recipe_shares_prefixes():
          "validate.draft_of_base", "validate.enabled is false"),
         (lambda r: r.update(validate={"num_speculative_tokens": 17}),
          "validate.num_speculative_tokens", "less than or equal to 16"),
+        (lambda r: r["variants"][1]["stages"].__setitem__(1, {"method": "gptq", "bits": 4}),
+         "variants.1.stages.1", "under its kind (prune, merge or quantize): 'quantize: "
+         "{method: gptq, bits: 4}'"),
+        (lambda r: r["variants"][1]["stages"].__setitem__(0, {"method": "reap", "ratio": 0.5}),
+         "variants.1.stages.0", "'prune: {method: reap, ratio: 0.5}'"),
+        (lambda r: r["variants"][1]["stages"].__setitem__(0, {"method": "hc_smoe"}),
+         "variants.1.stages.0", "'merge: {method: hc_smoe}'"),
+        (lambda r: r["variants"][1]["stages"].__setitem__(0, {"method": "svd"}),
+         "variants.1.stages.0.method", "unknown key"),
     ],
 )
 def test_errors_name_the_field(mutate, field, words):

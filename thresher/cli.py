@@ -42,15 +42,18 @@ app = typer.Typer(
     "quantization), track them in MLflow, publish standard checkpoints and serve them.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
 )
 demo_model_app = typer.Typer(help="Build the demo MoE models trained on the stdlib source.",
-                             no_args_is_help=True)
+                             no_args_is_help=True, rich_markup_mode="markdown")
 app.add_typer(demo_model_app, name="demo-model")
 export_app = typer.Typer(help="Export a model to another runtime's format (GGUF for llama.cpp and "
-                         "Ollama).", no_args_is_help=True)
+                         "Ollama).", no_args_is_help=True,
+                         rich_markup_mode="markdown")
 app.add_typer(export_app, name="export")
 stack_app = typer.Typer(help="A local Prefect server, MLflow server and process workers: the "
-                        "one-machine twin of a multi-machine sweep.", no_args_is_help=True)
+                        "one-machine twin of a multi-machine sweep.", no_args_is_help=True,
+                        rich_markup_mode="markdown")
 app.add_typer(stack_app, name="stack")
 
 # Wide enough for the comparison table when the output is a file or a CI log, not a terminal.
@@ -647,8 +650,9 @@ def export_gguf_cmd(
     calibration_samples: Annotated[int, typer.Option(help=field_help(
         CalibrationConfig, "samples", "For --imatrix and --gptq."), min=1)] = CAL["samples"].default,
 ) -> None:
-    """Write a Qwen3-MoE, Qwen2-MoE, Mixtral or OLMoE (base or REAP-pruned), Llama, Qwen3 or
-    Qwen2 checkpoint to one GGUF file for llama.cpp and Ollama, tokenizer included."""
+    """Write a checkpoint (base, pruned or merged) to one GGUF file for llama.cpp and Ollama,
+    tokenizer included: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5, DeepSeek-V3, gpt-oss,
+    ERNIE-4.5, Qwen3.5-MoE, Llama, Qwen3 or Qwen2."""
     from thresher.export import compute_importance, export_gguf
     from thresher.models import resolve_model
 

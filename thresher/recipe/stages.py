@@ -391,6 +391,17 @@ def _quantize_choices(schema: dict[str, Any]) -> None:
     schema["properties"]["quantize"]["anyOf"] = [*union["oneOf"], {"type": "null"}]
 
 
+STAGE_KINDS = ("prune", "merge", "quantize")
+
+
+def _kind_of_method(method: Any) -> str | None:
+    """The stage kind whose ``method`` field accepts ``method``, if one does."""
+    for kind, cls in (("prune", PruneStage), ("merge", MergeStage)):
+        if method in cls.model_fields["method"].annotation.__args__:
+            return kind
+    return "quantize" if method in QUANTIZE_STAGES else None
+
+
 class Stage(StrictModel):
     """One step of a variant: exactly one of ``prune``, ``merge`` or ``quantize``."""
 
@@ -400,6 +411,20 @@ class Stage(StrictModel):
     merge: MergeStage | None = None
     quantize: AnyQuantizeStage | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _named_kind(cls, data: Any) -> Any:
+        """A stage written flat (``- method: gptq``) is refused with the nesting it lacks, where
+        pydantic alone would call each of its keys unknown."""
+        if not isinstance(data, Mapping) or set(data) & set(STAGE_KINDS):
+            return data
+        kind = _kind_of_method(data.get("method"))
+        if kind is None:
+            return data
+        keys = ", ".join(f"{k}: {v}" for k, v in data.items())
+        raise ValueError(f"a stage is written under its kind (prune, merge or quantize): "
+                         f"'{kind}: {{{keys}}}'")
+
     @model_validator(mode="after")
     def _exactly_one(self) -> Stage:
         if sum(s is not None for s in (self.prune, self.merge, self.quantize)) != 1:
@@ -408,7 +433,7 @@ class Stage(StrictModel):
 
     @property
     def kind(self) -> str:
-        return next(k for k in ("prune", "merge", "quantize") if getattr(self, k) is not None)
+        return next(k for k in STAGE_KINDS if getattr(self, k) is not None)
 
     @property
     def options(self) -> PruneStage | MergeStage | QuantizeStage:
