@@ -9,8 +9,10 @@ new tokens each, end-of-sequence ignored, so every configuration generates the s
 concurrency 1 (one request at a time) and 4 (four in the running batch), plainly and with each
 drafting mode: prompt lookup (``ngram``) and every ``--draft`` model (default: the demo recipe's
 most compressed published variant of ``small``, auto50-gptq4, where it exists; for ``moe-1g``,
-``cpu_decode.py``'s 1.08 GB random Qwen3-MoE, its RTN-4 variant). Every k in ``--k`` is run;
-the table shows each mode's best k with its acceptance rate, mean accepted length, tokens/s
+``cpu_decode.py``'s 1.08 GB random Qwen3-MoE, its RTN-4 variant), each with the engine's
+pacing (a sequence whose proposals stop paying pauses them) and with every sequence proposing
+every step ("fixed"; ``--pacing``). Every k in ``--k`` is run; the table shows each mode's best
+k with its acceptance rate, mean accepted length, verify count, tokens/s
 (the requests' wall time, prompts included), the ratio to plain decoding measured in the same
 run, and the mean target forward past the prompts (a decode step, or a verify chunk of 1 + k
 tokens per sequence): on an MoE the chunk's tokens route to more experts than one token, so a
@@ -98,6 +100,7 @@ def measure(model: str, texts: list[str], params: SamplingParams, concurrency: i
     return {"tok_s": sum(map(len, tokens)) / wall, "tokens": tokens,
             "acceptance": spec.acceptance_rate, "mean_len": spec.mean_accepted_length,
             "draft_s": spec.draft_seconds, "verify_s": spec.verify_seconds, "wall": wall,
+            "verifies": spec.num_drafts,
             "forward_ms": 1e3 * sum(forward) / max(len(forward), 1)}
 
 
@@ -183,6 +186,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gguf-type", default="f16")
     parser.add_argument("--no-llama", action="store_true")
+    parser.add_argument("--pacing", choices=["both", "adaptive", "fixed"], default="both",
+                        help="each drafting mode with its proposals paused where they stop paying "
+                             "(the engine's default), with every sequence proposing every step "
+                             "(fixed), or both in the same run")
     parser.add_argument("--llama-worker", nargs=3, metavar=("GGUF", "K", "PROMPTS"))
     args = parser.parse_args()
     if args.llama_worker:
@@ -202,21 +209,25 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {args.threads} threads, torch {torch.__version__}; "
           f"{time.strftime('%Y-%m-%d %H:%M')}; {args.model} ({args.dtype}); {TASK}: {len(texts)} prompts, "
           f"{args.max_tokens} new tokens each; k in {args.k}\n")
-    print("| c | drafting | best k | acceptance | mean accepted length | tok/s | vs plain | "
-          "draft s | verify s | target forward ms | same tokens |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| c | drafting | best k | acceptance | mean accepted length | verifies | tok/s | "
+          "vs plain | draft s | verify s | target forward ms | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    pacings = [True, False] if args.pacing == "both" else [args.pacing == "adaptive"]
     for c in args.concurrency:
         plain = measure(str(model), texts, params, c, None, args.dtype)
-        print(f"| {c} | none (plain) | - | - | - | {plain['tok_s']:.1f} | 1.00x | - | - | "
+        print(f"| {c} | none (plain) | - | - | - | - | {plain['tok_s']:.1f} | 1.00x | - | - | "
               f"{plain['forward_ms']:.2f} | - |", flush=True)
-        for mode in ["ngram", *drafts]:
-            runs = {k: measure(str(model), texts, params, c, SpeculativeConfig(mode, k), args.dtype)
+        for mode, adaptive in ((m, a) for m in ["ngram", *drafts] for a in pacings):
+            runs = {k: measure(str(model), texts, params, c,
+                               SpeculativeConfig(mode, k, adaptive=adaptive), args.dtype)
                     for k in args.k}
             k, best = max(runs.items(), key=lambda kv: kv[1]["tok_s"])
             same = all(r["tokens"] == plain["tokens"] for r in runs.values())
             name = "prompt lookup" if mode == "ngram" else f"draft {Path(mode).name}"
+            name += "" if adaptive else ", fixed"
             print(f"| {c} | {name} | {k} | {best['acceptance']:.2f} | {best['mean_len']:.2f} | "
-                  f"{best['tok_s']:.1f} | {best['tok_s'] / plain['tok_s']:.2f}x | "
+                  f"{best['verifies']} | {best['tok_s']:.1f} | "
+                  f"{best['tok_s'] / plain['tok_s']:.2f}x | "
                   f"{best['draft_s']:.2f} | {best['verify_s']:.2f} | {best['forward_ms']:.2f} | "
                   f"{same} |", flush=True)
     if args.no_llama:

@@ -47,6 +47,7 @@ from thresher.serve_kernels.engine.speculative import (
     NGRAM,
     ModelDrafter,
     NgramDrafter,
+    Pacing,
     Proposal,
     SpeculativeConfig,
     SpeculativeStats,
@@ -145,6 +146,9 @@ class LLMEngine:
                              f"max_position_embeddings ({limit})")
         self.drafter: NgramDrafter | ModelDrafter | None = None
         self.num_speculative_tokens = speculative.num_speculative_tokens if speculative else 0
+        # request id -> its proposal pacing, with ``SpeculativeConfig.adaptive``
+        self._pacing: dict[str, Pacing] | None = (
+            {} if speculative is not None and speculative.adaptive else None)
         self.spec_stats = SpeculativeStats()
         if speculative is not None:  # on a GPU the target's cache gets what the draft leaves
             self.drafter = self._build_drafter(speculative, spec, max_num_seqs, block_size,
@@ -261,8 +265,7 @@ class LLMEngine:
         if seq is None or seq.is_finished:
             return
         self.scheduler.finish(seq, "abort")
-        if self.drafter is not None:
-            self.drafter.release(seq.request_id)
+        self._release_speculation(seq.request_id)
         self._aborted.append(seq)
 
     def has_unfinished_requests(self) -> bool:
@@ -303,6 +306,8 @@ class LLMEngine:
                 seq.num_proposed = 0
                 accepted = chosen[b][2] - chosen[b][1] - 1 if b in chosen else 0
                 self.spec_stats.record(m, accepted)
+                if self._pacing is not None:
+                    self._pacing[seq.request_id].record(accepted)
                 seq.num_draft_tokens += m
                 seq.num_accepted_tokens += accepted
                 n -= m - accepted
@@ -329,12 +334,16 @@ class LLMEngine:
         batch with their verify chunks (1 + proposals each) in place of single tokens.
 
         A sequence gets at most k, fewer near its ``max_tokens`` or the context limit, none
-        beyond the step's token budget or when the KV cache has no block for them."""
+        beyond the step's token budget, when the KV cache has no block for them or while its
+        ``Pacing`` pauses it."""
         budget = self.scheduler.max_num_batched_tokens - sum(batch.num_new_tokens)
         seqs, ks = [], []
+        pacing = self._pacing
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if n != 1 or seq.num_computed_tokens + 1 != seq.num_tokens:
                 continue  # a prefill chunk
+            if pacing is not None and not pacing.setdefault(seq.request_id, Pacing()).proposes():
+                continue
             k = min(self.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - seq.num_tokens, budget)
             if k > 0:
@@ -525,8 +534,13 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         self._seqs.pop(seq.request_id, None)
+        self._release_speculation(seq.request_id)
+
+    def _release_speculation(self, request_id: str) -> None:
         if self.drafter is not None:
-            self.drafter.release(seq.request_id)
+            self.drafter.release(request_id)
+        if self._pacing is not None:
+            self._pacing.pop(request_id, None)
 
     def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
         """The request's state now; its growing lists are handed out as snapshots, not copies."""

@@ -48,6 +48,10 @@ log = logging.getLogger(__name__)
 
 NGRAM = "ngram"
 MAX_SPECULATIVE_TOKENS = 16
+# Accepted proposals per verify (a sequence's recent mean) below which it stops proposing for a
+# while: a verify chunk costs 1.3-1.4x a decode step on the models measured (docs/speculative.md)
+PAYOFF_FLOOR = 0.3
+FIRST_PAUSE, MAX_PAUSE = 2, 64  # decode steps without proposals; doubled after each failed probe
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 1  # shortest suffix n-gram prompt lookup matches
     prompt_lookup_max: int = 4  # longest (tried first)
+    adaptive: bool = True  # a sequence whose proposals stop paying pauses them (``Pacing``)
 
     def __post_init__(self) -> None:
         if not self.draft:
@@ -69,6 +74,37 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min}, prompt_lookup_max="
                              f"{self.prompt_lookup_max}: need 1 <= min <= max")
+
+
+@dataclass
+class Pacing:
+    """Whether a sequence proposes this step. A verify whose proposals all fail costs a chunk's
+    forward for one token, more than a step (a chunk's tokens route to more experts); where the
+    model's continuation does not follow its drafter that is every verify. So a sequence whose
+    recent verifies accepted fewer than ``PAYOFF_FLOOR`` proposals on average (a mean that
+    halves the weight of the past at each verify) decodes plainly for ``FIRST_PAUSE`` steps,
+    then proposes again; each probe that still does not pay doubles the pause, up to
+    ``MAX_PAUSE``, and one that pays ends the pausing. Output is unchanged: only how often the
+    target verifies."""
+
+    gain: float = 1.0  # recent accepted proposals per verify
+    pause: int = 0  # decode steps left without proposals
+    next_pause: int = FIRST_PAUSE
+
+    def proposes(self) -> bool:
+        """Called once per decode step of the sequence."""
+        if self.pause:
+            self.pause -= 1
+            return False
+        return True
+
+    def record(self, accepted: int) -> None:
+        self.gain = 0.5 * (self.gain + accepted)
+        if self.gain >= PAYOFF_FLOOR:
+            self.next_pause = FIRST_PAUSE
+            return
+        self.pause = self.next_pause
+        self.next_pause = min(2 * self.next_pause, MAX_PAUSE)
 
 
 def uses_rejection(params: SamplingParams) -> bool:

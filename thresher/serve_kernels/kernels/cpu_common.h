@@ -1,10 +1,18 @@
-/* What thresher's C kernels share: bf16 <-> fp32 and an 8-lane horizontal sum. */
+/* What thresher's C kernels share: bf16 <-> fp32, an 8-lane horizontal sum, when to open a
+ * parallel region. */
 #ifndef THRESHER_CPU_COMMON_H
 #define THRESHER_CPU_COMMON_H
 
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
+
+/* Whether a kernel may open its own parallel region: only outside every region, active or not.
+ * Inside a region that runs on one thread (its if clause false) libgomp starts a nested team
+ * with new threads for each inner region, 100+ microseconds each, where at the outermost level
+ * it reuses its pool. */
+static inline int outermost(void) { return omp_get_level() == 0; }
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;

@@ -135,7 +135,7 @@ int thr_nf4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *codes,
         for (int64_t j = 0; j < k; j++)
             xs[i * k + (j % 2) * half + j / 2] = bf16_to_f32(f32_to_bf16(x[i * k + j]));
     int64_t blocks = (n + NROWS - 1) / NROWS;
-#pragma omp parallel for schedule(static) if (n * k >= 65536 && !omp_in_parallel())
+#pragma omp parallel for schedule(static) if (n * k >= 65536 && outermost())
     for (int64_t b = 0; b < blocks; b++) {
         int64_t r0 = b * NROWS;
         int nr = n - r0 < NROWS ? (int)(n - r0) : NROWS;
@@ -172,7 +172,7 @@ int thr_nf4_dequant(const uint8_t *codes, const float *absmax, const float *map,
                     int64_t n, int64_t k, void *out, int bf16) {
     if (bs <= 0 || bs % 32 || k % bs) return -2;
     int64_t blocks = k / bs, half = k / 2;
-#pragma omp parallel for schedule(static) if (n * k >= 65536 && !omp_in_parallel())
+#pragma omp parallel for schedule(static) if (n * k >= 65536 && outermost())
     for (int64_t r = 0; r < n; r++) {
         const uint8_t *c = codes + r * half;
         uint16_t *o = (uint16_t *)out + r * k;

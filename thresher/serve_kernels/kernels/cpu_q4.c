@@ -347,7 +347,7 @@ static int quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, int64_
         free(*xq), free(*d), free(*gsum);
         return -1;
     }
-#pragma omp parallel for schedule(static) if (m * k > 16384 && !omp_in_parallel())
+#pragma omp parallel for schedule(static) if (m * k > 16384 && outermost())
     for (int64_t i = 0; i < m; i++)
         quantize_row((const char *)x + (x_bf16 ? 2 : 4) * i * k, x_bf16, k, g, *xq + i * k,
                      *d + i * blocks, *gsum + i * groups);
@@ -373,7 +373,7 @@ static inline __attribute__((always_inline)) void quad_rows(
     const int8_t *xa, const float *ds, int64_t ds_stride, const float *gsum, void *y,
     int y_bf16) {
     int64_t groups = k / g, quads = (n + ROWS - 1) / ROWS, row = dot8 ? k : k / 2;
-#pragma omp parallel for schedule(static) if (m * n * k > 262144 && !omp_in_parallel())
+#pragma omp parallel for schedule(static) if (m * n * k > 262144 && outermost())
     for (int64_t qi = 0; qi < quads; qi++) {
         int64_t r0 = qi * ROWS;
         int nr = n - r0 < ROWS ? (int)(n - r0) : ROWS;
@@ -448,7 +448,7 @@ int thr_q4_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t
         seg = 1;
     }
 #endif
-#pragma omp parallel if (m * n * k > 262144 && !omp_in_parallel())
+#pragma omp parallel if (m * n * k > 262144 && outermost())
     {
         uint8_t *wb = aligned_alloc(64, (size_t)(ROWS * k));
         float *ws = g == 32 ? malloc(sizeof(float) * (size_t)(ROWS * k / 4)) : NULL;
@@ -570,7 +570,7 @@ int thr_q_dequant(const uint8_t *codes, int bits, const float *sz, int64_t n, in
                   int64_t g, uint16_t *out) {
     if (k % 64 || g <= 0 || k % g || (g != 32 && g % 64) || (bits != 4 && bits != 8)) return -2;
     int64_t groups = k / g, row_bytes = bits == 4 ? k / 2 : k;
-#pragma omp parallel for schedule(static) if (n * k >= 65536 && !omp_in_parallel())
+#pragma omp parallel for schedule(static) if (n * k >= 65536 && outermost())
     for (int64_t r = 0; r < n; r++) {
         const uint8_t *c = codes + r * row_bytes;
         const float *s = sz + r * 2 * groups, *sz_r = s + groups;

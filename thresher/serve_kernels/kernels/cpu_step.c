@@ -298,7 +298,7 @@ static int dense_dp(const float *x, int64_t k, const uint16_t *w, int64_t n, flo
         xb[i] = (uint16_t)(u >> 16);
     }
     int64_t blocks = (n + DROWS - 1) / DROWS;
-#pragma omp parallel for schedule(static) if (n * k >= 65536 && !omp_in_parallel())
+#pragma omp parallel for schedule(static) if (n * k >= 65536 && outermost())
     for (int64_t b = 0; b < blocks; b++) {
         int64_t r0 = b * DROWS;
         int nr = n - r0 < DROWS ? (int)(n - r0) : DROWS;
@@ -328,7 +328,7 @@ static int dense_rows(const float *x, int64_t m, int64_t k, const void *w, int w
                 xs[i * 2 * half + (j % 2) * half + j / 2] = x[i * k + j];
     }
     int64_t blocks = (n + DROWS - 1) / DROWS, half = (k + 1) / 2;
-#pragma omp parallel for schedule(static) if (n * k >= 65536 && !omp_in_parallel())
+#pragma omp parallel for schedule(static) if (n * k >= 65536 && outermost())
     for (int64_t b = 0; b < blocks; b++) {
         int64_t r0 = b * DROWS;
         int nr = n - r0 < DROWS ? (int)(n - r0) : DROWS;
@@ -433,7 +433,7 @@ static int dense_amx(const float *x, int64_t m, int64_t k, const uint16_t *w, in
                     }
         }
     int64_t blocks = (full + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS); /* two weight tiles per block */
-#pragma omp parallel if (full * k >= 65536 && !omp_in_parallel())
+#pragma omp parallel if (full * k >= 65536 && outermost())
     {
         _tile_loadconfig(&AMX_TILES);
         float out[2][AMX_ROWS][AMX_ROWS] __attribute__((aligned(64)));
@@ -707,6 +707,24 @@ static void route_softmax(const thr_layer *L, int64_t t, float *logits, int64_t 
     }
 }
 
+/* Expert e's MLP on the rows routed to it, gathered at row offset o of the scratch buffers */
+static int run_expert(const thr_model *m, const thr_layer *L, int64_t t, work *w, int64_t e,
+                      int64_t o) {
+    int eb = m->bf16 || L->expert_bf16;
+    int64_t hd = m->hidden, K = L->top_k, rows = 0, mi = m->max_inter;
+    float *xs = w->xs + o * hd;
+    for (int64_t i = 0; i < t * K; i++)
+        if (w->tid[i] == e) {
+            for (int64_t c = 0; c < hd; c++) xs[rows * hd + c] = rnd(w->h[(i / K) * hd + c], eb);
+            rows++;
+        }
+    float *gu = w->gu + o * 2 * mi, *act = w->act + o * mi, *mo = w->mo + o * hd;
+    return L->clamped ? clamped_mlp(L, &L->gate_up[e], &L->up[e], &L->down[e], xs, rows, gu, act,
+                                    mo, eb)
+                      : mlp(&L->gate_up[e], L->up ? &L->up[e] : NULL, &L->down[e], xs, rows, gu,
+                            act, mo, eb);
+}
+
 static int moe(const thr_model *m, const thr_layer *L, int64_t t, work *w, float *out) {
     int bf16 = m->bf16, eb = bf16 || L->expert_bf16;
     int64_t hd = m->hidden, E = L->experts, K = L->top_k;
@@ -732,29 +750,23 @@ static int moe(const thr_model *m, const thr_layer *L, int64_t t, work *w, float
             sel[j] = e;
         }
     /* With at least as many experts as threads (and an even share, or two each), each thread
-     * runs whole experts, one parallel region for all of them; otherwise each expert's matmuls
-     * split their rows over the threads. Either way every output row is the same arithmetic. */
+     * runs whole experts, one parallel region for all of them; otherwise the experts run in
+     * turn, outside any region, so that each one's matmuls split their rows over the threads.
+     * Either way every output row is the same arithmetic. */
     int threads = omp_get_max_threads(), err = 0;
-    int whole = threads > 1 && nsel >= threads && (nsel % threads == 0 || nsel >= 2 * threads);
-#pragma omp parallel for schedule(dynamic, 1) if (whole && !omp_in_parallel())
-    for (int64_t j = 0; j < nsel; j++) {
-        int64_t e = sel[j], o = off[e], rows = 0, mi = m->max_inter;
-        float *xs = w->xs + o * hd;
-        for (int64_t i = 0; i < t * K; i++)
-            if (w->tid[i] == e) {
-                for (int64_t c = 0; c < hd; c++)
-                    xs[rows * hd + c] = rnd(w->h[(i / K) * hd + c], eb);
-                rows++;
-            }
-        float *gu = w->gu + o * 2 * mi, *act = w->act + o * mi, *mo = w->mo + o * hd;
-        int rc_e = L->clamped ? clamped_mlp(L, &L->gate_up[e], &L->up[e], &L->down[e], xs, rows,
-                                            gu, act, mo, eb)
-                              : mlp(&L->gate_up[e], L->up ? &L->up[e] : NULL, &L->down[e], xs,
-                                    rows, gu, act, mo, eb);
-        if (rc_e) {
+    if (threads > 1 && nsel >= threads && (nsel % threads == 0 || nsel >= 2 * threads) &&
+        outermost()) {
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int64_t j = 0; j < nsel; j++) {
+            int rc_e = run_expert(m, L, t, w, sel[j], off[sel[j]]);
+            if (rc_e) {
 #pragma omp atomic write
-            err = rc_e;
+                err = rc_e;
+            }
         }
+    } else {
+        for (int64_t j = 0; j < nsel && !err; j++)
+            err = run_expert(m, L, t, w, sel[j], off[sel[j]]);
     }
     if (err) return err;
     memset(w->acc, 0, sizeof(float) * (size_t)(t * hd));
