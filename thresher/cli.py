@@ -721,8 +721,8 @@ def _describe_loaded(name: str, info: dict, max_model_len: int) -> str:
     if info.get("kv_cache_bytes") is not None:
         memory += f", KV cache {info['kv_cache_bytes'] / 2**20:.1f} MiB"
     spec = info.get("speculative")
-    drafting = (f", speculative decoding with {spec['draft']} (k={spec['num_speculative_tokens']})"
-                if spec else "")
+    drafting = (f", speculative decoding with {spec['draft']} (k={spec['num_speculative_tokens']}"
+                f"{'' if spec.get('pacing', True) else ', no pacing'})" if spec else "")
     return (f"loaded {name}: {fmt}{experts}{params}{memory}, context {max_model_len} tokens"
             f"{drafting}")
 
@@ -752,7 +752,8 @@ def compare(
         console.print(f"report logged to MLflow run {log_to} (artifacts/comparison)")
 
 
-def _speculative_config(draft: str | None, num_speculative_tokens: int | None):
+def _speculative_config(draft: str | None, num_speculative_tokens: int | None,
+                        pacing: bool = True):
     """The engine's speculative-decoding options from ``serve``'s flags (None: plain decoding)."""
     from thresher.serve_kernels.engine.speculative import SpeculativeConfig
 
@@ -762,8 +763,8 @@ def _speculative_config(draft: str | None, num_speculative_tokens: int | None):
                                      param_hint="'--num-speculative-tokens'")
         return None
     if num_speculative_tokens is None:
-        return SpeculativeConfig(draft)
-    return SpeculativeConfig(draft, num_speculative_tokens)
+        return SpeculativeConfig(draft, adaptive=pacing)
+    return SpeculativeConfig(draft, num_speculative_tokens, adaptive=pacing)
 
 
 @app.command()
@@ -808,6 +809,10 @@ def serve(
     num_speculative_tokens: Annotated[int | None, typer.Option(
         help="Speculative decoding: tokens proposed per sequence and step (k, 1-16; default 3 "
              "with --draft).")] = None,
+    speculative_pacing: Annotated[bool, typer.Option(
+        help="Speculative decoding: a sequence whose recent proposals mostly fail decodes "
+             "plainly for a while (2 to 64 steps) before proposing again; off, every sequence "
+             "proposes at every step.")] = True,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions).
 
@@ -831,7 +836,7 @@ def serve(
         err_console.print(f"[bold yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     path = resolve_model(model)
     try:
-        speculative = _speculative_config(draft, num_speculative_tokens)
+        speculative = _speculative_config(draft, num_speculative_tokens, speculative_pacing)
         engine = LLMEngine(path, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                            dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
                            block_size=block_size, num_kv_blocks=num_kv_blocks,

@@ -46,8 +46,10 @@ def draft_acceptance(target: str | Path, draft: str | Path, *, temperature: floa
                      num_speculative_tokens: int = 4, max_tokens: int = 64,
                      prompts: list[str] | None = None, dtype: str = "float32",
                      seed: int | None = 0) -> DraftScore:
-    """Serve ``target`` with ``draft`` proposing and measure how many proposals stand."""
-    spec = SpeculativeConfig(str(draft), num_speculative_tokens)
+    """Serve ``target`` with ``draft`` proposing and measure how many proposals stand: every
+    sequence proposes at every step (no pacing), so that the share is over the whole
+    continuation, comparable between drafts."""
+    spec = SpeculativeConfig(str(draft), num_speculative_tokens, adaptive=False)
     llm = LLM(target, dtype=dtype, speculative=spec)
     prompts = prompts or PROMPTS
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,

@@ -19,7 +19,10 @@ from thresher.serve_kernels.engine.block_manager import BlockManager
 from thresher.serve_kernels.engine.block_table import BlockTables
 from thresher.serve_kernels.engine.sequence import Sequence
 from thresher.serve_kernels.engine.speculative import (
+    FIRST_PAUSE,
+    MAX_PAUSE,
     NgramDrafter,
+    Pacing,
     SpeculativeConfig,
     rejection_sample,
 )
@@ -228,4 +231,57 @@ def test_rejection_path_with_penalties_and_bias_runs_to_length(tiny_demo):
     spec = llm.engine.spec_stats
     assert spec.num_drafts > 0 and spec.acceptance_rate > 0.95
     assert sum(o.num_draft_tokens for o in outs) == spec.num_draft_tokens
+    _assert_all_freed(llm)
+
+
+def test_pacing_pauses_a_sequence_whose_proposals_fail_and_resumes_when_they_pay():
+    pacing = Pacing()
+    pacing.record(0)  # one failed verify: the recent mean (0.5) still pays
+    assert pacing.proposes()
+    pauses = []
+    for _ in range(8):  # each further failure pauses, twice as long as the last, up to the cap
+        pacing.record(0)
+        skipped = 0
+        while not pacing.proposes():
+            skipped += 1
+        pauses.append(skipped)
+    assert pauses == [min(FIRST_PAUSE * 2**i, MAX_PAUSE) for i in range(8)]
+    pacing.record(2)  # a probe that pays ends the pausing
+    assert pacing.proposes() and pacing.proposes()
+    pacing.record(0)
+    pacing.record(0)
+    skipped = 0
+    while not pacing.proposes():
+        skipped += 1
+    assert skipped == FIRST_PAUSE
+
+
+class _Rejected(NgramDrafter):
+    """Proposes k copies of a token the target never chooses (its logit bias is -100)."""
+
+    def lookup(self, token_ids: list[int], k: int) -> list[int]:
+        return [BANNED] * k
+
+
+BANNED = 13
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_pacing_cuts_verifies_that_cannot_pay_and_keeps_the_tokens(tiny_demo, adaptive):
+    """Every proposal fails: with pacing a sequence verifies a handful of times over 64 steps
+    (a pause of 2, 4, 8... steps after each failure), without it at every step; the tokens are
+    plain decoding's either way."""
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True,
+                            logit_bias={BANNED: -100.0})
+    want = [o.token_ids for o in LLM(tiny_demo).generate(PROMPTS, params)]
+    llm = LLM(tiny_demo, speculative=SpeculativeConfig("ngram", 3, adaptive=adaptive))
+    llm.engine.drafter = _Rejected(1, 4)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+    spec = llm.engine.spec_stats
+    assert spec.num_accepted_tokens == 0
+    if adaptive:
+        assert spec.num_drafts <= 8 * len(PROMPTS)
+        assert not llm.engine._pacing  # released with the requests
+    else:
+        assert spec.num_drafts >= 60 * len(PROMPTS)
     _assert_all_freed(llm)

@@ -191,7 +191,8 @@ class LLMEngine:
                            "cuda_graphs": self.runner.decode_graphs is not None,
                            "speculative": None if speculative is None else {
                                "draft": speculative.draft,
-                               "num_speculative_tokens": speculative.num_speculative_tokens}}
+                               "num_speculative_tokens": speculative.num_speculative_tokens,
+                               "pacing": speculative.adaptive}}
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self._generated_total = 0
