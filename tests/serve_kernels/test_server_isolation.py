@@ -61,6 +61,15 @@ def hostile_cases(vocab: int) -> list[tuple[str, object, str | None]]:
         ("logit_bias", {"five": 1.0}, "logit_bias"),
         ("seed", -(2**63), None), ("seed", 2**63 - 1, None), ("seed", 0, None),
         ("seed", 2**63, "seed"), ("seed", -(2**63) - 1, "seed"), ("seed", 2**64, "seed"),
+        # what the server does not implement is refused, not ignored; neutral values pass
+        ("response_format", {"type": "json_object"}, "response_format"),
+        ("response_format", {"type": "text"}, None),
+        ("tools", [{"type": "function", "function": {"name": "f"}}], "tools"), ("tools", [], None),
+        ("tool_choice", "auto", "tool_choice"), ("tool_choice", "none", None),
+        ("best_of", 4, "best_of"), ("best_of", 1, None),
+        ("repetition_penalty", 1.3, "repetition_penalty"), ("repetition_penalty", 1.0, None),
+        ("min_tokens", 8, "min_tokens"), ("min_tokens", 0, None),
+        ("user", "someone", None),  # informational fields stay ignored, as OpenAI's server does
     ]
 
 

@@ -7,13 +7,26 @@ where OpenAI defines one (and appear in the server's /openapi.json); what depend
 (``top_k`` and ``logit_bias`` ids against the vocabulary) the server checks next. Extensions that
 vLLM also accepts: ``top_k``, ``min_p`` and ``ignore_eos`` (the load test uses the latter for
 fixed lengths).
+
+A field that would change the output but that the server does not implement (constrained JSON
+output, tools, ``best_of``, vLLM's ``repetition_penalty`` and ``min_tokens``) is refused unless
+it has its neutral value, rather than ignored: the client would otherwise get an output that
+silently breaks what it asked for.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from thresher.serve_kernels.engine.sampling_params import MAX_LOGIT_BIAS, MAX_PENALTY
 
@@ -21,6 +34,22 @@ MAX_LOGPROBS = 20
 MAX_N = 16
 MAX_STOP = 4
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+# field -> (whether a value is neutral, why anything else is refused)
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "response_format": (lambda v: v is None or v == {"type": "text"},
+                        "constrained output (JSON mode, JSON schema) is not supported; omit it "
+                        "or give {\"type\": \"text\"}"),
+    "tools": (lambda v: not v, "tool calling is not supported"),
+    "functions": (lambda v: not v, "function calling is not supported"),
+    "tool_choice": (lambda v: v in (None, "none"), "tool calling is not supported"),
+    "function_call": (lambda v: v in (None, "none"), "function calling is not supported"),
+    "best_of": (lambda v: v in (None, 1), "only 1 is supported (n gives several samples)"),
+    "repetition_penalty": (lambda v: v in (None, 1, 1.0),
+                           "not supported; use presence_penalty or frequency_penalty"),
+    "min_tokens": (lambda v: v in (None, 0), "not supported"),
+}
 
 
 class OpenAIModel(BaseModel):
@@ -56,6 +85,24 @@ class SamplingFields(OpenAIModel):
     frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None \
         = Field(None, description="token id (as a string) -> bias added to its logit")
+
+    # accepted only at their neutral values (UNSUPPORTED says why)
+    response_format: Any = Field(None, description="not supported: only {\"type\": \"text\"}")
+    tools: Any = Field(None, description="not supported: only empty")
+    functions: Any = Field(None, description="not supported: only empty")
+    tool_choice: Any = Field(None, description="not supported: only \"none\"")
+    function_call: Any = Field(None, description="not supported: only \"none\"")
+    best_of: Any = Field(None, description="not supported: only 1")
+    repetition_penalty: Any = Field(None, description="vLLM's; not supported: only 1")
+    min_tokens: Any = Field(None, description="vLLM's; not supported: only 0")
+
+    @field_validator(*UNSUPPORTED)
+    @classmethod
+    def _neutral(cls, v: Any, info: ValidationInfo) -> Any:
+        neutral, why = UNSUPPORTED[info.field_name]
+        if not neutral(v):
+            raise ValueError(why)
+        return v
 
     @field_validator("logit_bias")
     @classmethod
