@@ -67,8 +67,10 @@ def hostile_cases(vocab: int) -> list[tuple[str, object, str | None]]:
         ("tools", [{"type": "function", "function": {"name": "f"}}], "tools"), ("tools", [], None),
         ("tool_choice", "auto", "tool_choice"), ("tool_choice", "none", None),
         ("best_of", 4, "best_of"), ("best_of", 1, None),
-        ("repetition_penalty", 1.3, "repetition_penalty"), ("repetition_penalty", 1.0, None),
-        ("min_tokens", 8, "min_tokens"), ("min_tokens", 0, None),
+        ("repetition_penalty", 1e30, "repetition_penalty"), ("repetition_penalty", 0.0,
+                                                                "repetition_penalty"),
+        ("repetition_penalty", 10.0, None), ("repetition_penalty", 0.01, None),
+        ("min_tokens", 2, None), ("min_tokens", 3, "min_tokens"), ("min_tokens", -1, "min_tokens"),
         ("user", "someone", None),  # informational fields stay ignored, as OpenAI's server does
     ]
 

@@ -5,13 +5,12 @@ stock clients and lm-evaluation-harness's ``local-completions`` backend work unc
 strict ("5" is not an integer) and unknown fields are ignored, as OpenAI does. Ranges are OpenAI's
 where OpenAI defines one (and appear in the server's /openapi.json); what depends on the model
 (``top_k`` and ``logit_bias`` ids against the vocabulary) the server checks next. Extensions that
-vLLM also accepts: ``top_k``, ``min_p`` and ``ignore_eos`` (the load test uses the latter for
-fixed lengths).
+vLLM also accepts: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens`` and
+``ignore_eos`` (the load test uses the latter for fixed lengths).
 
 A field that would change the output but that the server does not implement (constrained JSON
-output, tools, ``best_of``, vLLM's ``repetition_penalty`` and ``min_tokens``) is refused unless
-it has its neutral value, rather than ignored: the client would otherwise get an output that
-silently breaks what it asked for.
+output, tools, ``best_of``) is refused unless it has its neutral value, rather than ignored: the
+client would otherwise get an output that silently breaks what it asked for.
 """
 
 from __future__ import annotations
@@ -28,7 +27,11 @@ from pydantic import (
     model_validator,
 )
 
-from thresher.serve_kernels.engine.sampling_params import MAX_LOGIT_BIAS, MAX_PENALTY
+from thresher.serve_kernels.engine.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+)
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -46,9 +49,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "tool_choice": (lambda v: v in (None, "none"), "tool calling is not supported"),
     "function_call": (lambda v: v in (None, "none"), "function calling is not supported"),
     "best_of": (lambda v: v in (None, 1), "only 1 is supported (n gives several samples)"),
-    "repetition_penalty": (lambda v: v in (None, 1, 1.0),
-                           "not supported; use presence_penalty or frequency_penalty"),
-    "min_tokens": (lambda v: v in (None, 0), "not supported"),
 }
 
 
@@ -83,6 +83,11 @@ class SamplingFields(OpenAIModel):
         "rejected_prediction_tokens, OpenAI's names for predicted outputs)")
     presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, le=MAX_REPETITION_PENALTY, description="extension: the logit of each token "
+        "seen in the prompt or output divided by it if positive, multiplied if not (1: off)")
+    min_tokens: int = Field(0, ge=0, description="extension: no end-of-sequence, stop token or "
+                            "stop string ends the completion before this many tokens")
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None \
         = Field(None, description="token id (as a string) -> bias added to its logit")
 
@@ -93,8 +98,6 @@ class SamplingFields(OpenAIModel):
     tool_choice: Any = Field(None, description="not supported: only \"none\"")
     function_call: Any = Field(None, description="not supported: only \"none\"")
     best_of: Any = Field(None, description="not supported: only 1")
-    repetition_penalty: Any = Field(None, description="vLLM's; not supported: only 1")
-    min_tokens: Any = Field(None, description="vLLM's; not supported: only 0")
 
     @field_validator(*UNSUPPORTED)
     @classmethod

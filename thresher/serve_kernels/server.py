@@ -499,6 +499,7 @@ class _API:
                 temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                 min_p=body.min_p, presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
                 logit_bias={int(t): b for t, b in (body.logit_bias or {}).items()},
                 max_tokens=max_tokens, stop=[*body.stop, *extra_stop],
                 seed=None if body.seed is None else body.seed + choice,

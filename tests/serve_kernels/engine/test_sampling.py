@@ -10,6 +10,7 @@ import torch
 from thresher.serve_kernels import LLM, SamplingParams
 from thresher.serve_kernels.engine.sampler import Sampler, exponential_noise, row_key
 from thresher.serve_kernels.engine.sampling_params import InvalidSamplingParam
+from thresher.serve_kernels.engine.sequence import Snapshot
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,9 @@ def test_sampling_params_are_checked():
                        ("min_p", -0.1), ("top_k", -2), ("max_tokens", 0), ("stop", [""]),
                        ("presence_penalty", 2.5), ("frequency_penalty", math.nan),
                        ("logit_bias", {3: 1e30}), ("logit_bias", {-1: 1.0}),
-                       ("seed", 2**64), ("seed", -(2**63) - 1)):
+                       ("seed", 2**64), ("seed", -(2**63) - 1), ("repetition_penalty", 0.0),
+                       ("repetition_penalty", 11.0), ("repetition_penalty", math.inf),
+                       ("min_tokens", -1), ("min_tokens", 17)):
         with pytest.raises(InvalidSamplingParam) as err:
             SamplingParams(**{field: bad})
         assert err.value.field == field
@@ -182,3 +185,54 @@ def test_seeded_noise_is_a_pure_function_of_seed_and_position():
     assert row_key(-1, 0) == row_key(2**64 - 1, 0)  # the same 64 bits, as manual_seed reads them
     assert len({tuple(r[:8].tolist()) for r in a[:3]}) == 3
     assert (a > 0).all() and abs(a.mean().item() - 1.0) < 0.02  # Exp(1): mean 1
+
+
+def test_repetition_penalty_and_min_tokens_on_fixed_logits():
+    """vLLM's repetition penalty over the prompt and the output (a positive logit divided, a
+    negative one multiplied), and min_tokens masking end-of-sequence and the stop tokens."""
+    logits = torch.tensor([[3.0, 2.5, -1.0, -1.2]])
+    sampler = Sampler(eos_token_ids=[0])
+    p = SamplingParams(temperature=0, repetition_penalty=2.0)
+    # token 0 only in the prompt: 3 / 2 = 1.5 < 2.5, so token 1 wins
+    assert sampler(logits, [p], [0], [Snapshot([0, 3], 2)]).token_ids == [1]
+    # among {2, 3}: both seen, -2 > -2.4, token 2 stays; token 2 alone seen (in the prompt):
+    # -1 x 2 = -2 < -1.2, token 3 wins
+    masked = logits.clone()
+    masked[0, :2] = float("-inf")
+    assert sampler(masked, [p], [1], [Snapshot([3, 2], 2)]).token_ids == [2]
+    assert sampler(masked, [p], [1], [Snapshot([2], 1)]).token_ids == [3]
+    assert sampler(masked, [SamplingParams(temperature=0)], [1], [[2]]).token_ids == [2]
+    # min_tokens: eos (0) and the stop token (1) masked while fewer than 2 tokens are out
+    q = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1])
+    assert sampler(logits, [q], [1], [Snapshot([2, 2], 1)]).token_ids == [2]
+    assert sampler(logits, [q], [2], [Snapshot([2, 2, 2], 1)]).token_ids == [0]
+    ignore = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)
+    assert sampler(logits, [ignore], [0], [Snapshot([2], 1)]).token_ids == [0]
+
+
+def test_min_tokens_holds_off_every_stop(llm):
+    """A stop token and a stop string that end the greedy text early wait for min_tokens; the
+    text up to then is the free run's."""
+    free = llm.generate("class Foo(object):", SamplingParams(temperature=0, max_tokens=40,
+                                                             ignore_eos=True))[0]
+    token = free.token_ids[3]
+    p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[token],
+                       min_tokens=12)
+    out = llm.generate("class Foo(object):", p)[0]
+    assert token not in out.token_ids[:11] and len(out.token_ids) >= 12
+    assert out.token_ids[:3] == free.token_ids[:3]
+    stop = free.text[2:5]
+    early = llm.generate("class Foo(object):", SamplingParams(
+        temperature=0, max_tokens=40, ignore_eos=True, stop=[stop], min_tokens=20))[0]
+    assert len(early.token_ids) >= 20 and early.token_ids[:20] == free.token_ids[:20]
+
+
+def test_repetition_penalty_changes_greedy_text_and_one_is_off(llm):
+    base = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    free = llm.generate("for i in range(10):\n    ", base)[0].token_ids
+    off = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, repetition_penalty=1.0)
+    assert llm.generate("for i in range(10):\n    ", off)[0].token_ids == free
+    hard = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, repetition_penalty=3.0)
+    penalized = llm.generate("for i in range(10):\n    ", hard)[0].token_ids
+    assert penalized != free
+    assert len(set(penalized)) > len(set(free))  # fewer repeats

@@ -81,19 +81,22 @@ def test_greedy_speculation_gives_plain_decodings_tokens(target, draft, k, tiny_
 
 
 def test_sampling_params_stay_exact_under_speculation(tiny_demo):
-    """Penalties and logit bias (over tokens that include earlier proposals), a seeded draw and
-    log-probs: the same tokens (and log-probs) as plain decoding."""
+    """Penalties and logit bias (over tokens that include earlier proposals), a seeded draw,
+    log-probs, the repetition penalty and min_tokens: the same tokens (and log-probs) as plain
+    decoding."""
     params = [
         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, presence_penalty=0.8,
                        frequency_penalty=0.5, logit_bias={13: 4.0, 220: -3.0}),
         SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, seed=11, max_tokens=30,
                        ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.5, min_tokens=20,
+                       stop_token_ids=[13]),
     ]
-    base = LLM(tiny_demo).generate(PROMPTS[:3], params)
+    base = LLM(tiny_demo).generate(PROMPTS[:4], params)
     for draft in ("ngram", str(tiny_demo)):
         llm = LLM(tiny_demo, speculative=SpeculativeConfig(draft, 4))
-        got = llm.generate(PROMPTS[:3], params)
+        got = llm.generate(PROMPTS[:4], params)
         for b, g in zip(base, got, strict=True):
             assert g.token_ids == b.token_ids
         assert got[2].logprobs == pytest.approx(base[2].logprobs, abs=1e-4)

@@ -138,6 +138,7 @@ class LLMEngine:
         state_bytes = loaded.model.reserve_states(max_num_seqs)
         self.path = loaded.path
         self.tokenizer = load_tokenizer(loaded.path)
+        self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer, loaded.path)
         spec = loaded.model.spec
         limit = spec.max_position_embeddings
         self.max_model_len = max_model_len or limit
@@ -179,9 +180,8 @@ class LLMEngine:
                                   self.device, tables)
         if self.device.type == "cuda" and not enforce_eager and loaded.model.graph_safe:
             self.runner.capture_decode_graphs(max_num_seqs, self.max_model_len)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.eos_token_ids)
         self.detokenizer = Detokenizer(self.tokenizer)
-        self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer, loaded.path)
         self.vocab_size = spec.vocab_size
         self.model_info = {**loaded.info, "kv_cache_bytes": num_kv_blocks * per_block,
                            "recurrent_state_bytes": state_bytes,
@@ -229,7 +229,7 @@ class LLMEngine:
         if self.device.type == "cuda" and not enforce_eager:
             runner.capture_decode_graphs(max_num_seqs, self.max_model_len)
         manager = BlockManager(num_blocks, block_size, tables, enable_prefix_caching=False)
-        drafter = ModelDrafter(runner, manager, tables, self.max_model_len)
+        drafter = ModelDrafter(runner, manager, tables, self.max_model_len, self.eos_token_ids)
         log.info("speculative decoding: draft model %s (%s, %d KV blocks), k=%d", config.draft,
                  dtype, num_blocks, config.num_speculative_tokens)
         return drafter
@@ -458,7 +458,7 @@ class LLMEngine:
         if seq.params.adjusts_logits:
             logits = adjust_logits(logits, params, [
                 Snapshot(seq.token_ids, seq.num_prompt_tokens, base + i)
-                for i in range(len(logits))])
+                for i in range(len(logits))], self.eos_token_ids)
         return rejection_sample(self.sampler.probs(logits, params), prop.q, prop.tokens)
 
     def _sample(self, params: list[SamplingParams], positions: list[int],
@@ -521,9 +521,11 @@ class LLMEngine:
         self.detokenizer.append_text(seq)
         p = seq.params
         reason = None
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+        stops = seq.num_output_tokens >= p.min_tokens  # before min_tokens only the length ends it
+        if stops and ((not p.ignore_eos and token in self.eos_token_ids)
+                      or token in p.stop_token_ids):
             reason = "stop"
-        elif p.stop and (at := find_stop(seq, len(seq.text) - before)) is not None:
+        elif stops and p.stop and (at := find_stop(seq, len(seq.text) - before)) is not None:
             seq.text = seq.text[:at]
             reason = "stop"
         elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:

@@ -1,8 +1,11 @@
 """Next-token choice for a batch of rows, each with its own sampling parameters.
 
-Rows with a ``logit_bias`` or a presence/frequency penalty first have their logits adjusted
-(OpenAI's formula: minus ``frequency x count + presence x [count > 0]`` over the tokens generated
-so far). Greedy rows then take the argmax. The others divide by their temperature, mask
+Rows with a ``logit_bias``, a penalty or ``min_tokens`` first have their logits adjusted, in
+vLLM's order: the bias added; while fewer than ``min_tokens`` tokens are out, the tokens that
+would end the request masked; the repetition penalty (vLLM's: each logit of a token seen in the
+prompt or output divided by it if positive, multiplied if not); then OpenAI's presence and
+frequency penalties (minus ``frequency x count + presence x [count > 0]`` over the tokens
+generated so far). Greedy rows then take the argmax. The others divide by their temperature, mask
 everything outside their top-k and their top-p nucleus (one sort for the rows that ask for
 either) and below their min-p share of the most likely token, and draw from the softmax.
 
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from thresher.serve_kernels.engine.sampling_params import SamplingParams
+from thresher.serve_kernels.engine.sequence import Snapshot
 
 MASK32 = 0xFFFFFFFF
 MASK64 = 2**64 - 1
@@ -89,8 +93,12 @@ def _restrict(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
 
 
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
-            output_ids: Sequence[Sequence[int]] | None) -> torch.Tensor:
-    """The logits with each row's logit_bias added and its penalties subtracted (a copy)."""
+                  output_ids: Sequence[Sequence[int]] | None,
+                  eos_token_ids: Sequence[int] = ()) -> torch.Tensor:
+    """The logits with each row's logit_bias added, its ending tokens masked under
+    ``min_tokens`` and its penalties applied (a copy). ``output_ids``: each row's generated
+    tokens; a ``Snapshot`` also carries the prompt before them, which the repetition penalty
+    covers."""
     logits = logits.clone()
     vocab = logits.shape[-1]
     for i, p in enumerate(params):
@@ -99,6 +107,18 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
             bias = torch.tensor(list(p.logit_bias.values()), device=logits.device,
                                 dtype=logits.dtype)
             logits[i].index_add_(0, ids, bias)
+        if p.min_tokens and output_ids is not None and len(output_ids[i]) < p.min_tokens:
+            ending = [t for t in p.ended_by(eos_token_ids) if t < vocab]
+            if ending:
+                logits[i, ending] = float("-inf")
+        if p.repetition_penalty != 1.0 and output_ids is not None:
+            seen = output_ids[i]
+            seen = seen.context() if isinstance(seen, Snapshot) else seen
+            if len(seen):
+                ids = torch.tensor(list(seen), device=logits.device).unique()
+                row = logits[i, ids]
+                logits[i, ids] = torch.where(row > 0, row / p.repetition_penalty,
+                                             row * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and output_ids and output_ids[i]:
             counts = torch.bincount(torch.tensor(list(output_ids[i]), device=logits.device),
                                     minlength=vocab)[:vocab].to(logits.dtype)
@@ -107,7 +127,11 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
 
 
 class Sampler:
-    """Samples one token per row of fp32 logits [R, V]."""
+    """Samples one token per row of fp32 logits [R, V]; ``eos_token_ids``: the model's, which
+    ``min_tokens`` masks."""
+
+    def __init__(self, eos_token_ids: Sequence[int] = ()):
+        self.eos_token_ids = list(eos_token_ids)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  positions: list[int], output_ids: Sequence[Sequence[int]] | None = None
@@ -124,7 +148,7 @@ class Sampler:
             adjusts = adjusts or p.adjusts_logits
             wants_logprobs = wants_logprobs or p.logprobs is not None
         if adjusts:
-            logits = adjust_logits(logits, params, output_ids)
+            logits = adjust_logits(logits, params, output_ids, self.eos_token_ids)
         if not random and not wants_logprobs and logits.device.type == "cpu" and (
                 logits.dtype == torch.float32 and not logits.requires_grad):
             # all greedy on a CPU (each decode step's common case): NumPy's argmax to a list

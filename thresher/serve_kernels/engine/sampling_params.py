@@ -19,6 +19,7 @@ GREEDY_EPS = 1e-5  # a temperature below this samples greedily (as vLLM): dividi
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_PENALTY = 2.0  # OpenAI's range for presence and frequency penalties: [-2, 2]
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+MAX_REPETITION_PENALTY = 10.0  # vLLM takes any positive value; past 10 no token repeats anyway
 
 
 class InvalidSamplingParam(ValueError):
@@ -44,6 +45,9 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
     presence_penalty: float = 0.0  # subtracted once from the logit of every generated token
     frequency_penalty: float = 0.0  # subtracted per occurrence of a generated token
+    # every token of the prompt and output: its logit divided by this if positive, else times it
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0  # end-of-sequence and stop_token_ids are masked, stop strings not checked
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     max_tokens: int | None = 16  # None = up to the context limit; 0 only with prompt_logprobs
     stop: list[str] = field(default_factory=list)  # stop strings, cut from the text
@@ -56,7 +60,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
             _finite(name, getattr(self, name))
         if self.temperature < 0:
             raise InvalidSamplingParam("temperature", f"{self.temperature} must be >= 0 (0 = "
@@ -70,6 +75,13 @@ class SamplingParams:
             if abs(getattr(self, name)) > MAX_PENALTY:
                 raise InvalidSamplingParam(name, f"{getattr(self, name)} must be in "
                                            f"[-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidSamplingParam("repetition_penalty", f"{self.repetition_penalty} must be "
+                                       f"in (0, {MAX_REPETITION_PENALTY:g}] (1 = off)")
+        if self.min_tokens < 0 or (self.max_tokens is not None
+                                   and self.min_tokens > self.max_tokens):
+            raise InvalidSamplingParam("min_tokens", f"{self.min_tokens} must be in [0, "
+                                       f"max_tokens={self.max_tokens}]")
         for token, bias in self.logit_bias.items():
             if token < 0:
                 raise InvalidSamplingParam("logit_bias", f"token id {token} is negative")
@@ -104,8 +116,15 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether a logit_bias or a penalty changes this request's logits before sampling."""
-        return bool(self.logit_bias) or bool(self.presence_penalty or self.frequency_penalty)
+        """Whether a logit_bias, a penalty or min_tokens changes this request's logits before
+        sampling."""
+        return (bool(self.logit_bias) or bool(self.presence_penalty or self.frequency_penalty)
+                or self.repetition_penalty != 1.0 or self.min_tokens > 0)
+
+    def ended_by(self, eos_token_ids: Sequence[int]) -> list[int]:
+        """The tokens that would end the request (``min_tokens`` masks them): end-of-sequence
+        unless ``ignore_eos``, and ``stop_token_ids``."""
+        return [*([] if self.ignore_eos else eos_token_ids), *self.stop_token_ids]
 
 
 @dataclass

@@ -56,6 +56,11 @@ class Snapshot(SequenceABC, Generic[T]):
             return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
         return NotImplemented
 
+    def context(self) -> Snapshot[T]:
+        """Every item before this snapshot's end, from the list's start (a sequence's prompt and
+        the tokens generated before this position)."""
+        return Snapshot(self._items, 0, self._stop)
+
     def __add__(self, other: SequenceABC) -> list:
         return [*self, *other]
 

@@ -19,8 +19,9 @@ Two acceptance rules, both exact (the output follows the target's distribution):
   norm(max(0, p - q)); when all stand, a bonus token is drawn from p. Used for an unseeded,
   sampling request without log-probs under a draft model, where it accepts more than *match*.
 
-``p`` and ``q`` are the distributions the sampler draws from (logit bias and penalties over the
-tokens so far including earlier proposals, then temperature, top-k, top-p, min-p), so every
+``p`` and ``q`` are the distributions the sampler draws from (logit bias, min_tokens' mask and
+penalties over the tokens so far including earlier proposals, then temperature, top-k, top-p,
+min-p), so every
 sampling parameter stays exact under speculation.
 
 Drafters: ``NgramDrafter`` (prompt lookup: the tokens that followed the latest earlier
@@ -191,10 +192,10 @@ class ModelDrafter:
     released, and the target's new tokens computed in the first draft step)."""
 
     def __init__(self, runner: ModelRunner, block_manager: BlockManager, tables: BlockTables,
-                 max_model_len: int):
+                 max_model_len: int, eos_token_ids: list[int] | tuple[int, ...] = ()):
         self.runner, self.block_manager, self.tables = runner, block_manager, tables
         self.max_model_len = max_model_len
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos_token_ids)
         self.mirrors: dict[str, Sequence] = {}
         self.synced: dict[str, int] = {}  # request id -> mirror tokens copied from the target
 
@@ -255,7 +256,8 @@ class ModelDrafter:
             params = [seqs[i].params for i, _ in scheduled]
             if any(p.adjusts_logits for p in params):
                 logits = adjust_logits(logits, params,
-                                       [mirrors[i].output_token_ids for i, _ in scheduled])
+                                       [mirrors[i].output_token_ids for i, _ in scheduled],
+                                       self.sampler.eos_token_ids)
             tokens = _argmax(logits).tolist()
             rejection = [r for r, p in enumerate(params) if uses_rejection(p)]
             if rejection:
