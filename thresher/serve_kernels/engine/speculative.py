@@ -50,7 +50,8 @@ log = logging.getLogger(__name__)
 NGRAM = "ngram"
 MAX_SPECULATIVE_TOKENS = 16
 # Accepted proposals per verify (a sequence's recent mean) below which it stops proposing for a
-# while: a verify chunk costs 1.3-1.4x a decode step on the models measured (docs/speculative.md)
+# while: a verify chunk costs 1.1-1.6x a decode step on the models measured (docs/benchmarks.md,
+# "Speculative decoding"), so a verify that accepts under about 0.3 tokens loses time
 PAYOFF_FLOOR = 0.3
 FIRST_PAUSE, MAX_PAUSE = 2, 64  # decode steps without proposals; doubled after each failed probe
 
