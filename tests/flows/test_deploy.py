@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 import time
@@ -33,6 +34,41 @@ def test_bad_schedule_names_the_problem(tmp_path):
     bad.write_text(yaml.safe_dump({"deployments": [{"name": "x", "recipe": "nope.yaml"}]}))
     with pytest.raises(RecipeError, match="no such recipe"):
         load_schedules(bad)
+
+
+@pytest.mark.parametrize("content, words", [
+    ({"deployments": [{"name": "x", "recipe": "demo.yaml", "cron": "0 3 * *"}]},
+     'deployments.0.cron: Invalid cron string: "0 3 * *"'),
+    ({"deployments": [{"name": "x", "recipe": "demo.yaml", "timezone": "Mars/Olympus"}]},
+     "deployments.0.timezone: 'Mars/Olympus' is not an IANA time zone"),
+    ({"deployments": [{"name": "x", "recipe": "demo.yaml", "crn": "0 3 * * *"}]},
+     "deployments.0.crn: unknown key (a deployment takes name, recipe, cron"),
+    ({"name": "r", "model": "demo:tiny", "variants": [{"name": "base"}]},
+     "a recipe, where `thresher deploy` takes a schedules file naming recipes"),
+])
+def test_a_wrong_schedules_file_names_the_field(tmp_path, content, words):
+    """A cron string or time zone Prefect would refuse mid-registration, an unknown key and a
+    recipe given in a schedules file's place: one message each, naming what is wrong."""
+    bad = tmp_path / "s.yaml"
+    bad.write_text(yaml.safe_dump(content))
+    with pytest.raises(RecipeError) as err:
+        load_schedules(bad)
+    assert words in str(err.value)
+
+
+def test_deploy_without_a_prefect_server_says_so(tmp_path):
+    """Nothing listens at the API address: exit 2 with the address and what to start."""
+    out = subprocess.run(
+        [*thresher_cmd(), "deploy", str(ROOT / "configs" / "schedules.yaml")],
+        capture_output=True, text=True, timeout=300,
+        env={**_env_without_prefect(), "PREFECT_API_URL": "http://127.0.0.1:9/api"})
+    assert out.returncode == 2, out.stderr
+    assert "the Prefect API at http://127.0.0.1:9/api" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def _env_without_prefect() -> dict:
+    return {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
 
 
 def _recipe(model: Path, uri: str) -> dict:

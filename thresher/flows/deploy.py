@@ -18,12 +18,15 @@ runs that recipe. Edit the file, deploy again. Two ways to run them:
 from __future__ import annotations
 
 from pathlib import Path
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from thresher.errors import RecipeError
+from thresher.errors import RecipeError, TrackingError
 from thresher.flows.sweep import load_recipe
+
+RECIPE_KEYS = {"model", "variants", "name"}  # a recipe's, where a schedules file was expected
 
 
 class DeploymentSpec(BaseModel):
@@ -35,6 +38,25 @@ class DeploymentSpec(BaseModel):
     timezone: str = "UTC"
     paused: bool = False
     tracking_uri: str | None = None
+
+    @field_validator("cron")
+    @classmethod
+    def _cron(cls, v: str | None) -> str | None:
+        """Checked as Prefect's schedule checks it, at load rather than mid-registration."""
+        if v is not None:
+            from prefect.schedules import Cron
+
+            Cron(v)  # raises ValueError naming the string
+        return v
+
+    @field_validator("timezone")
+    @classmethod
+    def _timezone(cls, v: str) -> str:
+        try:
+            ZoneInfo(v)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"{v!r} is not an IANA time zone (e.g. UTC, Europe/Berlin)") from None
+        return v
 
 
 class SchedulesFile(BaseModel):
@@ -49,9 +71,24 @@ def load_schedules(path: str | Path) -> list[DeploymentSpec]:
     if not path.is_file():
         raise RecipeError(f"{path}: no such schedules file")
     try:
-        parsed = SchedulesFile.model_validate(yaml.safe_load(path.read_text()))
-    except (ValidationError, yaml.YAMLError) as err:
-        raise RecipeError(f"{path}: invalid schedules file:\n{err}") from None
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise RecipeError(f"{path}: not valid YAML: {err}") from None
+    if isinstance(data, dict) and "deployments" not in data and RECIPE_KEYS & set(data):
+        raise RecipeError(
+            f"{path}: a recipe, where `thresher deploy` takes a schedules file naming recipes "
+            "(configs/schedules.yaml: deployments: [{name: NAME, recipe: PATH, cron: '0 3 * * *'}]"
+            f"); to run this recipe once, `thresher run {path}`")
+    try:
+        parsed = SchedulesFile.model_validate(data)
+    except ValidationError as err:
+        keys = ", ".join(DeploymentSpec.model_fields)
+        problems = "\n".join(
+            f"  {'.'.join(map(str, e['loc'])) or '(top level)'}: "
+            + (f"unknown key (a deployment takes {keys})" if e["type"] == "extra_forbidden"
+               else e["msg"].removeprefix("Value error, "))
+            for e in err.errors())
+        raise RecipeError(f"{path}: the schedules file is invalid\n{problems}") from None
     specs = []
     for spec in parsed.deployments:
         recipe = (path.parent / spec.recipe).resolve()  # an absolute path stays as it is
@@ -79,11 +116,26 @@ def _description(spec: DeploymentSpec) -> str:
             "the Run page (Custom run) or edit the file and deploy again.")
 
 
+def check_prefect_api() -> None:
+    """Refuse, with the address and what to start, when the Prefect API does not answer."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        err = client.api_healthcheck()
+        if err is not None:
+            raise TrackingError(
+                f"the Prefect API at {client.api_url} does not answer ({type(err).__name__}: "
+                f"{err}); start one (`thresher stack up`, or `prefect server start`) and point "
+                "PREFECT_API_URL at it")
+
+
 def serve_deployments(specs: list[DeploymentSpec]) -> None:
     """Register the deployments and execute their runs in this process (blocks)."""
     from prefect import serve
 
     from thresher.flows.compress import compress
+
+    check_prefect_api()
 
     deployments = [
         compress.to_deployment(
@@ -102,6 +154,7 @@ def deploy_to_work_pool(specs: list[DeploymentSpec], work_pool: str) -> list[str
 
     from thresher.flows.compress import compress
 
+    check_prefect_api()
     ids = []
     for s in specs:
         ids.append(str(compress.deploy(
