@@ -42,6 +42,20 @@ def test_check_reports_field_without_traceback(tmp_path):
     assert "Traceback" not in result.output
 
 
+def test_run_refuses_a_missing_model_before_the_flow_starts(tmp_path, monkeypatch):
+    """The shapes check runs before Prefect: one line and exit 2, no flow run (whose failure
+    Prefect would log with its traceback)."""
+    import thresher.flows.compress as compress_module
+
+    bad = tmp_path / "r.yaml"
+    bad.write_text(f"name: x\nmodel: {tmp_path / 'none'}\nvariants: [{{name: base}}]\n")
+    monkeypatch.setattr(compress_module, "compress", lambda *a, **k: pytest.fail("flow started"))
+    result = runner.invoke(app, ["run", str(bad)])
+    assert result.exit_code == 2
+    assert "is not a model directory (no config.json)" in result.output
+    assert "Traceback" not in result.output
+
+
 def test_run_summary_prints_the_compact_table_and_where_the_full_one_is(tmp_path):
     from thresher.cli import console, print_summary_table
     from thresher.evaluate.report import VariantRecord

@@ -308,9 +308,11 @@ def run_cmd(
 ) -> None:
     """Run a recipe through the Prefect `compress` flow and print the comparison table."""
     from thresher.flows.compress import compress
+    from thresher.flows.preflight import preflight
     from thresher.flows.sweep import load_recipe
 
     r = load_recipe(recipe)  # validated before Prefect or any compute starts
+    preflight(r)  # and against the model's shapes: a wrong model is one line, not a flow failure
     summary = compress(r, tracking_uri=tracking_uri, store_dir=store_dir, publish_dir=publish_dir,
                        work_pool=pool)
     print_summary_table(summary)
