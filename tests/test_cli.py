@@ -56,6 +56,24 @@ def test_run_refuses_a_missing_model_before_the_flow_starts(tmp_path, monkeypatc
     assert "Traceback" not in result.output
 
 
+def test_serve_on_an_address_in_use_fails_before_loading(monkeypatch):
+    """The listening socket is bound first: a port in use is exit 2 naming it, without loading
+    the model (and not the engine-failure status, which asks a supervisor to restart)."""
+    import socket
+
+    import thresher.models as models
+
+    monkeypatch.setattr(models, "resolve_model", lambda *a, **k: pytest.fail("model loaded"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = runner.invoke(app, ["serve", "demo:tiny", "--port", str(port)])
+    assert result.exit_code == 2
+    text = " ".join(result.output.translate(str.maketrans("", "", "│╭╮╰╯─")).split())
+    assert f"cannot listen on 127.0.0.1:{port}" in text
+
+
 def test_run_summary_prints_the_compact_table_and_where_the_full_one_is(tmp_path):
     from thresher.cli import console, print_summary_table
     from thresher.evaluate.report import VariantRecord

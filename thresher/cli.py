@@ -823,7 +823,13 @@ def serve(
     """
     from thresher.models import resolve_model
     from thresher.serve_kernels import LLMEngine
-    from thresher.serve_kernels.server import ServerConfig, bind_warning, build_app, run_server
+    from thresher.serve_kernels.server import (
+        ServerConfig,
+        bind_listener,
+        bind_warning,
+        build_app,
+        run_server,
+    )
 
     if api_key is None and os.environ.get("THRESHER_API_KEY") == "":  # click skips an empty one
         api_key = ""
@@ -836,6 +842,11 @@ def serve(
     warning = bind_warning(host, api_key)
     if warning:
         err_console.print(f"[bold yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
+    try:
+        sock = bind_listener(host, port)
+    except OSError as err:
+        raise typer.BadParameter(f"cannot listen on {host}:{port}: {err.strerror or err}",
+                                 param_hint="'--host' / '--port'") from None
     path = resolve_model(model)
     try:
         speculative = _speculative_config(draft, num_speculative_tokens, speculative_pacing)
@@ -856,7 +867,7 @@ def serve(
     app_ = build_app(engine, ServerConfig(served_model_name=name, api_key=api_key,
                                           max_num_seqs=max_num_seqs, max_queue=max_queue,
                                           max_body_bytes=max_body_bytes))
-    status = run_server(app_, host, port)
+    status = run_server(app_, host, port, sock)
     if status:
         err_console.print("[bold red]error:[/] the engine failed (the log above has the "
                           "traceback); exiting so that a supervisor can restart the server",

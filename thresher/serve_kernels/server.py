@@ -18,6 +18,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -786,9 +787,25 @@ async def _collect(group: RequestGroup, choices: list[_Choice], request: Request
 # --- running the server ---------------------------------------------------------------------------
 
 
-def run_server(app: FastAPI, host: str, port: int) -> int:
-    """Serve ``app`` until stopped; the exit status: 0, or ``ENGINE_FAILED_EXIT`` when the engine
-    failed (every waiter has its error by then), so that a supervisor restarts the process."""
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: an address in use or not this
+    machine's fails at once (OSError), not after the load with an exit status that asks a
+    supervisor to restart."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def run_server(app: FastAPI, host: str, port: int, sock: socket.socket | None = None) -> int:
+    """Serve ``app`` until stopped (on ``sock`` when given, from ``bind_listener``); the exit
+    status: 0, or ``ENGINE_FAILED_EXIT`` when the engine failed (every waiter has its error by
+    then), so that a supervisor restarts the process."""
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     aengine: AsyncEngine = app.state.async_engine
 
@@ -797,7 +814,7 @@ def run_server(app: FastAPI, host: str, port: int) -> int:
         server.should_exit = True
 
     aengine.on_failure = stop
-    server.run()
+    server.run(sockets=None if sock is None else [sock])
     return ENGINE_FAILED_EXIT if aengine.error is not None else 0
 
 
