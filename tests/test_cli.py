@@ -56,6 +56,18 @@ def test_run_refuses_a_missing_model_before_the_flow_starts(tmp_path, monkeypatc
     assert "Traceback" not in result.output
 
 
+def test_run_refuses_an_unreachable_tracking_server_before_the_flow_starts(tmp_path,
+                                                                          monkeypatch):
+    import thresher.flows.compress as compress_module
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: x\nmodel: demo:tiny\nvariants: [{name: base}]\n")
+    monkeypatch.setattr(compress_module, "compress", lambda *a, **k: pytest.fail("flow started"))
+    result = runner.invoke(app, ["run", str(recipe), "--tracking-uri", "http://127.0.0.1:9"])
+    assert result.exit_code == 2
+    assert "MLflow tracking server http://127.0.0.1:9 is unreachable" in result.output
+
+
 def test_serve_on_an_address_in_use_fails_before_loading(monkeypatch):
     """The listening socket is bound first: a port in use is exit 2 naming it, without loading
     the model (and not the engine-failure status, which asks a supervisor to restart)."""

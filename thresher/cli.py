@@ -310,9 +310,12 @@ def run_cmd(
     from thresher.flows.compress import compress
     from thresher.flows.preflight import preflight
     from thresher.flows.sweep import load_recipe
+    from thresher.tracking import check_reachable, resolve_tracking_uri
 
     r = load_recipe(recipe)  # validated before Prefect or any compute starts
-    preflight(r)  # and against the model's shapes: a wrong model is one line, not a flow failure
+    # against the model's shapes, and tracking reachable: one line each, not a failed flow run
+    preflight(r)
+    check_reachable(resolve_tracking_uri(tracking_uri or r.tracking.mlflow_uri))
     summary = compress(r, tracking_uri=tracking_uri, store_dir=store_dir, publish_dir=publish_dir,
                        work_pool=pool)
     print_summary_table(summary)
