@@ -86,6 +86,20 @@ def test_serve_on_an_address_in_use_fails_before_loading(monkeypatch):
     assert f"cannot listen on 127.0.0.1:{port}" in text
 
 
+def test_windows_longer_than_the_context_are_refused_by_the_commands(tmp_path):
+    """Perplexity and calibration windows past demo:tiny's 1,024 positions: one line, exit 2,
+    before any window is scored or any statistic gathered; a bad value names the option."""
+    result = runner.invoke(app, ["perplexity", "--model", "demo:tiny", "--seq-len", "2048"])
+    assert result.exit_code == 2
+    assert "perplexity seq_len 2048 is longer than the model's context (1024" in result.output
+    result = runner.invoke(app, ["prune", "--model", "demo:tiny", "--out", str(tmp_path / "p"),
+                                 "--seq-len", "2048"])
+    assert result.exit_code == 2 and "calibration seq_len 2048 is longer than" in result.output
+    assert not (tmp_path / "p").exists()
+    result = runner.invoke(app, ["perplexity", "--model", "demo:tiny", "--seq-len", "0"])
+    assert result.exit_code == 2 and "--seq-len: Input should be greater than 0" in result.output
+
+
 def test_run_summary_prints_the_compact_table_and_where_the_full_one_is(tmp_path):
     from thresher.cli import console, print_summary_table
     from thresher.evaluate.report import VariantRecord

@@ -248,9 +248,18 @@ def perplexity_cmd(
                           ] = PPL["batch_size"].default,
 ) -> None:
     """Held-out perplexity of a model on the stdlib held-out split."""
-    from thresher.evaluate.perplexity import heldout_perplexity
+    from pydantic import ValidationError
 
-    cfg = PerplexityConfig(seq_len=seq_len, max_windows=max_windows or None, batch_size=batch_size)
+    from thresher.errors import EvaluationError
+    from thresher.evaluate.perplexity import heldout_perplexity
+    from thresher.recipe import format_validation_error
+
+    try:
+        cfg = PerplexityConfig(seq_len=seq_len, max_windows=max_windows or None,
+                               batch_size=batch_size)
+    except ValidationError as err:
+        raise EvaluationError(format_validation_error(err, "perplexity", as_options=True)
+                              ) from None
     result = heldout_perplexity(model, cfg)
     console.print(f"perplexity {result.perplexity:.3f} over {result.tokens:,} tokens in "
                   f"{result.windows} windows of {result.seq_len} ({result.convention})")
@@ -591,10 +600,10 @@ def quantize_cmd(
                "expert_tokens": expert_tokens}
     try:
         stage = QuantizeStage(**{k: v for k, v in options.items() if v is not None})
+        cal = CalibrationConfig(source=source, samples=samples, seq_len=seq_len)
     except ValidationError as err:
         where = f"quantize --method {method}"
         raise RecipeError(format_validation_error(err, where, as_options=True)) from None
-    cal = CalibrationConfig(source=source, samples=samples, seq_len=seq_len)
     report = quantize_model(resolve_model(model), stage, cal, out, device=device,
                             offload_budget_gb=offload_budget_gb)
     m = report.metrics()

@@ -50,6 +50,19 @@ def test_demo_group_size_that_does_not_divide_is_refused_with_the_width():
     assert "the 64 inputs of model.layers.0.mlp.experts.0.down_proj" in text
 
 
+@pytest.mark.parametrize("section, field", [("calibration", "calibration.seq_len"),
+                                              ("eval", "eval.perplexity.seq_len")])
+def test_windows_longer_than_the_models_context_are_refused(section, field):
+    """demo:tiny is trained on 1,024 positions: a 2,048-token window names its field."""
+    data = {"calibration": {"seq_len": 2048}} if section == "calibration" else {
+        "eval": {"perplexity": {"seq_len": 2048}}}
+    with pytest.raises(RecipeError) as err:
+        preflight(parse_recipe(recipe("demo:tiny", [{"name": "base"}], **data)))
+    assert str(err.value).startswith(f"{field}: 2048 is longer than the model's context (1024")
+    preflight(parse_recipe(recipe("demo:tiny", [{"name": "base"}],
+                                  calibration={"seq_len": 1024})))  # the edge is valid
+
+
 def test_demo_config_is_known_without_training():
     config, where = read_model_config("demo:small")
     assert (config.hidden_size, config.moe_intermediate_size, config.num_experts) == (256, 128, 8)

@@ -30,7 +30,6 @@ from thresher.compress.methods.gptq import GPTQMethod
 from thresher.compress.methods.protocol import LayerRecord, QuantMethod
 from thresher.compress.mixed import Allocation, SensitivityProbe, allocate, budget_bits
 from thresher.compress.targets import ALWAYS_16BIT, OPTIONAL_16BIT, LayerParts, all_targets
-from thresher.data.windows import calibration_windows
 from thresher.errors import ArtifactError, CompressionError
 from thresher.formats.artifact import QUANTIZE_REPORT, STAGE_REPORTS
 from thresher.formats.base import CheckpointFormat
@@ -43,7 +42,7 @@ from thresher.models.layerwise import (
     keep_large_blocks_off_heap,
     release_free_memory,
 )
-from thresher.models.loading import load_model, load_tokenizer
+from thresher.models.loading import load_model, model_calibration_windows
 from thresher.paths import build_dir_atomically
 from thresher.recipe import QUANTIZE_STAGES, CalibrationConfig, GPTQStage, QuantizeStage
 from thresher.resources import measure
@@ -235,7 +234,7 @@ def _write_checkpoint(model_dir: Path, stage: QuantizeStage, calibration: Calibr
     check_stage(stage, method, lw)
     windows = None
     if method.calibrated:
-        windows = calibration_windows(load_tokenizer(model_dir), calibration)
+        windows = model_calibration_windows(model_dir, calibration)
         release_free_memory()  # tokenizing the corpus leaves freed pages behind
     pack = format_for(method.format).pack
     store_dtype = getattr(lw.config, "dtype", None) or torch.float32
@@ -318,7 +317,7 @@ def quantize_in_memory(model_dir: Path, stage: QuantizeStage, calibration: Calib
     method = method_for(stage)
     windows = None
     if method.calibrated:
-        windows = calibration_windows(load_tokenizer(model_dir), calibration)
+        windows = model_calibration_windows(model_dir, calibration)
     if isinstance(stage, GPTQStage) and stage.bits == "auto":
         allocation = measure_allocation(lw, stage, windows, torch.float32, show_progress,
                                         compute.budget_bytes)

@@ -96,5 +96,9 @@ def heldout_perplexity(model: str | Path | nn.Module, cfg: PerplexityConfig, tok
         path = resolve_model(str(model))
         tokenizer = load_tokenizer(path)
         model = load_model(path)
+    if getattr(model, "config", None) is not None:
+        from thresher.models.loading import check_window_length
+
+        check_window_length(model.config, cfg.seq_len, "perplexity seq_len", "the model")
     return perplexity(model, perplexity_windows(tokenizer, cfg, split),
                       batch_size=cfg.batch_size, show_progress=show_progress)

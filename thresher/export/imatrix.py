@@ -23,10 +23,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from thresher.data.windows import calibration_windows
 from thresher.models.adapters import MLP_PROJECTIONS, Adapter
 from thresher.models.layerwise import LayerwiseModel
-from thresher.models.loading import load_tokenizer
+from thresher.models.loading import model_calibration_windows
 from thresher.recipe import CalibrationConfig
 
 log = logging.getLogger(__name__)
@@ -86,7 +85,7 @@ def compute_importance(model_dir: str | Path, calibration: CalibrationConfig | N
     calibration = calibration or CalibrationConfig()
     lw = LayerwiseModel(model_dir)
     if windows is None:
-        windows = calibration_windows(load_tokenizer(model_dir), calibration)
+        windows = model_calibration_windows(model_dir, calibration)
     imatrix = ImportanceMatrix(windows=int(windows.shape[0]), dataset=str(calibration.source),
                                hessians={} if hessians else None)
     lw.load_outer()

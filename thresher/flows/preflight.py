@@ -26,6 +26,7 @@ from thresher.export import check_gguf_architecture, check_gguf_widths, gguf_rou
 from thresher.formats.config import PackedFormat, packed_format
 from thresher.models.adapters import Adapter, get_adapter
 from thresher.models.layerwise import is_mxfp4
+from thresher.models.loading import context_length
 from thresher.models.source import parse_model_source
 from thresher.prune.mask import experts_to_keep
 from thresher.prune.merge_api import experts_after_merge
@@ -163,6 +164,12 @@ def preflight(recipe: Recipe) -> Preflight:
     except ThresherError as err:
         raise RecipeError(f"model: {err}") from None
     _check_drafts(recipe, adapter, config)
+    context = context_length(config)
+    for at, seq_len in (("calibration.seq_len", recipe.calibration.seq_len),
+                        ("eval.perplexity.seq_len", recipe.eval.perplexity.seq_len)):
+        if context is not None and seq_len > context:
+            raise RecipeError(f"{at}: {seq_len} is longer than the model's context ({context} "
+                              "positions, max_position_embeddings); lower it")
     with torch.device("meta"):
         from transformers import AutoModelForCausalLM
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -9,8 +10,10 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from thresher.errors import ModelError
+from thresher.data.windows import calibration_windows
+from thresher.errors import DataError, ModelError, UnsupportedArchitectureError
 from thresher.formats.dtypes import DTYPES
+from thresher.models.adapters import get_adapter
 from thresher.models.checkpoint import CheckpointReader
 from thresher.models.layerwise import LayerwiseModel, is_mxfp4, load_config
 from thresher.models.manifest import verify_artifact
@@ -25,6 +28,32 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(path)
     except Exception as err:
         raise ModelError(f"{path}: cannot load the tokenizer ({err})") from err
+
+
+def context_length(config) -> int | None:
+    """The positions a model was trained for (its language config's max_position_embeddings),
+    if its config states them."""
+    with contextlib.suppress(UnsupportedArchitectureError):  # a family thresher does not know
+        config = get_adapter(config).language_config(config)
+    n = getattr(config, "max_position_embeddings", None)
+    return int(n) if n else None
+
+
+def check_window_length(config, seq_len: int, what: str, where: str) -> None:
+    """Refuse windows longer than the model's context: past its trained positions a model's
+    statistics (calibration) and perplexity (evaluation) describe a regime it is not used in."""
+    n = context_length(config)
+    if n is not None and seq_len > n:
+        raise DataError(f"{what} {seq_len} is longer than {where}'s context ({n} positions, "
+                        "max_position_embeddings); lower it")
+
+
+def model_calibration_windows(model_dir: str | Path, calibration) -> torch.Tensor:
+    """The calibration windows of ``calibration`` for the checkpoint at ``model_dir``: its
+    tokenizer, and windows no longer than its context."""
+    check_window_length(load_config(model_dir), calibration.seq_len, "calibration seq_len",
+                        str(model_dir))
+    return calibration_windows(load_tokenizer(model_dir), calibration)
 
 
 def load_model(source: str | Path, dtype: torch.dtype | str = torch.float32) -> nn.Module:

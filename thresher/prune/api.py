@@ -28,7 +28,6 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
-from thresher.data.windows import calibration_windows
 from thresher.errors import ArtifactError, CompressionError
 from thresher.formats.artifact import PRUNE_REPORT
 from thresher.models.adapters import MEMORY_DOWN, Adapter, get_adapter
@@ -40,7 +39,7 @@ from thresher.models.checkpoint import (
 )
 from thresher.models.device import ActivationStore, Compute
 from thresher.models.layerwise import LayerwiseModel, load_config
-from thresher.models.loading import load_tokenizer
+from thresher.models.loading import model_calibration_windows
 from thresher.paths import build_dir_atomically
 from thresher.prune.endtoend import loss_of
 from thresher.prune.mask import choose_experts, experts_to_keep, prune_layer_state
@@ -235,7 +234,7 @@ def _prune_into(build: Path, model_dir: Path, out_dir: Path, config: PretrainedC
         stats: dict[int, ExpertStats] = {}
     else:
         if observed is None:
-            windows = calibration_windows(load_tokenizer(model_dir), calibration)
+            windows = model_calibration_windows(model_dir, calibration)
             t0 = time.perf_counter()
             observed = observe_for(stage, lw, windows, show_progress, compute.budget_bytes)
             report.observe_seconds = time.perf_counter() - t0
@@ -279,7 +278,7 @@ def _prune_into(build: Path, model_dir: Path, out_dir: Path, config: PretrainedC
     adapter.set_num_experts(config, n_keep)
     if stage.refit:
         if windows is None:
-            windows = calibration_windows(load_tokenizer(model_dir), calibration)
+            windows = model_calibration_windows(model_dir, calibration)
         results = _write_refit_checkpoint(lw, kept, windows, stage, build, show_progress,
                                           compute.budget_bytes)
         for layer_report in report.layers:

@@ -23,14 +23,13 @@ from pathlib import Path
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
-from thresher.data.windows import calibration_windows
 from thresher.errors import ArtifactError, CompressionError
 from thresher.formats.artifact import MERGE_REPORT
 from thresher.models.adapters import get_adapter
 from thresher.models.checkpoint import CheckpointWriter, canonical_layer_state, read_layer_state
 from thresher.models.device import Compute
 from thresher.models.layerwise import LayerwiseModel, load_config
-from thresher.models.loading import load_tokenizer
+from thresher.models.loading import model_calibration_windows
 from thresher.prune.api import TOKENIZER_FILES, build_measured
 from thresher.prune.hcsmoe import agglomerate, lead_by_frequency
 from thresher.prune.merge import merge_layer_state
@@ -176,7 +175,7 @@ def _merge_into(build: Path, model_dir: Path, out_dir: Path, config: PretrainedC
         experts_kept=n, top_k=top_k, calibration_samples=calibration.samples,
         calibration_seq_len=calibration.seq_len)
     if observed is None:
-        windows = calibration_windows(load_tokenizer(model_dir), calibration)
+        windows = model_calibration_windows(model_dir, calibration)
         t0 = time.perf_counter()
         observed = observe_for_merge(lw, windows, stage.method == "hc_smoe", show_progress,
                                      compute.budget_bytes)

@@ -81,7 +81,8 @@ class CalibrationConfig(StrictModel):
 
     source: TextSource = "stdlib"
     samples: int = Field(128, gt=0, description="number of calibration windows")
-    seq_len: int = Field(256, gt=0, description="tokens per window")
+    seq_len: int = Field(256, gt=0, description="tokens per window (at most the model's "
+                         "max_position_embeddings)")
     seed: int = Field(0, description="seed of the calibration sample")
     allow_eval_overlap: bool = Field(
         False, description="accept calibration text that evaluation also scores (the same local "
@@ -94,7 +95,8 @@ class PerplexityConfig(StrictModel):
     """Token-level perplexity on non-overlapping windows of held-out text."""
 
     source: TextSource = "stdlib"
-    seq_len: int = Field(256, gt=0, description="tokens per window")
+    seq_len: int = Field(256, gt=0, description="tokens per window (at most the model's "
+                         "max_position_embeddings)")
     max_windows: int | None = Field(64, gt=0, description="cap on windows scored (null: all)")
     batch_size: int = Field(8, gt=0, description="windows per forward pass")
 
