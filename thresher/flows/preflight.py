@@ -21,12 +21,12 @@ from torch import nn
 
 from thresher.compress.api import check_stage
 from thresher.compress.methods import method_for
-from thresher.errors import CompressionError, ExportError, RecipeError, ThresherError
+from thresher.errors import CompressionError, DataError, ExportError, RecipeError, ThresherError
 from thresher.export import check_gguf_architecture, check_gguf_widths, gguf_route
 from thresher.formats.config import PackedFormat, packed_format
 from thresher.models.adapters import Adapter, get_adapter
 from thresher.models.layerwise import is_mxfp4
-from thresher.models.loading import context_length
+from thresher.models.loading import check_window_length
 from thresher.models.source import parse_model_source
 from thresher.prune.mask import experts_to_keep
 from thresher.prune.merge_api import experts_after_merge
@@ -164,12 +164,12 @@ def preflight(recipe: Recipe) -> Preflight:
     except ThresherError as err:
         raise RecipeError(f"model: {err}") from None
     _check_drafts(recipe, adapter, config)
-    context = context_length(config)
     for at, seq_len in (("calibration.seq_len", recipe.calibration.seq_len),
                         ("eval.perplexity.seq_len", recipe.eval.perplexity.seq_len)):
-        if context is not None and seq_len > context:
-            raise RecipeError(f"{at}: {seq_len} is longer than the model's context ({context} "
-                              "positions, max_position_embeddings); lower it")
+        try:
+            check_window_length(config, seq_len, f"{at}:", "the model")
+        except DataError as err:
+            raise RecipeError(str(err)) from None
     with torch.device("meta"):
         from transformers import AutoModelForCausalLM
 

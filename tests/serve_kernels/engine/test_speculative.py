@@ -284,7 +284,6 @@ def test_pacing_cuts_verifies_that_cannot_pay_and_keeps_the_tokens(tiny_demo, ad
     assert spec.num_accepted_tokens == 0
     if adaptive:
         assert spec.num_drafts <= 8 * len(PROMPTS)
-        assert not llm.engine._pacing  # released with the requests
     else:
         assert spec.num_drafts >= 60 * len(PROMPTS)
     _assert_all_freed(llm)

@@ -147,9 +147,7 @@ class LLMEngine:
                              f"max_position_embeddings ({limit})")
         self.drafter: NgramDrafter | ModelDrafter | None = None
         self.num_speculative_tokens = speculative.num_speculative_tokens if speculative else 0
-        # request id -> its proposal pacing, with ``SpeculativeConfig.adaptive``
-        self._pacing: dict[str, Pacing] | None = (
-            {} if speculative is not None and speculative.adaptive else None)
+        self.pacing = speculative is not None and speculative.adaptive  # each Sequence.pacing
         self.spec_stats = SpeculativeStats()
         if speculative is not None:  # on a GPU the target's cache gets what the draft leaves
             self.drafter = self._build_drafter(speculative, spec, max_num_seqs, block_size,
@@ -256,6 +254,8 @@ class LLMEngine:
                 f"{params.max_tokens} exceeds max_model_len={self.max_model_len}; shorten the "
                 "prompt or lower max_tokens")
         seq = Sequence(request_id, ids, params, max_tokens)
+        if self.pacing:
+            seq.pacing = Pacing()
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         self._prompt_total += len(ids)
@@ -266,7 +266,8 @@ class LLMEngine:
         if seq is None or seq.is_finished:
             return
         self.scheduler.finish(seq, "abort")
-        self._release_speculation(seq.request_id)
+        if self.drafter is not None:
+            self.drafter.release(seq.request_id)
         self._aborted.append(seq)
 
     def has_unfinished_requests(self) -> bool:
@@ -307,8 +308,8 @@ class LLMEngine:
                 seq.num_proposed = 0
                 accepted = chosen[b][2] - chosen[b][1] - 1 if b in chosen else 0
                 self.spec_stats.record(m, accepted)
-                if self._pacing is not None:
-                    self._pacing[seq.request_id].record(accepted)
+                if seq.pacing is not None:
+                    seq.pacing.record(accepted)
                 seq.num_draft_tokens += m
                 seq.num_accepted_tokens += accepted
                 n -= m - accepted
@@ -339,11 +340,10 @@ class LLMEngine:
         ``Pacing`` pauses it."""
         budget = self.scheduler.max_num_batched_tokens - sum(batch.num_new_tokens)
         seqs, ks = [], []
-        pacing = self._pacing
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if n != 1 or seq.num_computed_tokens + 1 != seq.num_tokens:
                 continue  # a prefill chunk
-            if pacing is not None and not pacing.setdefault(seq.request_id, Pacing()).proposes():
+            if seq.pacing is not None and not seq.pacing.proposes():
                 continue
             k = min(self.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - seq.num_tokens, budget)
@@ -537,13 +537,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         self._seqs.pop(seq.request_id, None)
-        self._release_speculation(seq.request_id)
-
-    def _release_speculation(self, request_id: str) -> None:
         if self.drafter is not None:
-            self.drafter.release(request_id)
-        if self._pacing is not None:
-            self._pacing.pop(request_id, None)
+            self.drafter.release(seq.request_id)
 
     def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
         """The request's state now; its growing lists are handed out as snapshots, not copies."""

@@ -15,10 +15,13 @@ import time
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
 from itertools import islice
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from thresher.serve_kernels.engine.detokenizer import PROMPT_CONTEXT
 from thresher.serve_kernels.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from thresher.serve_kernels.engine.speculative import Pacing
 
 T = TypeVar("T")
 
@@ -100,6 +103,7 @@ class Sequence:
         self.num_proposed = 0  # trailing token_ids that are speculative proposals being verified
         self.num_draft_tokens = 0  # proposals verified for it, over its life
         self.num_accepted_tokens = 0  # of which the target kept
+        self.pacing: Pacing | None = None  # when it proposes (speculative decoding with pacing)
         self.num_cached_prompt_tokens = 0  # set on first admission
         self.admitted = False
         self.logprobs: list[float] | None = [] if params.logprobs is not None else None

@@ -368,7 +368,7 @@ static int paged_decode(const void *q, const void *k_cache, const void *v_cache,
     int64_t group = hq / hkv, max_len = 1;
     for (int64_t b = 0; b < batch; b++)
         if (context_lens[b] > max_len) max_len = context_lens[b];
-    int parallel = batch * hq * max_len * d > 262144, failed = 0;
+    int parallel = batch * hq * max_len * d > 262144 && outermost(), failed = 0;
     int64_t threads = parallel ? omp_get_max_threads() : 1, units = batch * hkv;
     int64_t chunks = units >= threads ? 1 : (threads + units - 1) / units;
     chunks = chunks > group ? group : chunks;

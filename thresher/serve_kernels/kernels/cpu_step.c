@@ -929,7 +929,7 @@ static int delta_net(const thr_model *m, const thr_layer *L, int64_t t, const in
 static int per_head(const float *x, int64_t t, int64_t heads, int64_t width, int64_t from,
                     int64_t k, const void *w, int64_t n, float *xb, float *yb, float *y, int bf16) {
     int failed = 0;
-#pragma omp parallel for schedule(static) if (heads * n * k >= 65536)
+#pragma omp parallel for schedule(static) if (heads * n * k >= 65536 && outermost())
     for (int64_t h = 0; h < heads; h++) {
         float *xh = xb + h * t * k, *yh = yb + h * t * n;
         for (int64_t i = 0; i < t; i++)
