@@ -25,6 +25,29 @@ def test_help_explains_commands():
         assert command in result.output
 
 
+def _commands(group, path=()):
+    for name, command in group.commands.items():
+        yield (*path, name), command
+        if hasattr(command, "commands"):
+            yield from _commands(command, (*path, name))
+
+
+def test_help_at_80_columns_shows_every_option_and_summary_whole():
+    """A terminal of 80 columns (and a pipe) must show each option's full name and each
+    command's whole summary: a truncated option name cannot be typed."""
+    root = typer.main.get_command(app)
+    for path, command in [((), root), *_commands(root)]:
+        result = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "80"})
+        assert result.exit_code == 0, (path, result.output)
+        body = [line for line in result.output.splitlines() if not line.startswith("Usage:")]
+        assert not any(line.endswith(("…", "...")) for line in body), (path, result.output)
+        for param in command.params:
+            for opt in (*param.opts, *param.secondary_opts):
+                if opt.startswith("--"):
+                    assert opt in result.output, (path, opt, result.output)
+        assert max(map(len, result.output.splitlines())) <= 80, (path, result.output)
+
+
 def test_check_prints_plan():
     result = runner.invoke(app, ["check", str(ROOT / "configs" / "demo.yaml")])
     assert result.exit_code == 0, result.output

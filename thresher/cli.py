@@ -42,19 +42,20 @@ app = typer.Typer(
     "quantization), track them in MLflow, publish standard checkpoints and serve them.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    rich_markup_mode="markdown",
+    rich_markup_mode=None,
 )
 demo_model_app = typer.Typer(help="Build the demo MoE models trained on the stdlib source.",
-                             no_args_is_help=True, rich_markup_mode="markdown")
+                             no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(demo_model_app, name="demo-model")
 export_app = typer.Typer(help="Export a model to another runtime's format (GGUF for llama.cpp and "
                          "Ollama).", no_args_is_help=True,
-                         rich_markup_mode="markdown")
-app.add_typer(export_app, name="export")
+                         rich_markup_mode=None)
+app.add_typer(export_app, name="export", short_help="Export a model to GGUF (llama.cpp, Ollama).")
 stack_app = typer.Typer(help="A local Prefect server, MLflow server and process workers: the "
                         "one-machine twin of a multi-machine sweep.", no_args_is_help=True,
-                        rich_markup_mode="markdown")
-app.add_typer(stack_app, name="stack")
+                        rich_markup_mode=None)
+app.add_typer(stack_app, name="stack",
+              short_help="A local Prefect server, MLflow server and workers.")
 
 # Wide enough for the comparison table when the output is a file or a CI log, not a terminal.
 console = Console(stderr=False, width=None if sys.stdout.isatty() else 160)
@@ -148,7 +149,7 @@ def knob_help(name: str) -> str:
 # --- recipes ------------------------------------------------------------------------------------
 
 
-@app.command()
+@app.command(short_help="Validate a recipe and print its plan (nothing is computed).")
 @handles_errors
 def check(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")]) -> None:
     """Validate a recipe against its model's shapes and print the resolved plan: stages (shared
@@ -213,7 +214,7 @@ def schema() -> None:
 # --- demo model ---------------------------------------------------------------------------------
 
 
-@demo_model_app.command("build")
+@demo_model_app.command("build", short_help="Train the demo tokenizer and Qwen3-MoE (cached).")
 @handles_errors
 def demo_model_build(
     size: Annotated[str, typer.Argument(
@@ -301,7 +302,7 @@ def _flow_records(summary: dict[str, Any]) -> list[VariantRecord]:
     return [VariantRecord.from_dict(v) for v in summary["variants"]]
 
 
-@app.command("run")
+@app.command("run", short_help="Run a recipe through the Prefect compress flow.")
 @handles_errors
 def run_cmd(
     recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")],
@@ -331,7 +332,7 @@ def run_cmd(
     console.print(f"MLflow: parent run {summary['parent_run_id']} at {summary['tracking_uri']}")
 
 
-@app.command()
+@app.command(short_help="Register scheduled compress deployments with a Prefect server.")
 @handles_errors
 def deploy(
     schedules: Annotated[Path, typer.Argument(help="Schedules YAML (see configs/schedules.yaml).")],
@@ -357,7 +358,7 @@ def deploy(
         serve_deployments(specs)
 
 
-@stack_app.command("up")
+@stack_app.command("up", short_help="Start a Prefect server, an MLflow server and N workers.")
 @handles_errors
 def stack_up(
     workers: Annotated[int, typer.Option(min=1, help="Process workers to start.")] = 2,
@@ -376,7 +377,7 @@ def stack_up(
         console.print(f"  export {k}={v}", highlight=False)
 
 
-@stack_app.command("down")
+@stack_app.command("down", short_help="Stop the processes thresher stack up started.")
 @handles_errors
 def stack_down() -> None:
     """Stop the processes `thresher stack up` started (state under $THRESHER_HOME/stack)."""
@@ -410,7 +411,7 @@ def _calibration_source(text: str):
     return FilesSource(files=[part.strip() for part in text.split(",") if part.strip()])
 
 
-@app.command("prune")
+@app.command("prune", short_help="Remove the lowest-saliency experts of every MoE layer (REAP).")
 @handles_errors
 def prune_cmd(
     model: Annotated[str, typer.Option(help="Hub id, local dir, models:/name/version or demo:size.")],
@@ -485,7 +486,7 @@ def prune_cmd(
     _print_runtime_note(out)
 
 
-@app.command("merge")
+@app.command("merge", short_help="Merge each MoE layer's experts into fewer (M-SMoE, HC-SMoE).")
 @handles_errors
 def merge_cmd(
     model: Annotated[str, typer.Option(help="Hub id, local dir, models:/name/version or demo:size.")],
@@ -547,7 +548,7 @@ def merge_cmd(
 # --- quantization -------------------------------------------------------------------------------
 
 
-@app.command("quantize")
+@app.command("quantize", short_help="Quantize a model (GPTQ, AWQ, NF4, RTN), layer by layer.")
 @handles_errors
 def quantize_cmd(
     model: Annotated[str, typer.Option(help="Hub id, local dir, models:/name/version or demo:size.")],
@@ -641,7 +642,7 @@ def _int_or_text(value: str) -> int | str:
 # --- export -------------------------------------------------------------------------------------
 
 
-@export_app.command("gguf")
+@export_app.command("gguf", short_help="Write a checkpoint to one GGUF file, tokenizer included.")
 @handles_errors
 def export_gguf_cmd(
     model: Annotated[str, typer.Argument(
@@ -685,7 +686,7 @@ def export_gguf_cmd(
 # --- task evaluation and the comparison report ---------------------------------------------------
 
 
-@app.command("tasks")
+@app.command("tasks", short_help="Score a model on lm-evaluation-harness tasks.")
 @handles_errors
 def tasks_cmd(
     model: Annotated[str, typer.Option(help="Hub id, local dir, models:/name/version or demo:size.")],
@@ -741,7 +742,7 @@ def _describe_loaded(name: str, info: dict, max_model_len: int) -> str:
             f"{drafting}")
 
 
-@app.command()
+@app.command(short_help="Compare variants: table, Pareto frontier, task bars, saliency.")
 @handles_errors
 def compare(
     run_ids: Annotated[list[str], typer.Argument(
@@ -781,7 +782,7 @@ def _speculative_config(draft: str | None, num_speculative_tokens: int | None,
     return SpeculativeConfig(draft, num_speculative_tokens, adaptive=pacing)
 
 
-@app.command()
+@app.command(short_help="Serve a model over an OpenAI-compatible HTTP API.")
 @handles_errors
 def serve(
     model: Annotated[str, typer.Argument(
@@ -893,7 +894,7 @@ def serve(
 DEMO_RECIPE = Path(__file__).parent / "configs" / "demo.yaml"  # inside the package: wheels have it
 
 
-@app.command()
+@app.command(short_help="Run the embedded default recipe end to end.")
 @handles_errors
 def demo(
     recipe: Annotated[Path, typer.Option(help="Recipe to run.")] = DEMO_RECIPE,

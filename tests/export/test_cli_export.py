@@ -30,7 +30,7 @@ def test_export_gguf_command_reports_errors_without_traceback(tiny_demo, tmp_pat
 
 
 def test_export_gguf_help_names_every_type():
-    result = runner.invoke(app, ["export", "gguf", "--help"], env={"COLUMNS": "200"})
+    result = runner.invoke(app, ["export", "gguf", "--help"])
     assert result.exit_code == 0
     assert all(t in result.output for t in GGUF_TYPES) and "--out" in result.output
 

@@ -174,6 +174,48 @@ def test_every_reader_names_the_bad_file_and_its_fault(fault, tiny_demo, tmp_pat
     assert not (tmp_path / "out.gguf").exists()
 
 
+SIDE_FAULTS = {  # file, how it is broken, what the message says
+    "config-not-object": ("config.json", "[1, 2]", "cannot read it (not a JSON object)"),
+    "config-zero-size": ("config.json", None, "num_hidden_layers is -1; it must be positive"),
+    "tokenizer-json": ("tokenizer.json", "{bad", "corrupt (Expecting property name"),
+    "tokenizer-config": ("tokenizer_config.json", '{"a": "', "corrupt (Unterminated string"),
+}
+
+
+@pytest.mark.parametrize("fault", list(SIDE_FAULTS))
+def test_a_bad_config_or_tokenizer_file_is_named(fault, tiny_demo, tmp_path):
+    """config.json and the tokenizer's files: the file and its fault, from every reader that
+    opens it (transformers' own errors name neither, or fail deep inside on a negative size)."""
+    import shutil
+
+    from thresher.errors import ModelError
+    from thresher.export import export_gguf
+    from thresher.models import load_model
+    from thresher.models.layerwise import LayerwiseModel
+    from thresher.models.loading import load_tokenizer
+    from thresher.serve_kernels.loader import load_engine_model
+
+    name, text, reason = SIDE_FAULTS[fault]
+    path = tmp_path / fault
+    shutil.copytree(tiny_demo, path)
+    if text is None:
+        config = json.loads((path / name).read_text())
+        (path / name).write_text(json.dumps({**config, "num_hidden_layers": -1}))
+    else:
+        (path / name).write_text(text)
+    readers = [lambda p: export_gguf(p, tmp_path / "out.gguf", "f16", show_progress=False)]
+    if fault != "config-zero-size":  # the tokenizer reads config.json but not its sizes
+        readers.append(load_tokenizer)
+    if name == "config.json":
+        readers += [LayerwiseModel, load_model, load_engine_model]
+    for read in readers:
+        with pytest.raises(ModelError) as err:
+            read(path)
+        message = str(err.value)
+        assert message.startswith(f"{path / name}: ") and reason in message, (read, message)
+    assert not (tmp_path / "out.gguf").exists()
+
+
 def test_a_packed_weight_of_the_wrong_shape_is_named_by_the_engine_loader(tiny_demo, tmp_path):
     """A GPTQ module whose packed tensors hold another width than config.json's: the engine
     names the artifact and the module instead of failing in a kernel."""

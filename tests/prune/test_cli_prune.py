@@ -40,7 +40,7 @@ def test_prune_command_reports_bad_options_without_traceback(tmp_path):
 
 
 def test_prune_command_device_option(tmp_path, tiny_tokenizer):
-    result = runner.invoke(app, ["prune", "--help"], env={"COLUMNS": "200"})
+    result = runner.invoke(app, ["prune", "--help"])
     assert "--device" in result.output and "--offload-budget-gb" in result.output
     assert "cuda:N" in result.output
     save_model(build_random_model("qwen3_moe", vocab_size=len(tiny_tokenizer)), tiny_tokenizer,

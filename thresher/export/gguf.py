@@ -47,6 +47,7 @@ from thresher.formats.config import PackedFormat, packed_format
 from thresher.models.adapters import Adapter, get_adapter
 from thresher.models.checkpoint import CheckpointReader, CheckpointWriter
 from thresher.models.layerwise import load_config
+from thresher.models.loading import check_tokenizer_files
 from thresher.paths import storage_error
 from thresher.resources import measure
 
@@ -899,6 +900,7 @@ def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, vocab_size: int) 
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         raise ExportError(f"{model_dir}: no tokenizer.json; GGUF files carry their tokenizer")
+    check_tokenizer_files(model_dir)
     tok = json.loads(path.read_text())
     model, pre = tok.get("model") or {}, tok.get("pre_tokenizer") or {}
     pre_name = _pre_tokenizer_name(pre)

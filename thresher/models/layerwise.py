@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import json
 from pathlib import Path
 
 import torch
@@ -71,17 +72,42 @@ def load_config(path: str | Path, dequantized: bool = False):
     """A checkpoint's config.json as transformers reads it; an unreadable one is named. With
     ``dequantized``, the config of the model as thresher reads it: MXFP4 experts are dequantized
     on read, so their quantization_config is dropped (a checkpoint written from it is plain)."""
+    file = Path(path) / "config.json"
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{Path(path) / 'config.json'}: cannot read it "
-                              f"({type(err).__name__}: {err})") from None
+        reason = f"{type(err).__name__}: {err}"
+        if file.is_file() and not _is_json_object(file):
+            reason = "not a JSON object"
+        raise CheckpointError(f"{file}: cannot read it ({reason})") from None
     # unsupported families fail here, before any weights are read; a multimodal hub config
     # gives way to its language model's
     config = get_adapter(config).language_config(config)
+    _check_sizes(config, file)
     if dequantized and is_mxfp4(config):
         del config.quantization_config
     return config
+
+
+# sizes a model cannot have as zero or less (transformers accepts them and fails deep inside)
+POSITIVE_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size",
+                  "num_experts", "n_routed_experts", "num_local_experts", "num_experts_per_tok",
+                  "max_position_embeddings")
+
+
+def _is_json_object(file: Path) -> bool:
+    try:
+        return isinstance(json.loads(file.read_text()), dict)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+
+
+def _check_sizes(config, file: Path) -> None:
+    for name in POSITIVE_SIZES:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
+            raise CheckpointError(f"{file}: {name} is {value}; it must be positive")
 
 
 class LayerwiseModel:

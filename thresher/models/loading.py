@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from thresher.data.windows import calibration_windows
-from thresher.errors import DataError, ModelError, UnsupportedArchitectureError
+from thresher.errors import CheckpointError, DataError, ModelError, UnsupportedArchitectureError
 from thresher.formats.dtypes import DTYPES
 from thresher.models.adapters import get_adapter
 from thresher.models.checkpoint import CheckpointReader
@@ -23,11 +24,28 @@ from thresher.models.source import resolve_model
 log = logging.getLogger(__name__)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as err:
+        if (Path(path) / "config.json").is_file():
+            load_config(path)  # transformers reads the config first: a bad one is named as such
+        check_tokenizer_files(path)
         raise ModelError(f"{path}: cannot load the tokenizer ({err})") from err
+
+
+def check_tokenizer_files(path: str | Path) -> None:
+    """Name a tokenizer file that is not JSON: transformers' and gguf's errors name no file."""
+    for name in TOKENIZER_FILES:
+        file = Path(path) / name
+        try:
+            if file.is_file():
+                json.loads(file.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise CheckpointError(f"{file}: corrupt ({err}); replace it with a good copy") from None
 
 
 def context_length(config) -> int | None:
