@@ -109,6 +109,23 @@ def test_serve_on_an_address_in_use_fails_before_loading(monkeypatch):
     assert f"cannot listen on 127.0.0.1:{port}" in text
 
 
+@pytest.mark.parametrize(("args", "option"), [
+    (["serve", "demo:tiny", "--port", "-1"], "'--port'"),
+    (["serve", "demo:tiny", "--max-model-len", "0"], "'--max-model-len'"),
+    (["serve", "demo:tiny", "--max-queue", "-1"], "'--max-queue'"),
+    (["serve", "demo:tiny", "--port", "0", "--dtype", "int8"], "'--dtype'"),
+    (["serve", "demo:tiny", "--port", "0", "--kv-cache-gb", "0"], "'--kv-cache-gb'"),
+    (["tasks", "--model", "demo:tiny", "--limit", "-1"], "'--limit'"),
+    (["tasks", "--model", "demo:tiny", "--batch-size", "0"], "'--batch-size'"),
+])
+def test_numeric_options_out_of_range_are_named(args, option):
+    """Exit 2 naming the option (were a traceback, or a context of 0 silently taken as the
+    model's own)."""
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for {option}" in result.output and "Traceback" not in result.output
+
+
 def test_windows_longer_than_the_context_are_refused_by_the_commands(tmp_path):
     """Perplexity and calibration windows past demo:tiny's 1,024 positions: one line, exit 2,
     before any window is scored or any statistic gathered; a bad value names the option."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable
 from functools import wraps
@@ -695,8 +696,8 @@ def tasks_cmd(
         "stdlib_next_line (multiple choice), stdlib_complete_line, stdlib_function_body "
         "(generative, decoded by the serving engine); or any lm-eval task name.")] = ["stdlib_closing", "stdlib_identifier",  # noqa: B006
                                                              "stdlib_next_line"],
-    limit: Annotated[int, typer.Option(help="Cap on documents per task (0 = all).")] = 0,
-    batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 16,
+    limit: Annotated[int, typer.Option(min=0, help="Cap on documents per task (0 = all).")] = 0,
+    batch_size: Annotated[int, typer.Option(min=1, help="Sequences per forward pass.")] = 16,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results here.")] = None,
 ) -> None:
     """Score a model on lm-evaluation-harness tasks (the built-in ones run offline)."""
@@ -788,26 +789,26 @@ def serve(
     model: Annotated[str, typer.Argument(
         help="Published artifact directory, models:/name/version, or demo:tiny|small.")],
     host: Annotated[str, typer.Option(help="Interface to bind (loopback by default).")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port.")] = 8000,
     api_key: Annotated[str | None, typer.Option(
         envvar="THRESHER_API_KEY",
         help="Require 'Authorization: Bearer KEY' on /v1 endpoints (an empty key is refused; "
              "leave it unset to serve without one).")] = None,
     served_model_name: Annotated[str | None, typer.Option(
         help="Model name clients send (default: the artifact directory's name).")] = None,
-    max_num_seqs: Annotated[int, typer.Option(help="Sequences in the running batch.")] = 64,
+    max_num_seqs: Annotated[int, typer.Option(min=1, help="Sequences in the running batch.")] = 64,
     max_queue: Annotated[int, typer.Option(
-        help="Sequences allowed to wait beyond the running batch; more get HTTP 429.")] = 256,
+        min=0, help="Sequences allowed to wait beyond the running batch; more get HTTP 429.")] = 256,
     max_model_len: Annotated[int | None, typer.Option(
-        help="Context length (default: the model's).")] = None,
+        min=1, help="Context length (default: the model's).")] = None,
     dtype: Annotated[str, typer.Option(
         help="Serving dtype: auto (16-bit on a GPU; on a CPU bfloat16 for checkpoints of "
              "128 MB and more, else float32), float32, bfloat16, float16.")] = "auto",
     max_num_batched_tokens: Annotated[int, typer.Option(
-        help="New tokens per engine step (prefill chunks plus decode rows).")] = 2048,
-    block_size: Annotated[int, typer.Option(help="Tokens per KV-cache block.")] = 16,
+        min=1, help="New tokens per engine step (prefill chunks plus decode rows).")] = 2048,
+    block_size: Annotated[int, typer.Option(min=1, help="Tokens per KV-cache block.")] = 16,
     num_kv_blocks: Annotated[int | None, typer.Option(
-        help="KV-cache blocks (default: from --kv-cache-gb, else sized from GPU memory on CUDA, "
+        min=1, help="KV-cache blocks (default: from --kv-cache-gb, else sized from GPU memory on CUDA, "
              "else 1 GiB on a CPU).")] = None,
     kv_cache_gb: Annotated[float | None, typer.Option(
         help="KV-cache size in GiB (instead of --num-kv-blocks).")] = None,
@@ -817,12 +818,12 @@ def serve(
     enforce_eager: Annotated[bool, typer.Option(
         help="CUDA: run decode steps eagerly instead of replaying CUDA graphs.")] = False,
     max_body_bytes: Annotated[int, typer.Option(
-        help="Largest request body accepted; larger ones get HTTP 413.")] = 8 * 2**20,
+        min=1, help="Largest request body accepted; larger ones get HTTP 413.")] = 8 * 2**20,
     draft: Annotated[str | None, typer.Option(
         help="Speculative decoding: 'ngram' (prompt lookup) or a draft model (artifact "
              "directory, models:/name/version, demo:NAME) with the target's tokenizer.")] = None,
     num_speculative_tokens: Annotated[int | None, typer.Option(
-        help="Speculative decoding: tokens proposed per sequence and step (k, 1-16; default 3 "
+        min=1, max=16, help="Speculative decoding: tokens proposed per sequence and step (k, 1-16; default 3 "
              "with --draft).")] = None,
     speculative_pacing: Annotated[bool, typer.Option(
         help="Speculative decoding: a sequence whose recent proposals mostly fail decodes "
@@ -850,8 +851,6 @@ def serve(
         raise typer.BadParameter("the API key is empty (an unset variable?); pass a key, or "
                                  "leave --api-key and THRESHER_API_KEY unset to serve without one",
                                  param_hint="'--api-key' / THRESHER_API_KEY")
-    if max_body_bytes < 1:
-        raise typer.BadParameter(f"{max_body_bytes}: must be >= 1", param_hint="'--max-body-bytes'")
     warning = bind_warning(host, api_key)
     if warning:
         err_console.print(f"[bold yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
@@ -868,8 +867,10 @@ def serve(
                            block_size=block_size, num_kv_blocks=num_kv_blocks,
                            kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization,
                            enforce_eager=enforce_eager, speculative=speculative)
-    except ValueError as err:  # an engine option out of range: the message names it
-        raise typer.BadParameter(str(err)) from None
+    except ValueError as err:  # an engine option out of range: the message starts "name=value"
+        option = re.match(r"(\w+)=", str(err))
+        raise typer.BadParameter(str(err), param_hint=option and
+                                 f"'--{option.group(1).replace('_', '-')}'") from None
     name = served_model_name or (path.name if not model.startswith("models:/")
                                  else model.removeprefix("models:/"))
     console.print(_describe_loaded(name, engine.model_info, engine.max_model_len), highlight=False,

@@ -247,6 +247,45 @@ def test_invalid_requests(client, payload, status, param):
     assert err["message"]
 
 
+def test_chat_continues_the_final_message(client, server, reference):
+    """continue_final_message: the reply goes on from the assistant's unfinished message, as
+    the same prompt rendered without the turn's end and decoded offline does."""
+    from thresher.serve_kernels.server import FALLBACK_CHAT_TEMPLATE
+
+    messages = [{"role": "user", "content": "a loop"},
+                {"role": "assistant", "content": "for i in range("}]
+    tokenizer = server.app.state.async_engine.engine.tokenizer
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True,
+        chat_template=None if tokenizer.chat_template else FALLBACK_CHAT_TEMPLATE)
+    assert text.endswith("for i in range(")
+    want = reference.generate(text, SamplingParams(temperature=0, max_tokens=6,
+                                                   ignore_eos=True))[0]
+    body = client.post("/v1/chat/completions", json={
+        "messages": messages, "temperature": 0, "max_tokens": 6, "ignore_eos": True,
+        "continue_final_message": True, "add_generation_prompt": False}).json()
+    assert body["choices"][0]["message"]["content"] == want.text
+    assert body["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    for extra, why in (({}, "needs add_generation_prompt: false"),
+                       ({"add_generation_prompt": False, "messages": messages[:1]},
+                        "needs a last message from the assistant")):
+        r = client.post("/v1/chat/completions", json={
+            "messages": messages, "max_tokens": 2, "continue_final_message": True, **extra})
+        assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+
+
+def test_stop_token_ids_end_the_completion_without_their_text(client, tiny_tokenizer):
+    req = {"prompt": "import os\nimport", "max_tokens": 12, "temperature": 0,
+           "ignore_eos": True, "logprobs": 0}
+    full = client.post("/v1/completions", json=req).json()["choices"][0]
+    ids = tiny_tokenizer(full["text"], add_special_tokens=False).input_ids
+    assert tiny_tokenizer.decode(ids) == full["text"] and len(ids) > 3
+    cut = client.post("/v1/completions", json={**req, "stop_token_ids": [ids[2]]}).json()
+    choice = cut["choices"][0]
+    assert choice["finish_reason"] == "stop" and cut["usage"]["completion_tokens"] == 3
+    assert choice["text"] == tiny_tokenizer.decode(ids[:2])
+
+
 def test_chat_template_rejecting_the_messages_is_a_400(client, server):
     tokenizer = server.app.state.async_engine.engine.tokenizer
     before = tokenizer.chat_template

@@ -71,8 +71,24 @@ def hostile_cases(vocab: int) -> list[tuple[str, object, str | None]]:
                                                                 "repetition_penalty"),
         ("repetition_penalty", 10.0, None), ("repetition_penalty", 0.01, None),
         ("min_tokens", 2, None), ("min_tokens", 3, "min_tokens"), ("min_tokens", -1, "min_tokens"),
+        ("stop_token_ids", [5], None), ("stop_token_ids", [vocab], "stop_token_ids"),
+        ("stop_token_ids", [-1], "stop_token_ids"),
+        # vLLM's decoding extensions that are not implemented: refused unless neutral
+        ("guided_json", {"type": "object"}, "guided_json"), ("guided_choice", ["a"], "guided_choice"),
+        ("structured_outputs", {"regex": "a+"}, "structured_outputs"),
+        ("use_beam_search", True, "use_beam_search"), ("use_beam_search", False, None),
+        ("skip_special_tokens", False, "skip_special_tokens"), ("skip_special_tokens", True, None),
+        ("include_stop_str_in_output", True, "include_stop_str_in_output"),
+        ("bad_words", ["x"], "bad_words"), ("allowed_token_ids", [1, 2], "allowed_token_ids"),
+        ("prompt_logprobs", 1, "prompt_logprobs"),
         ("user", "someone", None),  # informational fields stay ignored, as OpenAI's server does
     ]
+
+
+CHAT_CASES = [("echo", True, "echo"), ("echo", False, None), ("chat_template", "{{ x }}",
+                                                               "chat_template"),
+              ("chat_template_kwargs", {"enable_thinking": True}, "chat_template_kwargs"),
+              ("add_generation_prompt", False, None)]
 
 
 @pytest.mark.parametrize(("endpoint", "n"), [("completions", 1), ("completions", 16),
@@ -80,7 +96,8 @@ def hostile_cases(vocab: int) -> list[tuple[str, object, str | None]]:
 def test_hostile_sampling_parameters_are_refused_by_name_or_answered(server, client, endpoint, n):
     prompt = ({"prompt": PROMPT} if endpoint == "completions"
               else {"messages": [{"role": "user", "content": PROMPT}]})
-    for field, value, refused in hostile_cases(server.engine.vocab_size):
+    cases = hostile_cases(server.engine.vocab_size)
+    for field, value, refused in cases + (CHAT_CASES if endpoint.startswith("chat") else []):
         body = {**prompt, "max_tokens": 2, "n": n, "temperature": 0.7, field: value}
         r = client.post(f"/v1/{endpoint}", json=body)
         case = f"{field}={value!r} n={n}: {r.status_code} {r.text[:300]}"

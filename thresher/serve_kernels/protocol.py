@@ -4,13 +4,15 @@ Field names follow OpenAI's (``max_tokens``, ``logprobs``, ``echo``, ``stream_op
 stock clients and lm-evaluation-harness's ``local-completions`` backend work unchanged. Types are
 strict ("5" is not an integer) and unknown fields are ignored, as OpenAI does. Ranges are OpenAI's
 where OpenAI defines one (and appear in the server's /openapi.json); what depends on the model
-(``top_k`` and ``logit_bias`` ids against the vocabulary) the server checks next. Extensions that
-vLLM also accepts: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens`` and
-``ignore_eos`` (the load test uses the latter for fixed lengths).
+(``top_k``, ``logit_bias`` and ``stop_token_ids`` against the vocabulary) the server checks
+next. Extensions that vLLM also accepts: ``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``stop_token_ids``, ``ignore_eos`` (the load test uses it for fixed lengths)
+and, in chat, ``add_generation_prompt`` and ``continue_final_message``.
 
-A field that would change the output but that the server does not implement (constrained JSON
-output, tools, ``best_of``) is refused unless it has its neutral value, rather than ignored: the
-client would otherwise get an output that silently breaks what it asked for.
+A field that would change the output but that the server does not implement (constrained
+output, tools, ``best_of``, beam search, vLLM's other decoding extensions) is refused unless it
+has its neutral value, rather than ignored: the client would otherwise get an output that
+silently breaks what it asked for.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationInfo,
+    create_model,
     field_validator,
     model_validator,
 )
@@ -39,16 +42,44 @@ MAX_STOP = 4
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-# field -> (whether a value is neutral, why anything else is refused)
+def _unset(v: Any) -> bool:
+    return not v
+
+
+GUIDED = "constrained output (guided decoding, structured outputs) is not supported"
+# field -> (whether a value is neutral, why anything else is refused): OpenAI's fields and vLLM's
+# extensions that change the output but are not implemented
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "response_format": (lambda v: v is None or v == {"type": "text"},
                         "constrained output (JSON mode, JSON schema) is not supported; omit it "
                         "or give {\"type\": \"text\"}"),
-    "tools": (lambda v: not v, "tool calling is not supported"),
-    "functions": (lambda v: not v, "function calling is not supported"),
+    "tools": (_unset, "tool calling is not supported"),
+    "functions": (_unset, "function calling is not supported"),
     "tool_choice": (lambda v: v in (None, "none"), "tool calling is not supported"),
     "function_call": (lambda v: v in (None, "none"), "function calling is not supported"),
     "best_of": (lambda v: v in (None, 1), "only 1 is supported (n gives several samples)"),
+    "guided_json": (_unset, GUIDED), "guided_regex": (_unset, GUIDED),
+    "guided_choice": (_unset, GUIDED), "guided_grammar": (_unset, GUIDED),
+    "structured_outputs": (_unset, GUIDED),
+    "use_beam_search": (_unset, "beam search is not supported"),
+    "length_penalty": (lambda v: v in (None, 1), "beam search is not supported"),
+    "bad_words": (_unset, "bad_words is not supported (logit_bias can forbid single tokens)"),
+    "allowed_token_ids": (_unset, "allowed_token_ids is not supported (logit_bias can forbid "
+                          "tokens)"),
+    "logits_processors": (_unset, "custom logits processors are not supported"),
+    "prompt_logprobs": (lambda v: v is None, "not supported; /v1/completions scores the prompt "
+                        "with echo: true and logprobs"),
+    "truncate_prompt_tokens": (lambda v: v is None, "prompts are not truncated; shorten it"),
+    "skip_special_tokens": (lambda v: v in (None, True), "special tokens are always skipped"),
+    "include_stop_str_in_output": (_unset, "stop strings are always cut from the output"),
+    "return_tokens_as_token_ids": (_unset, "logprobs name tokens by their text"),
+}
+# chat completions only (/v1/completions implements echo)
+CHAT_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "echo": (_unset, "echo is not supported in chat completions (/v1/completions has it)"),
+    "chat_template": (lambda v: v is None, "the model's own chat template is always used"),
+    "chat_template_kwargs": (_unset, "the model's own chat template is always used"),
+    "documents": (_unset, "documents are not supported"),
 }
 
 
@@ -60,7 +91,26 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
-class SamplingFields(OpenAIModel):
+def _refusing(name: str, base: type[BaseModel],
+              table: dict[str, tuple[Callable[[Any], bool], str]]) -> type[BaseModel]:
+    """``base`` with ``table``'s fields declared (so /openapi.json lists them) and refused, with
+    the reason, unless neutral."""
+
+    def refuse(cls, v: Any, info: ValidationInfo) -> Any:
+        neutral, why = table[info.field_name]
+        if not neutral(v):
+            raise ValueError(why)
+        return v
+
+    fields: dict[str, Any] = {field: (Any, Field(None, description=f"not supported: {why}"))
+                              for field, (_, why) in table.items()}
+    # one validator name per table: a subclass's validator of the same name would replace its
+    # base's
+    validators = {f"refuse_{name}": field_validator(*table)(refuse)}
+    return create_model(name, __base__=base, __validators__=validators, **fields)
+
+
+class SamplingFields(_refusing("Unsupported", OpenAIModel, UNSUPPORTED)):
     """Fields shared by completions and chat completions."""
 
     model: str | None = Field(None, description="served model name (default: the one loaded)")
@@ -88,24 +138,12 @@ class SamplingFields(OpenAIModel):
         "seen in the prompt or output divided by it if positive, multiplied if not (1: off)")
     min_tokens: int = Field(0, ge=0, description="extension: no end-of-sequence, stop token or "
                             "stop string ends the completion before this many tokens")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=list, description="extension: token ids that end the completion, their "
+        "text left out as end-of-sequence's is")
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None \
         = Field(None, description="token id (as a string) -> bias added to its logit")
 
-    # accepted only at their neutral values (UNSUPPORTED says why)
-    response_format: Any = Field(None, description="not supported: only {\"type\": \"text\"}")
-    tools: Any = Field(None, description="not supported: only empty")
-    functions: Any = Field(None, description="not supported: only empty")
-    tool_choice: Any = Field(None, description="not supported: only \"none\"")
-    function_call: Any = Field(None, description="not supported: only \"none\"")
-    best_of: Any = Field(None, description="not supported: only 1")
-
-    @field_validator(*UNSUPPORTED)
-    @classmethod
-    def _neutral(cls, v: Any, info: ValidationInfo) -> Any:
-        neutral, why = UNSUPPORTED[info.field_name]
-        if not neutral(v):
-            raise ValueError(why)
-        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -173,8 +211,13 @@ class ChatMessage(OpenAIModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(_refusing("ChatUnsupported", SamplingFields, CHAT_UNSUPPORTED)):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = Field(True, description="extension: end the prompt with the "
+                                        "template's opening of an assistant turn")
+    continue_final_message: bool = Field(
+        False, description="extension: the reply continues the last (assistant) message instead "
+        "of starting a new one; needs add_generation_prompt false")
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -184,6 +227,10 @@ class ChatCompletionRequest(SamplingFields):
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt: false")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs a last message from the assistant")
         return self
 
     @property

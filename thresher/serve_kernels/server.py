@@ -466,9 +466,9 @@ class _API:
         self.check_length(sum(len(m["content"]) for m in messages), "messages")
         template = None if self.tokenizer.chat_template else FALLBACK_CHAT_TEMPLATE
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=True,
-                                                      chat_template=template)
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message, chat_template=template)
         except TemplateError as err:  # the template refused these messages (role order, ...)
             raise APIError(400, f"'messages': the model's chat template rejected them: {err}",
                            param="messages", code="invalid_chat_template") from None
@@ -503,12 +503,13 @@ class _API:
                 repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
                 logit_bias={int(t): b for t, b in (body.logit_bias or {}).items()},
                 max_tokens=max_tokens, stop=[*body.stop, *extra_stop],
+                stop_token_ids=list(body.stop_token_ids),
                 seed=None if body.seed is None else body.seed + choice,
                 ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             )
             params.check_vocab(self.vocab_size)
         except InvalidSamplingParam as err:
-            raise APIError(400, f"'{err.field}': {err}", param=err.field,
+            raise APIError(400, f"'{err.field}': {err.reason}", param=err.field,
                            code="invalid_value") from None
         return params
 
@@ -525,7 +526,7 @@ class _API:
             raise APIError(429, f"the server is at capacity ({err}); retry later",
                            "rate_limit_error", code="queue_full") from None
         except InvalidSamplingParam as err:
-            raise APIError(400, f"'{err.field}': {err}", param=err.field,
+            raise APIError(400, f"'{err.field}': {err.reason}", param=err.field,
                            code="invalid_value") from None
         except ValueError as err:
             raise APIError(400, str(err), param="prompt") from None

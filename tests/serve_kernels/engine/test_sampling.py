@@ -79,8 +79,10 @@ def test_stop_strings_cut_the_text_and_stop_tokens_end_generation(llm, tiny_toke
     token = free.token_ids[5]
     by_id = llm.generate("class Foo(object):", SamplingParams(
         temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[token]))[0]
-    assert by_id.finish_reason == "stop" and by_id.token_ids == free.token_ids[
-        : free.token_ids.index(token) + 1]
+    end = free.token_ids.index(token)
+    assert by_id.finish_reason == "stop" and by_id.token_ids == free.token_ids[: end + 1]
+    # the ending token's text is left out, as vLLM does (and as end-of-sequence's is)
+    assert by_id.text == tiny_tokenizer.decode(free.token_ids[:end], skip_special_tokens=True)
     short = llm.generate("class Foo(object):", SamplingParams(temperature=0, max_tokens=3))[0]
     assert short.finish_reason == "length" and len(short.token_ids) == 3
 

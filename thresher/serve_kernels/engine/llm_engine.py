@@ -524,6 +524,7 @@ class LLMEngine:
         stops = seq.num_output_tokens >= p.min_tokens  # before min_tokens only the length ends it
         if stops and ((not p.ignore_eos and token in self.eos_token_ids)
                       or token in p.stop_token_ids):
+            seq.text = seq.text[:before]  # as vLLM: the ending token's text is not output
             reason = "stop"
         elif stops and p.stop and (at := find_stop(seq, len(seq.text) - before)) is not None:
             seq.text = seq.text[:at]

@@ -28,6 +28,7 @@ class InvalidSamplingParam(ValueError):
     def __init__(self, field_name: str, message: str):
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+        self.reason = message
 
 
 def _finite(name: str, value: float) -> None:
@@ -88,6 +89,8 @@ class SamplingParams:
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise InvalidSamplingParam("logit_bias", f"the bias of token {token} ({bias}) "
                                            f"must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidSamplingParam("stop_token_ids", "token ids must be non-negative")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise InvalidSamplingParam("seed", f"{self.seed} is not a 64-bit integer")
         if self.max_tokens is not None and (
@@ -101,14 +104,16 @@ class SamplingParams:
             raise InvalidSamplingParam("stop", "stop strings must be non-empty")
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Refuse a top_k or a logit_bias token beyond the model's vocabulary."""
+        """Refuse a top_k, a logit_bias token or a stop token beyond the model's vocabulary."""
         if self.top_k > vocab_size:
             raise InvalidSamplingParam("top_k", f"{self.top_k} exceeds the vocabulary size "
                                        f"({vocab_size}); use -1 to turn top-k off")
-        outside = [t for t in self.logit_bias if t >= vocab_size]
-        if outside:
-            raise InvalidSamplingParam("logit_bias", f"token id {outside[0]} is outside the "
-                                       f"vocabulary (size {vocab_size})")
+        for name, ids in (("logit_bias", self.logit_bias),
+                          ("stop_token_ids", self.stop_token_ids)):
+            outside = [t for t in ids if t >= vocab_size]
+            if outside:
+                raise InvalidSamplingParam(name, f"token id {outside[0]} is outside the "
+                                           f"vocabulary (size {vocab_size})")
 
     @property
     def greedy(self) -> bool:
