@@ -132,6 +132,10 @@ def test_yaml_errors(tmp_path):
     listy.write_text(yaml.safe_dump([1, 2]))
     with pytest.raises(RecipeError, match="mapping"):
         load_recipe(listy)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing yet\n")
+    with pytest.raises(RecipeError, match="the recipe is empty; `thresher demo --print-recipe`"):
+        load_recipe(empty)
 
 
 def test_defaults_fill_in():

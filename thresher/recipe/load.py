@@ -16,6 +16,9 @@ from thresher.recipe.schema import Recipe
 
 def parse_recipe(data: Any, where: str = "recipe") -> Recipe:
     """Validate a parsed YAML/JSON document into a Recipe, or raise RecipeError naming fields."""
+    if data is None:
+        raise RecipeError(f"{where}: the recipe is empty; `thresher demo --print-recipe` prints "
+                          "one to start from")
     if not isinstance(data, dict):
         raise RecipeError(f"{where}: a recipe is a mapping of keys to values, got {type(data).__name__}")
     try:
