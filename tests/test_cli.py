@@ -126,6 +126,14 @@ def test_numeric_options_out_of_range_are_named(args, option):
     assert f"Invalid value for {option}" in result.output and "Traceback" not in result.output
 
 
+def test_a_registry_uri_without_a_version_says_what_it_lacks(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    for uri in ("models:/nope", "models:/nope/"):
+        result = runner.invoke(app, ["perplexity", "--model", uri])
+        assert result.exit_code == 2, result.output
+        assert "models:/NAME/VERSION or models:/NAME@ALIAS" in result.output, result.output
+
+
 def test_windows_longer_than_the_context_are_refused_by_the_commands(tmp_path):
     """Perplexity and calibration windows past demo:tiny's 1,024 positions: one line, exit 2,
     before any window is scored or any statistic gathered; a bad value names the option."""

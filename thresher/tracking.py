@@ -261,6 +261,9 @@ class Tracker:
 
     def model_version(self, name_version: str) -> ModelVersion:
         """The registry entry of ``name/version`` or ``name@alias`` (a ``models:/`` URI's tail)."""
+        if "@" not in name_version and "/" not in name_version.strip("/"):
+            raise ModelError(f"models:/{name_version}: a registry URI names a version or an "
+                             "alias: models:/NAME/VERSION or models:/NAME@ALIAS")
         try:
             if "@" in name_version:
                 name, alias = name_version.split("@", 1)
