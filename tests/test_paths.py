@@ -31,6 +31,24 @@ def test_write_text_atomically_replaces_the_file_and_leaves_no_temporary(tmp_pat
     assert [p.name for p in final.parent.iterdir()] == ["result.json"]
 
 
+def test_built_directories_and_files_take_the_umask_modes(tmp_path):
+    """A published model must be readable as any other directory the user creates (a server
+    or container running as another user), not private as temporary files are."""
+    from thresher.paths import umask, write_text_atomically
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert umask() == mask
+    with build_dir_atomically(tmp_path / "model") as tmp:
+        (tmp / "config.json").write_text("{}")
+    write_text_atomically(tmp_path / "metrics.json", "{}")
+    assert (tmp_path / "model").stat().st_mode & 0o777 == 0o777 & ~mask
+    assert (tmp_path / "metrics.json").stat().st_mode & 0o777 == 0o666 & ~mask
+    with build_dir_atomically(tmp_path / "code", mode=0o700):
+        pass
+    assert (tmp_path / "code").stat().st_mode & 0o777 == 0o700
+
+
 def test_code_dir_is_private_and_an_open_one_is_replaced(tmp_path, monkeypatch, caplog):
     """Where thresher keeps code it will load: created 0700 under the state directory; one that
     the group or others can write to is not used, a private directory of this process is."""

@@ -93,6 +93,18 @@ def _private_tmp(name: str) -> Path:
     return path
 
 
+@functools.cache
+def umask() -> int:
+    """The process's umask, read once (/proc where it shows it; else by setting it back, which
+    for an instant changes it for every thread)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        status = Path("/proc/self/status").read_text().splitlines()
+        return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def fsync_path(path: Path) -> None:
     """Flush one file or directory to disk (a directory: its entries, i.e. renames into it)."""
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
@@ -128,10 +140,12 @@ def storage_error(err: OSError, where: Path) -> StorageError:
 
 
 @contextlib.contextmanager
-def build_dir_atomically(final: Path, check_replace: Callable[[Path], None] | None = None
-                         ) -> Iterator[Path]:
+def build_dir_atomically(final: Path, check_replace: Callable[[Path], None] | None = None,
+                         mode: int | None = None) -> Iterator[Path]:
     """A fresh directory beside ``final`` to build into; when the block succeeds it replaces
     ``final`` by a rename, and it is removed whatever happens, so ``final`` is never partial.
+    It gets ``mode``, by default the one ``mkdir`` would give (a temporary directory's 0700
+    would keep a published model from a server running as another user).
 
     The build is fsynced (files, directories) before the rename and the parent after it, so a
     power loss leaves the old ``final`` or the whole new one. An existing ``final`` is replaced
@@ -139,6 +153,7 @@ def build_dir_atomically(final: Path, check_replace: Callable[[Path], None] | No
     An OSError (a full disk) becomes a StorageError naming the file.
     """
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    tmp.chmod(0o777 & ~umask() if mode is None else mode)
     old = final.with_name(f"{tmp.name}-old")
     try:
         try:
@@ -169,6 +184,7 @@ def write_text_atomically(final: Path, text: str) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}-", dir=final.parent)
     try:
+        os.fchmod(fd, 0o666 & ~umask())  # as open() would create it, not mkstemp's 0600
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()

@@ -311,7 +311,7 @@ def prepare_builtin_tasks(seed: int = 0) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (final / "complete").is_file():
             return final
-        with build_dir_atomically(final) as tmp:
+        with build_dir_atomically(final, mode=0o700) as tmp:  # loaded as code: private
             for task in TASKS.values():
                 data = tmp / f"{task.name}.jsonl"
                 docs = generate_docs(task, seed=seed)
