@@ -798,7 +798,8 @@ def serve(
         help="Model name clients send (default: the artifact directory's name).")] = None,
     max_num_seqs: Annotated[int, typer.Option(min=1, help="Sequences in the running batch.")] = 64,
     max_queue: Annotated[int, typer.Option(
-        min=0, help="Sequences allowed to wait beyond the running batch; more get HTTP 429.")] = 256,
+        min=0, help="Sequences allowed to wait beyond the running batch; more get HTTP "
+                    "429.")] = 256,
     max_model_len: Annotated[int | None, typer.Option(
         min=1, help="Context length (default: the model's).")] = None,
     dtype: Annotated[str, typer.Option(
@@ -808,8 +809,8 @@ def serve(
         min=1, help="New tokens per engine step (prefill chunks plus decode rows).")] = 2048,
     block_size: Annotated[int, typer.Option(min=1, help="Tokens per KV-cache block.")] = 16,
     num_kv_blocks: Annotated[int | None, typer.Option(
-        min=1, help="KV-cache blocks (default: from --kv-cache-gb, else sized from GPU memory on CUDA, "
-             "else 1 GiB on a CPU).")] = None,
+        min=1, help="KV-cache blocks (default: from --kv-cache-gb, else sized from GPU memory on "
+                    "CUDA, else 1 GiB on a CPU).")] = None,
     kv_cache_gb: Annotated[float | None, typer.Option(
         help="KV-cache size in GiB (instead of --num-kv-blocks).")] = None,
     gpu_memory_utilization: Annotated[float, typer.Option(
@@ -823,8 +824,8 @@ def serve(
         help="Speculative decoding: 'ngram' (prompt lookup) or a draft model (artifact "
              "directory, models:/name/version, demo:NAME) with the target's tokenizer.")] = None,
     num_speculative_tokens: Annotated[int | None, typer.Option(
-        min=1, max=16, help="Speculative decoding: tokens proposed per sequence and step (k, 1-16; default 3 "
-             "with --draft).")] = None,
+        min=1, max=16, help="Speculative decoding: tokens proposed per sequence and step (k; "
+                            "default 3 with --draft).")] = None,
     speculative_pacing: Annotated[bool, typer.Option(
         help="Speculative decoding: a sequence whose recent proposals mostly fail decodes "
              "plainly for a while (2 to 64 steps) before proposing again; off, every sequence "

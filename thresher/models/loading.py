@@ -31,8 +31,10 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as err:
+        # transformers reads config.json first: a bad one is named as such
         if (Path(path) / "config.json").is_file():
-            load_config(path)  # transformers reads the config first: a bad one is named as such
+            with contextlib.suppress(UnsupportedArchitectureError):
+                load_config(path)
         check_tokenizer_files(path)
         raise ModelError(f"{path}: cannot load the tokenizer ({err})") from err
 

@@ -144,7 +144,6 @@ class SamplingFields(_refusing("Unsupported", OpenAIModel, UNSUPPORTED)):
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None \
         = Field(None, description="token id (as a string) -> bias added to its logit")
 
-
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
@@ -224,7 +223,7 @@ class ChatCompletionRequest(_refusing("ChatUnsupported", SamplingFields, CHAT_UN
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
-    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+    def _options_agree(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
         if self.continue_final_message and self.add_generation_prompt:
