@@ -94,6 +94,15 @@ def test_demo_recipe_shares_prefixes():
          "variants.1.stages.0", "'merge: {method: hc_smoe}'"),
         (lambda r: r["variants"][1]["stages"].__setitem__(0, {"method": "svd"}),
          "variants.1.stages.0.method", "unknown key"),
+        # a source's errors name its own form's fields, not every form's
+        (lambda r: r.update(calibration={"source": {"dataset": "wikitext"}}),
+         "calibration.source", "a source is 'stdlib', {files: [paths or globs]} or {hf: "),
+        (lambda r: r.update(calibration={"source": {"hf": "wikitext", "subset": "x"}}),
+         "calibration.source.subset", "unknown key"),
+        (lambda r: r.update(calibration={"source": {"files": []}}),
+         "calibration.source.files", "at least 1 item"),
+        (lambda r: r.update(calibration={"source": "stdlb"}), "calibration.source",
+         "Input should be 'stdlib'"),
     ],
 )
 def test_errors_name_the_field(mutate, field, words):
@@ -104,6 +113,7 @@ def test_errors_name_the_field(mutate, field, words):
     text = str(exc.value)
     assert f"  {field}:" in text, text
     assert words in text, text
+    assert len(text.splitlines()) == 2, text  # one problem, one line
 
 
 def test_a_variant_names_another_as_its_draft():

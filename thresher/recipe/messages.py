@@ -6,6 +6,7 @@ from __future__ import annotations
 from pydantic import ValidationError
 
 from thresher.recipe.base import FieldError
+from thresher.recipe.sources import SOURCE_FORMS
 from thresher.recipe.stages import QUANTIZE_STAGES
 
 
@@ -39,7 +40,8 @@ def format_validation_error(err: ValidationError, where: str, as_options: bool =
 
 def readable_loc(loc: tuple[int | str, ...]) -> tuple[list[str], str | None]:
     """The field path as a recipe spells it, and the quantize method it is under (if any):
-    pydantic puts the union's tag (``quantize.gptq.clip``) and validator names in the path."""
+    pydantic puts the unions' tags (``quantize.gptq.clip``, ``source.files.files``) and
+    validator names in the path."""
     parts: list[str] = []
     method = None
     for i, p in enumerate(loc):
@@ -47,6 +49,8 @@ def readable_loc(loc: tuple[int | str, ...]) -> tuple[list[str], str | None]:
             continue
         if i and loc[i - 1] == "quantize" and p in QUANTIZE_STAGES:
             method = str(p)
+            continue
+        if i and loc[i - 1] == "source" and p in SOURCE_FORMS:  # the form, not a field
             continue
         parts.append(str(p))
     return parts, method

@@ -13,7 +13,7 @@ import sysconfig
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Discriminator, Field, Tag
 
 from thresher.recipe.base import StrictModel
 
@@ -67,11 +67,39 @@ def _stdlib_split_of_file(path: Path) -> Split | None:
     return stdlib_split_of(rel)
 
 
+SOURCE_FORMS = ("stdlib", "hf", "files")
+
+
+def _source_kind(value: Any) -> str | None:
+    """Which form a source takes, so that an error names that form's fields alone (not every
+    form's)."""
+    if isinstance(value, str):
+        return "stdlib"
+    if isinstance(value, HFDatasetSource) or (isinstance(value, dict) and "hf" in value):
+        return "hf"
+    if isinstance(value, FilesSource) or (isinstance(value, dict) and "files" in value):
+        return "files"
+    return None
+
+
+def _forms_as_any_of(schema: dict[str, Any]) -> None:
+    """Spell the forms as ``anyOf``: Prefect's run form draws no ``oneOf``, and the forms are
+    disjoint (a string, or an object with its own required key and no other form's), so both
+    spellings accept the same documents."""
+    if "oneOf" in schema:
+        schema["anyOf"] = schema.pop("oneOf")
+
+
 TextSource = Annotated[
-    Literal["stdlib"] | HFDatasetSource | FilesSource,
+    Annotated[Literal["stdlib"], Tag("stdlib")] | Annotated[HFDatasetSource, Tag("hf")]
+    | Annotated[FilesSource, Tag("files")],
+    Discriminator(_source_kind, custom_error_type="source_form",
+                  custom_error_message="a source is 'stdlib', {files: [paths or globs]} or "
+                  "{hf: dataset name, config, split, field}"),
     Field(
         description="'stdlib' (the Python standard library's source; calibration uses its train "
-        "split, evaluation its held-out split), {hf: ...} or {files: [...]}"
+        "split, evaluation its held-out split), {hf: ...} or {files: [...]}",
+        json_schema_extra=_forms_as_any_of,
     ),
 ]
 
