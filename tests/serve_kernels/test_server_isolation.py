@@ -112,6 +112,26 @@ def test_hostile_sampling_parameters_are_refused_by_name_or_answered(server, cli
     wait_idle(server)
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_null_leaves_every_optional_field_at_its_default(client, endpoint):
+    """OpenAI's spec marks its optional fields nullable and clients send null for the ones they
+    leave unset: each is answered as if left out (were 400s for temperature, n, stream...)."""
+    from thresher.serve_kernels.protocol import ChatCompletionRequest, CompletionRequest
+
+    model = CompletionRequest if endpoint == "completions" else ChatCompletionRequest
+    base = ({"prompt": PROMPT} if endpoint == "completions"
+            else {"messages": [{"role": "user", "content": PROMPT}]})
+    base = {**base, "max_tokens": 2}
+    optional = [name for name, f in model.model_fields.items() if not f.is_required()]
+    assert {"temperature", "n", "stream", "top_p", "min_tokens"} <= set(optional)
+    for name in optional:
+        body = {**base, name: None} if name != "max_tokens" else base
+        r = client.post(f"/v1/{endpoint}", json=body)
+        assert r.status_code == 200, f"{name}=null: {r.text[:300]}"
+    everything = {**{name: None for name in optional}, **base}
+    assert client.post(f"/v1/{endpoint}", json=everything).status_code == 200
+
+
 @pytest.mark.parametrize("raw", [b'{"prompt": "x", "temperature": NaN}',
                                  b'{"prompt": "x", "temperature": 1e999}',
                                  b'{"prompt": "x", "top_p": -Infinity}'])

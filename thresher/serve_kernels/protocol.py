@@ -2,12 +2,13 @@
 
 Field names follow OpenAI's (``max_tokens``, ``logprobs``, ``echo``, ``stream_options``...), so
 stock clients and lm-evaluation-harness's ``local-completions`` backend work unchanged. Types are
-strict ("5" is not an integer) and unknown fields are ignored, as OpenAI does. Ranges are OpenAI's
-where OpenAI defines one (and appear in the server's /openapi.json); what depends on the model
-(``top_k``, ``logit_bias`` and ``stop_token_ids`` against the vocabulary) the server checks
-next. Extensions that vLLM also accepts: ``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``stop_token_ids``, ``ignore_eos`` (the load test uses it for fixed lengths)
-and, in chat, ``add_generation_prompt`` and ``continue_final_message``.
+strict ("5" is not an integer), null leaves a field at its default and unknown fields are
+ignored, as OpenAI does. Ranges are OpenAI's where OpenAI defines one (and appear in the
+server's /openapi.json); what depends on the model (``top_k``, ``logit_bias`` and
+``stop_token_ids`` against the vocabulary) the server checks next. Extensions that vLLM also
+accepts: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``,
+``ignore_eos`` (the load test uses it for fixed lengths) and, in chat, ``add_generation_prompt``
+and ``continue_final_message``.
 
 A field that would change the output but that the server does not implement (constrained
 output, tools, ``best_of``, beam search, vLLM's other decoding extensions) is refused unless it
@@ -18,7 +19,7 @@ silently breaks what it asked for.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -83,8 +84,25 @@ CHAT_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+def _takes_null(annotation: Any) -> bool:
+    return annotation is Any or type(None) in get_args(annotation)
+
+
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """null for an optional field that takes no null leaves it at its default, as OpenAI's
+        API reads it (its spec marks them nullable, and clients that build requests from
+        optional values send null for every one left unset); where null has a meaning of its
+        own (``max_tokens``: up to the context) it keeps it."""
+        if isinstance(data, dict):
+            drop = {k for k, f in cls.model_fields.items() if not f.is_required()
+                    and not _takes_null(f.annotation)}
+            return {k: v for k, v in data.items() if v is not None or k not in drop}
+        return data
 
 
 class StreamOptions(OpenAIModel):
