@@ -138,6 +138,32 @@ def test_echo_logprobs_match_engine_scores(client, reference, tiny_tokenizer):
                    for i, top in enumerate(lp["top_logprobs"]))
 
 
+def test_echoed_prompt_positions_rank_alternatives(client, reference, tiny_tokenizer):
+    """lm-eval's local-completions tells a greedy continuation by comparing each scored token's
+    log-prob with the best of its top_logprobs: the prompt positions must hold the ranked
+    alternatives, not the prompt token alone (which made every continuation greedy)."""
+    ids = tiny_tokenizer("for key, value in sorted(items):\n    print(key, value)\n").input_ids
+    want = reference.generate([ids], SamplingParams(temperature=0, max_tokens=1,
+                                                    prompt_logprobs=True, logprobs=2))[0]
+    for stream in (False, True):
+        req = {"prompt": [ids], "max_tokens": 0, "logprobs": 2, "echo": True, "stream": stream}
+        if stream:
+            with client.stream("POST", "/v1/completions", json=req) as r:
+                lp = next(e for e in sse_events(r) if e != "[DONE]")["choices"][0]["logprobs"]
+        else:
+            lp = client.post("/v1/completions", json=req).json()["choices"][0]["logprobs"]
+        greedy = [max(top.values()) == chosen for chosen, top
+                  in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:], strict=True)]
+        want_greedy = [ids[p] == next(iter(want.prompt_top_logprobs[p]))
+                       for p in range(1, len(ids))]
+        assert greedy == want_greedy and not all(greedy) and any(greedy), stream
+        for p, top in enumerate(lp["top_logprobs"][1:], start=1):
+            assert len(top) in (2, 3)  # the two best, and the prompt token when not among them
+            assert sorted(top.values()) == pytest.approx(sorted(
+                {**want.prompt_top_logprobs[p], ids[p]: want.prompt_logprobs[p]}.values()),
+                abs=1e-4)
+
+
 def test_top_logprobs(client):
     body = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "logprobs": 3,
                                                 "temperature": 0, "ignore_eos": True}).json()

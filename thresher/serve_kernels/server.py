@@ -357,6 +357,7 @@ class _Choice:
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
     draft_tokens: int = 0  # speculative proposals verified for this sequence
     accepted_tokens: int = 0  # of which the target kept
     echoed_chars: int = 0  # length of the echoed prompt text ahead of the completion's
@@ -374,6 +375,8 @@ class _Choice:
             self.top_logprobs = list(out.top_logprobs)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = list(out.prompt_logprobs)
+        if out.prompt_top_logprobs is not None:
+            self.prompt_top_logprobs = list(out.prompt_top_logprobs)
 
 
 class _API:
@@ -569,7 +572,7 @@ class _API:
                 ids, lps, tops = c.token_ids, c.logprobs or [], c.top_logprobs or []
                 if body.echo:
                     ids, lps, tops = c.prompt_ids + ids, self.prompt_scores(c) + lps, \
-                        [None] * len(c.prompt_ids) + tops
+                        self.prompt_tops(c) + tops
                 lp = self.completion_logprobs(ids, lps, tops,
                                               0 if body.echo else len(prompt_text))
             text = c.text
@@ -584,13 +587,15 @@ class _API:
                                f"{len(c.prompt_ids)} prompt tokens")
         return c.prompt_logprobs
 
+    @staticmethod
+    def prompt_tops(c: _Choice) -> list[dict[int, float] | None]:
+        """The alternatives at each prompt position (none with logprobs=0: the token alone)."""
+        return c.prompt_top_logprobs or [None] * len(c.prompt_ids)
+
     def top_entries(self, token_id: int, logprob: float | None,
                     top: dict[int, float] | None) -> dict[str, float] | None:
-        """The alternatives at one position, by token text, always including the chosen token.
-
-        Prompt positions carry only the prompt token's own score (the engine ranks no
-        alternatives there).
-        """
+        """The alternatives at one position, by token text, always including the chosen token
+        (prompt positions too: lm-eval tells from them whether a continuation is greedy)."""
         if logprob is None:
             return None
         entries = {self.token_text(t): lp for t, lp in (top or {}).items()}
@@ -632,7 +637,7 @@ class _API:
                     ids, lps, tops, start = new_ids, new_lps, new_tops, text_start
                     if prompt_text:
                         ids, lps, start = c.prompt_ids + new_ids, self.prompt_scores(c) + new_lps, 0
-                        tops = [None] * len(c.prompt_ids) + new_tops
+                        tops = self.prompt_tops(c) + new_tops
                     lp = self.completion_logprobs(ids, lps, tops, start)
                 delta = prompt_text + delta
                 if delta or lp or out.finished:

@@ -59,7 +59,8 @@ def test_prompt_logprobs_survive_preemption_mid_prompt(tiny_demo, tiny_tokenizer
     from thresher.recipe import PerplexityConfig
 
     windows = eval_windows(tiny_tokenizer, PerplexityConfig(seq_len=80, max_windows=4)).tolist()
-    params = SamplingParams(temperature=0, max_tokens=16, prompt_logprobs=True, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=16, prompt_logprobs=True, ignore_eos=True,
+                            logprobs=3)
     want = LLM(tiny_demo, max_model_len=96).generate(windows, params)
     llm = LLM(tiny_demo, max_model_len=96, max_num_seqs=4, num_kv_blocks=6,
               max_num_batched_tokens=48)
@@ -68,7 +69,31 @@ def test_prompt_logprobs_survive_preemption_mid_prompt(tiny_demo, tiny_tokenizer
     for g, w in zip(got, want, strict=True):
         assert len(g.prompt_logprobs) == 80 and g.prompt_logprobs[0] is None
         assert g.prompt_logprobs[1:] == pytest.approx(w.prompt_logprobs[1:], abs=1e-4)
+        assert len(g.prompt_top_logprobs) == 80 and g.prompt_top_logprobs[0] is None
+        assert [list(t) for t in g.prompt_top_logprobs[1:]] == [
+            list(t) for t in w.prompt_top_logprobs[1:]]
         assert g.token_ids == w.token_ids
+
+
+def test_prompt_top_logprobs_rank_the_alternatives(tiny_demo, tiny_tokenizer):
+    """With logprobs=N, each prompt position holds its N most likely tokens, most likely first:
+    the first is what greedy decoding of the prompt up to there picks, and the prompt token's
+    own log-prob is among them exactly when it ranks in the top N."""
+    ids = tiny_tokenizer("for key, value in sorted(items):\n    print(key, value)\n").input_ids
+    llm = LLM(tiny_demo, max_model_len=96)
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=True,
+                                             logprobs=4))[0]
+    tops = out.prompt_top_logprobs
+    assert tops[0] is None and len(tops) == len(ids)
+    for p in range(1, len(ids)):
+        ranked = list(tops[p].values())
+        assert len(ranked) == 4 and ranked == sorted(ranked, reverse=True)
+        assert (ids[p] in tops[p]) == (out.prompt_logprobs[p] >= ranked[-1])
+        if ids[p] in tops[p]:
+            assert tops[p][ids[p]] == pytest.approx(out.prompt_logprobs[p], abs=1e-5)
+    for p in (1, 5, len(ids) - 1):
+        greedy = llm.generate([ids[:p]], SamplingParams(temperature=0, max_tokens=1))[0]
+        assert greedy.token_ids[0] == next(iter(tops[p]))
 
 
 def test_chunked_prefill_and_requests_joining_midway(tiny_demo, reference):

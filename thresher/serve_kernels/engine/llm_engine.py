@@ -302,6 +302,8 @@ class LLMEngine:
             self.spec_stats.verify_seconds += time.perf_counter() - start
         for b, lps in result.prompt_logprobs.items():
             batch.seqs[b].prompt_logprobs.extend(lps)
+        for b, tops in result.prompt_top_logprobs.items():
+            batch.seqs[b].prompt_top_logprobs.extend(tops)
         for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             if m := seq.num_proposed:  # cut the proposals; keep the KV of those that stand
                 del seq.token_ids[seq.num_tokens - m:]
@@ -547,7 +549,9 @@ class LLMEngine:
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids, text=visible_text(seq), finished=seq.is_finished,
             finish_reason=seq.finish_reason, new_token_ids=new_token_ids,
-            prompt_logprobs=_snapshot(seq.prompt_logprobs), logprobs=_snapshot(seq.logprobs),
+            prompt_logprobs=_snapshot(seq.prompt_logprobs),
+            prompt_top_logprobs=_snapshot(seq.prompt_top_logprobs),
+            logprobs=_snapshot(seq.logprobs),
             num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
             top_logprobs=_snapshot(seq.top_logprobs), error=seq.error,
             num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens,
@@ -578,7 +582,8 @@ def _as_lists(out: RequestOutput) -> RequestOutput:
 
     return dataclasses.replace(
         out, token_ids=list(out.token_ids), logprobs=as_list(out.logprobs),
-        top_logprobs=as_list(out.top_logprobs), prompt_logprobs=as_list(out.prompt_logprobs))
+        top_logprobs=as_list(out.top_logprobs), prompt_logprobs=as_list(out.prompt_logprobs),
+        prompt_top_logprobs=as_list(out.prompt_top_logprobs))
 
 
 def profile_forward(model, num_tokens: int, block_size: int, dtype: torch.dtype,

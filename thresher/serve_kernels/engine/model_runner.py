@@ -64,6 +64,8 @@ class StepResult:
     logits: torch.Tensor | None  # fp32 [sum of logit_counts, V], the sample rows' in order
     prompt_logprobs: dict[int, list[float]]  # batch index -> log-probs of its next prompt tokens
     logit_counts: list[int] = field(default_factory=list)  # per sample row: 1 + its proposals
+    # batch index -> at each of those positions, the N most likely tokens (logprobs=N)
+    prompt_top_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
 
 
 def _take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -253,28 +255,40 @@ class ModelRunner:
         rows = [cu[b + 1] - 1 for b in sample_rows] if len(counts) == sum(counts) else [
             r for b, c in zip(sample_rows, counts, strict=True) for r in range(cu[b + 1] - c, cu[b + 1])]
         logits = self.model.logits(_take_rows(hidden, rows)) if rows else None
-        return StepResult(sample_rows, logits, self._prompt_logprobs(batch, hidden, cu), counts)
+        values, tops = self._prompt_logprobs(batch, hidden, cu)
+        return StepResult(sample_rows, logits, values, counts, tops)
 
-    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor,
-                         cu: list[int]) -> dict[int, list[float]]:
-        """For each chunk of a prompt-log-prob sequence: log p(token[p+1] | ..token[p]).
+    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor, cu: list[int]
+                         ) -> tuple[dict[int, list[float]], dict[int, list[dict[int, float]]]]:
+        """For each chunk of a prompt-log-prob sequence: log p(token[p+1] | ..token[p]), and
+        with ``logprobs=N`` the N most likely tokens there (what an echoed prompt's
+        ``top_logprobs`` show, and what tells whether the prompt token was the greedy one).
 
         Only positions not scored yet: a sequence preempted mid-prompt recomputes from position
         0, and the log-probs it already holds for those positions must not be appended again.
         """
         out: dict[int, list[float]] = {}
+        out_tops: dict[int, list[dict[int, float]]] = {}
         for b, seq in enumerate(batch.seqs):
             if not seq.wants_prompt_logprobs:
                 continue
             start = seq.num_computed_tokens
             scored = len(seq.prompt_logprobs) - 1  # entry 0 is the first token's None
             stop = min(start + batch.num_new_tokens[b], seq.num_prompt_tokens - 1)
+            n_top = seq.params.logprobs or 0
             values: list[float] = []
+            tops: list[dict[int, float]] = []
             for p0 in range(max(start, scored), stop, LOGPROB_CHUNK):
                 p1 = min(p0 + LOGPROB_CHUNK, stop)
                 rows = hidden[cu[b] + p0 - start : cu[b] + p1 - start]
                 lp = torch.log_softmax(self.model.logits(rows), dim=-1)
                 target = torch.tensor(seq.token_ids[p0 + 1 : p1 + 1], device=lp.device)
                 values.extend(lp.gather(-1, target[:, None]).squeeze(-1).tolist())
+                if n_top:
+                    best = lp.topk(min(n_top, lp.shape[-1]), dim=-1)
+                    tops.extend(dict(zip(i, v, strict=True)) for i, v in
+                                zip(best.indices.tolist(), best.values.tolist(), strict=True))
             out[b] = values
-        return out
+            if n_top:
+                out_tops[b] = tops
+        return out, out_tops

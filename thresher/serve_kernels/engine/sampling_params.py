@@ -150,6 +150,8 @@ class RequestOutput:
     logprobs: Sequence[float] | None  # per generated token
     num_cached_prompt_tokens: int  # prompt tokens served from the prefix cache
     top_logprobs: Sequence[dict[int, float]] | None = None  # per generated token, with logprobs=N
+    # per prompt token (the first None), with prompt_logprobs and logprobs=N
+    prompt_top_logprobs: Sequence[dict[int, float] | None] | None = None
     error: str | None = None  # why the engine failed this request alone (finish_reason "error")
     num_draft_tokens: int = 0  # speculative proposals verified for it so far
     num_accepted_tokens: int = 0  # of which the target kept

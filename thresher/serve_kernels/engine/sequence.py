@@ -111,6 +111,9 @@ class Sequence:
             [] if params.logprobs else None)
         self.prompt_logprobs: list[float | None] | None = (
             [None] if params.prompt_logprobs else None)
+        # with logprobs=N too: the N most likely tokens at each prompt position
+        self.prompt_top_logprobs: list[dict[int, float] | None] | None = (
+            [None] if params.prompt_logprobs and params.logprobs else None)
         self.text = ""  # detokenized output (before stop-string holdback)
         # incremental detokenizer window over token_ids, first opened on the prompt's tail
         self.prefix_offset = max(self.num_prompt_tokens - PROMPT_CONTEXT, 0)
