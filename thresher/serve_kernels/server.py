@@ -675,7 +675,9 @@ class _API:
 
     def chat_logprobs(self, ids: list[int], lps: list[float],
                       tops: list[dict[int, float]]) -> list[dict[str, Any]]:
-        """OpenAI's chat logprobs ``content`` list: each token with its top alternatives."""
+        """OpenAI's chat logprobs ``content`` list: each token with its ``top_logprobs`` most
+        likely alternatives, exactly that many (a sampled token outside them is not added: it
+        has its own ``logprob``)."""
 
         def entry(text: str, lp: float) -> dict[str, Any]:
             return {"token": text, "logprob": lp, "bytes": list(text.encode())}
@@ -683,10 +685,9 @@ class _API:
         tops = list(tops) + [None] * (len(ids) - len(tops))
         content = []
         for t, lp, top in zip(ids, lps, tops, strict=False):
-            alternatives = self.top_entries(t, lp, top) or {}
-            ranked = sorted(alternatives.items(), key=lambda kv: -kv[1])
+            ranked = sorted((top or {}).items(), key=lambda kv: -kv[1])
             content.append({**entry(self.token_text(t), lp),
-                            "top_logprobs": [entry(k, v) for k, v in ranked]})
+                            "top_logprobs": [entry(self.token_text(k), v) for k, v in ranked]})
         return content
 
     async def _stream_chat(self, group: RequestGroup, choices: list[_Choice],
