@@ -23,6 +23,9 @@ def client(tiny_demo):
 
 def test_models_and_completions_with_scores(client, tiny_tokenizer):
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
     out = client.completions.create(model="tiny", prompt="def main(", max_tokens=6,
                                     temperature=0, logprobs=2, echo=True, seed=1)
     choice = out.choices[0]

@@ -264,6 +264,12 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         api.authorize(request)
         return JSONResponse({"object": "list", "data": [api.model_card()]})
 
+    @app.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str) -> JSONResponse:
+        api.authorize(request)
+        api.check_model(model)
+        return JSONResponse(api.model_card())
+
     @app.post("/v1/completions", openapi_extra=_request_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         api.authorize(request)
