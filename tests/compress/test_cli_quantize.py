@@ -36,6 +36,9 @@ def test_quantize_command_refuses_bad_options(tiny_demo, tmp_path):
                                  str(tmp_path / "g")])
     assert result.exit_code == 2
     assert "does not divide the 64 inputs" in result.output
+    # the largest group size that fits every layer is named
+    assert "group_size 64 divides every layer's input size, or -1" in " ".join(
+        result.output.split())
     result = runner.invoke(app, ["quantize", "--model", str(tiny_demo), "--method", "nf4",
                                  "--bits", "3", "--out", str(tmp_path / "a")])
     assert result.exit_code == 2 and "4-bit" in result.output

@@ -43,6 +43,7 @@ def test_the_recipe_fits_gpt_oss_20bs_shapes(tmp_path):
 def test_groups_of_128_are_refused_with_the_dense_layers_width(tmp_path):
     code, out = _check(tmp_path, group_size=128)
     assert code == 2 and "does not divide the 2880 inputs of model.layers.0.self_attn.q_proj" in out
+    assert "group_size 64 divides every layer's input size" in " ".join(out.split())
 
 
 def test_the_committed_recipe_is_valid_without_the_download():

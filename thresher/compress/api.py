@@ -141,19 +141,23 @@ def check_stage(stage: QuantizeStage, method: QuantMethod, lw: ModelShapes) -> N
             raise CompressionError(problem)
     if not fmt.integer_grid:  # NF4 blocks run over the flattened weight: any shape fits
         return
-    for i in range(lw.num_layers):
-        parts = LayerParts(lw.adapter, lw.layer(i), i, keep)  # on the meta device: shapes only
-        for t in all_targets(parts):
-            for bits in widths:
-                _check_shape(stage, fmt, t.key, *t.weight.shape, bits=bits)
+    shapes = [(t.key, *t.weight.shape) for i in range(lw.num_layers)  # meta device: shapes only
+              for t in all_targets(LayerParts(lw.adapter, lw.layer(i), i, keep))]
+    common = math.gcd(*(k for _, _, k in shapes))
+    for key, n, k in shapes:
+        for bits in widths:
+            _check_shape(stage, fmt, key, n, k, bits=bits, common=common)
 
 
 def _check_shape(stage: QuantizeStage, fmt: CheckpointFormat, key: str, n: int, k: int,
-                 bits: int) -> None:
+                 bits: int, common: int) -> None:
     gs = stage.group_size
     if gs != -1 and k % gs:
+        fits = [d for d in range(8, gs, 8) if common % d == 0]  # group sizes are multiples of 8
+        choice = (f"group_size {fits[-1]} divides every layer's input size, or -1 (per row)"
+                  if fits else "choose -1 (one group per row)")
         raise CompressionError(f"group_size={gs} does not divide the {k} inputs of {key}; "
-                               "choose a divisor of every layer's input size or -1 (per row)")
+                               f"{choice}")
     problem = fmt.layout_problem(n, k, bits)
     if problem:
         hint = "; leave it out of candidate_bits" if stage.bits == "auto" else ""
