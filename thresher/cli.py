@@ -899,7 +899,8 @@ DEMO_RECIPE = Path(__file__).parent / "configs" / "demo.yaml"  # inside the pack
 @app.command(short_help="Run the embedded default recipe end to end.")
 @handles_errors
 def demo(
-    recipe: Annotated[Path, typer.Option(help="Recipe to run.")] = DEMO_RECIPE,
+    recipe: Annotated[Path, typer.Option(
+        help="Recipe to run.", show_default="the embedded recipe")] = DEMO_RECIPE,
     print_recipe: Annotated[bool, typer.Option(
         "--print-recipe", help="Print the recipe (a start for your own) and exit.")] = False,
 ) -> None:
