@@ -87,18 +87,22 @@ def heldout_perplexity(model: str | Path | nn.Module, cfg: PerplexityConfig, tok
     ``model`` is a source (hub id, local dir, ``models:/``, ``demo:size``), resolved and loaded
     here, or an already-loaded model with its ``tokenizer`` (a caller that also runs tasks on it).
     """
+    from thresher.models.loading import check_window_length
+
+    def check_windows(config) -> None:
+        if config is not None:
+            check_window_length(config, cfg.seq_len, "perplexity seq_len", "the model")
+
     if isinstance(model, nn.Module):
         if tokenizer is None:
             raise TypeError("heldout_perplexity: a loaded model needs its tokenizer")
+        check_windows(getattr(model, "config", None))
     else:
         from thresher.models import load_model, load_tokenizer, resolve_model
+        from thresher.models.layerwise import load_config
 
         path = resolve_model(str(model))
-        tokenizer = load_tokenizer(path)
-        model = load_model(path)
-    if getattr(model, "config", None) is not None:
-        from thresher.models.loading import check_window_length
-
-        check_window_length(model.config, cfg.seq_len, "perplexity seq_len", "the model")
+        check_windows(load_config(path))  # before the weights are read
+        tokenizer, model = load_tokenizer(path), load_model(path)
     return perplexity(model, perplexity_windows(tokenizer, cfg, split),
                       batch_size=cfg.batch_size, show_progress=show_progress)
