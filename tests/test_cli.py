@@ -214,3 +214,23 @@ def test_cli_defaults_are_the_recipe_fields_defaults(path):
 def test_export_calibration_samples_is_the_recipe_default():
     option = _options("export", "gguf")["calibration_samples"]
     assert option.default == CalibrationConfig.model_fields["samples"].default
+
+
+def test_an_os_error_on_a_named_path_is_one_line_and_its_traceback_needs_debug():
+    """A path the command cannot read or write (``compare --out`` under a file, say) is the
+    system's reason for that path, not a traceback; --debug still shows where it came from."""
+    from thresher.cli import _state, handles_errors
+
+    def writes(out: Path) -> None:
+        raise PermissionError(13, "Permission denied", str(out))
+
+    mini = typer.Typer()
+    mini.command()(handles_errors(writes))
+    result = runner.invoke(mini, ["/srv/reports"])
+    assert result.exit_code == 2
+    assert result.output.strip() == "error: /srv/reports: Permission denied"
+    _state["debug"] = True
+    try:
+        assert isinstance(runner.invoke(mini, ["/srv/reports"]).exception, PermissionError)
+    finally:
+        _state["debug"] = False

@@ -147,3 +147,28 @@ def test_a_write_error_in_the_build_is_a_storage_error_naming_the_file(tmp_path)
     assert str(err.value).startswith(f"{tmp / 'model.safetensors'}: No space left on device")
     assert f"while writing {final}; nothing partial was left there" in str(err.value)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["missing", "unwritable"])
+def test_an_output_whose_parent_cannot_take_it_names_the_parent(where, tmp_path, monkeypatch):
+    """``--out`` under a directory that does not exist or refuses writes: one message naming
+    that directory, for a model directory and for a file alike (they were tracebacks)."""
+    import tempfile
+
+    from thresher.errors import StorageError
+    from thresher.paths import write_text_atomically
+
+    parent = tmp_path / "missing" if where == "missing" else tmp_path
+    if where == "unwritable":
+        def refuse(*args, dir=None, **kwargs):
+            raise PermissionError(13, os.strerror(13), f"{dir}/.temporary")
+        monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+        monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    reason = os.strerror(2 if where == "missing" else 13)
+    refused = rf"^{parent}: {reason} \(while writing {parent / 'out'};"
+    with pytest.raises(StorageError, match=refused), build_dir_atomically(parent / "out"):
+        pass
+    if where == "unwritable":
+        with pytest.raises(StorageError, match=rf"^{parent}: {reason} \(while writing "):
+            write_text_atomically(parent / "out.json", "{}")
+    assert list(tmp_path.iterdir()) == []

@@ -146,6 +146,12 @@ def test_yaml_errors(tmp_path):
     empty.write_text("# nothing yet\n")
     with pytest.raises(RecipeError, match="the recipe is empty; `thresher demo --print-recipe`"):
         load_recipe(empty)
+    with pytest.raises(RecipeError, match=rf"^{tmp_path}: a directory, not a recipe file$"):
+        load_recipe(tmp_path)
+    binary = tmp_path / "model.safetensors"  # a wrong file named: no UnicodeDecodeError
+    binary.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}\xff\xfe")
+    with pytest.raises(RecipeError, match=r"model.safetensors: not a text file \(byte 10 is not"):
+        load_recipe(binary)
 
 
 def test_defaults_fill_in():

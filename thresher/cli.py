@@ -79,7 +79,8 @@ def main(
 
 
 def handles_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Print a ThresherError as a message and exit 2; with --debug, show the traceback too."""
+    """Print a ThresherError, or an OSError naming its path (a directory that cannot be written,
+    say), as a message and exit 2; with --debug, show the traceback too."""
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -91,6 +92,12 @@ def handles_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             # not wrapped at the terminal's width, and a path's brackets are not markup
             err_console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False,
                               soft_wrap=True)
+            raise typer.Exit(2) from None
+        except OSError as err:  # a path the command cannot read or write (not ours to fix)
+            if _state["debug"] or err.filename is None:
+                raise
+            err_console.print(f"[bold red]error:[/] {escape(f'{err.filename}: {err.strerror}')}",
+                              highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
     return wrapper

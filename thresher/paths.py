@@ -139,6 +139,12 @@ def storage_error(err: OSError, where: Path) -> StorageError:
                         "there)")
 
 
+def _parent_refused(err: OSError, final: Path) -> StorageError:
+    """A temporary beside ``final`` that could not be made: its directory is missing, read-only
+    or not ours, so the error names that directory rather than the temporary's name."""
+    return storage_error(OSError(err.errno, err.strerror, str(final.parent)), final)
+
+
 @contextlib.contextmanager
 def build_dir_atomically(final: Path, check_replace: Callable[[Path], None] | None = None,
                          mode: int | None = None) -> Iterator[Path]:
@@ -152,8 +158,11 @@ def build_dir_atomically(final: Path, check_replace: Callable[[Path], None] | No
     only if ``check_replace(final)`` returns (it raises to refuse, and ``final`` stays as it was).
     An OSError (a full disk) becomes a StorageError naming the file.
     """
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    tmp.chmod(0o777 & ~umask() if mode is None else mode)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+        tmp.chmod(0o777 & ~umask() if mode is None else mode)
+    except OSError as err:
+        raise _parent_refused(err, final) from err
     old = final.with_name(f"{tmp.name}-old")
     try:
         try:
@@ -181,8 +190,14 @@ def build_dir_atomically(final: Path, check_replace: Callable[[Path], None] | No
 def write_text_atomically(final: Path, text: str) -> None:
     """Write ``text`` to a temporary file beside ``final``, flush it to disk and rename it into
     place, so a reader (or a run killed halfway, or a power loss) never sees a partial file."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}-", dir=final.parent)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise storage_error(err, final) from err
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}-", dir=final.parent)
+    except OSError as err:
+        raise _parent_refused(err, final) from err
     try:
         os.fchmod(fd, 0o666 & ~umask())  # as open() would create it, not mkstemp's 0600
         with os.fdopen(fd, "w") as f:

@@ -63,6 +63,24 @@ def test_windows_longer_than_the_models_context_are_refused(section, field):
                                   calibration={"seq_len": 1024})))  # the edge is valid
 
 
+@pytest.mark.parametrize("section, field", [("calibration", "calibration.source.files"),
+                                              ("eval", "eval.perplexity.source.files")])
+def test_local_text_files_that_match_nothing_are_refused_before_the_run(section, field,
+                                                                        tmp_path):
+    """A glob that matches no file fails `check` and the flow's first step, not the first stage
+    after the base model's evaluation; an unknown hub model is no excuse to skip it."""
+    (tmp_path / "a.txt").write_text("def f():\n    return 1\n")
+    source = {"files": [str(tmp_path / "*.txt"), str(tmp_path / "gone" / "*.txt")]}
+    data = ({"calibration": {"source": source, "allow_eval_overlap": True}}
+            if section == "calibration" else {"eval": {"perplexity": {"source": source}}})
+    for model in ("demo:tiny", "nobody/not-cached-here"):
+        with pytest.raises(RecipeError, match=rf"^{field}: '{tmp_path}/gone/\*.txt' matches "
+                                              "no file"):
+            preflight(parse_recipe(recipe(model, [{"name": "base"}], **data)))
+    source["files"].pop()
+    preflight(parse_recipe(recipe("demo:tiny", [{"name": "base"}], **data)))
+
+
 def test_demo_config_is_known_without_training():
     config, where = read_model_config("demo:small")
     assert (config.hidden_size, config.moe_intermediate_size, config.num_experts) == (256, 128, 8)

@@ -2,6 +2,7 @@
 directory thresher did not make. The tasks run as plain functions (``.fn``), on demo:tiny."""
 
 import errno
+import json
 import os
 import shutil
 from pathlib import Path
@@ -12,6 +13,7 @@ from tests.conftest import CALIBRATION_FILE
 from thresher.errors import ArtifactError, StorageError
 from thresher.flows.stages import publish_artifact, run_stage
 from thresher.flows.store import VERIFY_ENV, ArtifactStore, stage_key
+from thresher.formats.artifact import STORE_COMPLETE
 from thresher.models.checkpoint import _ShardStream
 from thresher.models.manifest import verify_artifact
 from thresher.models.source import hash_directory
@@ -75,6 +77,33 @@ def test_a_cache_hit_whose_files_changed_is_recomputed(tiny_demo, tmp_path, monk
     monkeypatch.setenv(VERIFY_ENV, "hash")
     assert _stage(tiny_demo, tmp_path / "store")["cache_hit"] is False
     assert weights.read_bytes() == good
+
+
+def test_a_stage_computed_again_keeps_its_hash_so_the_next_stage_is_found(tiny_demo, tmp_path):
+    """The stage report (wall time, input path) is provenance, not content: recomputing a removed
+    entry gives it the hash it had, and the stage that read it is not computed again."""
+    store = str(tmp_path / "store")
+    prune = Stage.model_validate({"prune": {"method": "reap", "ratio": 0.25}})
+    first = run_stage.fn(str(tiny_demo), "base-hash", prune, CAL, store, label="reap")
+    second = run_stage.fn(first["path"], first["content_hash"], STAGE, CAL, store, label="rtn4")
+    assert second["cache_hit"] is False
+
+    ArtifactStore(store).discard(first["key"])
+    again = run_stage.fn(str(tiny_demo), "base-hash", prune, CAL, store, label="reap")
+    assert again["cache_hit"] is False and again["content_hash"] == first["content_hash"]
+    assert run_stage.fn(again["path"], again["content_hash"], STAGE, CAL, store,
+                        label="rtn4")["cache_hit"]
+
+
+def test_an_entry_recorded_under_the_earlier_hash_is_computed_again(tiny_demo, tmp_path):
+    first = _stage(tiny_demo, tmp_path / "store")
+    entry = ArtifactStore(tmp_path / "store").entry(first["key"])
+    record = entry.record()
+    record.pop("hash_scheme")  # as an earlier thresher wrote it
+    (Path(first["path"]) / STORE_COMPLETE).write_text(json.dumps(record))
+    assert "made by an earlier thresher" in entry.damage()
+    again = _stage(tiny_demo, tmp_path / "store")
+    assert again["cache_hit"] is False and entry.damage() is None
 
 
 def _fields(recipe="r", variant="v"):

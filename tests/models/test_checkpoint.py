@@ -241,6 +241,27 @@ def test_a_packed_weight_of_the_wrong_shape_is_named_by_the_engine_loader(tiny_d
         load_engine_model(out)
 
 
+def test_a_quantized_checkpoint_given_to_a_stage_is_refused_by_name(tiny_demo, tmp_path):
+    """Pruning or quantizing a GPTQ artifact (a published variant, say) says what it holds and
+    what to give instead, before any layer is read (it was a state-dict traceback)."""
+    from tests.conftest import CALIBRATION_FILE
+    from thresher.compress.api import quantize_model
+    from thresher.errors import ModelError
+    from thresher.prune.api import prune_model
+    from thresher.recipe import CalibrationConfig, FilesSource, PruneStage, QuantizeStage
+
+    cal = CalibrationConfig(source=FilesSource(files=[CALIBRATION_FILE]), samples=2, seq_len=16)
+    stage = QuantizeStage(method="rtn", bits=4, group_size=-1)
+    gptq = tmp_path / "gptq"
+    quantize_model(tiny_demo, stage, cal, gptq, show_progress=False)
+    refused = rf"^{gptq}: holds GPTQ 4-bit weights; .* give the model it was quantized from$"
+    with pytest.raises(ModelError, match=refused):
+        quantize_model(gptq, stage, cal, tmp_path / "again", show_progress=False)
+    with pytest.raises(ModelError, match=refused):
+        prune_model(gptq, PruneStage(method="reap", ratio=0.25), cal, tmp_path / "pruned")
+    assert not (tmp_path / "again").exists() and not (tmp_path / "pruned").exists()
+
+
 def _thresher(*args: str) -> subprocess.CompletedProcess:
     """The CLI as a user runs it: its own process, output not a terminal."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}

@@ -63,7 +63,6 @@ class QuantizeReport:
     sym: bool
     act_order: bool
     model_dir: str
-    out_dir: str
     calibration_tokens: int
     wall_seconds: float = 0.0
     peak_rss_mb: float = 0.0
@@ -212,7 +211,7 @@ def quantize_model(model_dir: Path, stage: QuantizeStage, calibration: Calibrati
             method=stage.method, format=method.format, bits=stage.bits,
             group_size=stage.group_size, sym=method.grid is not None and method.grid.sym,
             act_order=isinstance(stage, GPTQStage) and stage.act_order, model_dir=str(model_dir),
-            out_dir=str(out_dir), calibration_tokens=calibration_tokens,
+            calibration_tokens=calibration_tokens,
             wall_seconds=usage.wall_seconds, peak_rss_mb=usage.peak_rss_mb,
             artifact_mb=sum(f.stat().st_size for f in tmp.glob("*.safetensors")) / 2**20,
             device=compute.name, peak_device_mb=usage.peak_device_mb, offloaded_batches=offloaded,

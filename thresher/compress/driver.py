@@ -176,7 +176,9 @@ class SequentialQuantizer:
         out[t.key] = _on_host(q)
 
     def _progress(self, items: list[T], desc: str) -> Iterable[T]:
-        return tqdm(items, desc=desc, leave=False, disable=not self.show_progress)
+        # a transient bar per layer's experts: drawn on a terminal only (disable=None), since
+        # in a log file each would add its first and last states as lines
+        return tqdm(items, desc=desc, leave=False, disable=None if self.show_progress else True)
 
 
 def _on_host(q: Quantized) -> Quantized:

@@ -59,6 +59,11 @@ def iter_documents(source: TextSource, split: Split = "train") -> Iterator[str]:
         raise DataError(f"unknown text source {source!r}")
 
 
+def unmatched_patterns(source: FilesSource) -> list[str]:
+    """The paths or globs of ``source`` that name no file (checked before a run starts)."""
+    return [p for p in source.files if not glob.glob(p, recursive=True)]
+
+
 def _iter_files(source: FilesSource) -> Iterator[str]:
     paths: list[Path] = []
     for pattern in source.files:

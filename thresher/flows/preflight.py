@@ -21,6 +21,7 @@ from torch import nn
 
 from thresher.compress.api import check_stage
 from thresher.compress.methods import method_for
+from thresher.data.sources import unmatched_patterns
 from thresher.errors import CompressionError, DataError, ExportError, RecipeError, ThresherError
 from thresher.export import check_gguf_architecture, check_gguf_widths, gguf_route
 from thresher.formats.config import PackedFormat, packed_format
@@ -152,6 +153,7 @@ def describe_source(source: TextSource, purpose: str) -> str:
 def preflight(recipe: Recipe) -> Preflight:
     """Check every variant against the model's shapes, before any compute; RecipeError names
     the field and the model's numbers."""
+    _check_files(recipe)
     config, where = read_model_config(recipe.model)
     result = Preflight(where, config is not None, gguf_plan(recipe))
     if config is None:
@@ -192,6 +194,16 @@ def preflight(recipe: Recipe) -> Preflight:
     if result.gguf:
         _check_gguf(recipe, config, meta)
     return result
+
+
+def _check_files(recipe: Recipe) -> None:
+    """Local calibration and evaluation files exist where the run reads them (a missing one
+    failed the flow only after the base model had been evaluated and validated)."""
+    for at, source in (("calibration.source", recipe.calibration.source),
+                       ("eval.perplexity.source", recipe.eval.perplexity.source)):
+        if isinstance(source, FilesSource) and (missing := unmatched_patterns(source)):
+            raise RecipeError(f"{at}.files: {missing[0]!r} matches no file (paths are read "
+                              "where the run runs, relative to its working directory)")
 
 
 def _check_drafts(recipe: Recipe, adapter: Adapter, config) -> None:

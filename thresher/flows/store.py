@@ -35,9 +35,15 @@ VERIFY_ENV = "THRESHER_STORE_VERIFY"
 """Set to ``hash`` to re-hash a store entry's files on every cache hit (sizes are always checked)."""
 
 
+HASH_SCHEME = 2
+"""What a record's ``content_hash`` covers. 2: the files but the provenance ones
+(``formats.artifact.PROVENANCE``); an entry without it hashed its stage report too (wall time,
+scratch path), so it is computed again rather than published under a hash its files miss."""
+
+
 def file_sizes(path: Path) -> dict[str, int]:
-    """Relative path -> size of every file an entry's content hash covers (as ``hash_directory``
-    does: not the top-level dot files, such as the completion record)."""
+    """Relative path -> size of every file of an entry but the top-level dot files (such as the
+    completion record): the stage report included, which the content hash leaves out."""
     files = (f for f in sorted(path.rglob("*")) if f.is_file())
     return {rel: f.stat().st_size for f in files
             if not (rel := f.relative_to(path).as_posix()).startswith(".")}
@@ -70,6 +76,8 @@ class StoreEntry:
             record = self.record()
         except (OSError, json.JSONDecodeError) as err:
             return f"unreadable record ({err})"
+        if record.get("hash_scheme") != HASH_SCHEME:
+            return "made by an earlier thresher, whose content hash covered its stage report"
         sizes = record.get("files")
         if sizes is not None:
             actual = file_sizes(self.path)
@@ -142,7 +150,8 @@ class ArtifactStore:
         whole or not at all, even across a power loss), with its content hash and file sizes."""
         entry = self.entry(key)
         record = {**meta, "key": key, "content_hash": hash_directory(produced),
-                  "files": file_sizes(produced), "thresher": __version__, "created": time.time()}
+                  "hash_scheme": HASH_SCHEME, "files": file_sizes(produced),
+                  "thresher": __version__, "created": time.time()}
         entry.path.parent.mkdir(parents=True, exist_ok=True)
         with build_dir_atomically(entry.path) as building:
             for item in produced.iterdir():  # same filesystem: renames, not copies

@@ -52,3 +52,8 @@ REPORT_ARTIFACT_PATH = "comparison"
 
 DEMO_MODEL_META = "demo_model.json"
 """Spec, training time and final loss of a demo model (beside its checkpoint)."""
+
+PROVENANCE = (MANIFEST, *STAGE_REPORTS, DEMO_MODEL_META)
+"""Files that record how an artifact was made (input path, wall time, peak memory), not what it
+computes: its content hash leaves them out, so an artifact computed again (a store entry damaged
+or removed) gets the hash it had, and the stages downstream of it keep their store keys."""

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from thresher.errors import CheckpointError
+from thresher.errors import CheckpointError, ModelError
+from thresher.formats.config import packed_format
 from thresher.models.adapters import Adapter, get_adapter
 from thresher.models.checkpoint import CheckpointReader, read_layer_state
 
@@ -110,6 +111,16 @@ def _check_sizes(config, file: Path) -> None:
             raise CheckpointError(f"{file}: {name} is {value}; it must be positive")
 
 
+def _refuse_packed(config, path: Path) -> None:
+    """A quantized checkpoint named as the input of a stage that reads 16/32-bit weights."""
+    packed = packed_format(config, path)
+    if packed is not None:
+        kind = "NF4" if packed.kind == "nf4" else f"{packed.kind.upper()} {packed.bits}-bit"
+        raise ModelError(f"{path}: holds {kind} weights; pruning, merging, quantizing and "
+                         "an importance matrix read 16- or 32-bit ones: give the model it was "
+                         "quantized from")
+
+
 class LayerwiseModel:
     """A causal LM whose decoder layers are materialized one at a time from disk."""
 
@@ -119,6 +130,7 @@ class LayerwiseModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.config = load_config(self.path, dequantized=True)
+        _refuse_packed(self.config, self.path)
         self.adapter: Adapter = get_adapter(self.config)
         self.config._attn_implementation = self.adapter.attention_implementation
         with torch.device("meta"):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from thresher.errors import ModelError
-from thresher.formats.artifact import MANIFEST
+from thresher.formats.artifact import PROVENANCE
 
 DEMO_PREFIX = "demo:"
 REGISTRY_PREFIX = "models:/"
@@ -81,8 +81,9 @@ def _resolve_registry(name_version: str) -> Path:
     raise ModelError(f"models:/{name_version}: the registered artifact holds no config.json")
 
 
-def hash_directory(path: str | Path, exclude: tuple[str, ...] = (MANIFEST,)) -> str:
-    """sha256 over the sorted (relative path, file sha256) pairs of a directory's files."""
+def hash_directory(path: str | Path, exclude: tuple[str, ...] = PROVENANCE) -> str:
+    """sha256 over the sorted (relative path, file sha256) pairs of a directory's files, but for
+    the provenance files (``formats.artifact.PROVENANCE``) and top-level dot files."""
     path = Path(path)
     outer = hashlib.sha256()
     for file in sorted(p for p in path.rglob("*") if p.is_file()):

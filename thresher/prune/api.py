@@ -87,7 +87,6 @@ class PruneReport:
     """What a prune stage did, for MLflow (``metrics``) and the artifact (``to_json``)."""
 
     model_dir: str
-    out_dir: str
     method: str
     ratio: float | None
     keep: int | None
@@ -183,7 +182,7 @@ def prune_model(model_dir: Path, stage: PruneStage, calibration: CalibrationConf
     config, n_keep = check_prune(model_dir, stage)
     report = build_measured(
         out_dir, PRUNE_REPORT, "pruning", Compute.resolve(device, offload_budget_gb),
-        lambda build, compute: _prune_into(build, model_dir, out_dir, config, n_keep, stage,
+        lambda build, compute: _prune_into(build, model_dir, config, n_keep, stage,
                                            calibration, observed, show_progress, compute))
     log.info("pruned %s -> %s: %d of %d experts kept in %d layers (%.1f s)", model_dir, out_dir,
              n_keep, report.num_experts, len(report.layers), report.wall_seconds)
@@ -208,7 +207,7 @@ def build_measured(out_dir: Path, report_file: str, doing: str, compute: Compute
     return report
 
 
-def _prune_into(build: Path, model_dir: Path, out_dir: Path, config: PretrainedConfig, n_keep: int,
+def _prune_into(build: Path, model_dir: Path, config: PretrainedConfig, n_keep: int,
                 stage: PruneStage, calibration: CalibrationConfig,
                 observed: list[ExpertStats] | None, show_progress: bool,
                 compute: Compute) -> PruneReport:
@@ -219,7 +218,7 @@ def _prune_into(build: Path, model_dir: Path, out_dir: Path, config: PretrainedC
     num_experts, top_k = adapter.num_experts(config), adapter.top_k(config)
     moe_layers = [i for i in range(lw.num_layers) if adapter.is_moe_layer(lw.layer(i))]
     report = PruneReport(
-        model_dir=str(model_dir), out_dir=str(out_dir), method=stage.method, ratio=stage.ratio,
+        model_dir=str(model_dir), method=stage.method, ratio=stage.ratio,
         keep=stage.keep, seed=stage.seed, num_experts=num_experts, experts_kept=n_keep,
         top_k=top_k, calibration_samples=calibration.samples,
         calibration_seq_len=calibration.seq_len, budget=stage.budget, damage=stage.damage,

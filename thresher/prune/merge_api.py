@@ -58,7 +58,6 @@ class MergeReport:
     """What a merge stage did, for MLflow (``metrics``) and the artifact (``to_json``)."""
 
     model_dir: str
-    out_dir: str
     method: str
     ratio: float | None
     keep: int | None
@@ -152,14 +151,14 @@ def merge_model(model_dir: Path, stage: MergeStage, calibration: CalibrationConf
     config, n = check_merge(model_dir, stage)
     report = build_measured(
         out_dir, MERGE_REPORT, "merging", Compute.resolve(device, offload_budget_gb),
-        lambda build, compute: _merge_into(build, model_dir, out_dir, config, n, stage,
+        lambda build, compute: _merge_into(build, model_dir, config, n, stage,
                                            calibration, observed, show_progress, compute))
     log.info("merged %s -> %s: %d of %d experts per layer (%s, %.1f s)", model_dir, out_dir, n,
              report.num_experts, stage.method, report.wall_seconds)
     return report
 
 
-def _merge_into(build: Path, model_dir: Path, out_dir: Path, config: PretrainedConfig, n: int,
+def _merge_into(build: Path, model_dir: Path, config: PretrainedConfig, n: int,
                 stage: MergeStage, calibration: CalibrationConfig,
                 observed: list[MergeStats] | None, show_progress: bool,
                 compute: Compute) -> MergeReport:
@@ -170,7 +169,7 @@ def _merge_into(build: Path, model_dir: Path, out_dir: Path, config: PretrainedC
     num_experts, top_k = adapter.num_experts(config), adapter.top_k(config)
     moe_layers = [i for i in range(lw.num_layers) if adapter.is_moe_layer(lw.layer(i))]
     report = MergeReport(
-        model_dir=str(model_dir), out_dir=str(out_dir), method=stage.method, ratio=stage.ratio,
+        model_dir=str(model_dir), method=stage.method, ratio=stage.ratio,
         keep=stage.keep, router=stage.router, permute=stage.aligns, num_experts=num_experts,
         experts_kept=n, top_k=top_k, calibration_samples=calibration.samples,
         calibration_seq_len=calibration.seq_len)

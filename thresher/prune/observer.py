@@ -194,7 +194,7 @@ def observe_layers(model: LayerwiseModel, windows: torch.Tensor, heldout: torch.
             handle = adapter.mlp(layer).register_forward_pre_hook(capture)
         try:
             for b in tqdm(range(len(hidden)), desc=f"observe layer {i}", unit="batch",
-                          disable=not show_progress, leave=False):
+                          disable=None if show_progress else True, leave=False):  # terminal only
                 if capture is not None:
                     capture.batch = b
                 out = model.layer_forward(i, hidden[b])

@@ -30,10 +30,17 @@ def parse_recipe(data: Any, where: str = "recipe") -> Recipe:
 def load_recipe(path: str | Path) -> Recipe:
     """Read and validate a recipe YAML file."""
     path = Path(path)
+    if path.is_dir():
+        raise RecipeError(f"{path}: a directory, not a recipe file")
     if not path.is_file():
         raise RecipeError(f"{path}: no such recipe file")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise RecipeError(f"{path}: not a text file (byte {err.start} is not UTF-8); a recipe "
+                          "is YAML") from None
+    except OSError as err:
+        raise RecipeError(f"{path}: cannot read it ({err.strerror})") from None
     except yaml.YAMLError as err:
         raise RecipeError(f"{path}: not valid YAML: {err}") from None
     return parse_recipe(data, where=str(path))
