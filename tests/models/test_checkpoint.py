@@ -262,6 +262,31 @@ def test_a_quantized_checkpoint_given_to_a_stage_is_refused_by_name(tiny_demo, t
     assert not (tmp_path / "again").exists() and not (tmp_path / "pruned").exists()
 
 
+def test_quantizing_a_published_model_gives_one_that_loads(tiny_demo, tmp_path):
+    """A published variant holds thresher.json (every file's hash) and its stage report: the
+    quantized model made from it carries neither, so its own files are not checked against the
+    input's manifest (it was refused by every loader: 'does not match its manifest')."""
+    import shutil
+
+    from tests.conftest import CALIBRATION_FILE
+    from thresher.compress.api import quantize_model
+    from thresher.formats.artifact import DEMO_MODEL_META, MANIFEST, PRUNE_REPORT
+    from thresher.models import load_model
+    from thresher.models.manifest import write_manifest
+    from thresher.recipe import CalibrationConfig, FilesSource, QuantizeStage
+
+    published = tmp_path / "published"
+    shutil.copytree(tiny_demo, published)
+    (published / PRUNE_REPORT).write_text("{}")
+    write_manifest(published, variant="reap")
+    out = tmp_path / "gptq"
+    quantize_model(published, QuantizeStage(method="rtn", bits=4, group_size=-1),
+                   CalibrationConfig(source=FilesSource(files=[CALIBRATION_FILE]), samples=2,
+                                     seq_len=16), out, show_progress=False)
+    assert not {MANIFEST, PRUNE_REPORT, DEMO_MODEL_META} & {f.name for f in out.iterdir()}
+    assert load_model(out) is not None
+
+
 def _thresher(*args: str) -> subprocess.CompletedProcess:
     """The CLI as a user runs it: its own process, output not a terminal."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}

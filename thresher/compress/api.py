@@ -31,7 +31,7 @@ from thresher.compress.methods.protocol import LayerRecord, QuantMethod
 from thresher.compress.mixed import Allocation, SensitivityProbe, allocate, budget_bits
 from thresher.compress.targets import ALWAYS_16BIT, OPTIONAL_16BIT, LayerParts, all_targets
 from thresher.errors import ArtifactError, CompressionError
-from thresher.formats.artifact import QUANTIZE_REPORT, STAGE_REPORTS
+from thresher.formats.artifact import PROVENANCE, QUANTIZE_REPORT
 from thresher.formats.base import CheckpointFormat
 from thresher.formats.registry import format_for
 from thresher.models.adapters import Adapter
@@ -49,7 +49,8 @@ from thresher.resources import measure
 
 log = logging.getLogger(__name__)
 
-NOT_COPIED = ("config.json", INDEX_NAME)
+# written anew, or provenance of the input (its manifest would make the output fail its own check)
+NOT_COPIED = ("config.json", INDEX_NAME, *PROVENANCE)
 
 
 @dataclass
@@ -277,8 +278,7 @@ def _write_checkpoint(model_dir: Path, stage: QuantizeStage, calibration: Calibr
     config.update(lw.adapter.written_config())
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     for f in model_dir.iterdir():
-        if (f.is_file() and f.name not in NOT_COPIED and f.suffix != ".safetensors"
-                and f.name not in STAGE_REPORTS):
+        if f.is_file() and f.name not in NOT_COPIED and f.suffix != ".safetensors":
             shutil.copy2(f, out / f.name)
     tokens = 0 if windows is None else int(windows.numel())
     return method, records, tokens, allocation, driver.offloaded
