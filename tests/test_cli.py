@@ -234,3 +234,29 @@ def test_an_os_error_on_a_named_path_is_one_line_and_its_traceback_needs_debug()
         assert isinstance(runner.invoke(mini, ["/srv/reports"]).exception, PermissionError)
     finally:
         _state["debug"] = False
+
+
+def test_tasks_refuses_a_json_path_it_cannot_write_before_running(tmp_path, monkeypatch):
+    """--json under a missing directory, or naming a directory: refused before the model is
+    loaded (the results were computed, then lost to a traceback)."""
+    import thresher.evaluate.tasks as tasks
+
+    monkeypatch.setattr(tasks, "run_tasks", lambda *a, **k: pytest.fail("tasks ran"))
+    for path, why in ((tmp_path / "missing" / "r.json", f"{tmp_path / 'missing'} does not exist"),
+                      (tmp_path, "is a directory")):
+        result = runner.invoke(app, ["tasks", "--model", "demo:tiny", "--json", str(path)])
+        assert result.exit_code == 2, result.output
+        text = " ".join(result.output.split())
+        assert f"Invalid value for '--json': {path}: {why}" in text, text
+
+
+def test_a_model_given_as_a_file_is_named_as_one(tmp_path):
+    """A GGUF file (or any file) where a checkpoint directory belongs: it was taken for a hub
+    id and refused as 'cannot fetch from the Hugging Face hub'."""
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    result = runner.invoke(app, ["perplexity", "--model", str(gguf)])
+    assert result.exit_code == 2
+    text = " ".join(result.output.split())
+    assert f"error: {gguf}: a file, not a model directory" in text
+    assert "a GGUF file runs in llama.cpp or Ollama" in text and "hub" not in text

@@ -709,7 +709,10 @@ def tasks_cmd(
 ) -> None:
     """Score a model on lm-evaluation-harness tasks (the built-in ones run offline)."""
     from thresher.evaluate.tasks import run_tasks
+    from thresher.paths import write_text_atomically
 
+    if json_out is not None:  # refused now rather than after the tasks have run
+        _check_writable_parent(json_out, "'--json'")
     results = run_tasks(model, tasks=task, limit=limit or None, batch_size=batch_size)
     table = Table(title=f"{model}: lm-eval {results.lm_eval_version}, backend {results.backend}, "
                   f"batch {results.batch_size}")
@@ -722,8 +725,19 @@ def tasks_cmd(
                           str(results.samples.get(name, "")))
     console.print(table)
     if json_out is not None:
-        json_out.write_text(results.to_json())
+        write_text_atomically(json_out, results.to_json())
         console.print(f"results written to {json_out}")
+
+
+def _check_writable_parent(path: Path, option: str) -> None:
+    """Refuse an output path whose directory is missing or not writable, before any compute."""
+    parent = path.parent
+    if path.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        why = ("is a directory" if path.is_dir() else
+               f"{parent} does not exist" if not parent.exists() else
+               f"{parent} is not a directory" if not parent.is_dir() else
+               f"{parent} is not writable")
+        raise typer.BadParameter(f"{path}: {why}", param_hint=option)
 
 
 # --- serving -------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ def parse_model_source(text: str) -> ModelSource:
         return ModelSource("demo", text[len(DEMO_PREFIX) :])
     if text.startswith(REGISTRY_PREFIX):
         return ModelSource("registry", text[len(REGISTRY_PREFIX) :])
-    if os.path.isdir(text) or text.startswith((".", "/", "~")):
+    if os.path.exists(text) or text.startswith((".", "/", "~")):
         return ModelSource("local", str(Path(text).expanduser()))
     return ModelSource("hub", text)
 
@@ -44,6 +44,10 @@ def resolve_model(text: str) -> Path:
         return _resolve_registry(src.value)
     if src.kind == "local":
         path = Path(src.value)
+        if path.is_file():
+            runtime = "; a GGUF file runs in llama.cpp or Ollama" if path.suffix == ".gguf" else ""
+            raise ModelError(f"{path}: a file, not a model directory (a Hugging Face checkpoint: "
+                             f"config.json and *.safetensors){runtime}")
         if not (path / "config.json").is_file():
             raise ModelError(f"{path}: not a model directory (no config.json)")
         return path
@@ -59,8 +63,10 @@ def _resolve_hub(repo_id: str) -> Path:
         )
     except Exception as err:
         raise ModelError(
-            f"cannot fetch {repo_id!r} from the Hugging Face hub ({type(err).__name__}: {err}). "
-            "Offline, download it elsewhere and give the local directory instead."
+            f"cannot fetch {repo_id!r} from the Hugging Face hub ({type(err).__name__}: "
+            f"{next(iter(str(err).splitlines()), '')}). "
+            "Offline, download it elsewhere and give the local directory instead"
+            f" (no local directory {repo_id!r} exists here either)."
         ) from err
 
 
