@@ -6,6 +6,7 @@ config.json in a temporary directory."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -85,6 +86,25 @@ def test_demo_config_is_known_without_training():
     config, where = read_model_config("demo:small")
     assert (config.hidden_size, config.moe_intermediate_size, config.num_experts) == (256, 128, 8)
     assert "small" in where
+
+
+def test_a_quantized_base_is_refused_for_stages_and_accepted_for_evaluation(tmp_path):
+    """A GPTQ checkpoint as the recipe's model: no stage can read its packed weights, so a
+    variant with stages is refused before the run (it failed at the first stage, after the base
+    had been evaluated); a recipe that only evaluates it passes."""
+    from thresher.formats.gptq import quantization_config
+
+    model = local_model(tmp_path)
+    config = json.loads((Path(model) / "config.json").read_text())
+    config["quantization_config"] = quantization_config(
+        bits=4, group_size=32, sym=True, desc_act=False, static_groups=False, damp_percent=0.01,
+        true_sequential=True, modules_to_not_convert=[])
+    (Path(model) / "config.json").write_text(json.dumps(config))
+    refused = rf"^model: {model}/config.json: holds GPTQ 4-bit weights; .* give the model it was"
+    with pytest.raises(RecipeError, match=refused + " quantized from$"):
+        preflight(parse_recipe(recipe(model, [{"name": "base"}, {"name": "g",
+                                                                 "stages": [GPTQ4_G32]}])))
+    assert preflight(parse_recipe(recipe(model, [{"name": "base"}]))).checked
 
 
 def test_prune_leaving_fewer_experts_than_top_k_is_refused(tmp_path):

@@ -26,7 +26,7 @@ from thresher.errors import CompressionError, DataError, ExportError, RecipeErro
 from thresher.export import check_gguf_architecture, check_gguf_widths, gguf_route
 from thresher.formats.config import PackedFormat, packed_format
 from thresher.models.adapters import Adapter, get_adapter
-from thresher.models.layerwise import is_mxfp4
+from thresher.models.layerwise import is_mxfp4, refuse_packed
 from thresher.models.loading import check_window_length
 from thresher.models.source import parse_model_source
 from thresher.prune.mask import experts_to_keep
@@ -163,6 +163,8 @@ def preflight(recipe: Recipe) -> Preflight:
         config = adapter.language_config(config)  # a multimodal hub config's language model
         if not is_mxfp4(config):  # MXFP4 experts are dequantized as they are read
             packed_format(config, where)  # weights no stage can read (an FP8 hub checkpoint)
+            if any(v.stages for v in recipe.variants):  # a GPTQ/AWQ/NF4 base: evaluated only
+                refuse_packed(config, where)
     except ThresherError as err:
         raise RecipeError(f"model: {err}") from None
     _check_drafts(recipe, adapter, config)

@@ -111,8 +111,9 @@ def _check_sizes(config, file: Path) -> None:
             raise CheckpointError(f"{file}: {name} is {value}; it must be positive")
 
 
-def _refuse_packed(config, path: Path) -> None:
-    """A quantized checkpoint named as the input of a stage that reads 16/32-bit weights."""
+def refuse_packed(config, path: str | Path) -> None:
+    """A quantized checkpoint named as the input of a stage that reads 16/32-bit weights (the
+    layer-wise reader, and the recipe check before a run whose variants have stages)."""
     packed = packed_format(config, path)
     if packed is not None:
         kind = "NF4" if packed.kind == "nf4" else f"{packed.kind.upper()} {packed.bits}-bit"
@@ -130,7 +131,7 @@ class LayerwiseModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.config = load_config(self.path, dequantized=True)
-        _refuse_packed(self.config, self.path)
+        refuse_packed(self.config, self.path)
         self.adapter: Adapter = get_adapter(self.config)
         self.config._attn_implementation = self.adapter.attention_implementation
         with torch.device("meta"):
