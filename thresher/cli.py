@@ -824,8 +824,9 @@ def serve(
     max_model_len: Annotated[int | None, typer.Option(
         min=1, help="Context length (default: the model's).")] = None,
     dtype: Annotated[str, typer.Option(
-        help="Serving dtype: auto (16-bit on a GPU; on a CPU bfloat16 for checkpoints of "
-             "128 MB and more, else float32), float32, bfloat16, float16.")] = "auto",
+        help="Serving dtype: auto (16-bit on a GPU; on a CPU bfloat16 where it has bf16 dot "
+             "products (AVX512-BF16) or for checkpoints of 128 MB and more, else float32), "
+             "float32, bfloat16, float16.")] = "auto",
     max_num_batched_tokens: Annotated[int, typer.Option(
         min=1, help="New tokens per engine step (prefill chunks plus decode rows).")] = 2048,
     block_size: Annotated[int, typer.Option(min=1, help="Tokens per KV-cache block.")] = 16,

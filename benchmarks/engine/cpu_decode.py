@@ -74,7 +74,7 @@ from quant_scale import (  # the scale group's builders
 from thresher.export import export_gguf
 from thresher.export.llama_runtime import INSTALL_HINT, LLAMA_CPP_AVAILABLE, LlamaCppModel
 from thresher.serve_kernels import LLM, SamplingParams
-from thresher.serve_kernels.kernels import cpu_native, cpu_q4
+from thresher.serve_kernels.kernels import cpu_dense, cpu_native, cpu_q4
 from thresher.serve_kernels.modeling import native_step
 from thresher.serve_kernels.modeling.gpt_oss import GptOssMoE
 from thresher.serve_kernels.modeling.linear import DenseLinear
@@ -358,6 +358,10 @@ def main() -> None:
                     help="MB copied to measure the bandwidth each row is held against: 512 "
                          "streams from memory; for a model that fits the last-level cache, its "
                          "4-bit size (the rate its weights arrive at from the cache)")
+    ap.add_argument("--dense-max", type=int, nargs="+", default=None, metavar="WEIGHTS",
+                    help="load each 4-bit variant once per value with THRESHER_CPU_DENSE_MAX set "
+                         "to it (matrices of at most that many weights dequantized at load; 0: "
+                         "every matrix packed); default: the engine's threshold, one row")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
     args.gguf_types = [t for t in args.gguf_types if t != "none"]
@@ -386,8 +390,13 @@ def main() -> None:
                 long_enough(out, max(args.contexts) + args.tokens + 8)
                 continue
             quantize(src, out, fmt)
-        variants = [(name + (" ops" if step == "ops" else ""), path, dtype, kernel, step)
+        variants = [(name + (" ops" if step == "ops" else ""), path, dtype, kernel, step, None)
                     for name, path, dtype, kernel in variants for step in args.steps]
+        if args.dense_max is not None:
+            variants = [v for v in variants if v[1] == src] + [
+                (f"{name} dense<={limit}", path, dtype, kernel, step, limit)
+                for name, path, dtype, kernel, step, _ in variants if path != src
+                for limit in args.dense_max]
         ggufs = gguf_exports(root, src, args.gguf_types)
         bandwidth = copy_bandwidth(args.copy_mb)
         rows: dict[str, tuple[int | None, list[float | None], str, str]] = {}
@@ -395,9 +404,11 @@ def main() -> None:
         setting = os.environ.get(cpu_native.ENV)
         cells = columns(args.concurrency, args.contexts)
         max_len = max(args.contexts) + args.tokens + 8
-        for name, path, dtype, kernel, step in variants:
+        for name, path, dtype, kernel, step, limit in variants:
             if kernel == "torch":  # packs read the setting at load time
                 os.environ[cpu_native.ENV] = "off"
+            if limit is not None:  # read at load time too
+                os.environ[cpu_dense.ENV_VAR] = str(limit)
             if step == "ops":  # at load: no C step built, the blocked layout kept
                 os.environ[native_step.ENV] = "off"
             try:
@@ -408,6 +419,7 @@ def main() -> None:
             finally:
                 os.environ.pop(cpu_native.ENV, None)
                 os.environ.pop(native_step.ENV, None)
+                os.environ.pop(cpu_dense.ENV_VAR, None)
                 if setting is not None:
                     os.environ[cpu_native.ENV] = setting
         max_tokens = max_len
@@ -449,6 +461,10 @@ def ratios(rows: list[str]) -> list[tuple[str, str]]:
         if row.startswith("engine") and "16-bit" not in row and not row.endswith(" ops"):
             pairs.append((row, bf16))
     pairs += [(row[:-4], row) for row in rows if row.endswith(" ops")]
+    for row in rows:  # --dense-max: each threshold against every matrix packed
+        head, sep, limit = row.rpartition(" dense<=")
+        if sep and limit != "0":
+            pairs.append((row, f"{head} dense<=0"))
     return pairs
 
 

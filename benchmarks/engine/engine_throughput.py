@@ -67,7 +67,7 @@ def hf_run(model, prompts: list[list[int]], new_tokens: int, batch: int, pad_id:
 def vllm_run(python: str, path: Path, prompts: list[list[int]], new_tokens: int,
              rate: float, threads: int) -> dict | None:
     """The same requests through vLLM's engine loop in its own venv (benchmarks/peers/vllm_worker.py),
-    in float32 like the engine's ``auto`` on a CPU. With fewer ``threads`` than CPUs, vLLM's
+    in float32 like the engine here. With fewer ``threads`` than CPUs, vLLM's
     OpenMP threads are bound to CPUs 0..threads-1 (its default binds one per core), the CPUs
     ``main`` pins this process to."""
     req = {"mode": "serve", "path": str(path), "prompts": prompts, "new_tokens": new_tokens,
@@ -113,7 +113,7 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     total = len(prompts) * n
 
-    engine = LLMEngine(path, max_num_seqs=max(CONCURRENCY), max_model_len=512)
+    engine = LLMEngine(path, dtype="float32", max_num_seqs=max(CONCURRENCY), max_model_len=512)
 
     def submit(rid: str, prompt: list[int]) -> None:
         engine.add_request(rid, prompt, params)

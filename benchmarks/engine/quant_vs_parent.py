@@ -5,7 +5,7 @@
 The variants are the demo recipe's (configs/demo.yaml) as `make demo` publishes them (``--store``,
 default the thresher store's ``published/demo``): ``base`` (the `small` demo model itself) is the
 parent of gptq4, awq4 and nf4, ``auto50`` of auto50-gptq4, -awq4 and -nf4. Every variant is served
-by the engine under ``--dtype`` (default ``auto``: float32 on a CPU), the same held-out prompts x
+by the engine under ``--dtypes`` (default ``auto``), the same held-out prompts x
 N greedy tokens, EOS ignored, prefix caching off, at concurrency 1 and 16 (at most c requests in
 flight, a new one joining as one finishes). Each round times every engine once per concurrency,
 in turn, so that load changes on a shared machine hit parent and child alike; a 4-bit row's
@@ -18,6 +18,10 @@ Each 4-bit variant runs twice: as the engine loads it by default (matrices at mo
 ``cpu_dense.DENSE_MAX_ELEMENTS`` weights dequantized at load, which is every matrix of `small`)
 and with ``THRESHER_CPU_DENSE_MAX=0`` (every matrix on its packed 4-bit kernel, the engine before
 that threshold), so the table shows both in the same run.
+
+``--dtypes float32 bfloat16`` serves every row in each dtype (labels end in the dtype); every
+ratio is then against the parent in the first dtype named, so the table also says what the
+serving dtype is worth (``--dtype auto``'s choice on a CPU).
 """
 
 from __future__ import annotations
@@ -44,13 +48,13 @@ PARENTS = {"base": ["gptq4", "awq4", "nf4"], "auto50": ["auto50-gptq4", "auto50-
 CONCURRENCY = (1, 16)
 
 
-def load(path: Path, dtype: str, dense_max: str | None) -> LLMEngine:
+def load(path: Path, dtype: str, dense_max: str | None, max_len: int) -> LLMEngine:
     """An engine for ``path``, with ``THRESHER_CPU_DENSE_MAX`` set to ``dense_max`` while loading."""
     before = os.environ.pop(cpu_dense.ENV_VAR, None)
     if dense_max is not None:
         os.environ[cpu_dense.ENV_VAR] = dense_max
     try:
-        return LLMEngine(path, dtype=dtype, max_num_seqs=max(CONCURRENCY), max_model_len=256,
+        return LLMEngine(path, dtype=dtype, max_num_seqs=max(CONCURRENCY), max_model_len=max_len,
                          enable_prefix_caching=False)
     finally:
         os.environ.pop(cpu_dense.ENV_VAR, None)
@@ -63,7 +67,8 @@ def main() -> None:
     ap.add_argument("--store", type=Path, default=None,
                     help="directory holding the published demo variants")
     ap.add_argument("--base", type=Path, default=None, help="the parent of the unpruned variants")
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--dtypes", nargs="+", default=["auto"],
+                    help="serving dtypes; ratios are against the parent in the first")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -82,17 +87,23 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     total = len(prompts) * args.new_tokens
 
-    rows: list[tuple[str, str, str | None]] = []  # (label, parent label, dense_max override)
+    # (label, parent label, dense_max override, dtype)
+    rows: list[tuple[str, str, str | None, str]] = []
+    tag = (lambda d: f" {d}") if len(args.dtypes) > 1 else (lambda d: "")
     for parent, children in PARENTS.items():
         if parent not in paths:
             continue
-        rows.append((parent, parent, None))
-        for child in children:
-            if child in paths:
-                rows += [(child, parent, None), (f"{child} (packed kernels)", parent, "0")]
-    engines = {label: load(paths[label.split(" ")[0]], args.dtype, dense_max)
-               for label, _, dense_max in rows}
-    dtype = engines[rows[0][0]].model_info["dtype"]
+        first = parent + tag(args.dtypes[0])
+        for d in args.dtypes:
+            rows.append((parent + tag(d), first, None, d))
+            for child in children:
+                if child in paths:
+                    rows += [(child + tag(d), first, None, d),
+                             (f"{child} (packed kernels){tag(d)}", first, "0", d)]
+    max_len = max(256, args.prompt_len + args.new_tokens)
+    engines = {label: load(paths[label.split(" ")[0]], dtype, dense_max, max_len)
+               for label, _, dense_max, dtype in rows}
+    dtype = ", ".join(dict.fromkeys(e.model_info["dtype"] for e in engines.values()))
     print(f"torch {torch.__version__}, {args.threads} thread(s), {platform.machine()}, serving "
           f"dtype {dtype}, {len(prompts)} requests x {args.prompt_len} prompt tokens x "
           f"{args.new_tokens} greedy tokens, {args.rounds} rounds, load average "
@@ -102,7 +113,7 @@ def main() -> None:
     cpu: dict[tuple[str, int], list[float]] = {}  # process CPU seconds per token
     for r in range(args.rounds):
         for c in CONCURRENCY:
-            for label, _, _ in rows:
+            for label, *_ in rows:
                 engine = engines[label]
 
                 def submit(rid: str, prompt: list[int], engine=engine) -> None:
@@ -120,7 +131,7 @@ def main() -> None:
                       for c in CONCURRENCY)
     print(f"\n| variant | parent | {head} |")
     print("|---|---|" + "---|" * 4 * len(CONCURRENCY))
-    for label, parent, _ in rows:
+    for label, parent, *_ in rows:
         cells = []
         for c in CONCURRENCY:
             mine, theirs = tps[(label, c)], tps[(parent, c)]

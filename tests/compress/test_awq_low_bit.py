@@ -43,7 +43,7 @@ def test_awq3_artifact_loads_in_the_loader_and_the_engine(tiny_demo, tiny_tokeni
                                  rel=1e-4)
     float_ppl = perplexity(load_model(tiny_demo), windows, show_progress=False).perplexity
     assert disk < 1.05 * float_ppl
-    llm = LLM(tmp_path / "awq3", block_size=4)
+    llm = LLM(tmp_path / "awq3", block_size=4, dtype="float32")
     assert llm.engine.model_info["format"] == "gptq"
     with torch.no_grad():
         expected = loaded(torch.tensor([PROMPT])).logits[0]

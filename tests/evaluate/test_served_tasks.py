@@ -31,7 +31,7 @@ def test_served_task_scores_as_in_process(tiny_demo, tmp_path):
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "thresher", "serve", str(tiny_demo), "--port", str(port),
-             "--served-model-name", "tiny"],
+             "--served-model-name", "tiny", "--dtype", "float32"],  # run_tasks' dtype
             env={**env, "PYTHONPATH": str(ROOT)}, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True)
     try:

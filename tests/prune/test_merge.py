@@ -96,7 +96,7 @@ def test_merged_checkpoint_loads_in_transformers_and_serves_like_it(family, meth
             torch.testing.assert_close(expert_matrices(merged, i, pos), want.float())
     saved = json.loads((out / MERGE_REPORT).read_text())
     assert saved["method"] == method and saved["metrics"]["experts_kept"] == 4.0
-    llm = LLM(out)
+    llm = LLM(out, dtype="float32")
     assert [layer.mlp.router.out_features for layer in llm.engine.runner.model.layers
             if hasattr(layer.mlp, "router")] == [4] * len(report.layers)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == greedy_transformers(out, PROMPTS)
@@ -207,7 +207,7 @@ def test_trained_tiny_demo_merges_evaluates_and_serves(tiny_demo, tmp_path, stag
     ppl = heldout_perplexity(merged, PerplexityConfig(seq_len=64, max_windows=4),
                              tokenizer=load_tokenizer(out))
     assert 1.0 < ppl.perplexity < 1e4
-    llm = LLM(out)
+    llm = LLM(out, dtype="float32")
     with torch.no_grad():
         want = [merged.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_tokens,
                                 min_new_tokens=GREEDY.max_tokens, do_sample=False

@@ -9,8 +9,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from tests.flows.conftest import free_port, wait_healthy
+from thresher.models.inspect import weight_bytes
+from thresher.serve_kernels.engine.llm_engine import resolve_dtype
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +35,8 @@ def test_serve_command(tiny_demo, tmp_path):
         wait_healthy(url, proc, log, timeout=120)
         startup = log.read_text()
         assert "loaded tiny:" in startup and "8 experts" in startup and "MiB" in startup, startup
-        assert "serving float32" in startup, startup  # --dtype auto on a CPU
+        auto = resolve_dtype("auto", torch.device("cpu"), weight_bytes(tiny_demo))
+        assert f"serving {auto}" in startup, startup  # --dtype auto on a CPU
         assert f"http://127.0.0.1:{port}/v1" in startup
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "import ", "max_tokens": 3},
                        timeout=60)

@@ -43,7 +43,7 @@ def test_token_agreement():
 def test_engine_perplexity_matches_transformers(tiny_demo, tiny_tokenizer):
     windows = eval_windows(tiny_tokenizer, EVAL)
     want = perplexity(load_model(tiny_demo), windows, show_progress=False)
-    ppl, nll, tokens = engine_perplexity(LLM(tiny_demo), windows.tolist())
+    ppl, nll, tokens = engine_perplexity(LLM(tiny_demo, dtype="float32"), windows.tolist())
     assert tokens == want.tokens
     assert math.isclose(ppl, want.perplexity, rel_tol=1e-3)
     assert math.isclose(nll, want.nll, rel_tol=1e-3)

@@ -37,8 +37,10 @@ class EngineLM(ThresherLM):
 
     def __init__(self, llm: LLM | str | Path, model: LogitsModel | None = None, tokenizer=None,
                  batch_size: int = 16, max_gen_toks: int = 256, backend_name: str | None = None,
-                 show_progress: bool = True) -> None:
-        self.llm = llm if isinstance(llm, LLM) else LLM(llm)
+                 show_progress: bool = True, dtype: str = "float32") -> None:
+        # a path is served in ``dtype``: float32, as thresher loads models for scoring, unless
+        # given; never the engine's `auto`, which depends on the CPU's instruction set
+        self.llm = llm if isinstance(llm, LLM) else LLM(llm, dtype=dtype)
         super().__init__(model if model is not None else _no_logits_model,
                          tokenizer if tokenizer is not None else self.llm.engine.tokenizer,
                          batch_size=batch_size, max_length=self.llm.engine.max_model_len,

@@ -91,13 +91,16 @@ class TaskResults:
 
 def run_tasks(model_or_path: LogitsModel | str | Path, tokenizer=None, tasks: list[str] = (),
               limit: int | None = None, batch_size: int = 16, backend: str | None = None,
-              show_progress: bool = True, engine: LLM | str | Path | None = None) -> TaskResults:
+              show_progress: bool = True, engine: LLM | str | Path | None = None,
+              dtype: str = "float32") -> TaskResults:
     """Score a model on lm-eval tasks: thresher's built-in ones and any lm-eval task name.
 
     ``model_or_path`` is a loaded causal LM (anything with ``model(input_ids=...).logits``) or
     anything ``thresher.models.load_model`` accepts; a path brings its own tokenizer, and its
     generative tasks run through the serving engine. ``engine`` (an ``LLM`` or the artifact the
-    loaded model came from) sends a loaded model's generation through the engine too.
+    loaded model came from) sends a loaded model's generation through the engine too. A path is
+    loaded, and an artifact served, in ``dtype`` (float32 unless given: a task's score then
+    does not depend on the CPU, as the engine's ``auto`` dtype does).
     """
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -116,10 +119,10 @@ def run_tasks(model_or_path: LogitsModel | str | Path, tokenizer=None, tasks: li
     generative_only = all(t in GENERATIVE for t in tasks)
     if engine is not None and generative_only and isinstance(model_or_path, (str, Path)):
         model = None  # the engine does all the work: no second copy of the weights
-        llm = engine if isinstance(engine, LLM) else LLM(engine)
+        llm = engine if isinstance(engine, LLM) else LLM(engine, dtype=dtype)
         tokenizer = tokenizer if tokenizer is not None else llm.engine.tokenizer
     else:
-        model, tokenizer = _model_and_tokenizer(model_or_path, tokenizer)
+        model, tokenizer = _model_and_tokenizer(model_or_path, tokenizer, dtype)
     builtin_dir = prepare_builtin_tasks()
     standard = [t for t in tasks if t not in BUILTIN_TASKS]
     # Indexing lm-eval's own task catalogue takes ~20 s on 2 cores: only when one is asked for.
@@ -132,7 +135,7 @@ def run_tasks(model_or_path: LogitsModel | str | Path, tokenizer=None, tasks: li
     if engine is not None and any(t in GENERATIVE for t in tasks):
         lm: ThresherLM = EngineLM(llm if model is None else engine, model, tokenizer,
                                   batch_size=batch_size, backend_name=backend,
-                                  show_progress=show_progress)
+                                  show_progress=show_progress, dtype=dtype)
     else:
         lm = ThresherLM(model, tokenizer, batch_size=batch_size, backend_name=backend,
                         show_progress=show_progress)
@@ -150,12 +153,12 @@ def run_tasks(model_or_path: LogitsModel | str | Path, tokenizer=None, tasks: li
     return _collect(raw, lm, limit, wall)
 
 
-def _model_and_tokenizer(model_or_path: LogitsModel | str | Path, tokenizer):
+def _model_and_tokenizer(model_or_path: LogitsModel | str | Path, tokenizer, dtype: str):
     if isinstance(model_or_path, (str, Path)):
         from thresher.models import load_model, load_tokenizer, resolve_model
 
         path = resolve_model(str(model_or_path))
-        return load_model(path), tokenizer if tokenizer is not None else load_tokenizer(path)
+        return load_model(path, dtype), tokenizer if tokenizer is not None else load_tokenizer(path)
     if tokenizer is None:
         raise DataError("run_tasks: a model object needs its tokenizer (pass tokenizer=...)")
     return model_or_path, tokenizer

@@ -74,7 +74,7 @@ def _decode_ops(llm: LLM) -> dict[str, int]:
 @pytest.mark.parametrize("name", list(STAGES))
 def test_small_quantized_layers_serve_dense_like_the_reference(name, artifacts, default_threshold,
                                                                monkeypatch):
-    llm = LLM(artifacts / name)
+    llm = LLM(artifacts / name, dtype="float32")
     model = llm.engine.runner.model
     quantized = [m for m in model.modules() if isinstance(m, QUANTIZED)]
     outside = [m for m in quantized if not any(m in list(layer.mlp.experts.modules())
@@ -102,9 +102,9 @@ def test_small_quantized_layers_serve_dense_like_the_reference(name, artifacts, 
 
 def test_a_4bit_decode_step_runs_the_16bit_parents_operators(artifacts, tiny_demo,
                                                              default_threshold):
-    base = _decode_ops(LLM(tiny_demo))
+    base = _decode_ops(LLM(tiny_demo, dtype="float32"))
     for name in STAGES:
-        ops = _decode_ops(LLM(artifacts / name))
+        ops = _decode_ops(LLM(artifacts / name, dtype="float32"))
         assert ops == base, name
     packed = _with_threshold(0, artifacts / "gptq-act-order")  # the threshold switches it
     packs = [p for m in packed.engine.runner.model.modules() for p in getattr(m, "cpu_packs", ())]
@@ -116,7 +116,7 @@ def test_a_4bit_decode_step_runs_the_16bit_parents_operators(artifacts, tiny_dem
 def _with_threshold(value: int, path) -> LLM:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(cpu_dense.ENV_VAR, str(value))
-        return LLM(path)
+        return LLM(path, dtype="float32")
 
 
 def test_threshold_splits_by_matrix_size_and_serves_the_dtype(artifacts, default_threshold):
@@ -129,7 +129,7 @@ def test_threshold_splits_by_matrix_size_and_serves_the_dtype(artifacts, default
     for layer in split.layers:
         assert layer.attn.o_proj.cpu_dense is not None and layer.mlp.experts.cpu_dense is not None
         assert layer.attn.qkv.cpu_dense is None and layer.attn.qkv.cpu_pack is not None
-    assert packed_bytes(split) < packed_bytes(LLM(path).engine.runner.model)
+    assert packed_bytes(split) < packed_bytes(LLM(path, dtype="float32").engine.runner.model)
     bf16 = LLM(path, dtype="bfloat16").engine.runner.model
     assert bf16.layers[0].attn.o_proj.cpu_dense.dtype == torch.bfloat16
     assert bf16.layers[0].mlp.experts.cpu_dense[0].dtype == torch.bfloat16

@@ -34,7 +34,7 @@ requires_kernel = pytest.mark.skipif(not cpu_nf4.cpu_nf4_available(),
 def nf4_llm(tiny_demo, tmp_path_factory):
     out = tmp_path_factory.mktemp("nf4") / "q"
     quantize_model(tiny_demo, NF4Stage(double_quant=True), None, out, show_progress=False)
-    return LLM(out, max_model_len=256)
+    return LLM(out, max_model_len=256, dtype="float32")
 
 
 @requires_kernel

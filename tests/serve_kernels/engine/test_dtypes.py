@@ -21,7 +21,7 @@ from thresher.models.inspect import weight_bytes
 from thresher.serve_kernels import LLM, SamplingParams
 from thresher.serve_kernels.engine import llm_engine
 from thresher.serve_kernels.engine.llm_engine import CPU_BF16_MIN_BYTES, resolve_dtype
-from thresher.serve_kernels.kernels import cpu_blocked
+from thresher.serve_kernels.kernels import cpu_blocked, cpu_native
 from thresher.serve_kernels.modeling import native_step
 
 PROMPTS = ["def main():\n    ", "import os\nimport sys\n", "class Foo(object):",
@@ -87,14 +87,26 @@ def test_perplexity_matches_transformers_in_16_bit(pair, tiny_tokenizer):
     assert abs(float(torch.tensor(nll).exp()) / expected - 1) < 0.01
 
 
-def test_auto_dtype_is_16_bit_on_a_gpu_and_by_size_on_a_cpu(monkeypatch, tiny_demo):
+def test_auto_dtype_is_16_bit_on_a_gpu_and_on_a_cpu_with_bf16_dot_products(monkeypatch,
+                                                                          tiny_demo):
     cpu = torch.device("cpu")
+    flags = cpu_native._cpu_flags()
+    assert cpu_native.bf16_dot() == ("avx512_bf16" in flags and cpu_native.library() is not None)
+    dot = native_step.enabled() and cpu_native.bf16_dot()
+    small = weight_bytes(tiny_demo)
+    assert resolve_dtype("auto", cpu, small) == ("bfloat16" if dot else "float32")
+    # without bf16 dot products (or with the operator path): by size
+    monkeypatch.setattr(cpu_native, "bf16_dot", lambda: False)
     assert resolve_dtype("auto", cpu) == "float32"
-    assert resolve_dtype("auto", cpu, weight_bytes(tiny_demo)) == "float32"  # a small model
+    assert resolve_dtype("auto", cpu, small) == "float32"  # a small model
     large = resolve_dtype("auto", cpu, CPU_BF16_MIN_BYTES)
     assert large == ("bfloat16" if cpu_blocked.blocked_supported(torch.bfloat16) else "float32")
     monkeypatch.setattr(llm_engine, "blocked_supported", lambda dtype: False)
     assert resolve_dtype("auto", cpu, CPU_BF16_MIN_BYTES) == "float32"  # no oneDNN bf16
+    monkeypatch.setattr(cpu_native, "bf16_dot", lambda: True)
+    assert resolve_dtype("auto", cpu, small) == "bfloat16"
+    monkeypatch.setenv(native_step.ENV, "off")
+    assert resolve_dtype("auto", cpu, small) == "float32"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
     assert resolve_dtype("auto", torch.device("cuda")) == "bfloat16"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)

@@ -31,7 +31,7 @@ def reference(tiny_demo, tiny_tokenizer, hf_model):
 
 
 def test_greedy_matches_transformers_token_for_token(tiny_demo, reference, tiny_tokenizer):
-    llm = LLM(tiny_demo)
+    llm = LLM(tiny_demo, dtype="float32")
     outs = llm.generate(PROMPTS, GREEDY)
     for p, o in zip(PROMPTS, outs, strict=True):
         assert o.token_ids == reference[p], p
@@ -44,7 +44,7 @@ def test_greedy_matches_transformers_token_for_token(tiny_demo, reference, tiny_
 
 def test_preemption_under_a_tiny_kv_budget_keeps_outputs(tiny_demo, reference):
     # 6 blocks of 16 slots: a 64-token continuation needs ~5, so sequences must be preempted
-    llm = LLM(tiny_demo, num_kv_blocks=6, max_model_len=96, max_num_seqs=8)
+    llm = LLM(tiny_demo, num_kv_blocks=6, max_model_len=96, max_num_seqs=8, dtype="float32")
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [reference[p] for p in PROMPTS]
     stats = llm.engine.stats()
@@ -61,9 +61,9 @@ def test_prompt_logprobs_survive_preemption_mid_prompt(tiny_demo, tiny_tokenizer
     windows = eval_windows(tiny_tokenizer, PerplexityConfig(seq_len=80, max_windows=4)).tolist()
     params = SamplingParams(temperature=0, max_tokens=16, prompt_logprobs=True, ignore_eos=True,
                             logprobs=3)
-    want = LLM(tiny_demo, max_model_len=96).generate(windows, params)
+    want = LLM(tiny_demo, max_model_len=96, dtype="float32").generate(windows, params)
     llm = LLM(tiny_demo, max_model_len=96, max_num_seqs=4, num_kv_blocks=6,
-              max_num_batched_tokens=48)
+              max_num_batched_tokens=48, dtype="float32")
     got = llm.generate(windows, params)
     assert llm.engine.stats().num_preempted_total > 0
     for g, w in zip(got, want, strict=True):
@@ -80,7 +80,7 @@ def test_prompt_top_logprobs_rank_the_alternatives(tiny_demo, tiny_tokenizer):
     the first is what greedy decoding of the prompt up to there picks, and the prompt token's
     own log-prob is among them exactly when it ranks in the top N."""
     ids = tiny_tokenizer("for key, value in sorted(items):\n    print(key, value)\n").input_ids
-    llm = LLM(tiny_demo, max_model_len=96)
+    llm = LLM(tiny_demo, max_model_len=96, dtype="float32")
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=True,
                                              logprobs=4))[0]
     tops = out.prompt_top_logprobs
@@ -97,7 +97,7 @@ def test_prompt_top_logprobs_rank_the_alternatives(tiny_demo, tiny_tokenizer):
 
 
 def test_chunked_prefill_and_requests_joining_midway(tiny_demo, reference):
-    engine = LLMEngine(tiny_demo, max_num_batched_tokens=4, max_num_seqs=3)
+    engine = LLMEngine(tiny_demo, max_num_batched_tokens=4, max_num_seqs=3, dtype="float32")
     finished = {}
     pending = list(enumerate(PROMPTS))
     steps = 0
@@ -116,7 +116,7 @@ def test_chunked_prefill_and_requests_joining_midway(tiny_demo, reference):
 
 
 def test_prefix_cache_reuses_blocks_of_a_repeated_prompt(tiny_demo, tiny_tokenizer):
-    llm = LLM(tiny_demo, block_size=8)
+    llm = LLM(tiny_demo, block_size=8, dtype="float32")
     prompt = "import os\nimport sys\nimport json\nimport math\n" * 3
     n = len(tiny_tokenizer.encode(prompt, add_special_tokens=False))
     first = llm.generate(prompt, GREEDY)[0]
@@ -130,14 +130,14 @@ def test_prefix_cache_reuses_blocks_of_a_repeated_prompt(tiny_demo, tiny_tokeniz
     assert stats.prefix_cache_hit_tokens == second.num_cached_prompt_tokens
     assert stats.kv_blocks_used == 0  # every block free again (cached ones included)
     # without prefix caching nothing is reused
-    plain = LLM(tiny_demo, block_size=8, enable_prefix_caching=False)
+    plain = LLM(tiny_demo, block_size=8, enable_prefix_caching=False, dtype="float32")
     plain.generate(prompt, GREEDY)
     again = plain.generate(prompt, GREEDY)[0]
     assert again.num_cached_prompt_tokens == 0 and again.token_ids == first.token_ids
 
 
 def test_concurrent_requests_share_a_cached_system_prompt(tiny_demo, tiny_tokenizer):
-    llm = LLM(tiny_demo, block_size=8)
+    llm = LLM(tiny_demo, block_size=8, dtype="float32")
     system = "class Handler(object):\n    def __init__(self, path):\n        self.path = path\n"
     llm.generate(system + "x", SamplingParams(temperature=0, max_tokens=1))
     outs = llm.generate([system + q for q in ("    def run", "    def stop", "    def get")],
@@ -153,7 +153,7 @@ def test_perplexity_from_prompt_logprobs_matches_the_evaluator(tiny_demo, tiny_t
 
     windows = eval_windows(tiny_tokenizer, PerplexityConfig(seq_len=128, max_windows=6))
     expected = perplexity(hf_model, windows, show_progress=False).perplexity
-    llm = LLM(tiny_demo, max_model_len=128, max_num_batched_tokens=300)
+    llm = LLM(tiny_demo, max_model_len=128, max_num_batched_tokens=300, dtype="float32")
     scores = llm.score(windows.tolist())
     assert all(s[0] is None and len(s) == windows.shape[1] for s in scores)
     nll = -sum(sum(s[1:]) for s in scores) / (windows.shape[0] * (windows.shape[1] - 1))
@@ -161,7 +161,7 @@ def test_perplexity_from_prompt_logprobs_matches_the_evaluator(tiny_demo, tiny_t
 
 
 def test_abort_frees_blocks_and_reports(tiny_demo):
-    engine = LLMEngine(tiny_demo)
+    engine = LLMEngine(tiny_demo, dtype="float32")
     engine.add_request("a", "def main():", SamplingParams(max_tokens=50, ignore_eos=True))
     engine.add_request("b", "import os", SamplingParams(max_tokens=3, temperature=0))
     engine.step()
@@ -175,7 +175,7 @@ def test_abort_frees_blocks_and_reports(tiny_demo):
 
 
 def test_add_request_refuses_bad_input(tiny_demo):
-    engine = LLMEngine(tiny_demo, max_model_len=32)
+    engine = LLMEngine(tiny_demo, max_model_len=32, dtype="float32")
     with pytest.raises(ValueError, match="empty"):
         engine.add_request("e", [], SamplingParams())
     with pytest.raises(ValueError, match="max_model_len"):
@@ -184,7 +184,7 @@ def test_add_request_refuses_bad_input(tiny_demo):
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("ok", [1, 2], SamplingParams())
     with pytest.raises(ValueError, match="num_kv_blocks"):
-        LLMEngine(tiny_demo, max_model_len=64, num_kv_blocks=2)
+        LLMEngine(tiny_demo, max_model_len=64, num_kv_blocks=2, dtype="float32")
     assert engine.model_info["format"] == "bf16" and engine.model_info["num_experts"] == 8
     assert engine.model_info["kv_cache_bytes"] > 0 and engine.model_info["params"] > 0
 
@@ -195,7 +195,7 @@ def test_greedy_matches_transformers_on_small(small_demo):
 
     tok = load_tokenizer(small_demo)
     hf = load_model(small_demo)
-    llm = LLM(small_demo)
+    llm = LLM(small_demo, dtype="float32")
     outs = llm.generate(PROMPTS, GREEDY)
     for p, o in zip(PROMPTS, outs, strict=True):
         ids = torch.tensor([tok.encode(p, add_special_tokens=False)])

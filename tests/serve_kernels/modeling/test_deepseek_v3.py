@@ -40,7 +40,7 @@ def _greedy(model) -> list[int]:
 
 def test_base_serves_from_a_latent_cache_like_transformers(dsv3):
     hf, path = dsv3
-    llm = LLM(path, block_size=4)
+    llm = LLM(path, block_size=4, dtype="float32")
     engine = llm.engine
     layers = engine.runner.model.layers
     assert [isinstance(layer.mlp, MoE) for layer in layers] == [False, True, True]
@@ -70,7 +70,7 @@ def test_base_serves_from_a_latent_cache_like_transformers(dsv3):
 ], ids=["no-query-rank", "plain-rope"])
 def test_attention_variants_serve_like_transformers(tmp_path, tiny_demo, overrides):
     hf = build_random_model("deepseek_v3", vocab_size=4096, **overrides)
-    llm = LLM(save_family(hf, tiny_demo, tmp_path / "m"), block_size=4)
+    llm = LLM(save_family(hf, tiny_demo, tmp_path / "m"), block_size=4, dtype="float32")
     with torch.no_grad():
         expected = hf(torch.tensor([PROMPT])).logits[0]
     torch.testing.assert_close(prompt_logits(llm, PROMPT), expected, atol=1e-4, rtol=1e-4)
@@ -82,7 +82,7 @@ def test_pruned_variant_serves_like_transformers(dsv3, tmp_path):
     out = tmp_path / "pruned"
     prune_model(path, PruneStage(method="reap", ratio=0.5), CAL, out, show_progress=False)
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
-    llm = LLM(out, block_size=4)
+    llm = LLM(out, block_size=4, dtype="float32")
     assert [layer.mlp.router.out_features for layer in llm.engine.runner.model.layers
             if isinstance(layer.mlp, MoE)] == [4, 4]
     with torch.no_grad():
@@ -105,7 +105,7 @@ def test_4bit_variant_serves_like_the_dequantized_transformers_model(dsv3, tmp_p
     reference = load_quantized_model(out)
     with torch.no_grad():
         expected = reference(torch.tensor([PROMPT])).logits[0]
-    llm = LLM(out, block_size=4)
+    llm = LLM(out, block_size=4, dtype="float32")
     fast, fast_routed = prompt_pass(llm, PROMPT)  # the CPU 4-bit kernels, bf16 activations
     monkeypatch.setenv("THRESHER_KERNELS", "torch")  # the dequantizing references, in fp32
     exact, routed = prompt_pass(llm, PROMPT)

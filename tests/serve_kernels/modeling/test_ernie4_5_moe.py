@@ -37,7 +37,7 @@ def _greedy(model) -> list[int]:
 
 def test_base_routes_and_generates_like_transformers(ernie):
     hf, path = ernie
-    llm = LLM(path, block_size=4)
+    llm = LLM(path, block_size=4, dtype="float32")
     layers = llm.engine.runner.model.layers
     assert [isinstance(layer.mlp, MoE) for layer in layers] == [False, True, True]
     assert layers[0].attn.interleaved_rotary and layers[0].attn.rotary_dim == 16  # full width
@@ -60,7 +60,7 @@ def test_pruned_variant_serves_like_transformers(ernie, tmp_path):
     out = tmp_path / "pruned"
     prune_model(path, PruneStage(method="reap", ratio=0.5), CAL, out, show_progress=False)
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
-    llm = LLM(out, block_size=4)
+    llm = LLM(out, block_size=4, dtype="float32")
     assert [layer.mlp.router.out_features for layer in llm.engine.runner.model.layers
             if isinstance(layer.mlp, MoE)] == [4, 4]
     with torch.no_grad():
@@ -82,7 +82,7 @@ def test_4bit_variant_serves_like_the_dequantized_transformers_model(ernie, tmp_
     reference = load_quantized_model(out)
     with torch.no_grad():
         expected = reference(torch.tensor([PROMPT])).logits[0]
-    llm = LLM(out, block_size=4)
+    llm = LLM(out, block_size=4, dtype="float32")
     fast, fast_routed = prompt_pass(llm, PROMPT)  # the CPU 4-bit kernels, bf16 activations
     monkeypatch.setenv("THRESHER_KERNELS", "torch")  # the dequantizing references, in fp32
     exact, routed = prompt_pass(llm, PROMPT)
@@ -140,7 +140,7 @@ def test_interleaved_moe_layers_prune_quantize_and_serve_like_transformers(
         assert "model.layers.3.mlp.experts.7.down_proj.qweight" in reader
         reference = load_quantized_model(source)
         monkeypatch.setenv("THRESHER_KERNELS", "torch")  # the dequantizing references, fp32
-    llm = LLM(source, block_size=4)
+    llm = LLM(source, block_size=4, dtype="float32")
     layers = llm.engine.runner.model.layers
     assert [layer.mlp.router.out_features if isinstance(layer.mlp, MoE) else 0
             for layer in layers] == [0, experts, 0, experts, 0]

@@ -35,7 +35,7 @@ def test_family_logits_and_greedy_match_transformers(family, tiny_demo, tmp_path
         kw["clip_qkv"] = 0.5
     hf = build_random_model(family, vocab_size=4096, **kw)
     path = save_family(hf, tiny_demo, tmp_path / family)
-    llm = LLM(path, block_size=4)
+    llm = LLM(path, block_size=4, dtype="float32")
     with torch.no_grad():
         expected = hf(torch.tensor([PROMPT])).logits[0]
     torch.testing.assert_close(prompt_logits(llm, PROMPT), expected, atol=1e-4, rtol=1e-4)
@@ -85,7 +85,7 @@ def test_quantized_artifact_matches_dequantizing_loader(moe_dirs, tmp_path, fami
                                                         experts, monkeypatch):
     out = tmp_path / "q"
     quantize_model(moe_dirs[family], stage, CAL, out, show_progress=False)
-    llm = LLM(out, block_size=4)
+    llm = LLM(out, block_size=4, dtype="float32")
     model = llm.engine.runner.model
     assert all(isinstance(layer.mlp.experts, experts) for layer in model.layers)
     assert llm.engine.model_info["format"] == {"rtn": "gptq"}.get(stage.method, stage.method)
@@ -139,7 +139,7 @@ def test_tampered_artifact_is_refused(moe_dirs, tmp_path):
     from thresher.models.manifest import write_manifest
 
     write_manifest(out)
-    LLM(out)
+    LLM(out, dtype="float32")
     (out / "config.json").write_text((out / "config.json").read_text() + " ")
     with pytest.raises(ArtifactError, match="manifest"):
-        LLM(out)
+        LLM(out, dtype="float32")

@@ -36,7 +36,7 @@ def _greedy(model) -> list[int]:
 
 def test_base_routes_and_generates_like_transformers(glm):
     hf, path = glm
-    llm = LLM(path, block_size=4)
+    llm = LLM(path, block_size=4, dtype="float32")
     layers = llm.engine.runner.model.layers
     assert [isinstance(layer.mlp, MoE) for layer in layers] == [False, True, True]
     assert layers[0].attn.rotary_dim == 8 and layers[0].attn.head_dim == 16  # partial rotary
@@ -59,7 +59,7 @@ def test_pruned_variant_serves_like_transformers(glm, tmp_path):
     out = tmp_path / "pruned"
     prune_model(path, PruneStage(method="reap", ratio=0.5), CAL, out, show_progress=False)
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
-    llm = LLM(out, block_size=4)
+    llm = LLM(out, block_size=4, dtype="float32")
     assert [layer.mlp.router.out_features for layer in llm.engine.runner.model.layers
             if isinstance(layer.mlp, MoE)] == [4, 4]
     with torch.no_grad():
@@ -81,7 +81,7 @@ def test_4bit_variant_serves_like_the_dequantized_transformers_model(glm, tmp_pa
     reference = load_quantized_model(out)
     with torch.no_grad():
         expected = reference(torch.tensor([PROMPT])).logits[0]
-    llm = LLM(out, block_size=4)
+    llm = LLM(out, block_size=4, dtype="float32")
     fast, fast_routed = prompt_pass(llm, PROMPT)  # the CPU 4-bit kernels, bf16 activations
     monkeypatch.setenv("THRESHER_KERNELS", "torch")  # the dequantizing references, in fp32
     exact, routed = prompt_pass(llm, PROMPT)

@@ -31,7 +31,7 @@ def base(tmp_path_factory, tiny_demo):
 
 
 def _check(path, reference):
-    llm = LLM(path, block_size=4)
+    llm = LLM(path, block_size=4, dtype="float32")
     model = llm.engine.runner.model
     assert [layer.attn.window for layer in model.layers] == [4, None, 4, None]
     assert all(isinstance(layer.attn, SinkAttention) and isinstance(layer.mlp, GptOssMoE)
@@ -68,7 +68,7 @@ def test_four_bit_matches_the_dequantizing_loader(base, tmp_path, method, monkey
     with torch.no_grad():
         expected = reference(torch.tensor([PROMPT])).logits[0]
     # the CPU 4-bit kernels compute in bf16: 1e-2 for two layers in test_families, here four
-    fast = prompt_logits(LLM(out, block_size=4), PROMPT)
+    fast = prompt_logits(LLM(out, block_size=4, dtype="float32"), PROMPT)
     assert rel_err(fast, expected) < 2e-2
     monkeypatch.setenv("THRESHER_KERNELS", "torch")  # the dequantizing references, in fp32
     _check(out, reference)

@@ -40,7 +40,7 @@ def _greedy(model, prompt: list[int] = PROMPT) -> list[int]:
 
 def test_base_routes_and_generates_like_transformers(qwen35):
     hf, path = qwen35
-    llm = LLM(path, block_size=4)
+    llm = LLM(path, block_size=4, dtype="float32")
     layers = llm.engine.runner.model.layers
     assert [type(layer.attn) for layer in layers] == [GatedDeltaNet, GatedAttention] * 2
     assert layers[1].attn.rotary_dim == 8  # a quarter of each 32-wide head
@@ -65,7 +65,7 @@ def test_batched_chunked_and_preempted_sequences_keep_their_own_state(qwen35):
     alone; a second round reuses the slots from fresh states."""
     hf, path = qwen35
     llm = LLM(path, block_size=4, max_num_seqs=3, max_num_batched_tokens=5, num_kv_blocks=14,
-              max_model_len=32)
+              max_model_len=32, dtype="float32")
     want = [_greedy(hf, p) for p in PROMPTS]
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
     assert llm.engine.scheduler.num_preempted_total > 0
@@ -75,8 +75,8 @@ def test_batched_chunked_and_preempted_sequences_keep_their_own_state(qwen35):
 def test_recurrent_models_refuse_speculation_and_skip_prefix_caching(qwen35):
     _, path = qwen35
     with pytest.raises(ValueError, match="speculative"):
-        LLM(path, speculative=SpeculativeConfig(draft="ngram"))
-    llm = LLM(path, block_size=4)  # prefix caching asked for (the default), turned off
+        LLM(path, speculative=SpeculativeConfig(draft="ngram"), dtype="float32")
+    llm = LLM(path, block_size=4, dtype="float32")  # prefix caching asked for (the default), turned off
     assert not llm.engine.block_manager.enable_prefix_caching
 
 
@@ -85,7 +85,7 @@ def test_pruned_variant_serves_like_transformers(qwen35, tmp_path):
     out = tmp_path / "pruned"
     prune_model(path, PruneStage(method="reap", ratio=0.5), CAL, out, show_progress=False)
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
-    llm = LLM(out, block_size=4)
+    llm = LLM(out, block_size=4, dtype="float32")
     assert [layer.mlp.router.out_features for layer in llm.engine.runner.model.layers] == [4] * 4
     with torch.no_grad():
         expected = hf(torch.tensor([PROMPT])).logits[0]
@@ -106,7 +106,7 @@ def test_4bit_variant_serves_like_the_dequantized_transformers_model(qwen35, tmp
     reference = load_quantized_model(out)
     with torch.no_grad():
         expected = reference(torch.tensor([PROMPT])).logits[0]
-    llm = LLM(out, block_size=4)
+    llm = LLM(out, block_size=4, dtype="float32")
     fast, fast_routed = prompt_pass(llm, PROMPT)  # the CPU 4-bit kernels, bf16 activations
     monkeypatch.setenv("THRESHER_KERNELS", "torch")  # the dequantizing references, in fp32
     exact, routed = prompt_pass(llm, PROMPT)
@@ -141,7 +141,7 @@ def test_only_full_attention_layers_hold_kv_blocks(qwen35):
     layers' entries are empty (their state is per sequence, not per token, and is allocated for
     every sequence slot before the cache is sized)."""
     _, path = qwen35
-    llm = LLM(path, block_size=4, num_kv_blocks=16, max_model_len=64)
+    llm = LLM(path, block_size=4, num_kv_blocks=16, max_model_len=64, dtype="float32")
     runner = llm.engine.runner
     assert [c[0].numel() > 0 for c in runner.kv_caches] == [False, True] * 2
     spec = runner.model.spec
@@ -162,7 +162,7 @@ def test_the_hub_checkpoint_serves_like_its_text_model(qwen35, tmp_path, tiny_de
     hub = write_hub_checkpoint(hf, tmp_path / "hub")
     for f in tiny_demo.glob("tokenizer*"):
         (hub / f.name).write_bytes(f.read_bytes())
-    llm = LLM(hub, block_size=4)
+    llm = LLM(hub, block_size=4, dtype="float32")
     with torch.no_grad():
         expected = hf(torch.tensor([PROMPT])).logits[0]
     torch.testing.assert_close(prompt_logits(llm, PROMPT), expected, atol=1e-4, rtol=1e-4)

@@ -53,12 +53,15 @@ from thresher.serve_kernels.engine.speculative import (
     SpeculativeStats,
     rejection_sample,
 )
+from thresher.serve_kernels.kernels import cpu_native
 from thresher.serve_kernels.kernels.cpu_blocked import blocked_supported
 from thresher.serve_kernels.loader import load_engine_model
+from thresher.serve_kernels.modeling import native_step
 
 log = logging.getLogger(__name__)
 
-CPU_BF16_MIN_BYTES = 128 * 2**20  # checkpoints at least this large serve in bf16 on a CPU
+# without bf16 dot products, checkpoints at least this large serve in bf16 on a CPU
+CPU_BF16_MIN_BYTES = 128 * 2**20
 
 
 class RequestFailed(Exception):
@@ -74,15 +77,17 @@ def is_device_error(err: BaseException) -> bool:
 def resolve_dtype(dtype: str, device: torch.device, checkpoint_bytes: int = 0) -> str:
     """The serving dtype ``dtype`` names; ``"auto"`` picks the faster one for ``device``.
 
-    On a GPU that is 16-bit (bfloat16 where supported, else float16). On a CPU it depends on
-    the model's size. A small model sits in the cache and a decode step is dispatch, not weight
-    reading: float32 ran the demo models (at most 20 MB) 1.3-1.5x faster than bf16. A large one
-    is bound by weight reading, which bf16 halves, and its wide matrices run oneDNN's blocked
-    layout (``kernels.cpu_blocked``): bf16 decoded the 0.23 GB and 1.08 GB random MoEs of
-    ``benchmarks/engine/cpu_decode.py`` 1.2-1.25x faster at one sequence and 1.7-1.8x at 16
-    (docs/benchmarks.md). So a CPU whose oneDNN runs bf16 serves checkpoints of at least
-    ``CPU_BF16_MIN_BYTES`` on disk in bf16 (a threshold between the sizes measured), others in
-    float32.
+    On a GPU that is 16-bit (bfloat16 where supported, else float16). On a CPU, bfloat16 where
+    the C decode step runs (``modeling/native_step.py``) and its dense matmuls have bf16 dot
+    products (AVX512-BF16): there bf16 beat float32 at every model size and concurrency measured,
+    1.3-2.1x at one sequence and 1.5-2.7x at 16 on random MoEs of 20-240 MB (decode alone), and
+    on the 5 MB ``small`` demo 1.09-1.13x and 1.27-1.32x with 32-token prompts, 1.02-1.05x and
+    1.38-1.42x with 256-token ones (docs/benchmarks.md, "Serving dtype on the CPU"). Elsewhere it
+    goes by size: a small model sits in the cache, and on the operator path float32 ran the demo
+    models 1.3-1.5x faster than bf16; a large one is bound by weight reading, which bf16 halves.
+    So without those dot products checkpoints of at least ``CPU_BF16_MIN_BYTES`` on disk serve in
+    bf16 where the CPU's oneDNN runs it, others in float32. The dtype is chosen before the model
+    is loaded, so a model the C step turns out not to cover (e.g. act-order GPTQ) gets bf16 too.
     """
     if dtype != "auto":
         if dtype not in DTYPES:
@@ -90,6 +95,8 @@ def resolve_dtype(dtype: str, device: torch.device, checkpoint_bytes: int = 0) -
         return dtype
     if device.type == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    if native_step.enabled() and cpu_native.bf16_dot():
+        return "bfloat16"
     if checkpoint_bytes >= CPU_BF16_MIN_BYTES and blocked_supported(torch.bfloat16):
         return "bfloat16"
     return "float32"
@@ -150,8 +157,8 @@ class LLMEngine:
         self.pacing = speculative is not None and speculative.adaptive  # each Sequence.pacing
         self.spec_stats = SpeculativeStats()
         if speculative is not None:  # on a GPU the target's cache gets what the draft leaves
-            self.drafter = self._build_drafter(speculative, spec, max_num_seqs, block_size,
-                                               enforce_eager)
+            self.drafter = self._build_drafter(speculative, spec, dtype, max_num_seqs,
+                                               block_size, enforce_eager)
         torch_dtype = DTYPES[dtype]
         per_block = ModelRunner.kv_bytes_per_block(loaded.model, block_size, torch_dtype)
         blocks_per_seq = -(-self.max_model_len // block_size)
@@ -196,15 +203,16 @@ class LLMEngine:
         self._generated_total = 0
         self._prompt_total = 0
 
-    def _build_drafter(self, config: SpeculativeConfig, target, max_num_seqs: int,
+    def _build_drafter(self, config: SpeculativeConfig, target, dtype: str, max_num_seqs: int,
                        block_size: int, enforce_eager: bool) -> NgramDrafter | ModelDrafter:
         """Prompt lookup, or a draft model with its own KV cache (sized by the CPU rule:
-        ``KV_BUDGET_BYTES``, capped at what ``max_num_seqs`` full sequences use)."""
+        ``KV_BUDGET_BYTES``, capped at what ``max_num_seqs`` full sequences use), in the
+        target's dtype: a draft in another dtype rounds differently, so even a model drafting
+        for itself would lose proposals."""
         if config.draft == NGRAM:
             return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
         path = resolve_model(config.draft)
-        dtype = resolve_dtype("auto", self.device, weight_bytes(path))
-        loaded = load_engine_model(path, dtype, self.device)
+        loaded = load_engine_model(path, dtype, self.device)  # the target's dtype
         spec = loaded.model.spec
         if spec.vocab_size != target.vocab_size:
             raise ModelError(f"draft model {config.draft!r} has a vocabulary of {spec.vocab_size} "

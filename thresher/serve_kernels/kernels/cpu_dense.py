@@ -10,7 +10,10 @@ codes, then cast to the serving dtype) and runs the dense matmul of a 16-bit mod
 was measured with ``benchmarks/engine/cpu_small_matrices.py`` (docs/benchmarks.md, "Small matrices
 dense on the CPU"); the memory this adds is at most the threshold's dense bytes per matrix, and
 a model whose matrices are larger (the 1 GB benchmark model's smallest 4-bit matrix, a 256 x
-1024 k_proj, has twice the threshold) keeps every matrix on its packed kernel.
+1024 k_proj, has twice the threshold) keeps every matrix on its packed kernel. On the one-call C
+decode step, which has no per-call cost, the packed kernels win back one sequence (1.1-1.26x on
+``small``) and lose batches of 16 (0.84-0.98x): a trade, not a win either way, so the threshold
+stayed when measured again there (docs/benchmarks.md).
 
 ``THRESHER_CPU_DENSE_MAX`` (weights per matrix) overrides the threshold at load time; 0 keeps
 every matrix on its packed kernel (the kernels' own tests pin it so). The published packed

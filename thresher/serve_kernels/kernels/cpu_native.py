@@ -161,6 +161,13 @@ def _library(march: str) -> ctypes.CDLL | None:
     return _loaded
 
 
+def bf16_dot() -> bool:
+    """True when the C kernels here multiply bf16 weights with the CPU's bf16 dot-product
+    instructions (AVX512-BF16), as the C decode step's dense matmuls then do."""
+    lib = library()
+    return lib is not None and lib.thr_dense_isa().decode().endswith("+bf16")
+
+
 def loaded() -> ctypes.CDLL | None:
     """The library ``library()`` last loaded, without reading the environment: what calls on
     weights already converted for it use."""
