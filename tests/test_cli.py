@@ -56,6 +56,19 @@ def test_check_prints_plan():
     assert "prune auto ratio=0.5" in result.output
 
 
+def test_check_says_what_the_evaluation_needs_in_memory(monkeypatch):
+    from thresher import resources
+
+    demo = ["check", str(ROOT / "configs" / "demo.yaml")]
+    result = runner.invoke(app, demo)
+    assert "memory: 5.0 M parameters; evaluation holds the model whole in float32, at least 19 " \
+        "MiB; " in " ".join(result.output.split())
+    monkeypatch.setattr(resources, "available_memory", lambda: (8 << 20, "free memory and swap"))
+    result = runner.invoke(app, demo)
+    assert result.exit_code == 0, result.output  # a warning: the run may go to a larger machine
+    assert "only 8 MiB available here (free memory and swap)" in " ".join(result.output.split())
+
+
 def test_check_reports_field_without_traceback(tmp_path):
     bad = tmp_path / "r.yaml"
     bad.write_text("name: x\nmodel: demo:tiny\nvariants:\n  - name: a\n    stages:\n"

@@ -198,10 +198,33 @@ def check(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")]) -> 
             for f in files:
                 gguf_table.add_row(name, f.file, _GGUF_HOW[f.how])
         console.print(gguf_table)
+    if found.parameters:
+        _print_memory(found.parameters)
     pool = r.execution.work_pool
     console.print(f"{len(r.variants)} variants; runs " + (
         f"on work pool {pool!r} (retries {r.execution.retries})" if pool else "in this process"))
     console.print("[green]recipe is valid[/]")
+
+
+def _print_memory(parameters: int) -> None:
+    """What the evaluation's float32 copy of the model needs, against this machine's room; a
+    warning, not a refusal: the run may go to a work pool's larger machine."""
+    from thresher.models.inspect import size_text
+    from thresher.resources import available_memory
+
+    need = parameters * 4
+    count = f"{parameters / 1e9:.1f} B" if parameters >= 1e9 else f"{parameters / 1e6:.1f} M"
+    line = (f"memory: {count} parameters; evaluation holds the model whole in float32, at least "
+            f"{size_text(need)}")
+    room = available_memory()
+    if room is None:
+        console.print(line, highlight=False)
+    elif need <= room[0]:
+        console.print(f"{line}; {size_text(room[0])} available here", highlight=False)
+    else:
+        console.print(f"[yellow]{line}; only {size_text(room[0])} available here ({room[1]}): "
+                      "run it where there is more (a work pool's machine), or it is refused at "
+                      "its first evaluation[/]", highlight=False)
 
 
 _GGUF_HOW = {

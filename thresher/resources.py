@@ -1,4 +1,5 @@
-"""Wall time and peak resident memory of a piece of work: the one definition of "peak memory".
+"""Wall time and peak resident memory of a piece of work: the one definition of "peak memory";
+and the memory a new allocation can still get (``available_memory``).
 
 CLI reports, flow metrics and benchmarks all read it from here, so the same work reports the same
 number wherever it runs. On Linux the peak is the kernel's VmHWM, reset at the start of the block
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
 
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 _STATUS = Path("/proc/self/status")
+_MEMINFO = Path("/proc/meminfo")
+_CGROUP = Path("/sys/fs/cgroup")  # cgroup v2: a container's memory limit
 
 
 def reset_peak() -> bool:
@@ -83,3 +86,30 @@ def measure(device: torch.device | None = None) -> Iterator[Usage]:
         usage.wall_seconds = time.perf_counter() - start
         usage.peak_rss_mb = peak_rss_mb()
         usage.peak_device_mb = device_peak_mb(device)
+
+
+def available_memory() -> tuple[int, str] | None:
+    """Bytes this process can still allocate before the kernel's OOM killer steps in, and where
+    the bound comes from: MemAvailable plus free swap, capped by a cgroup v2 memory limit (a
+    container's) less the memory charged to it that is not page cache (page cache is reclaimed
+    on demand, so counting it would refuse work that fits). None where /proc/meminfo cannot be
+    read (not Linux)."""
+    try:
+        info = {}
+        for line in _MEMINFO.read_text().splitlines():
+            key, _, value = line.partition(":")
+            info[key] = int(value.split()[0]) * 1024
+        free, where = info["MemAvailable"] + info.get("SwapFree", 0), "free memory and swap"
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+    try:
+        limit = (_CGROUP / "memory.max").read_text().strip()
+        if limit != "max":
+            used = int((_CGROUP / "memory.current").read_text())
+            stat = dict(line.split() for line in (_CGROUP / "memory.stat").read_text().splitlines())
+            room = int(limit) - (used - int(stat.get("file", 0)))
+            if room < free:
+                free, where = room, "this container's memory limit"
+    except (OSError, ValueError):
+        pass
+    return max(free, 0), where

@@ -61,6 +61,7 @@ class Preflight:
     config_source: str
     checked: bool
     gguf: dict[str, list[GGUFFile]] = field(default_factory=dict)
+    parameters: int | None = None  # the base model's, where its config could be read
 
 
 @dataclass
@@ -178,6 +179,7 @@ def preflight(recipe: Recipe) -> Preflight:
         from transformers import AutoModelForCausalLM
 
         meta = _MetaModel(Path(recipe.model), adapter, AutoModelForCausalLM.from_config(config))
+    result.parameters = sum({id(p): p.numel() for p in meta.model.parameters()}.values())
     seen: set[str] = set()
     for i, variant in enumerate(recipe.variants):
         experts = adapter.num_experts(config) if adapter.is_moe else 0

@@ -16,6 +16,7 @@ from thresher.errors import CheckpointError, DataError, ModelError, UnsupportedA
 from thresher.formats.dtypes import DTYPES
 from thresher.models.adapters import get_adapter
 from thresher.models.checkpoint import CheckpointReader
+from thresher.models.inspect import require_memory, resident_bytes
 from thresher.models.layerwise import LayerwiseModel, is_mxfp4, load_config
 from thresher.models.manifest import verify_artifact
 from thresher.models.quantized import load_quantized_model
@@ -83,6 +84,9 @@ def load_model(source: str | Path, dtype: torch.dtype | str = torch.float32) -> 
     path = resolve_model(str(source))
     verify_artifact(path)  # a published artifact must match its manifest
     config = load_config(path)  # refuses unsupported families with the list of supported ones
+    name = str(dtype).removeprefix("torch.")
+    require_memory(resident_bytes(path, dtype.itemsize), f"loading {path.name} in {name}",
+                   f"Evaluation holds the whole model in {name}; use a machine with more memory.")
     if is_mxfp4(config):
         return _load_layerwise(path, dtype)
     if getattr(config, "quantization_config", None) is not None:

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from thresher.errors import ModelError
 from thresher.formats.dtypes import DTYPES
-from thresher.models.inspect import weight_bytes
+from thresher.models.inspect import require_memory, resident_bytes, weight_bytes
 from thresher.models.loading import load_tokenizer
 from thresher.models.source import resolve_model
 from thresher.serve_kernels.engine.block_manager import BlockManager
@@ -134,6 +134,12 @@ class LLMEngine:
         start = GPUMemory.read(self.device) if self.device.type == "cuda" else None
         path = resolve_model(str(model))
         dtype = resolve_dtype(dtype, self.device, weight_bytes(path))
+        if self.device.type == "cpu":  # on a GPU the KV budget checks the device's memory
+            half = " or --dtype bfloat16 (half of float32's bytes)" if dtype == "float32" else ""
+            require_memory(resident_bytes(path, DTYPES[dtype].itemsize),
+                           f"serving {path.name} in {dtype}",
+                           f"Serve a quantized variant of it{half}, or use a machine with more "
+                           "memory.")
         loaded = load_engine_model(path, dtype, self.device)
         if loaded.model.recurrent:
             if speculative is not None:
