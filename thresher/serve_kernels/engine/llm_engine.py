@@ -80,7 +80,7 @@ def resolve_dtype(dtype: str, device: torch.device, checkpoint_bytes: int = 0) -
     On a GPU that is 16-bit (bfloat16 where supported, else float16). On a CPU, bfloat16 where
     the C decode step runs (``modeling/native_step.py``) and its dense matmuls have bf16 dot
     products (AVX512-BF16): there bf16 beat float32 at every model size and concurrency measured,
-    1.3-2.1x at one sequence and 1.5-2.7x at 16 on random MoEs of 20-240 MB (decode alone), and
+    1.2-2.1x at one sequence and 1.4-2.8x at 16 on random MoEs of 20-240 MB (decode alone), and
     on the 5 MB ``small`` demo 1.09-1.13x and 1.27-1.32x with 32-token prompts, 1.02-1.05x and
     1.38-1.42x with 256-token ones (docs/benchmarks.md, "Serving dtype on the CPU"). Elsewhere it
     goes by size: a small model sits in the cache, and on the operator path float32 ran the demo
