@@ -109,3 +109,13 @@ def test_greedy_matches_transformers_on_cuda(graphed, tiny_demo):
         agree += sum(a == b for a, b in zip(g, want[0, len(ids):].tolist(), strict=True))
         total += len(g)
     assert agree >= 0.9 * total
+
+
+def test_weights_larger_than_the_free_gpu_memory_are_refused(monkeypatch, tiny_demo):
+    """A clear error before loading, not a CUDA out-of-memory part-way through."""
+    from thresher.errors import ModelError
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 20, 80 << 30))
+    with pytest.raises(ModelError, match=r"serving tiny-\w+ in bfloat16 needs at least 3 MiB of "
+                                         r"memory; 1 MiB is available here \(free on "):
+        LLM(tiny_demo, dtype="bfloat16")

@@ -62,11 +62,13 @@ def resident_bytes(path: str | Path, element_size: int) -> int:
     return total
 
 
-def require_memory(need: int, subject: str, advice: str) -> None:
-    """Raise ModelError when ``need`` bytes exceed what this machine can still allocate
-    (``resources.available_memory``): the load would end in the OOM killer's SIGKILL, which
-    leaves no message, part-way through."""
-    room = available_memory()
+def require_memory(need: int, subject: str, advice: str,
+                   room: tuple[int, str] | None = None) -> None:
+    """Raise ModelError when ``need`` bytes exceed ``room`` (bytes free, where they are; by
+    default what this machine can still allocate, ``resources.available_memory``): the load
+    would end part-way through, in the OOM killer's SIGKILL, which leaves no message, or in a
+    device's out-of-memory error."""
+    room = room or available_memory()
     if room is None or need <= room[0]:
         return
     raise ModelError(f"{subject} needs at least {size_text(need)} of memory; "

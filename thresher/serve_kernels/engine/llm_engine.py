@@ -134,12 +134,15 @@ class LLMEngine:
         start = GPUMemory.read(self.device) if self.device.type == "cuda" else None
         path = resolve_model(str(model))
         dtype = resolve_dtype(dtype, self.device, weight_bytes(path))
-        if self.device.type == "cpu":  # on a GPU the KV budget checks the device's memory
-            half = " or --dtype bfloat16 (half of float32's bytes)" if dtype == "float32" else ""
-            require_memory(resident_bytes(path, DTYPES[dtype].itemsize),
-                           f"serving {path.name} in {dtype}",
-                           f"Serve a quantized variant of it{half}, or use a machine with more "
-                           "memory.")
+        half = " or --dtype bfloat16 (half of float32's bytes)" if dtype == "float32" else ""
+        room = None  # on a CPU: what this machine can still allocate
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+            room = (free, f"free on {torch.cuda.get_device_name(self.device)}")
+        require_memory(resident_bytes(path, DTYPES[dtype].itemsize),
+                       f"serving {path.name} in {dtype}",
+                       f"Serve a quantized variant of it{half}, or use a machine with more "
+                       "memory.", room)
         loaded = load_engine_model(path, dtype, self.device)
         if loaded.model.recurrent:
             if speculative is not None:
