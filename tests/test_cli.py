@@ -69,6 +69,19 @@ def test_check_says_what_the_evaluation_needs_in_memory(monkeypatch):
     assert "only 8 MiB available here (free memory and swap)" in " ".join(result.output.split())
 
 
+def test_served_name_defaults_to_what_the_user_named(tmp_path):
+    from thresher.cli import default_served_name
+
+    snapshot = tmp_path / "snapshots" / ("0" * 40)
+    assert default_served_name("Qwen/Qwen3-30B-A3B", snapshot) == "Qwen/Qwen3-30B-A3B"
+    assert default_served_name("demo:tiny", tmp_path / "tiny-98c3c11e5817") == "demo:tiny"
+    assert default_served_name("models:/thresher-demo-gptq4/2", tmp_path / "x") == \
+        "thresher-demo-gptq4/2"
+    artifact = tmp_path / "published" / "reap50-gptq4"
+    artifact.mkdir(parents=True)
+    assert default_served_name(str(artifact), artifact) == "reap50-gptq4"
+
+
 def test_check_reports_field_without_traceback(tmp_path):
     bad = tmp_path / "r.yaml"
     bad.write_text("name: x\nmodel: demo:tiny\nvariants:\n  - name: a\n    stages:\n"

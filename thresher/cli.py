@@ -766,6 +766,20 @@ def _check_writable_parent(path: Path, option: str) -> None:
 # --- serving -------------------------------------------------------------------------------------
 
 
+def default_served_name(model: str, path: Path) -> str:
+    """The name clients send by default: what the user typed for a hub id or a demo model (as
+    vLLM does; their directories are a snapshot's commit hash and a spec hash), a registry
+    model's name/version, a local directory's name."""
+    from thresher.models.source import parse_model_source
+
+    source = parse_model_source(model)
+    if source.kind == "local":
+        return path.name
+    if source.kind == "registry":
+        return source.value
+    return model
+
+
 def _describe_loaded(name: str, info: dict, max_model_len: int) -> str:
     """The startup line: what was loaded (format, bits, serving dtype, experts, memory)."""
     bits = info.get("bits")
@@ -839,7 +853,8 @@ def serve(
         help="Require 'Authorization: Bearer KEY' on /v1 endpoints (an empty key is refused; "
              "leave it unset to serve without one).")] = None,
     served_model_name: Annotated[str | None, typer.Option(
-        help="Model name clients send (default: the artifact directory's name).")] = None,
+        help="Model name clients send (default: a hub id or demo:SIZE as given, a registry "
+             "model's name/version, a local directory's name).")] = None,
     max_num_seqs: Annotated[int, typer.Option(min=1, help="Sequences in the running batch.")] = 64,
     max_queue: Annotated[int, typer.Option(
         min=0, help="Sequences allowed to wait beyond the running batch; more get HTTP "
@@ -917,8 +932,7 @@ def serve(
         option = re.match(r"(\w+)=", str(err))
         raise typer.BadParameter(str(err), param_hint=option and
                                  f"'--{option.group(1).replace('_', '-')}'") from None
-    name = served_model_name or (path.name if not model.startswith("models:/")
-                                 else model.removeprefix("models:/"))
+    name = served_model_name or default_served_name(model, path)
     console.print(_describe_loaded(name, engine.model_info, engine.max_model_len), highlight=False,
                   soft_wrap=True)
     auth = "API key required" if api_key else "no API key"
