@@ -36,7 +36,7 @@ QUANT = {"gptq-4": {"method": "gptq", "act_order": True}, "awq-4": {"method": "a
 
 def engine_perplexity(path: Path, windows: torch.Tensor) -> float:
     """Token-level perplexity from the engine's prompt log-probabilities of every window."""
-    scores = LLM(path, max_model_len=windows.shape[1]).score(windows.tolist())
+    scores = LLM(path, dtype="float32", max_model_len=windows.shape[1]).score(windows.tolist())
     nll = [-lp for s in scores for lp in s[1:]]
     return math.exp(sum(nll) / len(nll))
 
