@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from scipy.stats import spearmanr
 
+import thresher
 from thresher.compress.api import quantize_model
 from thresher.data.demo_model import build_demo_model
 from thresher.evaluate.builtin_tasks import GENERATIVE, MULTIPLE_CHOICE, TASKS
@@ -39,6 +40,7 @@ from thresher.recipe import (
     PerplexityConfig,
     PruneStage,
     QuantizeStage,
+    load_recipe,
 )
 
 CALIBRATION = CalibrationConfig(samples=64, seq_len=256)
@@ -51,14 +53,11 @@ VARIANTS = {
     "reap50-gptq4": [PruneStage(method="reap", ratio=0.5),
                      QuantizeStage(method="gptq", bits=4, group_size=128, act_order=True)],
 }
-# configs/demo.yaml's variants (``--variants demo``): the ordering issue 20 asks the task to keep.
-_AUTO50 = PruneStage(method="auto", ratio=0.5)
-_DEMO_QUANT = {"gptq4": VARIANTS["gptq4"][0],
-               "awq4": QuantizeStage(method="awq", bits=4, group_size=128),
-               "nf4": VARIANTS["nf4"][0]}
-VARIANTS.update({"awq4": [_DEMO_QUANT["awq4"]], "auto50": [_AUTO50]})
-VARIANTS.update({f"auto50-{q}": [_AUTO50, stage] for q, stage in _DEMO_QUANT.items()})
-SETS = {"demo": "gptq4,awq4,nf4,auto50,auto50-gptq4,auto50-awq4,auto50-nf4"}
+# ``--variants demo``: the embedded demo recipe's variants, read from it, so they stay its own
+DEMO = load_recipe(Path(thresher.__file__).parent / "configs" / "demo.yaml")
+VARIANTS.update({v.name: [s.prune or s.quantize for s in v.stages]
+                 for v in DEMO.variants if v.stages})
+SETS = {"demo": ",".join(v.name for v in DEMO.variants if v.stages)}
 DEFAULT_VARIANTS = "reap50,random75,rtn2"
 PRIMARY = {"stdlib_complete_line": "char_similarity", "stdlib_function_body": "char_similarity"}
 
