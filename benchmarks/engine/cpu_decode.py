@@ -31,7 +31,9 @@ llama-cpp-python those rows are skipped with a message.
 ``--contexts`` sets the prompt lengths: every concurrency at the first, c=1 at the others (the
 same prompt pattern repeated), for the engine and llama.cpp alike. Engine rows run the one-call C
 decode step (``modeling/native_step.py``) where it applies; ``--steps native ops`` adds each
-variant on the operator path (``THRESHER_CPU_STEP=off``) for comparison in the same run. Host
+variant on the operator path (``THRESHER_CPU_STEP=off``) for comparison in the same run;
+``--dense-max 0 131072 ...`` loads each 4-bit variant once per small-matrix threshold
+(``THRESHER_CPU_DENSE_MAX``: matrices of at most that many weights dequantized at load). Host
 ms / step (c=1, first context) = the decode steps' wall time minus the time inside the C step
 and LM head calls (``NativeStep.seconds``; ``CausalLM.logits`` where the head stays on torch), the median
 over decode steps of the best round: the scheduling, metadata, sampling and Python around the
