@@ -178,3 +178,15 @@ def test_a_full_disk_during_publish_keeps_the_earlier_publish_whole(tiny_demo, t
         publish_artifact.fn(str(src), hash_directory(src), str(tmp_path / "pub"), "v", _fields())
     assert _snapshot(tmp_path / "pub") == before
     assert [p.name for p in (tmp_path / "pub").iterdir()] == ["v"]
+
+
+def test_an_evaluation_that_cannot_fit_names_its_variant(tiny_demo, tmp_path, monkeypatch):
+    """The flow's message says which variant, not only the store directory (a content hash)."""
+    from thresher.errors import ModelError
+    from thresher.flows.stages import evaluate_artifact
+    from thresher.models import inspect
+    from thresher.recipe import EvalConfig
+
+    monkeypatch.setattr(inspect, "available_memory", lambda: (1 << 20, "free memory and swap"))
+    with pytest.raises(ModelError, match=r"^evaluating base: loading \S+ in float32 needs at least"):
+        evaluate_artifact.fn(str(tiny_demo), "base-hash", EvalConfig(), str(tmp_path), label="base")

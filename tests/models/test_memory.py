@@ -50,10 +50,10 @@ def test_load_model_and_the_engine_refuse_what_cannot_fit(monkeypatch, tiny_demo
 
     need = resident_bytes(tiny_demo, 4)
     monkeypatch.setattr(inspect, "available_memory", lambda: (need - 1, "free memory and swap"))
-    with pytest.raises(ModelError, match=r"loading tiny-\w+ in float32 needs at least \d+ MiB of "
+    with pytest.raises(ModelError, match=r"loading \S+/tiny-\w+ in float32 needs at least \d+ MiB of "
                                          r"memory; \d+ MiB is available here \(free memory"):
         load_model(tiny_demo)
-    with pytest.raises(ModelError, match=r"serving tiny-\w+ in float32 .* Serve a quantized "
+    with pytest.raises(ModelError, match=r"serving \S+/tiny-\w+ in float32 .* Serve a quantized "
                                          r"variant of it or --dtype bfloat16"):
         LLM(tiny_demo, dtype="float32")
     load_model(tiny_demo, "bfloat16")  # half the bytes fit

@@ -116,6 +116,6 @@ def test_weights_larger_than_the_free_gpu_memory_are_refused(monkeypatch, tiny_d
     from thresher.errors import ModelError
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 20, 80 << 30))
-    with pytest.raises(ModelError, match=r"serving tiny-\w+ in bfloat16 needs at least 3 MiB of "
+    with pytest.raises(ModelError, match=r"serving \S+/tiny-\w+ in bfloat16 needs at least 3 MiB of "
                                          r"memory; 1 MiB is available here \(free on "):
         LLM(tiny_demo, dtype="bfloat16")

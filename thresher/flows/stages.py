@@ -22,7 +22,7 @@ from typing import Any
 from prefect import task
 
 from thresher import __version__
-from thresher.errors import ArtifactError, ThresherError
+from thresher.errors import ArtifactError, ModelError, ThresherError
 from thresher.flows.store import ArtifactStore, stage_key
 from thresher.formats.artifact import GGUF_SOURCE, MANIFEST, STORE_COMPLETE
 from thresher.models.card import runtime_note, write_gguf_card, write_model_card
@@ -140,7 +140,10 @@ def evaluate_artifact(path: str, content_hash: str, eval_cfg: EvalConfig, store_
     from thresher.models import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(path)
-    model = load_model(path)  # loaded once: perplexity and tasks both run on it
+    try:
+        model = load_model(path)  # loaded once: perplexity and tasks both run on it
+    except ModelError as err:  # named by the variant: the store's directories are hashes
+        raise ModelError(f"evaluating {label}: {err}") from None
     start = time.perf_counter()
     cfg = eval_cfg.perplexity
     windows = eval_windows(tokenizer, cfg)
@@ -328,7 +331,10 @@ def validate_variant(path: str, base_path: str, perplexity_cfg: PerplexityConfig
     """The validation run in the serving engine: perplexity, agreement with the base, load test."""
     from thresher.serve_kernels.validate import validate_artifact
 
-    return validate_artifact(path, base_path, perplexity_cfg, validate_cfg, dtype=dtype)
+    try:
+        return validate_artifact(path, base_path, perplexity_cfg, validate_cfg, dtype=dtype)
+    except ModelError as err:
+        raise ModelError(f"validating {label}: {err}") from None
 
 
 @task(name="score-draft", retries=1, retry_delay_seconds=5,

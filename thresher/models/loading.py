@@ -85,7 +85,7 @@ def load_model(source: str | Path, dtype: torch.dtype | str = torch.float32) -> 
     verify_artifact(path)  # a published artifact must match its manifest
     config = load_config(path)  # refuses unsupported families with the list of supported ones
     name = str(dtype).removeprefix("torch.")
-    require_memory(resident_bytes(path, dtype.itemsize), f"loading {path.name} in {name}",
+    require_memory(resident_bytes(path, dtype.itemsize), f"loading {path} in {name}",
                    f"Evaluation holds the whole model in {name}; use a machine with more memory.")
     if is_mxfp4(config):
         return _load_layerwise(path, dtype)

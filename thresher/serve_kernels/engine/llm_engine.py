@@ -140,7 +140,7 @@ class LLMEngine:
             free = torch.cuda.mem_get_info(self.device)[0]
             room = (free, f"free on {torch.cuda.get_device_name(self.device)}")
         require_memory(resident_bytes(path, DTYPES[dtype].itemsize),
-                       f"serving {path.name} in {dtype}",
+                       f"serving {path} in {dtype}",
                        f"Serve a quantized variant of it{half}, or use a machine with more "
                        "memory.", room)
         loaded = load_engine_model(path, dtype, self.device)
