@@ -26,6 +26,7 @@ from thresher.errors import CompressionError, DataError, ExportError, RecipeErro
 from thresher.export import check_gguf_architecture, check_gguf_widths, gguf_route
 from thresher.formats.config import PackedFormat, packed_format
 from thresher.models.adapters import Adapter, get_adapter
+from thresher.models.inspect import count_parameters
 from thresher.models.layerwise import is_mxfp4, refuse_packed
 from thresher.models.loading import check_window_length
 from thresher.models.source import parse_model_source
@@ -179,7 +180,7 @@ def preflight(recipe: Recipe) -> Preflight:
         from transformers import AutoModelForCausalLM
 
         meta = _MetaModel(Path(recipe.model), adapter, AutoModelForCausalLM.from_config(config))
-    result.parameters = sum({id(p): p.numel() for p in meta.model.parameters()}.values())
+    result.parameters = count_parameters(meta.model)
     seen: set[str] = set()
     for i, variant in enumerate(recipe.variants):
         experts = adapter.num_experts(config) if adapter.is_moe else 0

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from thresher.errors import ModelError
-from thresher.models.checkpoint import LANGUAGE_MODEL_PREFIX, NOT_CARRIED_PREFIXES, CheckpointReader
+from thresher.models.checkpoint import NOT_CARRIED_PREFIXES, CheckpointReader
 from thresher.models.layerwise import load_config
 from thresher.resources import available_memory
 
@@ -29,14 +29,12 @@ def parameter_count(path: str | Path) -> int:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    seen: set[int] = set()
-    total = 0
-    for p in model.parameters():  # tied embeddings count once
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel()
-    return total
+        return count_parameters(AutoModelForCausalLM.from_config(config))
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """A module's parameters; ``parameters()`` yields a tied weight (embeddings) once."""
+    return sum(p.numel() for p in model.parameters())
 
 
 def resident_bytes(path: str | Path, element_size: int) -> int:
@@ -48,11 +46,7 @@ def resident_bytes(path: str | Path, element_size: int) -> int:
     total = 0
     for header in CheckpointReader(path).headers.values():
         for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            if name.startswith(LANGUAGE_MODEL_PREFIX):
-                name = "model." + name[len(LANGUAGE_MODEL_PREFIX):]
-            if name.startswith(NOT_CARRIED_PREFIXES):
+            if name == "__metadata__" or name.startswith(NOT_CARRIED_PREFIXES):
                 continue
             if info["dtype"] in FLOAT_DTYPES:
                 total += math.prod(info["shape"]) * element_size
