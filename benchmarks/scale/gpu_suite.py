@@ -77,8 +77,8 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from thresher.serve_kernels.kernels import tuning  # noqa: E402
+sys.path.insert(0, str(ROOT))  # thresher is imported inside the sections: on the GPU
+# machine its dependencies (pydantic...) arrive with the carry that main() installs first
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DEMO_QUANT = {"gptq4": ["--method", "gptq", "--bits", "4", "--group-size", "32"],  # tiny's experts
@@ -310,6 +310,8 @@ def _gemv_times(k: int, n: int, sizes: Sizes) -> list[tuple[str, float, str, int
             x, *awq[i % len(awq)], group)),
         "nf4 (fp32 absmax)": (nf4_bytes, lambda i: nf4_matmul_triton(x, nf4[i % len(nf4)])),
     }
+    from thresher.serve_kernels.kernels import tuning
+
     out = []
     calls = 4 if DRY else 64
     for name, (nbytes, fn) in cases.items():
@@ -322,6 +324,8 @@ def _gemv_times(k: int, n: int, sizes: Sizes) -> list[tuple[str, float, str, int
 
 def tile_choices() -> dict[tuple, object]:
     """Every tile ``tuning`` has chosen so far, by (kernel, shape key)."""
+    from thresher.serve_kernels.kernels import tuning
+
     return {(kernel, key): cfg for kernel, keys in tuning.chosen().items()
             for key, cfg in keys.items()}
 
@@ -332,6 +336,7 @@ def section_moe_kernel(sizes: Sizes, log: Path) -> str:
     route to) per second, against the copy bandwidth; with contiguous groups known (one row of
     zeros and scales per K tile, what the engine runs for GPTQ without act-order) and without
     (a gather through g_idx per weight, what act-order needs)."""
+    from thresher.serve_kernels.kernels import tuning
     from thresher.serve_kernels.kernels.moe import DECODE, ExpertWeights, fused_moe_triton
 
     m = sizes.moe

@@ -18,26 +18,32 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ABSENT = ("bitsandbytes", "prefect", "mlflow", "lm_eval", "datasets")
+CARRIED = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection")  # in the carry
 SUITE_FILES = ["tests/serve_kernels/test_cuda.py", "tests/serve_kernels/kernels"]  # gpu_suite.py
 
 
-def _absent(entry: str) -> bool:
-    """A site-packages entry (package, module or dist-info) of one of the ABSENT distributions."""
+def _absent(entry: str, absent: tuple[str, ...]) -> bool:
+    """A site-packages entry (package, module or dist-info) of one of the ``absent``
+    distributions."""
     name = entry.lower().replace("-", "_")
-    return any(name == a or name.startswith((f"{a}.", f"{a}_")) for a in ABSENT)
+    return any(name == a or name.startswith((f"{a}.", f"{a}-", f"{a}_")) for a in absent)
+
+
+def _site_without(site: Path, absent: tuple[str, ...]) -> Path:
+    """This environment's site-packages as links in ``site``, less the ``absent`` distributions:
+    importing or looking up one of them there behaves as on a machine that never had it."""
+    for source in {Path(p) for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()}:
+        for entry in source.iterdir():
+            if not _absent(entry.name, absent) and not entry.name.endswith(".pth") \
+                    and not (site / entry.name).exists():
+                (site / entry.name).symlink_to(entry)
+    return site
 
 
 @pytest.fixture(scope="module")
 def image_site(tmp_path_factory) -> Path:
-    """This environment's site-packages as links, less the ABSENT distributions: importing or
-    looking up one of them there behaves as on a machine that never had it installed."""
-    site = tmp_path_factory.mktemp("gpu-image-site")
-    for source in {Path(p) for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()}:
-        for entry in source.iterdir():
-            if not _absent(entry.name) and not entry.name.endswith(".pth") \
-                    and not (site / entry.name).exists():
-                (site / entry.name).symlink_to(entry)
-    return site
+    """The image once the suite has installed its carry."""
+    return _site_without(tmp_path_factory.mktemp("gpu-image-site"), ABSENT)
 
 
 def run_on_image(site: Path, args: list[str]) -> subprocess.CompletedProcess:
@@ -69,3 +75,19 @@ def test_nf4_kernel_tests_run_without_bitsandbytes(image_site):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = proc.stdout.strip().splitlines()[-1]
     assert "passed" in summary and "skipped" in summary, summary  # bitsandbytes' own tests skip
+
+
+def test_suite_starts_before_its_carry_is_installed(tmp_path):
+    """The suite installs the carried wheels (pydantic, which thresher needs) in ``main``:
+    anything it imports before that must not need them, or the run stops at its first line."""
+    site = _site_without(tmp_path, ABSENT + CARRIED)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    probe = ("import runpy, sys; sys.argv = ['gpu_suite.py', '--help']; "
+             "runpy.run_path('benchmarks/scale/gpu_suite.py', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-S", "-c", probe], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--carry" in proc.stdout
+    lacks = subprocess.run([sys.executable, "-S", "-c", "import pydantic"], env=env,
+                           capture_output=True, text=True)
+    assert lacks.returncode != 0  # the probe ran where pydantic is absent
