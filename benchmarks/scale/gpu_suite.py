@@ -549,7 +549,9 @@ def section_quantized_decode(ctx: MoEContext, log: Path,
     """Decode at c=1 of the random MoE in the GPTQ-4 layout, AWQ-4 and NF4 (made here on the
     device), each against the roofline of the bytes a token reads in its format. The GPTQ-4
     layout is written by RTN: the same packed bytes and kernels as GPTQ's codes, in seconds,
-    where GPTQ of the 16 layers would take minutes of the run (section 6 times GPTQ itself)."""
+    where GPTQ of the 16 layers would take minutes of the run (section 6 times GPTQ itself).
+    AWQ calibrates on a quarter of the samples: decode speed does not depend on them, and AWQ of
+    the 16 layers on 32 took over four minutes of the third H100 run."""
     from thresher.serve_kernels import LLM
 
     s = ctx.sizes
@@ -565,8 +567,8 @@ def section_quantized_decode(ctx: MoEContext, log: Path,
             continue
         if not (out / "config.json").is_file():
             cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(ctx.path), "--out",
-                   str(out), "--method", method, "--samples", str(s.gptq_samples), "--seq-len",
-                   "128" if not DRY else "16", "--device", dev]
+                   str(out), "--method", method, "--samples", str(max(1, s.gptq_samples // 4)),
+                   "--seq-len", "128" if not DRY else "16", "--device", dev]
             if method != "nf4":
                 cmd += ["--bits", "4", "--group-size", str(group)]
             run_checked(cmd, log, left())

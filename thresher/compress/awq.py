@@ -15,13 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from thresher.compress.rtn import rtn_quantize
-from thresher.quant.grid import GridSpec
+from thresher.quant.grid import GridSpec, dequantize, fit_grid, quantize
 
 N_GRID = 20
 MAX_SHRINK = 0.5  # clipping search: shrink the max range down to 1 - 0.5 + 1/20 = 55 %
 CLIP_TOKENS = 512  # tokens sampled for the clipping search
-CLIP_ROWS = 64  # output rows searched at once (bounds the [rows, T, groups] partial products)
+CLIP_ELEMENTS = 1 << 22  # weights searched at once (bounds each candidate's temporaries)
 
 
 @dataclass(frozen=True)
@@ -32,8 +31,13 @@ class ScaleChoice:
 
 
 def pseudo_quantize(w: torch.Tensor, spec: GridSpec, group_size: int) -> torch.Tensor:
-    """Quantize-dequantize ``w`` on the min-max grid (the error a scale candidate is judged by)."""
-    return rtn_quantize(w, spec, group_size).dequantize()
+    """Quantize-dequantize ``w`` on the min-max grid (the error a scale candidate is judged by):
+    ``rtn_quantize(w, spec, group_size).dequantize()`` bit for bit, without the integer codes
+    and the per-column gather of scales a checkpoint's matrix needs."""
+    rows, cols = w.shape
+    flat = w.float().reshape(-1, cols if group_size == -1 else group_size)
+    scale, zero = fit_grid(flat, spec)
+    return dequantize(quantize(flat, scale, zero, spec.maxq), scale, zero).reshape(rows, cols)
 
 
 def weight_mean(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
@@ -80,54 +84,57 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, spec: GridSpec, group_size: in
     than the unclipped range on those tokens too: a choice that fits ``x`` alone is undone."""
     rows, cols = w.shape
     gs = cols if group_size == -1 else group_size
-
-    def groups(t: torch.Tensor) -> torch.Tensor:
-        if t.shape[0] > CLIP_TOKENS:
-            t = t[:: t.shape[0] // CLIP_TOKENS][:CLIP_TOKENS]
-        return t.float().reshape(1, t.shape[0], cols // gs, gs)  # [1, T, G, gs]
-
-    xg = groups(x)
-    cg = None if check is None else groups(check)
-    return torch.cat([_clip_rows(w[r:r + CLIP_ROWS].float(), xg, spec, group_size, n_grid,
-                                 max_shrink, cg) for r in range(0, rows, CLIP_ROWS)])
+    if x.shape[0] == 0 or (check is not None and check.shape[0] == 0):  # no evidence: no shrink
+        return w.float().abs().reshape(rows, cols // gs, gs).amax(dim=-1)
+    gram = group_gram(x, gs)
+    check_gram = None if check is None else group_gram(check, gs)
+    step = max(1, CLIP_ELEMENTS // cols)
+    return torch.cat([_clip_rows(w[r:r + step].float(), gram, spec, group_size, n_grid,
+                                 max_shrink, check_gram) for r in range(0, rows, step)])
 
 
-def _partial_products(xg: torch.Tensor, wg: torch.Tensor) -> torch.Tensor:
-    """Each group's partial dot products [rows, T, G] of tokens xg [1, T, G, gs] and weights
-    wg [rows, 1, G, gs]: one batched matmul over the groups, not a [rows, T, G, gs] product."""
-    return torch.einsum("tgk,rgk->rtg", xg[0], wg[:, 0])
+def group_gram(x: torch.Tensor, gs: int) -> torch.Tensor:
+    """Each column group's second moment over the sample tokens, X_g^T X_g / T: [G, gs, gs].
+
+    The mean squared change of a group's partial dot product under a weight change d is
+    d^T H_g d, so the search never forms the [rows, tokens, groups] partial products: it costs
+    gs, not T, multiply-adds per weight and candidate, and one pass over the tokens."""
+    if x.shape[0] > CLIP_TOKENS:
+        x = x[:: x.shape[0] // CLIP_TOKENS][:CLIP_TOKENS]
+    t = x.float().reshape(x.shape[0], -1, gs).transpose(0, 1)  # [G, T, gs]
+    return t.transpose(1, 2) @ t / x.shape[0]
 
 
-def _group_error(q: torch.Tensor, xg: torch.Tensor, org_out: torch.Tensor) -> torch.Tensor:
-    """Mean squared error of the partial dot products per (row, group): [rows, 1, G, 1]."""
-    return (_partial_products(xg, q) - org_out).pow(2).mean(dim=1, keepdim=True).unsqueeze(-1)
+def group_error(d: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """Mean squared partial-output error per (row, group) of weight changes d [rows, G, gs]."""
+    dg = d.transpose(0, 1)  # [G, rows, gs]
+    return ((dg @ gram) * dg).sum(dim=-1).transpose(0, 1)  # [rows, G]
 
 
-def _clip_rows(w: torch.Tensor, xg: torch.Tensor, spec: GridSpec, group_size: int, n_grid: int,
-               max_shrink: float, check: torch.Tensor | None = None) -> torch.Tensor:
+def _clip_rows(w: torch.Tensor, gram: torch.Tensor, spec: GridSpec, group_size: int,
+               n_grid: int, max_shrink: float,
+               check_gram: torch.Tensor | None = None) -> torch.Tensor:
     rows, cols = w.shape
-    wg = w.reshape(rows, 1, xg.shape[2], xg.shape[3])  # [rows, 1, G, gs]
-    org_max = wg.abs().amax(dim=-1, keepdim=True)  # [rows, 1, G, 1]
+    wg = w.reshape(rows, gram.shape[0], gram.shape[1])  # [rows, G, gs]
+    org_max = wg.abs().amax(dim=-1, keepdim=True)  # [rows, G, 1]
     best_max = org_max.clone()
     best_err = torch.full_like(org_max, float("inf"))
-    org_out = _partial_products(xg, wg)  # [rows, T, G]
 
-    def quantized(max_val: torch.Tensor) -> torch.Tensor:
-        clipped = torch.clamp(wg, -max_val, max_val)
-        return pseudo_quantize(clipped.reshape(rows, cols), spec, group_size).reshape(wg.shape)
+    def error(max_val: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        clipped = torch.clamp(wg, -max_val, max_val).reshape(rows, cols)
+        q = pseudo_quantize(clipped, spec, group_size).reshape(wg.shape)
+        return group_error(q - wg, g).unsqueeze(-1)  # [rows, G, 1]
 
     for i in range(int(max_shrink * n_grid)):
         max_val = org_max * (1 - i / n_grid)
-        err = _group_error(quantized(max_val), xg, org_out)
+        err = error(max_val, gram)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_max = torch.where(better, max_val, best_max)
-    if check is not None:
-        check_out = _partial_products(check, wg)
-        keep = _group_error(quantized(best_max), check, check_out) <= _group_error(
-            quantized(org_max), check, check_out)
+    if check_gram is not None:
+        keep = error(best_max, check_gram) <= error(org_max, check_gram)
         best_max = torch.where(keep, best_max, org_max)
-    return best_max.reshape(rows, xg.shape[2])
+    return best_max.reshape(rows, gram.shape[0])
 
 
 def clip_weight(w: torch.Tensor, max_val: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -65,6 +65,8 @@ class ScalingGroup:
     ``inspect`` is where the output error of a candidate scale is measured: "attention" (the
     attention block on the norm output), "module" (``site.module``'s parent block given as
     ``block``), or "linear" (the targets themselves on the site's input, gate-weighted for experts).
+    A ``tokenwise`` block (an MLP or MoE block: each token's output depends on that token alone)
+    is run on all captured batches at once.
     """
 
     name: str
@@ -76,6 +78,7 @@ class ScalingGroup:
     prev_weight: torch.Tensor | None = None  # [C, in]: rows divided by s
     prev_bias: torch.Tensor | None = None
     compensate: list[torch.Tensor] = field(default_factory=list)  # [*, C]: multiplied by s
+    tokenwise: bool = False
 
     @property
     def targets(self) -> list[Target]:
@@ -199,7 +202,8 @@ def scaling_groups(parts: LayerParts) -> list[ScalingGroup]:
     mlp = adapter.mlp(layer)
     groups.append(ScalingGroup(f"{p} mlp gate/up", InputSite(f"{p} mlp input", mlp_in, mlp),
                                "module", block=mlp, prev_norm=adapter.post_attention_norm(layer),
-                               norm_offset=adapter.norm_weight_offset, compensate=compensate))
+                               norm_offset=adapter.norm_weight_offset, compensate=compensate,
+                               tokenwise=True))
     for site in sites.values():
         if site.name.endswith(" down") and (site.expert is None
                                             or adapter.expert_up_absorbs_scales):

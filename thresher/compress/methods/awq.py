@@ -49,6 +49,7 @@ from thresher.models.adapters import SCORE_PROJECTIONS
 from thresher.recipe import AWQStage
 
 Inputs = tuple[list[torch.Tensor], list[torch.Tensor | None]]  # per batch: inputs, expert gates
+TOKENWISE_TOKENS = 8192  # tokens a token-wise block runs at once (bounds its intermediates)
 
 
 class AWQMethod:
@@ -182,6 +183,8 @@ def _inspector(job: LayerJob, group: ScalingGroup, xs: list[torch.Tensor],
         return run_attention
     if group.inspect == "module":
         block = group.block
+        if group.tokenwise:  # few calls, not one per batch (each launches kernels on a GPU)
+            xs = merge_batches(xs, TOKENWISE_TOKENS)
 
         def run_block() -> torch.Tensor:
             outs = [block(x) for x in xs]  # gpt-oss's MLP also returns its router scores
@@ -196,3 +199,18 @@ def _inspector(job: LayerJob, group: ScalingGroup, xs: list[torch.Tensor],
         y = torch.cat([x @ t.weight.T for t in group.targets], dim=1)
         return y if gate is None else y * gate
     return run_linear
+
+
+def merge_batches(xs: list[torch.Tensor], limit: int) -> list[torch.Tensor]:
+    """Consecutive batches joined along the tokens ([1, tokens, C]) into calls of at most
+    ``limit`` tokens; a batch larger than that is a call of its own."""
+    calls: list[torch.Tensor] = []
+    run: list[torch.Tensor] = []
+    for x in (x.reshape(1, -1, x.shape[-1]) for x in xs):
+        if run and sum(r.shape[1] for r in run) + x.shape[1] > limit:
+            calls.append(torch.cat(run, dim=1))
+            run = []
+        run.append(x)
+    if run:
+        calls.append(torch.cat(run, dim=1))
+    return calls
