@@ -27,6 +27,14 @@ class QuantizedWeight:
     group_size: int  # -1 = one group per row
 
     def dequantize(self) -> torch.Tensor:
+        rows, cols = self.codes.shape
+        gs = cols if self.group_size == -1 else self.group_size
+        if cols % gs == 0 and torch.equal(
+                self.g_idx.long(), torch.arange(cols, device=self.g_idx.device) // gs):
+            # contiguous groups: a broadcast per group, not a gather per weight (same values)
+            codes = self.codes.float().reshape(rows, cols // gs, gs)
+            return (self.scales.unsqueeze(2) * (codes - self.zeros.float().unsqueeze(2))
+                    ).reshape(rows, cols)
         g = self.g_idx.long()
         return self.scales[:, g] * (self.codes.float() - self.zeros[:, g].float())
 
