@@ -41,6 +41,9 @@ output to OUT/gpu_suite.log; a failing section reports its error and the next on
    ``--device cpu`` limited to 2 threads like the 2-core machine and again with every core:
    seconds per decoder layer from each report, and the CPU / GPU ratio. The dry run runs all
    three on the CPU at toy sizes.
+8. prune: REAP-50% with the refit of that layer with ``thresher prune --device cuda``, then
+   ``--device cpu`` with 2 threads: seconds, peak device memory, and the kept experts the two
+   runs share.
 
 Sections run in the order above (``--sections`` picks and orders them); ``--budget-s`` skips
 those that would start after it, so a run under a device's time limit ends with its tables.
@@ -735,6 +738,43 @@ def section_gptq(ctx: MoEContext, tokenizer_dir: Path, log: Path,
     return "\n".join(rows)
 
 
+# ---------------------------------------------------------------- section 8: REAP on the device
+
+def section_prune(ctx: MoEContext, tokenizer_dir: Path, log: Path,
+                  left: Callable[[], float | None] = lambda: None) -> str:
+    """REAP-50% with the refit of the MoE's first layer (the model section 6 quantizes) with
+    ``thresher prune --device cuda``, then on the CPU with 2 threads: seconds, peak device
+    memory, and how many kept experts the two runs share (the same calibration tokens rank the
+    experts; a different float order may swap a near tie)."""
+    one = ctx.path.parent / "random-moe-1layer"
+    if not one.exists():
+        build_random_moe(one, tokenizer_dir, {**ctx.sizes.moe, "layers": 1})
+    rows = ["| checkpoint | device | threads | wall s | peak device MiB | experts kept | "
+            "kept as on the device |", "|---|---|---|---|---|---|---|"]
+    first: list[int] | None = None
+    for i, (dev, threads) in enumerate([("cuda" if not DRY else "cpu", None), ("cpu", 2)]):
+        out = ctx.path.parent / f"reap-1layer-{i}"
+        env = {"COLUMNS": "200"}
+        if threads is not None:
+            env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        cmd = [sys.executable, "-m", "thresher", "prune", "--model", str(one), "--out", str(out),
+               "--method", "reap", "--ratio", "0.5", "--refit", "--samples",
+               str(ctx.sizes.gptq_samples), "--seq-len", "128" if not DRY else "16",
+               "--device", dev]
+        start = time.perf_counter()
+        run_checked(cmd, log, left(), **env)
+        wall = time.perf_counter() - start
+        report = json.loads((out / "prune_report.json").read_text())
+        kept = [e for layer in report["layers"] for e in layer["kept"]]
+        first = kept if first is None else first
+        same = "" if i == 0 else f"{len(set(kept) & set(first))} of {len(first)}"
+        peak = report.get("peak_device_mb")
+        rows.append(f"| first layer of the MoE | {report['device']} | "
+                    f"{threads or torch.get_num_threads()} | {wall:.0f} | "
+                    f"{'-' if peak is None else f'{peak:.0f}'} | {len(kept)} | {same} |")
+    return "\n".join(rows)
+
+
 # ---------------------------------------------------------------- preparing and running
 
 def prepare(bundle: Path, demos: list[str]) -> None:
@@ -898,7 +938,7 @@ def parity_models(bundle: Path) -> list[Path]:
                     if arts.is_dir() else [])
 
 
-SECTIONS = ("tests", "gemv", "moe", "decode", "parity", "qdecode", "gptq")
+SECTIONS = ("tests", "gemv", "moe", "decode", "parity", "qdecode", "gptq", "prune")
 EXTRA_SECTIONS = ("cuda",)  # by name only: the engine tests without the kernel tests
 
 
@@ -955,7 +995,9 @@ def run_sections(out: Path, bundle: Path | None, order: tuple[str, ...] = SECTIO
                 "qdecode": ("7. decode of the quantized MoE (GPTQ-4 layout, AWQ-4, NF4)",
                             lambda: section_quantized_decode(moe(), log, left)),
                 "gptq": ("6. GPTQ-4 of one MoE layer on the device and on the CPU",
-                         lambda: section_gptq(moe(), tokenizer_dir, log, left))}
+                         lambda: section_gptq(moe(), tokenizer_dir, log, left)),
+                "prune": ("8. REAP-50% with the refit of one MoE layer on the device and the CPU",
+                          lambda: section_prune(moe(), tokenizer_dir, log, left))}
     try:
         for key in order:
             title, fn = sections[key]

@@ -66,7 +66,7 @@ class ScalingGroup:
     attention block on the norm output), "module" (``site.module``'s parent block given as
     ``block``), or "linear" (the targets themselves on the site's input, gate-weighted for experts).
     A ``tokenwise`` block (an MLP or MoE block: each token's output depends on that token alone)
-    is run on all captured batches at once.
+    runs on the captured batches merged into a few calls.
     """
 
     name: str

@@ -36,7 +36,8 @@ class PruneStage(StrictModel):
     budget: Literal["uniform", "damage"] = Field(
         "uniform", description="'uniform': every layer loses the same number of experts; "
         "'damage': the same total split across layers by measured local error (per-layer expert "
-        "counts differ: thresher loads such a checkpoint, quantization and serving do not yet)")
+        "counts differ: thresher quantizes, evaluates and serves such a checkpoint; transformers, "
+        "vLLM and llama.cpp cannot load it)")
     min_keep_fraction: float = Field(
         0.25, gt=0.0, le=1.0,
         description="'damage' budget: no layer keeps fewer than this fraction of its experts")
