@@ -4,7 +4,7 @@
 through thresher's loader, and the damage-budget GPTQ-4 artifact also through the serving engine
 (prompt log-probabilities; per-layer expert counts load there too).
 
-    OMP_NUM_THREADS=1 python benchmarks/quality/damage_quantized.py tiny small [--ratio 0.5]
+    OMP_NUM_THREADS=1 python benchmarks/quality/damage_quantized.py tiny small [--ratio 0.5] [--refit]
 
 Each cell shows perplexity and the increase over the unpruned 16-bit model.
 """
@@ -42,7 +42,7 @@ def engine_perplexity(path: Path, windows: torch.Tensor) -> float:
 
 
 def measure(size: str, ratio: float, group: int, cal: CalibrationConfig, ppl_cfg: PerplexityConfig,
-            work: Path) -> dict[str, str]:
+            work: Path, refit: bool = False) -> dict[str, str]:
     path = Path(size) if "/" in size else build_demo_model(size)
     windows = eval_windows(load_tokenizer(path), ppl_cfg)
 
@@ -58,8 +58,8 @@ def measure(size: str, ratio: float, group: int, cal: CalibrationConfig, ppl_cfg
     for budget in ("uniform", "damage"):
         pruned = work / f"{path.name}-{budget}"
         start = time.perf_counter()
-        report = prune_model(path, PruneStage(method="auto", ratio=ratio, budget=budget), cal,
-                             pruned, show_progress=False)
+        prune_stage = PruneStage(method="auto", ratio=ratio, budget=budget, refit=refit)
+        report = prune_model(path, prune_stage, cal, pruned, show_progress=False)
         row[f"{budget}: experts per layer"] = " ".join(str(len(r.kept)) for r in report.layers)
         row[f"{budget}: prune seconds"] = f"{time.perf_counter() - start:.0f}"
         row[f"{budget} 16-bit"] = cell(ppl(pruned))
@@ -83,13 +83,16 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=128, help="calibration windows")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--windows", type=int, default=64, help="held-out windows scored")
+    parser.add_argument("--refit", action="store_true",
+                        help="refit the kept experts' down projections (as the demo recipe does)")
     args = parser.parse_args()
     cal = CalibrationConfig(samples=args.samples, seq_len=args.seq_len)
     ppl_cfg = PerplexityConfig(seq_len=args.seq_len, max_windows=args.windows)
     with tempfile.TemporaryDirectory() as work:
-        columns = {size: measure(size, args.ratio, args.group_size, cal, ppl_cfg, Path(work))
-                   for size in args.sizes}
-    print(f"\nHeld-out perplexity, auto {int(args.ratio * 100)}% then 4-bit g{args.group_size} "
+        columns = {size: measure(size, args.ratio, args.group_size, cal, ppl_cfg, Path(work),
+                                 args.refit) for size in args.sizes}
+    print(f"\nHeld-out perplexity, auto {int(args.ratio * 100)}%{' with the refit' * args.refit} "
+          f"then 4-bit g{args.group_size} "
           f"({ppl_cfg.max_windows} windows of {args.seq_len} tokens; calibration {args.samples} x "
           f"{args.seq_len} stdlib train; {platform.machine()})\n")
     print_columns(columns)
