@@ -696,82 +696,84 @@ def _parity_row(name: str, dtype: str, got: list[list[int]], want: list[list[int
             f"{min(firsts) if firsts else '-'} | {near} |")
 
 
-# ---------------------------------------------------------------- section 6: GPTQ on the device
+# ---------------------------------------------------------------- sections 6 and 8: one layer
 
-def _gptq4(model: Path, out: Path, dev: str, sizes: Sizes, log: Path,
-           threads: int | None = None, timeout: float | None = None) -> tuple[float, dict]:
-    """``thresher quantize`` GPTQ-4 of ``model`` on ``dev``: wall seconds and the report."""
+def _one_layer(ctx: MoEContext, tokenizer_dir: Path) -> Path:
+    """The decode MoE's first layer alone (same seed, same weights): what sections 6 and 8
+    compress on the device and on the CPU."""
+    one = ctx.path.parent / "random-moe-1layer"
+    if not one.exists():
+        build_random_moe(one, tokenizer_dir, {**ctx.sizes.moe, "layers": 1})
+    return one
+
+
+def _timed(command: str, args: list[str], out: Path, dev: str, log: Path, threads: int | None,
+           timeout: float | None) -> tuple[float, dict]:
+    """``thresher COMMAND ... --out OUT --device DEV`` (limited to ``threads`` on the CPU): wall
+    seconds and the report it writes (``quantize_report.json``, ``prune_report.json``)."""
     env = {"COLUMNS": "200"}
     if threads is not None:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    cmd = [sys.executable, "-m", "thresher", "quantize", "--model", str(model), "--out",
-           str(out), "--method", "gptq", "--bits", "4", "--group-size", "128" if not DRY else "32",
-           "--samples", str(sizes.gptq_samples), "--seq-len", "128" if not DRY else "16",
-           "--device", dev]
+    cmd = [sys.executable, "-m", "thresher", command, *args, "--out", str(out), "--device", dev]
     start = time.perf_counter()
     run_checked(cmd, log, timeout, **env)
-    return time.perf_counter() - start, json.loads((out / "quantize_report.json").read_text())
+    return time.perf_counter() - start, json.loads((out / f"{command}_report.json").read_text())
+
+
+def _calibration(sizes: Sizes) -> list[str]:
+    return ["--samples", str(sizes.gptq_samples), "--seq-len", "128" if not DRY else "16"]
+
+
+def _peak(report: dict) -> str:
+    peak = report.get("peak_device_mb")
+    return "-" if peak is None else f"{peak:.0f}"
 
 
 def section_gptq(ctx: MoEContext, tokenizer_dir: Path, log: Path,
                  left: Callable[[], float | None] = lambda: None) -> str:
     """GPTQ-4 of the MoE's first layer (the same layer, same seed) on the device, then on the CPU
     with 2 threads (the 2-core machine) and with every core: seconds per layer, and the ratio."""
-    one = ctx.path.parent / "random-moe-1layer"
-    if not one.exists():
-        build_random_moe(one, tokenizer_dir, {**ctx.sizes.moe, "layers": 1})
+    one = _one_layer(ctx, tokenizer_dir)
+    args = ["--model", str(one), "--method", "gptq", "--bits", "4", "--group-size",
+            "128" if not DRY else "32", *_calibration(ctx.sizes)]
     runs = [("cuda" if not DRY else "cpu", None)]
     runs += [("cpu", threads) for threads in sorted({2, os.cpu_count() or 1})]
     rows = ["| checkpoint | device | threads | wall s | s / layer | peak device MiB | "
             "CPU s/layer / GPU s/layer |", "|---|---|---|---|---|---|---|"]
     first = None  # seconds per layer on the device
     for i, (dev, threads) in enumerate(runs):
-        wall, report = _gptq4(one, ctx.path.parent / f"gptq4-1layer-{i}", dev, ctx.sizes, log,
+        wall, report = _timed("quantize", args, ctx.path.parent / f"gptq4-1layer-{i}", dev, log,
                               threads, left())
         seconds = sum(layer["seconds"] for layer in report["layers"]) / len(report["layers"])
         first = first or seconds
         ratio = "" if i == 0 else f"{seconds / first:.1f}x"
-        peak = report.get("peak_device_mb")
         rows.append(f"| first layer of the MoE | {report['device']} | "
                     f"{threads or torch.get_num_threads()} | {wall:.0f} | {seconds:.1f} | "
-                    f"{'-' if peak is None else f'{peak:.0f}'} | {ratio} |")
+                    f"{_peak(report)} | {ratio} |")
     return "\n".join(rows)
 
 
-# ---------------------------------------------------------------- section 8: REAP on the device
-
 def section_prune(ctx: MoEContext, tokenizer_dir: Path, log: Path,
                   left: Callable[[], float | None] = lambda: None) -> str:
-    """REAP-50% with the refit of the MoE's first layer (the model section 6 quantizes) with
+    """REAP-50% with the refit of the MoE's first layer (the layer section 6 quantizes) with
     ``thresher prune --device cuda``, then on the CPU with 2 threads: seconds, peak device
     memory, and how many kept experts the two runs share (the same calibration tokens rank the
     experts; a different float order may swap a near tie)."""
-    one = ctx.path.parent / "random-moe-1layer"
-    if not one.exists():
-        build_random_moe(one, tokenizer_dir, {**ctx.sizes.moe, "layers": 1})
+    one = _one_layer(ctx, tokenizer_dir)
+    args = ["--model", str(one), "--method", "reap", "--ratio", "0.5", "--refit",
+            *_calibration(ctx.sizes)]
     rows = ["| checkpoint | device | threads | wall s | peak device MiB | experts kept | "
             "kept as on the device |", "|---|---|---|---|---|---|---|"]
     first: list[int] | None = None
     for i, (dev, threads) in enumerate([("cuda" if not DRY else "cpu", None), ("cpu", 2)]):
-        out = ctx.path.parent / f"reap-1layer-{i}"
-        env = {"COLUMNS": "200"}
-        if threads is not None:
-            env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-        cmd = [sys.executable, "-m", "thresher", "prune", "--model", str(one), "--out", str(out),
-               "--method", "reap", "--ratio", "0.5", "--refit", "--samples",
-               str(ctx.sizes.gptq_samples), "--seq-len", "128" if not DRY else "16",
-               "--device", dev]
-        start = time.perf_counter()
-        run_checked(cmd, log, left(), **env)
-        wall = time.perf_counter() - start
-        report = json.loads((out / "prune_report.json").read_text())
+        wall, report = _timed("prune", args, ctx.path.parent / f"reap-1layer-{i}", dev, log,
+                              threads, left())
         kept = [e for layer in report["layers"] for e in layer["kept"]]
         first = kept if first is None else first
         same = "" if i == 0 else f"{len(set(kept) & set(first))} of {len(first)}"
-        peak = report.get("peak_device_mb")
         rows.append(f"| first layer of the MoE | {report['device']} | "
-                    f"{threads or torch.get_num_threads()} | {wall:.0f} | "
-                    f"{'-' if peak is None else f'{peak:.0f}'} | {len(kept)} | {same} |")
+                    f"{threads or torch.get_num_threads()} | {wall:.0f} | {_peak(report)} | "
+                    f"{len(kept)} | {same} |")
     return "\n".join(rows)
 
 
