@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from thresher.quant.grid import GridSpec, dequantize, fit_grid, quantize
+from thresher.quant.grid import GridSpec
+from thresher.quant.rtn import quantize_dequantize
 
 N_GRID = 20
 MAX_SHRINK = 0.5  # clipping search: shrink the max range down to 1 - 0.5 + 1/20 = 55 %
@@ -32,12 +33,8 @@ class ScaleChoice:
 
 def pseudo_quantize(w: torch.Tensor, spec: GridSpec, group_size: int) -> torch.Tensor:
     """Quantize-dequantize ``w`` on the min-max grid (the error a scale candidate is judged by):
-    ``rtn_quantize(w, spec, group_size).dequantize()`` bit for bit, without the integer codes
-    and the per-column gather of scales a checkpoint's matrix needs."""
-    rows, cols = w.shape
-    flat = w.float().reshape(-1, cols if group_size == -1 else group_size)
-    scale, zero = fit_grid(flat, spec)
-    return dequantize(quantize(flat, scale, zero, spec.maxq), scale, zero).reshape(rows, cols)
+    ``rtn_quantize(w, spec, group_size).dequantize()`` bit for bit, without the integer codes."""
+    return quantize_dequantize(w, spec, group_size)
 
 
 def weight_mean(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:

@@ -206,11 +206,13 @@ def merge_batches(xs: list[torch.Tensor], limit: int) -> list[torch.Tensor]:
     ``limit`` tokens; a batch larger than that is a call of its own."""
     calls: list[torch.Tensor] = []
     run: list[torch.Tensor] = []
+    tokens = 0
     for x in (x.reshape(1, -1, x.shape[-1]) for x in xs):
-        if run and sum(r.shape[1] for r in run) + x.shape[1] > limit:
+        if run and tokens + x.shape[1] > limit:
             calls.append(torch.cat(run, dim=1))
-            run = []
+            run, tokens = [], 0
         run.append(x)
+        tokens += x.shape[1]
     if run:
         calls.append(torch.cat(run, dim=1))
     return calls
