@@ -33,10 +33,12 @@ output to OUT/gpu_suite.log; a failing section reports its error and the next on
    runs the dequantized weights), and random GLM-4.5, DeepSeek-V3, ERNIE-4.5 and gpt-oss
    checkpoints with their GPTQ-4 artifacts; at each divergence, the rank and logit gap of the
    engine's token in transformers' logits (near ties part bf16 implementations; defects show as
-   a high rank or a large gap).
+   a high rank or a large gap). ``--parity-models`` names the ones to run (about 45 s each per
+   dtype on an H100).
 7. quantized decode: the same model in the GPTQ-4 layout (RTN codes: GPTQ's bytes and kernels,
    in seconds), AWQ-4 and NF4, decode at concurrency 1 against the roofline of the bytes a token
-   reads in each format.
+   reads in each format; beside it, every step of a fresh engine's first request and of a second
+   over the same context lengths (what is done once per length or shape shows in the first).
 6. gptq: GPTQ-4 of the random MoE's first layer with ``thresher quantize --device cuda``, then
    ``--device cpu`` limited to 2 threads like the 2-core machine and again with every core:
    seconds per decoder layer from each report, and the CPU / GPU ratio. The dry run runs all
@@ -526,13 +528,7 @@ def step_times(llm, prompt: list[int], steps: int) -> tuple[float, float | None]
     engine.add_request("step-times", prompt, SamplingParams(temperature=0, max_tokens=3 * steps,
                                                             ignore_eos=True))
     engine.step()  # prefill
-    walls = []
-    for _ in range(steps):
-        sync()
-        start = time.perf_counter()
-        engine.step()
-        sync()
-        walls.append(time.perf_counter() - start)
+    walls = _step_walls(engine, steps)
     busy = None
     if torch.cuda.is_available():
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -547,6 +543,48 @@ def step_times(llm, prompt: list[int], steps: int) -> tuple[float, float | None]
     return sorted(walls)[len(walls) // 2], busy
 
 
+def _step_walls(engine, steps: int) -> list[float]:
+    """Wall seconds of each of ``steps`` engine steps, the device synchronised around each."""
+    walls = []
+    for _ in range(steps):
+        sync()
+        start = time.perf_counter()
+        engine.step()
+        sync()
+        walls.append(time.perf_counter() - start)
+    return walls
+
+
+def request_steps(llm, prompt: list[int], steps: int) -> list[float]:
+    """Wall seconds of each decode step of one c=1 request of ``steps`` new tokens (its prefill
+    not counted). The first request over a range of context lengths shows what the engine does
+    once per length or shape (a compile, a tile timed); a second one over the same lengths, its
+    steady state."""
+    from thresher.serve_kernels import SamplingParams
+
+    engine = llm.engine
+    engine.add_request("request-steps", prompt, SamplingParams(temperature=0, max_tokens=steps + 1,
+                                                               ignore_eos=True))
+    engine.step()  # prefill and the first token
+    walls = _step_walls(engine, steps)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return walls
+
+
+def _tuned_shapes() -> int:
+    from thresher.serve_kernels.kernels import tuning
+
+    return sum(len(keys) for keys in tuning.chosen().values())
+
+
+def _steps_cell(walls: list[float]) -> str:
+    """Sum, median and max of a request's step walls (ms), and the steps over 3x the median."""
+    med = sorted(walls)[len(walls) // 2]
+    slow = sum(w > 3 * med for w in walls)
+    return (f"{sum(walls) * 1e3:.0f} / {med * 1e3:.2f} / {max(walls) * 1e3:.1f} / {slow}")
+
+
 def section_quantized_decode(ctx: MoEContext, log: Path,
                              left: Callable[[], float | None] = lambda: None) -> str:
     """Decode at c=1 of the random MoE in the GPTQ-4 layout, AWQ-4 and NF4 (made here on the
@@ -554,7 +592,11 @@ def section_quantized_decode(ctx: MoEContext, log: Path,
     layout is written by RTN: the same packed bytes and kernels as GPTQ's codes, in seconds,
     where GPTQ of the 16 layers would take minutes of the run (section 6 times GPTQ itself).
     AWQ calibrates on a quarter of the samples: decode speed does not depend on them, and AWQ of
-    the 16 layers on 32 took over four minutes of the third H100 run."""
+    the 16 layers on 32 took over four minutes of the third H100 run.
+
+    The fourth run's generate rates were 20-30x below its median step times for the GPTQ-4 and
+    AWQ-4 layouts (not for NF4): the second table times every step of the first two requests,
+    so a cost paid once per context length or shape shows as slow steps in the first."""
     from thresher.serve_kernels import LLM
 
     s = ctx.sizes
@@ -580,6 +622,11 @@ def section_quantized_decode(ctx: MoEContext, log: Path,
     rows = ["| format | decode c=1 tokens/s | bytes/token | roofline tokens/s | % of roofline "
             "| step wall ms | step GPU ms |", "|---|---|---|---|---|---|---|"]
     one = _prompts(1, s.prompt_len)
+    first = ["", f"Each request's {s.new_tokens} decode steps, the first request of a fresh engine "
+             "and a second over the same context lengths: sum / median / max ms, and the steps "
+             "over 3x the median; shapes tuned (`tuning.py`) during the first request.", "",
+             "| format | CUDA graphs | first request | second request | shapes tuned |",
+             "|---|---|---|---|---|"]
     for name, (path, bits) in arts.items():
         if not (path / "config.json").is_file():
             why = ("bitsandbytes is not installed" if name == "NF4" else
@@ -588,6 +635,12 @@ def section_quantized_decode(ctx: MoEContext, log: Path,
             continue
         llm = LLM(path, dtype="bfloat16" if not DRY else "float32", max_model_len=1024,
                   max_num_seqs=1)
+        tuned = _tuned_shapes()
+        walls = [request_steps(llm, one[0], s.new_tokens)]
+        tuned = _tuned_shapes() - tuned
+        walls.append(request_steps(llm, one[0], s.new_tokens))
+        first.append(f"| {name} | {llm.engine.model_info.get('cuda_graphs')} | "
+                     f"{_steps_cell(walls[0])} | {_steps_cell(walls[1])} | {tuned} |")
         _engine_wall(llm, one, 2)
         rate = s.new_tokens / (_engine_wall(llm, one, s.new_tokens + 1)
                                - _engine_wall(llm, one, 1))
@@ -599,7 +652,7 @@ def section_quantized_decode(ctx: MoEContext, log: Path,
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    return "\n".join(rows)
+    return "\n".join(rows + first)
 
 
 def _hf_rates(ctx: MoEContext) -> dict[int, float]:
@@ -630,13 +683,20 @@ def _hf_rates(ctx: MoEContext) -> dict[int, float]:
 
 # ---------------------------------------------------------------- section 5: parity
 
-def section_parity(bundle: Path, log: Path) -> str:
+PARITY_S = 45  # what one model in one dtype takes on an H100 (load, generate twice, compile)
+
+
+def section_parity(bundle: Path, log: Path, left: Callable[[], float | None] = lambda: None,
+                   names: tuple[str, ...] = ()) -> str:
     """Greedy tokens of the engine against transformers' ``generate`` on the device, in float32
     (the engine's fp32 dots are IEEE, and PyTorch's fp32 matmuls are by default) and in bfloat16,
     where two correct implementations round differently and part ways at near ties. Where a
     sequence diverges, transformers' logits at that step (same prefix) say how near the tie was:
     the rank of the engine's token among them and its gap to transformers' top logit. A defect
-    shows as a high rank or a large gap, a rounding difference as rank 2 and a small gap."""
+    shows as a high rank or a large gap, a rounding difference as rank 2 and a small gap.
+
+    ``names``: the bundle's models to run (all if empty). Each row is appended to the log as it
+    comes, and a model is not started with less than ``PARITY_S`` of the run's time left."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from thresher.formats.config import packed_format
@@ -648,8 +708,13 @@ def section_parity(bundle: Path, log: Path) -> str:
     rows = ["| model | dtype | engine = transformers (sequences) | token agreement | first "
             "diverging step | engine's token there: worst rank, largest logit gap |",
             "|---|---|---|---|---|---|"]
-    for path in parity_models(bundle):
+    for path in parity_models(bundle, names):
         for dtype in ("float32",) if DRY else ("float32", "bfloat16"):
+            remaining = left()
+            if remaining is not None and remaining < PARITY_S:
+                rows.append(f"| {path.name} | {dtype} | not reached: the run's time was spent "
+                            "| | | |")
+                continue
             torch_dtype = getattr(torch, dtype)
             if packed_format(AutoConfig.from_pretrained(path), path) is None:
                 ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
@@ -675,6 +740,8 @@ def section_parity(bundle: Path, log: Path) -> str:
             gc.collect()
             rows.append(_parity_row(path.name, dtype, got, want, scores, new))
             print(rows[-1], flush=True)  # a run cut short by the device's limit keeps its rows
+            with log.open("a") as f:
+                f.write(rows[-1] + "\n")
     return "\n".join(rows)
 
 
@@ -932,12 +999,18 @@ def write_random_gpt_oss(out: Path, tokenizer_dir: Path) -> None:
     subprocess.run(cmd, cwd=ROOT, check=True, env=child_env())
 
 
-def parity_models(bundle: Path) -> list[Path]:
-    """The demo models and their artifacts in a bundle, base models first."""
+def parity_models(bundle: Path, names: tuple[str, ...] = ()) -> list[Path]:
+    """The demo models and their artifacts in a bundle, base models first; only those in
+    ``names`` if given (an unknown name is an error that lists the bundle's models)."""
     bases = sorted(p for p in (bundle / "demo-models").iterdir() if (p / "config.json").is_file())
     arts = bundle / "artifacts"
-    return bases + (sorted(p for p in arts.iterdir() if (p / "config.json").is_file())
-                    if arts.is_dir() else [])
+    found = bases + (sorted(p for p in arts.iterdir() if (p / "config.json").is_file())
+                     if arts.is_dir() else [])
+    unknown = sorted(set(names) - {p.name for p in found})
+    if unknown:
+        raise ValueError(f"--parity-models: {', '.join(unknown)} not in the bundle (it has "
+                         f"{', '.join(p.name for p in found)})")
+    return [p for p in found if not names or p.name in names]
 
 
 SECTIONS = ("tests", "gemv", "moe", "decode", "parity", "qdecode", "gptq", "prune")
@@ -945,7 +1018,7 @@ EXTRA_SECTIONS = ("cuda",)  # by name only: the engine tests without the kernel 
 
 
 def run_sections(out: Path, bundle: Path | None, order: tuple[str, ...] = SECTIONS,
-                 budget_s: float | None = None) -> None:
+                 budget_s: float | None = None, parity_names: tuple[str, ...] = ()) -> None:
     """Run the sections named in ``order``; once ``budget_s`` has passed, the rest are reported
     as skipped, so a run under a device's time limit still ends with every table it made."""
     deadline = None if budget_s is None else time.monotonic() + budget_s
@@ -993,7 +1066,7 @@ def run_sections(out: Path, bundle: Path | None, order: tuple[str, ...] = SECTIO
                 "decode": ("3-4. decode roofline, engine vs transformers",
                            lambda: section_decode_and_engine(moe(), log)),
                 "parity": ("5. greedy parity with transformers",
-                           lambda: section_parity(parity_dir, log)),
+                           lambda: section_parity(parity_dir, log, left, parity_names)),
                 "qdecode": ("7. decode of the quantized MoE (GPTQ-4 layout, AWQ-4, NF4)",
                             lambda: section_quantized_decode(moe(), log, left)),
                 "gptq": ("6. GPTQ-4 of one MoE layer on the device and on the CPU",
@@ -1044,6 +1117,9 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="seconds for the whole run: sections that would start later are skipped, "
                          "and the tests' pytest is stopped at it")
+    ap.add_argument("--parity-models", nargs="+", default=[], metavar="NAME",
+                    help="the bundle's models the parity section runs (default: all), e.g. "
+                         "glm4_moe-random demo-tiny-nf4")
     args = ap.parse_args()
     order = tuple(x.strip() for x in args.sections.split(",") if x.strip())
     known = SECTIONS + EXTRA_SECTIONS
@@ -1061,7 +1137,12 @@ def main() -> None:
         args.bundle = unpack_carry(args.carry)
     if not DRY and args.bundle is None:
         raise SystemExit("--bundle is required on the GPU (made by --prepare on the CPU machine)")
-    run_sections(args.out, args.bundle, order, args.budget_s)
+    if args.parity_models and args.bundle is not None:
+        try:  # a misspelt name fails here, not minutes into the run
+            parity_models(args.bundle, tuple(args.parity_models))
+        except ValueError as exc:
+            ap.error(str(exc))
+    run_sections(args.out, args.bundle, order, args.budget_s, tuple(args.parity_models))
 
 
 if __name__ == "__main__":

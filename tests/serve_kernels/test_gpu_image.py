@@ -91,3 +91,20 @@ def test_suite_starts_before_its_carry_is_installed(tmp_path):
     lacks = subprocess.run([sys.executable, "-S", "-c", "import pydantic"], env=env,
                            capture_output=True, text=True)
     assert lacks.returncode != 0  # the probe ran where pydantic is absent
+
+
+def test_parity_models_runs_the_named_ones_and_refuses_unknown_names(tmp_path):
+    """``--parity-models`` spends the device's minutes on the models not yet measured; a
+    misspelt name is refused before the run with the bundle's names."""
+    import runpy
+
+    suite = runpy.run_path(str(ROOT / "benchmarks/scale/gpu_suite.py"), run_name="gpu_suite")
+    for where in ("demo-models/tiny-1", "artifacts/glm4_moe-random", "artifacts/demo-tiny-nf4"):
+        (tmp_path / where).mkdir(parents=True)
+        (tmp_path / where / "config.json").write_text("{}")
+    names = [p.name for p in suite["parity_models"](tmp_path)]
+    assert names == ["tiny-1", "demo-tiny-nf4", "glm4_moe-random"]
+    chosen = suite["parity_models"](tmp_path, ("glm4_moe-random", "tiny-1"))
+    assert [p.name for p in chosen] == ["tiny-1", "glm4_moe-random"]
+    with pytest.raises(ValueError, match="gpt_oss-random not in the bundle.*demo-tiny-nf4"):
+        suite["parity_models"](tmp_path, ("gpt_oss-random",))
