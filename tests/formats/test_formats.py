@@ -6,6 +6,7 @@ import torch
 from thresher.compress.gptq import GPTQ
 from thresher.compress.nf4 import nf4_quantize
 from thresher.compress.rtn import rtn_quantize
+from thresher.formats import bits as bits_mod
 from thresher.formats.awq import pack_awq, unpack_awq
 from thresher.formats.gptq import pack_gptq, unpack_gptq
 from thresher.formats.nf4 import STATE_KEY, pack_nf4, unpack_nf4
@@ -130,3 +131,51 @@ def test_nf4_serialization_round_trips_through_bitsandbytes(double_quant):
     assert torch.equal(back.dequantize(), q.dequantize())
     assert back.state.blocksize == 64 and back.state.quant_type == "nf4"
     assert (q.dequantize() - w).abs().mean() < 0.1
+
+
+def _stream_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """The definition: column c's codes, row r at bits [r*bits, (r+1)*bits) of one bit stream,
+    cut into 32-bit words (as int32)."""
+    rows, cols = codes.shape
+    out = torch.zeros(rows * bits // 32, cols, dtype=torch.int64)
+    for c in range(cols):
+        stream = sum(int(codes[r, c]) << (r * bits) for r in range(rows))
+        for w in range(out.shape[0]):
+            out[w, c] = (stream >> (32 * w)) & 0xFFFFFFFF
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+
+
+@pytest.mark.parametrize("words", [False, True], ids=["bytes", "words"])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_packing_matches_the_bit_stream_whatever_the_input_layout(bits, words, monkeypatch):
+    """The byte path (2, 4, 8 bits on a little-endian machine) and the word path (3 bits, and
+    every width where bytes are not words) against the layout's definition, from uint8, int32
+    and int64 codes, contiguous or a transposed view (GPTQ packs codes.T)."""
+    if words:
+        monkeypatch.setattr(bits_mod, "_bytes_pack", lambda bits: False)
+    g = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 2**bits, (64, 24), generator=g, dtype=torch.int32)
+    want = _stream_words(codes, bits)
+    for given in (codes, codes.to(torch.uint8), codes.to(torch.int64),
+                  codes.T.contiguous().T, codes.to(torch.uint8).T.contiguous().T):
+        got = bits_mod.pack_along_rows(given, bits)
+        assert got.dtype == torch.int32 and got.is_contiguous()
+        assert torch.equal(got, want)
+    assert torch.equal(bits_mod.unpack_along_rows(want, bits, 64), codes)
+    assert torch.equal(bits_mod.pack_along_cols(codes.T, bits), want.T)
+    assert torch.equal(bits_mod.unpack_along_cols(want.T.contiguous(), bits, 64), codes.T)
+
+
+def test_awq_interleaving_puts_column_order_i_in_nibble_i():
+    """AWQ's word c of a row holds column 8c + AWQ_ORDER[i] in nibble i."""
+    from thresher.formats.awq import AWQ_ORDER, _pack_interleaved, _unpack_interleaved
+
+    codes = torch.randint(0, 16, (3, 16), generator=torch.Generator().manual_seed(0),
+                          dtype=torch.uint8)
+    words = _pack_interleaved(codes)
+    for r in range(3):
+        for c in range(2):
+            word = int(words[r, c]) & 0xFFFFFFFF
+            for i, col in enumerate(AWQ_ORDER):
+                assert (word >> (4 * i)) & 0xF == codes[r, 8 * c + col]
+    assert torch.equal(_unpack_interleaved(words), codes.to(torch.int32))

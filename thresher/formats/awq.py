@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from thresher.formats.base import CheckpointFormat, Shape, groups
-from thresher.formats.bits import to_int32
+from thresher.formats.bits import pack_last, unpack_last
 from thresher.formats.quantized import QuantizedWeight
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -28,20 +28,11 @@ BITS = 4
 
 def _pack_interleaved(values: torch.Tensor) -> torch.Tensor:
     """[R, C] 4-bit codes -> int32 [R, C / 8] in AWQ's nibble order."""
-    rows, cols = values.shape
-    v = values.to(torch.int64).reshape(rows, cols // 8, 8)
-    out = torch.zeros(rows, cols // 8, dtype=torch.int64, device=values.device)
-    for i, col in enumerate(AWQ_ORDER):
-        out |= v[:, :, col] << (4 * i)
-    return to_int32(out)
+    return pack_last(values, BITS, AWQ_ORDER)
 
 
 def _unpack_interleaved(packed: torch.Tensor) -> torch.Tensor:
-    words = packed.to(torch.int64) & 0xFFFFFFFF
-    out = torch.zeros(*words.shape, 8, dtype=torch.int64, device=packed.device)
-    for i, col in enumerate(AWQ_ORDER):
-        out[:, :, col] = (words >> (4 * i)) & 0xF
-    return out.reshape(words.shape[0], -1).to(torch.int32)
+    return unpack_last(packed, BITS, packed.shape[-1] * 8, AWQ_ORDER)
 
 
 def pack_awq(qw: QuantizedWeight) -> dict[str, torch.Tensor]:

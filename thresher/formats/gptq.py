@@ -42,7 +42,7 @@ def pack_gptq(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     if (qw.zeros < 1).any():
         raise ValueError("GPTQ v1 stores zero - 1 unsigned: zero points must be >= 1")
     return {
-        "qweight": pack_along_rows(qw.codes.T.to(torch.int32), qw.bits),
+        "qweight": pack_along_rows(qw.codes.T, qw.bits),
         "qzeros": pack_along_cols((qw.zeros - 1).T.contiguous(), qw.bits),
         "scales": qw.scales.T.contiguous().to(torch.float16),
         "g_idx": qw.g_idx.to(torch.int32),
