@@ -51,14 +51,15 @@ def pack_last(values: torch.Tensor, bits: int, order: tuple[int, ...] | None = N
                          f"(need a multiple of {p_rows})")
     if _bytes_pack(bits):
         v = values.to(torch.uint8).reshape(*lead, length // p_rows, p_rows)
-        if order is not None:
-            v = v[..., list(order)]
+        slot = order or range(p_rows)  # slot i of a word holds code slot[i] of its period
         per_byte = 8 // bits
-        v = v.reshape(*lead, -1, per_byte)
-        packed = v[..., 0].clone()
-        for j in range(1, per_byte):
-            packed |= v[..., j] << (j * bits)
-        return packed.contiguous().view(torch.int32).reshape(*lead, -1)
+        word_bytes = []
+        for b in range(4):
+            byte = v[..., slot[b * per_byte]].clone()
+            for j in range(1, per_byte):
+                byte |= v[..., slot[b * per_byte + j]] << (j * bits)
+            word_bytes.append(byte)
+        return torch.stack(word_bytes, dim=-1).view(torch.int32).reshape(*lead, -1)
     v = values.to(torch.int64).reshape(*lead, length // p_rows, p_rows)
     if order is not None:
         v = v[..., list(order)]
