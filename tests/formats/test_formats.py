@@ -1,5 +1,7 @@
 """Checkpoint layouts: exact round trips, an independent GPTQ unpacker, AutoAWQ's packer as oracle."""
 
+import math
+
 import pytest
 import torch
 
@@ -164,6 +166,10 @@ def test_packing_matches_the_bit_stream_whatever_the_input_layout(bits, words, m
     assert torch.equal(bits_mod.unpack_along_rows(want, bits, 64), codes)
     assert torch.equal(bits_mod.pack_along_cols(codes.T, bits), want.T)
     assert torch.equal(bits_mod.unpack_along_cols(want.T.contiguous(), bits, 64), codes.T)
+    rows = 32 // math.gcd(bits, 32)  # one row of words at 2, 4, 8 bits (as a checkpoint
+    few = codes[:rows]  # holds it): its transpose counts as contiguous whatever its last stride
+    words = torch.tensor(bits_mod.pack_along_rows(few, bits).tolist(), dtype=torch.int32)
+    assert torch.equal(bits_mod.unpack_along_rows(words, bits, rows), few)
 
 
 def test_awq_interleaving_puts_column_order_i_in_nibble_i():

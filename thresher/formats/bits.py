@@ -79,7 +79,9 @@ def unpack_last(packed: torch.Tensor, bits: int, length: int,
     p_rows, p_words = _period(bits)
     mask = 2**bits - 1
     if _bytes_pack(bits):
-        raw = packed.to(torch.int32).contiguous().view(torch.uint8)
+        # flat first: a size-1 dimension may keep any stride, which ``view`` refuses
+        raw = packed.to(torch.int32).contiguous().reshape(-1).view(torch.uint8)
+        raw = raw.reshape(*lead, -1)
         codes = torch.stack([(raw >> (j * bits)) & mask for j in range(8 // bits)], dim=-1)
         codes = codes.reshape(*lead, length // p_rows, p_rows)
     else:
