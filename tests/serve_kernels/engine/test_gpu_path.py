@@ -7,6 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from thresher.compress.api import quantize_model
+from thresher.formats.nf4 import NF4Weight
+from thresher.quant.nf4 import NF4_CODES
+from thresher.recipe import NF4Stage
 from thresher.serve_kernels import LLM, SamplingParams
 from thresher.serve_kernels.engine.kv_budget import (
     KV_BUDGET_BYTES,
@@ -16,9 +20,9 @@ from thresher.serve_kernels.engine.kv_budget import (
     size_kv_cache,
 )
 from thresher.serve_kernels.engine.model_runner import graph_buckets
-from thresher.serve_kernels.kernels import attention
-from thresher.serve_kernels.modeling.linear import DenseLinear
-from thresher.serve_kernels.modeling.moe import ExpertLoop
+from thresher.serve_kernels.kernels import attention, fused_moe
+from thresher.serve_kernels.modeling.linear import DenseLinear, NF4Linear
+from thresher.serve_kernels.modeling.moe import ExpertLoop, stack_nf4
 
 PROMPTS = [[5, 17, 300, 42, 9, 77, 1023], [12, 3, 250, 61, 8, 99, 1500, 31, 7, 2, 640, 4, 5]]
 
@@ -45,6 +49,22 @@ def test_triton_path_matches_cpu_greedy(tiny_demo, monkeypatch):
                         counting)
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected
     assert max(calls) >= 2  # some decode step ran split-KV
+
+
+@pytest.mark.slow
+def test_nf4_triton_path_matches_cpu_greedy(tiny_demo, tmp_path, monkeypatch):
+    """The tiny demo's NF4 artifact: its experts stacked for the fused kernel on the GPU path
+    give the CPU path's greedy tokens."""
+    out = tmp_path / "nf4"
+    quantize_model(tiny_demo, NF4Stage(double_quant=True), None, out, show_progress=False)
+    llm = LLM(out, dtype="float32", num_kv_blocks=32, max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("THRESHER_KERNELS", "triton")
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected
+    loops = [m for m in llm.engine.runner.model.modules() if isinstance(m, ExpertLoop)]
+    assert loops and all(loop.gpu_fused for loop in loops)
 
 
 def test_kv_cache_sizing_rules():
@@ -98,6 +118,57 @@ def test_expert_loop_gpu_path_matches_routed_loop():
     x = torch.randn(5, hidden, generator=gen)
     weights, ids = torch.randn(5, experts, generator=gen).softmax(-1).topk(2, dim=-1)
     torch.testing.assert_close(loop._every_expert(x, weights, ids), loop(x, weights, ids))
+
+
+def _nf4_linear(n: int, k: int, gen: torch.Generator) -> NF4Linear:
+    packed = torch.randint(0, 256, (n * k // 2, 1), generator=gen, dtype=torch.uint8)
+    absmax = (torch.rand(n * k // 64, generator=gen) + 0.5) / k**0.5
+    return NF4Linear(NF4Weight(packed, absmax, torch.tensor(NF4_CODES), (n, k)), None)
+
+
+def test_nf4_experts_run_the_fused_kernel_on_the_gpu_path(monkeypatch):
+    """NF4 experts on the GPU path are stacked once for the fused kernel (routed experts only,
+    where they were every expert), their linears left reading views of the stacked bytes (one
+    copy in memory); the result is the routed loop's."""
+    gen = torch.Generator().manual_seed(0)
+    experts, hidden, inter = 4, 128, 64
+    loop = ExpertLoop([_nf4_linear(inter, hidden, gen) for _ in range(experts)],
+                      [_nf4_linear(inter, hidden, gen) for _ in range(experts)],
+                      [_nf4_linear(hidden, inter, gen) for _ in range(experts)])
+    dense = [torch.cat([g.dequantized(), u.dequantized()])
+             for g, u in zip(loop.gate, loop.up, strict=True)]
+    x = torch.randn(5, hidden, generator=gen)
+    weights, ids = torch.randn(5, experts, generator=gen).softmax(-1).topk(2, dim=-1)
+    expected = loop(x, weights, ids)  # the CPU path: the routed experts' reference linears
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("THRESHER_KERNELS", "triton")
+    launched = []
+    monkeypatch.setattr("thresher.serve_kernels.modeling.moe.fused_moe",
+                        lambda *a: launched.append(a[1].format) or fused_moe(*a))
+    torch.testing.assert_close(loop(x, weights, ids), expected, rtol=1e-4, atol=1e-4)
+    assert launched == ["nf4"]
+    gate_up, down = loop.gpu_fused
+    assert gate_up.out_in == (2 * inter, hidden) and down.out_in == (hidden, inter)
+    assert torch.equal(gate_up.dequantize(), torch.stack(dense))
+    storage = gate_up.weight.untyped_storage().data_ptr()
+    assert all(m.nf4.packed.untyped_storage().data_ptr() == storage for m in (*loop.gate, *loop.up))
+    assert torch.equal(loop.gate[1].dequantized(), dense[1][:inter])  # the views read the same
+
+
+def test_nf4_experts_the_kernel_cannot_read_keep_every_expert(monkeypatch):
+    """Blocks straddling rows (K not a multiple of 64): no stacking, every expert weighted."""
+    gen = torch.Generator().manual_seed(1)
+    loop = ExpertLoop([_nf4_linear(32, 96, gen) for _ in range(2)],
+                      [_nf4_linear(32, 96, gen) for _ in range(2)],
+                      [_nf4_linear(96, 32, gen) for _ in range(2)])
+    assert stack_nf4(list(loop.gate), list(loop.up), list(loop.down)) is None
+    x = torch.randn(3, 96, generator=gen)
+    weights, ids = torch.randn(3, 2, generator=gen).softmax(-1).topk(1, dim=-1)
+    expected = loop(x, weights, ids)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("THRESHER_KERNELS", "triton")
+    torch.testing.assert_close(loop(x, weights, ids), expected, rtol=1e-4, atol=1e-4)
+    assert loop.gpu_fused is False
 
 
 class EagerReplay:

@@ -1,5 +1,5 @@
 """Fused MoE: alignment invariants, the reference against a per-token dense computation, the
-Triton path against the reference for dense, GPTQ and AWQ experts, AOT builds."""
+Triton path against the reference for dense, GPTQ, AWQ and NF4 experts, AOT builds."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from tests.serve_kernels.kernels.helpers import (
     record_launches,
     rel_err,
 )
+from thresher.formats.nf4 import NF4Weight
+from thresher.quant.nf4 import NF4_CODES
 from thresher.serve_kernels.kernels import moe
 
 E, H, INTER, TOP_K = 4, 96, 48, 2  # 96 and 2*48 are not multiples of the 64-wide tiles
@@ -174,10 +176,12 @@ def test_aot_compiles():
     specs = []
     for cfg in moe.CONFIGS.values():
         for fmt, code in moe.FORMATS.items():
-            b = "*fp16" if fmt == "dense" else "*i32"
-            types = {"a_ptr": "*fp16", "b_ptr": b, "scales_ptr": "*fp16", "zeros_ptr": "*i32",
-                     "g_idx_ptr": "*i32", "out_ptr": "*fp16", "sorted_ids_ptr": "*i32",
-                     "expert_ids_ptr": "*i32", "topk_weights_ptr": "*fp32"}
+            b = {"dense": "*fp16", "nf4": "*u8"}.get(fmt, "*i32")
+            types = {"a_ptr": "*fp16", "b_ptr": b,
+                     "scales_ptr": "*fp32" if fmt == "nf4" else "*fp16", "zeros_ptr": "*i32",
+                     "g_idx_ptr": "*i32", "quant_map_ptr": "*fp32", "out_ptr": "*fp16",
+                     "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
+                     "topk_weights_ptr": "*fp32"}
             for mul in (False, True):
                 for row_groups in (False, True) if code else (False,):
                     consts = {**cfg.constexprs, "FORMAT": code, "MUL_WEIGHT": mul,
@@ -185,3 +189,45 @@ def test_aot_compiles():
                     specs.append(AotSpec(f"{moe.__name__}:_moe_matmul_kernel", types, consts,
                                          cfg.num_warps, cfg.num_stages))
     aot_compile_all(specs)
+
+
+def random_nf4_experts(k: int, n: int, blocksize: int = 64, seed: int = 0) -> moe.ExpertWeights:
+    """E experts of random NF4 codes and block absmax in bitsandbytes' layout, stacked."""
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (E, n * k // 2), generator=gen, dtype=torch.uint8)
+    absmax = (torch.rand(E, n * k // blocksize, generator=gen) + 0.5) / k**0.5
+    return moe.ExpertWeights("nf4", packed.to(DEVICE), scales=absmax.to(DEVICE),
+                             group_size=blocksize, quant_map=torch.tensor(NF4_CODES).to(DEVICE),
+                             shape=(n, k))
+
+
+def test_nf4_experts_dequantize_as_their_matrices():
+    w = random_nf4_experts(128, 96)
+    assert w.out_in == (96, 128)
+    for e in (0, E - 1):
+        one = NF4Weight(w.weight[e].cpu(), w.scales[e].cpu(), w.quant_map.cpu(), (96, 128))
+        assert torch.equal(w.dequantize()[e].cpu(), one.dequantize_fp32())
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        moe.ExpertWeights("nf4", w.weight, scales=w.scales, group_size=64,
+                          quant_map=w.quant_map, shape=(96, 96))
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_nf4_experts_in_the_fused_kernel(tokens, monkeypatch):
+    """NF4 experts through the fused kernel match the reference, and the tile reading one absmax
+    per column (its K tile inside one block) computes what the per-weight gather does."""
+    h, inter = 128, 64
+    w1, w2 = random_nf4_experts(h, 2 * inter, seed=1), random_nf4_experts(inter, h, seed=2)
+    x = torch.randn(tokens, h, device=DEVICE).half()
+    weights, ids = routing(tokens, seed=tokens)
+    out = moe.fused_moe_triton(x, w1, w2, weights, ids)
+    assert out.shape == (tokens, h) and out.dtype == x.dtype
+    assert rel_err(out, moe.fused_moe_ref(x, w1, w2, weights, ids)) < 1e-2
+    launches = record_launches(monkeypatch, moe, "ROW_GROUPS")
+    cfg = moe.DECODE if tokens * TOP_K <= 64 else moe.PREFILL
+    sorted_ids, expert_ids = moe.moe_align(ids, E, cfg.block_m)
+    rows, gathered = (moe.moe_matmul_triton(x, w1, sorted_ids, expert_ids, tokens * TOP_K, TOP_K,
+                                            None, cfg, row_groups=r, tune=False)
+                      for r in (True, False))
+    assert launches == [True, False]
+    assert torch.equal(rows, gathered)

@@ -14,6 +14,9 @@ Expert weights, one ``ExpertWeights`` per projection, stacked on a leading exper
 - "gptq": GPTQ v1 per expert (see w4a16): qweight [E, K/8, N], qzeros [E, groups, N/8],
   scales [E, groups, N], g_idx [E, K].
 - "awq": AWQ gemm per expert: qweight [E, K, N/8], qzeros [E, K/G, N/8], scales [E, K/G, N].
+- "nf4": bitsandbytes NF4 per expert (see nf4.py): weight [E, N*K/2] uint8 (W.flat, two codes a
+  byte, the first in the high nibble), scales [E, N*K/B] fp32 absmax per block of B = group_size
+  elements, a shared 16-entry quant_map; K a multiple of B, so no block straddles two rows.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import triton.language as tl
 
 from thresher.formats.awq import AWQ
 from thresher.formats.gptq import GPTQ
+from thresher.formats.nf4 import NF4, NF4Weight
 from thresher.formats.registry import format_for
 from thresher.serve_kernels.kernels import tuning
 from thresher.serve_kernels.kernels.activation import silu_and_mul_triton
@@ -37,7 +41,7 @@ from thresher.serve_kernels.kernels.backend import (
     use_triton,
 )
 
-FORMATS = {"dense": 0, GPTQ.kind: 1, AWQ.kind: 2}  # the kernel's FORMAT constexpr
+FORMATS = {"dense": 0, GPTQ.kind: 1, AWQ.kind: 2, NF4.kind: 3}  # the kernel's FORMAT constexpr
 DECODE = TileConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3)
 PREFILL = TileConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
 CONFIGS = {"decode": DECODE, "prefill": PREFILL}
@@ -52,19 +56,26 @@ class ExpertWeights:
     scales: torch.Tensor | None = None
     qzeros: torch.Tensor | None = None
     g_idx: torch.Tensor | None = None  # gptq only
-    group_size: int = -1  # awq only (gptq's groups are its g_idx); -1 = one group
+    group_size: int = -1  # awq: -1 = one group (gptq's groups are its g_idx); nf4: block size
     # gptq only: g_idx is arange(K) // this (no act-order; -1 for one group), known at load
     contiguous_group: int | None = None
+    quant_map: torch.Tensor | None = None  # nf4 only: fp32 [16], shared by the experts
+    shape: tuple[int, int] | None = None  # nf4 only: (N, K), which the flat bytes do not say
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise ValueError(f"expert weight format {self.format!r}: expected one of {list(FORMATS)}")
+        if self.format == NF4.kind and (self.quant_map is None or self.shape is None
+                                        or self.shape[1] % self.group_size):
+            raise ValueError("nf4 experts need a quant_map, their (N, K) shape and K a multiple "
+                             f"of the block size (got shape {self.shape}, block {self.group_size})")
 
     def row_group(self, block_k: int) -> int | None:
         """The group size when every K tile of ``block_k`` lies in one group (contiguous groups
         that ``block_k`` divides): then a tile's zeros and scales are one row each."""
         k = self.out_in[1]
-        group = {"awq": self.group_size, "gptq": self.contiguous_group}.get(self.format)
+        group = {AWQ.kind: self.group_size, GPTQ.kind: self.contiguous_group,
+                 NF4.kind: self.group_size}.get(self.format)
         group = k if group == -1 else group
         return group if group is not None and group % block_k == 0 else None
 
@@ -73,6 +84,8 @@ class ExpertWeights:
         """(N, K): output and input features of each expert's matrix."""
         if self.format == "dense":
             return self.weight.shape[1], self.weight.shape[2]
+        if self.format == NF4.kind:
+            return self.shape
         return format_for(self.format).matrix_shape({"qweight": self.weight.shape[1:]}, 4)
 
     def packed(self, e: int) -> dict[str, torch.Tensor]:
@@ -84,6 +97,9 @@ class ExpertWeights:
         """Expert ``e``'s [N, K] matrix: a view for 16-bit, dequantized (fp32) otherwise."""
         if self.format == "dense":
             return self.weight[e]
+        if self.format == NF4.kind:
+            return NF4Weight(self.weight[e], self.scales[e], self.quant_map, self.shape,
+                             self.group_size).dequantize_fp32()
         return format_for(self.format).dequantize(self.packed(e), 4, self.group_size)
 
     def dequantize(self) -> torch.Tensor:
@@ -138,7 +154,7 @@ def moe_align(
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_matmul_kernel(
-    a_ptr, b_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr,
+    a_ptr, b_ptr, scales_ptr, zeros_ptr, g_idx_ptr, quant_map_ptr, out_ptr,
     sorted_ids_ptr, expert_ids_ptr, topk_weights_ptr,
     num_pairs, N, K, group_size, pairs_per_row,
     stride_be, stride_bk, stride_bn, stride_se, stride_ze, stride_ge,
@@ -150,7 +166,10 @@ def _moe_matmul_kernel(
     in one group: its zeros and scales are one [BLOCK_N] row loaded once, and a GPTQ word (8 rows
     of a column) is loaded once and split in registers, as in ``w4a16._grouped_matmul_kernel``.
     Otherwise each weight gathers its group's zero and scale through g_idx (act-order). Both
-    dequantize a weight by the same formula, so they compute the same tiles."""
+    dequantize a weight by the same formula, so they compute the same tiles. NF4 (FORMAT 3)
+    reads each expert's row-major bytes, looks each code up in the quant map and scales it by
+    its block's absmax (``group_size`` = the block size): with ``ROW_GROUPS`` one absmax per
+    column for the tile, as in ``nf4._nf4_matmul_kernel``."""
     expert = tl.load(expert_ids_ptr + tl.program_id(0)).to(tl.int64)
     if expert < 0:  # a worst-case block past the last expert's run: padding only
         return
@@ -172,6 +191,19 @@ def _moe_matmul_kernel(
         if FORMAT == 0:
             w = tl.load(b_base + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
                         mask=mask_kn, other=0.0).to(tl.float32)
+        elif FORMAT == 3:
+            row_start = offs_n.to(tl.int64) * K  # row n of the expert's W.flat
+            byte = tl.load(b_base + row_start[None, :] // 2 + offs_k[:, None] // 2,
+                           mask=mask_kn, other=0).to(tl.int32)
+            code = tl.where(offs_k[:, None] % 2 == 0, byte >> 4, byte & 0xF)
+            absmax = scales_ptr + expert * stride_se
+            if ROW_GROUPS:
+                s = tl.load(absmax + (row_start + k0) // group_size, mask=mask_n,
+                            other=0.0)[None, :]
+            else:
+                s = tl.load(absmax + (row_start[None, :] + offs_k[:, None]) // group_size,
+                            mask=mask_kn, other=0.0)
+            w = tl.load(quant_map_ptr + code, mask=mask_kn, other=0.0) * s
         else:
             # codes: GPTQ packed along K (a word split in registers for row groups, else each
             # weight shifting its own), AWQ packed along N in the interleaved order
@@ -234,6 +266,7 @@ def moe_matmul_triton(
     scales = w.scales if w.scales is not None else dummy
     qzeros = w.qzeros if w.qzeros is not None else dummy
     g_idx = w.g_idx.int().contiguous() if w.g_idx is not None else dummy
+    quant_map = w.quant_map.float().contiguous() if w.quant_map is not None else dummy
     weight = w.weight if w.format == "dense" else w.weight.contiguous()
     stride_bk, stride_bn = (weight.stride(2), weight.stride(1)) if w.format == "dense" else (0, 0)
     row_group = w.row_group(config.block_k) if row_groups else None
@@ -244,7 +277,7 @@ def moe_matmul_triton(
     def run(cfg: TileConfig) -> torch.Tensor:
         grid = (sorted_ids.numel() // cfg.block_m, triton.cdiv(n, cfg.block_n))
         launcher(_moe_matmul_kernel, a)[grid](
-            a, weight, scales, qzeros, g_idx, out,
+            a, weight, scales, qzeros, g_idx, quant_map, out,
             sorted_ids, expert_ids, topk_weights if topk_weights is not None else dummy,
             num_pairs, n, k, group, pairs_per_row,
             weight.stride(0), stride_bk, stride_bn, scales.stride(0), qzeros.stride(0),

@@ -3,9 +3,11 @@
 Routed experts are stacked along a leading expert dim in their published layout (16-bit, GPTQ
 4-bit or AWQ), gate and up concatenated along the output dim, so ``fused_moe`` runs every expert
 of a projection in one launch. The stacking moves packed words, never dequantizes them. Layouts
-the fused kernel does not read (NF4, GPTQ at other widths, act-order g_idx that differs between
-gate and up) keep one linear per expert; on a CPU they loop over the experts that received
-tokens, on a GPU over every expert (no host read of the routing, see ``ExpertLoop``).
+the fused kernel does not read (GPTQ at other widths, act-order g_idx that differs between gate
+and up) keep one linear per expert; on a CPU they loop over the experts that received tokens, on
+a GPU over every expert (no host read of the routing, see ``ExpertLoop``). NF4 experts keep one
+linear each too (the CPU kernels read them so), and on a GPU are stacked for ``fused_moe`` on
+their first forward (``stack_nf4``), the linears then reading views of the stacked bytes.
 
 On a CPU, ``pack_for_cpu`` converts each GPTQ-4/AWQ-4 expert once for torch's CPU int4 kernel
 (``kernels.cpu_int4``), and each NF4 expert (gate and up as one matrix) for bitsandbytes' CPU NF4
@@ -28,7 +30,7 @@ from torch import nn
 
 from thresher.formats.awq import AWQ
 from thresher.formats.gptq import GPTQ
-from thresher.formats.nf4 import concat_rows
+from thresher.formats.nf4 import NF4, concat_rows
 from thresher.formats.registry import format_for
 from thresher.models.adapters import RoutingRule
 from thresher.serve_kernels.kernels import ExpertWeights, fused_moe, silu_and_mul
@@ -253,6 +255,9 @@ class ExpertLoop(nn.Module):
         self.cpu_gate_up: list[NF4Pack] | None = None
         self.cpu_down: list[NF4Pack] | None = None
         self.cpu_dense: tuple[torch.Tensor, torch.Tensor] | None = None
+        # NF4 experts stacked for the fused kernel (``stack_nf4``), on the device they were
+        # stacked on; False where they cannot be
+        self.gpu_fused: tuple[ExpertWeights, ExpertWeights] | None | bool = None
 
     @property
     def cpu_packs(self) -> list[NF4Pack]:
@@ -293,6 +298,9 @@ class ExpertLoop(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         if use_triton(x):
+            fused = self._stacked_nf4(x.device)
+            if fused is not None:
+                return fused_moe(x, *fused, topk_weights, topk_ids)
             return self._every_expert(x, topk_weights, topk_ids)
         if self.cpu_dense is not None and use_cpu_kernels(x):
             return _dense_moe(x, self.cpu_dense, topk_weights, topk_ids)
@@ -307,6 +315,17 @@ class ExpertLoop(nn.Module):
             y = self.down[e](act).float() * topk_weights[token, slot, None].float()
             out.index_add_(0, token, y)
         return out.to(x.dtype)
+
+    def _stacked_nf4(self, device: torch.device) -> tuple[ExpertWeights, ExpertWeights] | None:
+        """The NF4 experts stacked on ``device`` (built once, outside a CUDA graph capture: the
+        model runner's eager warm-up forward comes first), or None."""
+        if self.gpu_fused is False:
+            return None
+        if self.gpu_fused is None or self.gpu_fused[0].weight.device != device:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return None
+            self.gpu_fused = stack_nf4(list(self.gate), list(self.up), list(self.down)) or False
+        return self.gpu_fused or None
 
     def _every_expert(self, x: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor) -> torch.Tensor:
@@ -345,6 +364,44 @@ def stack_experts(gate: list[Linear], up: list[Linear], down: list[Linear]) -> n
         return FusedExperts(AWQ.kind, _stack_packed(gate, up, names, {}),
                             _stack_packed(down, None, names, {}), gate[0].group_size)
     return ExpertLoop(gate, up, down)
+
+
+def stack_nf4(gate: list[Linear], up: list[Linear], down: list[Linear]
+              ) -> tuple[ExpertWeights, ExpertWeights] | None:
+    """NF4 experts as the fused kernel's two stacked projections (gate above up), or None where
+    it cannot read them (another layout; block sizes, code tables or shapes that differ; blocks
+    straddling rows). Each linear is rebound to a view of the stacked bytes and absmax, so one
+    copy stays in memory: with whole blocks per row, an expert's gate|up is its gate's bytes and
+    absmax followed by its up's."""
+    linears = (*gate, *up, *down)
+    if not all(isinstance(m, NF4Linear) for m in linears):
+        return None
+    first = gate[0].nf4
+    if any(m.nf4.blocksize != first.blocksize or m.nf4.shape[1] % first.blocksize
+           or not torch.equal(m.nf4.quant_map, first.quant_map) for m in linears) or any(
+            len({m.nf4.shape for m in part}) > 1 for part in (gate, up, down)):
+        return None
+    stacked = []
+    for owners in ([(g, u) for g, u in zip(gate, up, strict=True)], [(d,) for d in down]):
+        n, k = sum(m.nf4.shape[0] for m in owners[0]), owners[0][0].nf4.shape[1]
+        dev = first.packed.device
+        packed = torch.empty(len(owners), n * k // 2, dtype=torch.uint8, device=dev)
+        absmax = torch.empty(len(owners), n * k // first.blocksize, dtype=torch.float32,
+                             device=dev)
+        for e, parts in enumerate(owners):
+            byte = block = 0
+            for m in parts:
+                w = m.nf4
+                nbytes, nblocks = w.packed.numel(), w.absmax.numel()
+                packed[e, byte:byte + nbytes] = w.packed.reshape(-1)
+                absmax[e, block:block + nblocks] = w.absmax_fp32()
+                m.nf4 = dataclasses.replace(
+                    w, packed=packed[e, byte:byte + nbytes].view(w.packed.shape),
+                    absmax=absmax[e, block:block + nblocks])
+                byte, block = byte + nbytes, block + nblocks
+        stacked.append(ExpertWeights(NF4.kind, packed, scales=absmax, group_size=first.blocksize,
+                                     quant_map=first.quant_map, shape=(n, k)))
+    return stacked[0], stacked[1]
 
 
 def _shared_group(layers: list[GPTQLinear]) -> int | None:
