@@ -791,6 +791,14 @@ def _calibration(sizes: Sizes) -> list[str]:
     return ["--samples", str(sizes.gptq_samples), "--seq-len", "128" if not DRY else "16"]
 
 
+def _unfinished(dev: str, threads: int | None, exc: RuntimeError, columns: int) -> str:
+    """The row of a run after the device's that did not finish: the table keeps the rows before
+    it (a section that raised would lose them)."""
+    why = "stopped at the run's budget" if "exited 124" in str(exc) else f"failed ({exc})"
+    return (f"| first layer of the MoE | {dev} | {threads or os.cpu_count()} | not finished: {why} "
+            + "| " * (columns - 4) + "|")
+
+
 def _peak(report: dict) -> str:
     peak = report.get("peak_device_mb")
     return "-" if peak is None else f"{peak:.0f}"
@@ -809,8 +817,14 @@ def section_gptq(ctx: MoEContext, tokenizer_dir: Path, log: Path,
             "CPU s/layer / GPU s/layer |", "|---|---|---|---|---|---|---|"]
     first = None  # seconds per layer on the device
     for i, (dev, threads) in enumerate(runs):
-        wall, report = _timed("quantize", args, ctx.path.parent / f"gptq4-1layer-{i}", dev, log,
-                              threads, left())
+        try:
+            wall, report = _timed("quantize", args, ctx.path.parent / f"gptq4-1layer-{i}", dev,
+                                  log, threads, left())
+        except RuntimeError as exc:
+            if i == 0:
+                raise
+            rows.append(_unfinished(dev, threads, exc, 7))
+            continue
         seconds = sum(layer["seconds"] for layer in report["layers"]) / len(report["layers"])
         first = first or seconds
         ratio = "" if i == 0 else f"{seconds / first:.1f}x"
@@ -833,8 +847,14 @@ def section_prune(ctx: MoEContext, tokenizer_dir: Path, log: Path,
             "kept as on the device |", "|---|---|---|---|---|---|---|"]
     first: list[int] | None = None
     for i, (dev, threads) in enumerate([("cuda" if not DRY else "cpu", None), ("cpu", 2)]):
-        wall, report = _timed("prune", args, ctx.path.parent / f"reap-1layer-{i}", dev, log,
-                              threads, left())
+        try:
+            wall, report = _timed("prune", args, ctx.path.parent / f"reap-1layer-{i}", dev, log,
+                                  threads, left())
+        except RuntimeError as exc:
+            if i == 0:
+                raise
+            rows.append(_unfinished(dev, threads, exc, 7))
+            continue
         kept = [e for layer in report["layers"] for e in layer["kept"]]
         first = kept if first is None else first
         same = "" if i == 0 else f"{len(set(kept) & set(first))} of {len(first)}"
