@@ -37,8 +37,8 @@ output to OUT/gpu_suite.log; a failing section reports its error and the next on
    dtype on an H100).
 7. quantized decode: the same model in the GPTQ-4 layout (RTN codes: GPTQ's bytes and kernels,
    in seconds), AWQ-4 and NF4, decode at concurrency 1 against the roofline of the bytes a token
-   reads in each format; beside it, every step of a fresh engine's first request and of a second
-   over the same context lengths (what is done once per length or shape shows in the first).
+   reads in each format; beside it, the prefill and decode steps of a fresh engine's first two
+   requests and the shapes tuned in each (what is done once per shape shows where it is paid).
 6. gptq: GPTQ-4 of the random MoE's first layer with ``thresher quantize --device cuda``, then
    ``--device cpu`` limited to 2 threads like the 2-core machine and again with every core:
    seconds per decoder layer from each report, and the CPU / GPU ratio. The dry run runs all
@@ -555,21 +555,21 @@ def _step_walls(engine, steps: int) -> list[float]:
     return walls
 
 
-def request_steps(llm, prompt: list[int], steps: int) -> list[float]:
-    """Wall seconds of each decode step of one c=1 request of ``steps`` new tokens (its prefill
-    not counted). The first request over a range of context lengths shows what the engine does
-    once per length or shape (a compile, a tile timed); a second one over the same lengths, its
-    steady state."""
+def request_steps(llm, prompt: list[int], steps: int) -> tuple[list[float], int]:
+    """Wall seconds of each step of one c=1 request of ``steps`` new tokens, its prefill first,
+    and the shapes tuned (``tuning.py``) meanwhile. The first request shows what the engine does
+    once per length or shape (a compile, a tile timed); a second with the same prompt, whose
+    prefill meets the prefix cache (fewer new tokens: another shape), what is left."""
     from thresher.serve_kernels import SamplingParams
 
     engine = llm.engine
+    tuned = _tuned_shapes()
     engine.add_request("request-steps", prompt, SamplingParams(temperature=0, max_tokens=steps + 1,
                                                                ignore_eos=True))
-    engine.step()  # prefill and the first token
-    walls = _step_walls(engine, steps)
+    walls = _step_walls(engine, steps + 1)  # the prefill (and the first token), then decode
     while engine.has_unfinished_requests():
         engine.step()
-    return walls
+    return walls, _tuned_shapes() - tuned
 
 
 def _tuned_shapes() -> int:
@@ -578,11 +578,14 @@ def _tuned_shapes() -> int:
     return sum(len(keys) for keys in tuning.chosen().values())
 
 
-def _steps_cell(walls: list[float]) -> str:
-    """Sum, median and max of a request's step walls (ms), and the steps over 3x the median."""
+def _steps_cell(request: tuple[list[float], int]) -> str:
+    """A request's prefill ms; its decode steps' sum, median and max (ms) and the steps over 3x
+    the median; the shapes tuned during it."""
+    (prefill, *walls), tuned = request
     med = sorted(walls)[len(walls) // 2]
     slow = sum(w > 3 * med for w in walls)
-    return (f"{sum(walls) * 1e3:.0f} / {med * 1e3:.2f} / {max(walls) * 1e3:.1f} / {slow}")
+    return (f"{prefill * 1e3:.0f} | {sum(walls) * 1e3:.0f} / {med * 1e3:.2f} / "
+            f"{max(walls) * 1e3:.1f} / {slow} | {tuned}")
 
 
 def section_quantized_decode(ctx: MoEContext, log: Path,
@@ -595,8 +598,11 @@ def section_quantized_decode(ctx: MoEContext, log: Path,
     the 16 layers on 32 took over four minutes of the third H100 run.
 
     The fourth run's generate rates were 20-30x below its median step times for the GPTQ-4 and
-    AWQ-4 layouts (not for NF4): the second table times every step of the first two requests,
-    so a cost paid once per context length or shape shows as slow steps in the first."""
+    AWQ-4 layouts (not for NF4), likely tiles timed inside a request whose prefill met the
+    prefix cache (16 new rows); steps no longer time tiles (``kernels/tuning.py``). The second
+    table times the prefill and every decode step of a fresh engine's first two requests and
+    counts the shapes tuned in each (0 inside steps), so a cost paid once per shape shows where
+    it is paid."""
     from thresher.serve_kernels import LLM
 
     s = ctx.sizes
@@ -622,11 +628,11 @@ def section_quantized_decode(ctx: MoEContext, log: Path,
     rows = ["| format | decode c=1 tokens/s | bytes/token | roofline tokens/s | % of roofline "
             "| step wall ms | step GPU ms |", "|---|---|---|---|---|---|---|"]
     one = _prompts(1, s.prompt_len)
-    first = ["", f"Each request's {s.new_tokens} decode steps, the first request of a fresh engine "
-             "and a second over the same context lengths: sum / median / max ms, and the steps "
-             "over 3x the median; shapes tuned (`tuning.py`) during the first request.", "",
-             "| format | CUDA graphs | first request | second request | shapes tuned |",
-             "|---|---|---|---|---|"]
+    first = ["", f"The first request of a fresh engine and a second with the same prompt (its "
+             f"prefill meets the prefix cache): prefill ms; the {s.new_tokens} decode steps' sum "
+             "/ median / max ms and the steps over 3x the median; shapes tuned (`tuning.py`).",
+             "", "| format | CUDA graphs | 1st: prefill ms | 1st: decode | 1st: tuned | "
+             "2nd: prefill ms | 2nd: decode | 2nd: tuned |", "|---|---|---|---|---|---|---|---|"]
     for name, (path, bits) in arts.items():
         if not (path / "config.json").is_file():
             why = ("bitsandbytes is not installed" if name == "NF4" else
@@ -635,12 +641,9 @@ def section_quantized_decode(ctx: MoEContext, log: Path,
             continue
         llm = LLM(path, dtype="bfloat16" if not DRY else "float32", max_model_len=1024,
                   max_num_seqs=1)
-        tuned = _tuned_shapes()
-        walls = [request_steps(llm, one[0], s.new_tokens)]
-        tuned = _tuned_shapes() - tuned
-        walls.append(request_steps(llm, one[0], s.new_tokens))
+        requests = [request_steps(llm, one[0], s.new_tokens) for _ in range(2)]
         first.append(f"| {name} | {llm.engine.model_info.get('cuda_graphs')} | "
-                     f"{_steps_cell(walls[0])} | {_steps_cell(walls[1])} | {tuned} |")
+                     f"{_steps_cell(requests[0])} | {_steps_cell(requests[1])} |")
         _engine_wall(llm, one, 2)
         rate = s.new_tokens / (_engine_wall(llm, one, s.new_tokens + 1)
                                - _engine_wall(llm, one, 1))

@@ -20,7 +20,7 @@ from thresher.serve_kernels.engine.kv_budget import (
     size_kv_cache,
 )
 from thresher.serve_kernels.engine.model_runner import graph_buckets
-from thresher.serve_kernels.kernels import attention, fused_moe
+from thresher.serve_kernels.kernels import attention, fused_moe, tuning
 from thresher.serve_kernels.modeling.linear import DenseLinear, NF4Linear
 from thresher.serve_kernels.modeling.moe import ExpertLoop, stack_nf4
 
@@ -65,6 +65,18 @@ def test_nf4_triton_path_matches_cpu_greedy(tiny_demo, tmp_path, monkeypatch):
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected
     loops = [m for m in llm.engine.runner.model.modules() if isinstance(m, ExpertLoop)]
     assert loops and all(loop.gpu_fused for loop in loops)
+
+
+def test_engine_steps_run_inside_serving(tiny_demo, monkeypatch):
+    """A step's forwards run inside ``tuning.serving`` (no tile timed mid-request); start-up's
+    forwards, before any step, do not."""
+    llm = LLM(tiny_demo, max_model_len=64, dtype="float32")
+    depths = []
+    run = llm.engine.runner.run
+    monkeypatch.setattr(llm.engine.runner, "run",
+                        lambda batch: depths.append(tuning._SERVING) or run(batch))
+    llm.generate([[5, 17, 300]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert depths and all(d == 1 for d in depths) and tuning._SERVING == 0
 
 
 def test_kv_cache_sizing_rules():

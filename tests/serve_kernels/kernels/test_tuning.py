@@ -56,6 +56,30 @@ def test_a_gpu_times_each_shape_once(monkeypatch):
     assert ("shape", 3) not in t.chosen
 
 
+def test_an_engine_step_times_nothing_and_takes_the_nearest_rows(monkeypatch):
+    """Inside ``serving`` (an engine step) a new shape is never timed: it takes the tile chosen
+    for the nearest row count of the same matrix with the default's rows per tile, else the
+    default; outside it the same shape is timed as before."""
+    monkeypatch.setattr(tuning, "cuda_seconds", lambda fn: {A: 3.0, B: 1.0, C: 2.0}[fn()])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    on_gpu = SimpleNamespace(is_cuda=True)
+    t = tuning.Tuner("test")
+    prefill = TileConfig(64, 64, 64, 4)
+
+    def untimed(cfg):
+        pytest.fail("timed inside an engine step")
+
+    assert t.pick((1, "w"), on_gpu, A, [B, C], lambda cfg: cfg) == B  # start-up: timed
+    assert t.pick((64, "w"), on_gpu, A, [C], lambda cfg: cfg) == C
+    with tuning.serving():
+        assert t.pick((16, "w"), on_gpu, A, [B, C], untimed) == C  # 64 is nearer than 1
+        assert t.pick((2, "w"), on_gpu, A, [B, C], untimed) == B
+        assert t.pick((128, "w"), on_gpu, prefill, [B], untimed) == prefill  # other tile rows
+        assert t.pick((2, "other"), on_gpu, A, [B, C], untimed) == A  # no such matrix timed
+    assert (16, "w") not in t.chosen
+    assert t.pick((16, "w"), on_gpu, A, [B, C], lambda cfg: cfg) == B  # outside: timed
+
+
 def test_candidates_vary_around_the_default():
     for module in (w4a16, nf4, moe):  # the MoE kernel's rows are its alignment's block
         for default in module.CONFIGS.values():

@@ -53,7 +53,7 @@ from thresher.serve_kernels.engine.speculative import (
     SpeculativeStats,
     rejection_sample,
 )
-from thresher.serve_kernels.kernels import cpu_native
+from thresher.serve_kernels.kernels import cpu_native, tuning
 from thresher.serve_kernels.kernels.cpu_blocked import blocked_supported
 from thresher.serve_kernels.loader import load_engine_model
 from thresher.serve_kernels.modeling import native_step
@@ -304,6 +304,10 @@ class LLMEngine:
         forward that raises means the device or a kernel failed, and it propagates as an engine
         failure. A device error (``is_device_error``) propagates from anywhere.
         """
+        with tuning.serving():  # a shape first met here takes a tile chosen at start-up
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         outputs = [self._output(seq, []) for seq in self._aborted]
         self._aborted = []
         batch = self.scheduler.schedule()

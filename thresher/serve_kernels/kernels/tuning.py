@@ -11,16 +11,24 @@ skipped. On the CPU (the interpreter tests and the engine's reference path) ever
 default, so results there never depend on timing. ``THRESHER_AUTOTUNE=0`` keeps the defaults on
 a GPU too.
 
+Inside an engine step (``serving``) nothing is timed: compiling and timing a dozen tiles takes
+seconds, and a request must not wait for them. A shape first met there (a prompt length not
+seen at start-up, a prefill that meets the prefix cache and has fewer new rows) takes the tile
+chosen for the nearest row count of the same matrix, else the default. The engine's start-up
+forwards (KV-cache sizing at the largest batch, the graph warm-up at every decode batch size)
+run outside steps and time theirs.
+
 Unlike ``triton.autotune`` the grid and the split-K output buffer depend on the configuration,
 and the choice must be reportable (``benchmarks/scale/gpu_suite.py`` prints ``chosen()``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +39,7 @@ log = logging.getLogger(__name__)
 
 ENV_VAR = "THRESHER_AUTOTUNE"
 _TUNERS: dict[str, Tuner] = {}
+_SERVING = 0  # engine steps in progress (``serving``)
 
 
 def enabled() -> bool:
@@ -81,10 +90,33 @@ class Tuner:
             return cfg
         if torch.cuda.is_current_stream_capturing():
             return default
+        if _SERVING:
+            return self.nearest(key, default) or default
         cfg = fastest([default, *(c for c in candidates if c != default)], run, cuda_seconds)
         self.chosen[key] = cfg = cfg or default
         log.info("%s %s: tile %s", self.name, key, cfg)
         return cfg
+
+    def nearest(self, key: tuple, default: TileConfig) -> TileConfig | None:
+        """The tile chosen for the same matrix (``key[1:]``) at the row count (``key[0]``, an
+        ``m_bucket``) nearest ``key``'s on a log scale, among those with ``default``'s rows per
+        tile (a decode tile of 16 rows would re-read the weights 4x over a prefill's 64); None
+        if none was."""
+        same = [(abs(math.log2(max(k[0], 1)) - math.log2(max(key[0], 1))), k[0], cfg)
+                for k, cfg in self.chosen.items()
+                if k[1:] == key[1:] and cfg.block_m == default.block_m]
+        return min(same, key=lambda t: t[:2])[2] if same else None
+
+
+@contextlib.contextmanager
+def serving() -> Iterator[None]:
+    """An engine step: shapes first met inside it are not timed (module docstring)."""
+    global _SERVING
+    _SERVING += 1
+    try:
+        yield
+    finally:
+        _SERVING -= 1
 
 
 def tuner(name: str) -> Tuner:
