@@ -79,6 +79,22 @@ def test_engine_steps_run_inside_serving(tiny_demo, monkeypatch):
     assert depths and all(d == 1 for d in depths) and tuning._SERVING == 0
 
 
+def test_eager_decode_warm_up_stores_nothing(tiny_demo):
+    """An engine without CUDA graphs warms its decode shapes up at start (so the kernels time
+    their tiles then, not in a request): one forward per batch bucket over padding slots, which
+    leaves the KV cache as it was."""
+    llm = LLM(tiny_demo, max_model_len=64, dtype="float32", max_num_seqs=5)
+    runner = llm.engine.runner
+    before = [c.clone() for layer in runner.kv_caches for c in layer]
+    forwards = []
+    hook = runner.model.register_forward_pre_hook(lambda m, args: forwards.append(len(args[0])))
+    runner.warm_up_decode(5, 64)
+    hook.remove()
+    assert forwards == list(reversed(graph_buckets(5)))
+    after = [c for layer in runner.kv_caches for c in layer]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
 def test_kv_cache_sizing_rules():
     per_block, per_seq = 1 << 20, 8
     cpu_default = size_kv_cache(KVCacheConfig(), per_block, per_seq, 4, None)

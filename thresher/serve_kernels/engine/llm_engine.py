@@ -194,6 +194,8 @@ class LLMEngine:
                                   self.device, tables)
         if self.device.type == "cuda" and not enforce_eager and loaded.model.graph_safe:
             self.runner.capture_decode_graphs(max_num_seqs, self.max_model_len)
+        if self.device.type == "cuda" and self.runner.decode_graphs is None:
+            self.runner.warm_up_decode(max_num_seqs, self.max_model_len)  # eager: tiles timed
         self.sampler = Sampler(self.eos_token_ids)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.vocab_size = spec.vocab_size

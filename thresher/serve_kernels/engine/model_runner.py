@@ -121,6 +121,22 @@ class ModelRunner:
         self.decode_graphs = g
         log.info("captured decode CUDA graphs for batch sizes %s", buckets)
 
+    def warm_up_decode(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Run one eager decode forward per batch-size bucket over dummy inputs (padding slots:
+        nothing is stored), so the kernels compile and time their tiles at start-up, which an
+        engine step never does (``kernels/tuning.py``); what graph capture's warm-up does for a
+        graphed engine."""
+        buckets = graph_buckets(max_num_seqs)
+        g = self.static_buffers(buckets[-1], max_model_len)
+        try:
+            for bs in reversed(buckets):
+                self.model(*self.graph_args(g, bs, max_model_len))
+        except Exception as exc:  # noqa: BLE001 - a warm-up is an optimisation: serve without it
+            log.warning("decode warm-up failed, shapes first met in a step take default tiles: "
+                        "%s", exc)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def static_buffers(self, max_batch: int, max_model_len: int) -> DecodeGraphs:
         """The buffers every decode graph reads and writes (no graphs yet)."""
         dev = self.device

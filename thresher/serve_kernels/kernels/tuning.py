@@ -15,8 +15,8 @@ Inside an engine step (``serving``) nothing is timed: compiling and timing a doz
 seconds, and a request must not wait for them. A shape first met there (a prompt length not
 seen at start-up, a prefill that meets the prefix cache and has fewer new rows) takes the tile
 chosen for the nearest row count of the same matrix, else the default. The engine's start-up
-forwards (KV-cache sizing at the largest batch, the graph warm-up at every decode batch size)
-run outside steps and time theirs.
+forwards (KV-cache sizing at the largest batch, a warm-up at every decode batch size, graphed
+or eager) run outside steps and time theirs.
 
 Unlike ``triton.autotune`` the grid and the split-K output buffer depend on the configuration,
 and the choice must be reportable (``benchmarks/scale/gpu_suite.py`` prints ``chosen()``).
