@@ -75,6 +75,8 @@ def test_an_engine_step_times_nothing_and_takes_the_nearest_rows(monkeypatch):
         assert t.pick((16, "w"), on_gpu, A, [B, C], untimed) == C  # 64 is nearer than 1
         assert t.pick((2, "w"), on_gpu, A, [B, C], untimed) == B
         assert t.pick((128, "w"), on_gpu, prefill, [B], untimed) == prefill  # other tile rows
+        narrow_k = TileConfig(16, 64, 32, 4)
+        assert t.pick((4, "w"), on_gpu, narrow_k, [B], untimed) == narrow_k  # other K tile
         assert t.pick((2, "other"), on_gpu, A, [B, C], untimed) == A  # no such matrix timed
     assert (16, "w") not in t.chosen
     assert t.pick((16, "w"), on_gpu, A, [B, C], lambda cfg: cfg) == B  # outside: timed
@@ -90,3 +92,23 @@ def test_candidates_vary_around_the_default():
     assert {c.block_n for c in moe.tile_candidates(moe.DECODE)} == {32, 64, 128}
     assert tuning.m_bucket(7) == 7 and tuning.m_bucket(17) == 32 and tuning.m_bucket(64) == 64
     assert tuning.describe(A) == "16x64x64/s4/w4/st3"
+
+
+def test_grouped_tiles_are_keyed_by_their_k_tile(monkeypatch):
+    """The grouped kernel's K tile must lie in one group: a tile chosen for a group of 128 (K
+    tile 128) must not serve a group-32 matrix of the same N and K, so their keys differ."""
+    from tests.serve_kernels.kernels.helpers import DEVICE, random_awq
+
+    keys = []
+
+    class Recording:
+        def pick(self, key, x, default, candidates, run):
+            keys.append(key)
+            return default
+
+    monkeypatch.setattr(tuning, "tuner", lambda name: Recording())
+    x = torch.randn(1, 256, dtype=torch.float16, device=DEVICE)
+    for group in (128, 32):
+        (qweight, qzeros, scales), _ = random_awq(256, 64, group)
+        w4a16.grouped_matmul_triton(x, qweight, qzeros, scales, group, awq=True)
+    assert len(keys) == 2 and keys[0] != keys[1]

@@ -100,11 +100,11 @@ class Tuner:
     def nearest(self, key: tuple, default: TileConfig) -> TileConfig | None:
         """The tile chosen for the same matrix (``key[1:]``) at the row count (``key[0]``, an
         ``m_bucket``) nearest ``key``'s on a log scale, among those with ``default``'s rows per
-        tile (a decode tile of 16 rows would re-read the weights 4x over a prefill's 64); None
-        if none was."""
+        tile (a decode tile of 16 rows would re-read the weights 4x over a prefill's 64) and K
+        tile (a grouped kernel's must lie in one group); None if none was."""
         same = [(abs(math.log2(max(k[0], 1)) - math.log2(max(key[0], 1))), k[0], cfg)
-                for k, cfg in self.chosen.items()
-                if k[1:] == key[1:] and cfg.block_m == default.block_m]
+                for k, cfg in self.chosen.items() if k[1:] == key[1:]
+                and (cfg.block_m, cfg.block_k) == (default.block_m, default.block_k)]
         return min(same, key=lambda t: t[:2])[2] if same else None
 
 

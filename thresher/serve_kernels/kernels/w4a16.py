@@ -282,7 +282,9 @@ def _launch(kernel, x: torch.Tensor, n: int, tensors: tuple, extra: tuple,
 
     if config is None:
         default = default or pick_config(m)
-        key = (tuning.m_bucket(m), n, k, x.dtype, *constexprs.values())
+        # the K tile is part of the shape: the grouped kernel's must lie in one group, so a tile
+        # chosen for group 128 must not serve a group-32 matrix of the same N and K
+        key = (tuning.m_bucket(m), n, k, x.dtype, default.block_k, *constexprs.values())
         config = tuning.tuner(getattr(kernel, "fn", kernel).__name__).pick(
             key, x, default, tile_candidates(default), run)
     return run(config).to(x.dtype).reshape(*x.shape[:-1], n)
