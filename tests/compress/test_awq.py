@@ -7,7 +7,6 @@ from tests.conftest import build_random_model
 from thresher.compress.awq import (
     group_error,
     group_gram,
-    pseudo_quantize,
     search_clip,
     search_scale,
 )
@@ -16,6 +15,7 @@ from thresher.compress.rtn import rtn_quantize
 from thresher.compress.targets import LayerParts, apply_scale, scaling_groups
 from thresher.models.adapters import get_adapter
 from thresher.quant.grid import GridSpec
+from thresher.quant.rtn import quantize_dequantize
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "llama"])
@@ -71,12 +71,12 @@ def test_scale_search_prefers_scaling_salient_channels():
 
 
 @pytest.mark.parametrize("sym,group_size", [(False, 32), (True, 32), (False, -1)])
-def test_pseudo_quantize_is_the_checkpoints_dequantized_matrix(sym, group_size):
+def test_candidates_are_judged_by_the_checkpoints_dequantized_matrix(sym, group_size):
     """Every candidate is judged by exactly the weights the artifact would load."""
     torch.manual_seed(0)
     w = torch.randn(24, 96) * torch.linspace(0.1, 4, 96)
     spec = GridSpec(4, sym=sym, min_zero=1)
-    assert torch.equal(pseudo_quantize(w, spec, group_size),
+    assert torch.equal(quantize_dequantize(w, spec, group_size),
                        rtn_quantize(w, spec, group_size).dequantize())
 
 

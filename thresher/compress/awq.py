@@ -31,12 +31,6 @@ class ScaleChoice:
     loss: float
 
 
-def pseudo_quantize(w: torch.Tensor, spec: GridSpec, group_size: int) -> torch.Tensor:
-    """Quantize-dequantize ``w`` on the min-max grid (the error a scale candidate is judged by):
-    ``rtn_quantize(w, spec, group_size).dequantize()`` bit for bit, without the integer codes."""
-    return quantize_dequantize(w, spec, group_size)
-
-
 def weight_mean(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
     """Mean over output rows of |w| normalized by its group's max, per input channel [C]."""
     w = torch.cat([x.float() for x in weights], dim=0)
@@ -119,7 +113,7 @@ def _clip_rows(w: torch.Tensor, gram: torch.Tensor, spec: GridSpec, group_size: 
 
     def error(max_val: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         clipped = torch.clamp(wg, -max_val, max_val).reshape(rows, cols)
-        q = pseudo_quantize(clipped, spec, group_size).reshape(wg.shape)
+        q = quantize_dequantize(clipped, spec, group_size).reshape(wg.shape)
         return group_error(q - wg, g).unsqueeze(-1)  # [rows, G, 1]
 
     for i in range(int(max_shrink * n_grid)):

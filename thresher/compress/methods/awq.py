@@ -27,7 +27,6 @@ import torch
 
 from thresher.compress.awq import (
     clip_weight,
-    pseudo_quantize,
     search_clip,
     search_scale,
     weight_mean,
@@ -46,6 +45,7 @@ from thresher.formats.awq import AWQ, BITS
 from thresher.formats.gptq import GPTQ
 from thresher.formats.registry import format_for
 from thresher.models.adapters import SCORE_PROJECTIONS
+from thresher.quant.rtn import quantize_dequantize
 from thresher.recipe import AWQStage
 
 Inputs = tuple[list[torch.Tensor], list[torch.Tensor | None]]  # per batch: inputs, expert gates
@@ -101,7 +101,7 @@ class AWQMethod:
 
         def loss(s: torch.Tensor) -> float:
             for t, w in zip(targets, originals, strict=True):
-                t.weight.copy_(pseudo_quantize(w * s, self.grid, gs) / s)
+                t.weight.copy_(quantize_dequantize(w * s, self.grid, gs) / s)
             err = (inspect() - reference).pow(2).mean()
             for t, w in zip(targets, originals, strict=True):
                 t.weight.copy_(w)
