@@ -30,8 +30,11 @@ setup: $(VENV)/.installed
 demo: setup
 	$(VENV)/bin/thresher demo
 
-# lint first: a ruff finding or a broken import layer fails before the (longer) tests run
+# lint first: a ruff finding or a broken import layer fails before the (longer) tests run. The
+# tests' trained model is built (or found cached) before pytest, outside the per-test timeout: its
+# first training takes 1 min on 2 idle cores and over 5 on loaded ones.
 test: setup lint
+	$(VENV)/bin/thresher demo-model build tiny
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # llama.cpp for the GGUF tests and benchmark: pip builds it from source (about 18 min on 2 cores).

@@ -29,6 +29,7 @@ def test_fine_is_fine_grained_with_smalls_active_width():
 
 def test_fine_architecture_builds_through_the_cli_merges_and_serves(tmp_path, monkeypatch):
     monkeypatch.setenv("THRESHER_HOME", str(tmp_path))
+    monkeypatch.setenv("THRESHER_DEMO_MODELS", str(tmp_path / "demo-models"))  # not the cache
     monkeypatch.setitem(demo_model.SPECS, "fine",
                         dataclasses.replace(demo_model.SPECS["fine"], steps=2))
     result = CliRunner().invoke(app, ["demo-model", "build", "fine"])

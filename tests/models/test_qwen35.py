@@ -66,8 +66,9 @@ def test_hub_layout_reads_as_the_text_model(qwen35, tmp_path):
         want = qwen35(input_ids=ids).logits
     # layer by layer (fused experts read as they are stored), and as a whole model
     torch.testing.assert_close(_layerwise_logits(hub, ids), want, rtol=1e-5, atol=1e-5)
-    with torch.no_grad():
-        torch.testing.assert_close(load_model(hub)(input_ids=ids).logits, want, rtol=0, atol=0)
+    with torch.no_grad():  # as below: equal up to the summation order of fp32 kernels
+        torch.testing.assert_close(load_model(hub)(input_ids=ids).logits, want, rtol=1e-5,
+                                   atol=1e-5)
 
 
 def test_written_text_model_loads_in_transformers(qwen35, tmp_path):
@@ -81,7 +82,9 @@ def test_written_text_model_loads_in_transformers(qwen35, tmp_path):
     ids = torch.randint(0, qwen35.config.vocab_size, (2, 13))
     with torch.no_grad():
         want = qwen35(input_ids=ids).logits
-        torch.testing.assert_close(again(input_ids=ids).logits, want, rtol=0, atol=0)
+        # bit for bit on an AVX512 CPU; 1e-6 apart on an AVX2 one (the weights' placement in
+        # memory can change the summation order of fp32 kernels)
+        torch.testing.assert_close(again(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(_layerwise_logits(tmp_path, ids), want, rtol=1e-5, atol=1e-5)
 
 

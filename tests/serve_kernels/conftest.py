@@ -40,35 +40,69 @@ def prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
 def prompt_pass(llm: LLM, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The engine's fp32 logits [len(ids), V] for a prompt and the experts each token was routed
     to in every MoE layer ([len(ids), layers, k], sorted per token)."""
+    logits, routing, _ = routed_pass(llm, ids)
+    return logits, routing
+
+
+def routed_pass(llm: LLM, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``prompt_pass`` and each token's router margin in every MoE layer ([len(ids), layers]):
+    the gap between its k-th and (k+1)-th best router logit over its largest |logit|. Where it
+    is small, another implementation's rounding may route the token to the other expert."""
     engine = llm.engine
     routed: list[torch.Tensor] = []
-    hooks = [layer.mlp.experts.register_forward_pre_hook(
-                 lambda _m, args: routed.append(args[2].sort(-1).values))
-             for layer in engine.runner.model.layers if hasattr(layer.mlp, "experts")]
+    margins: list[torch.Tensor] = []
+    moe = [layer.mlp for layer in engine.runner.model.layers if hasattr(layer.mlp, "experts")]
+
+    def margin(module, _args, out):
+        if module.rule is not None:  # a biased or grouped choice: no margin on the logits alone
+            margins.append(torch.full(out.shape[:1], float("nan")))
+            return
+        top = out.float().topk(module.top_k + 1, -1).values  # softmax keeps the logits' order
+        margins.append((top[:, -2] - top[:, -1]) / out.float().abs().amax(-1))
+
+    hooks = [mlp.experts.register_forward_pre_hook(
+                 lambda _m, args: routed.append(args[2].sort(-1).values)) for mlp in moe]
+    hooks += [mlp.router.register_forward_hook(lambda _m, args, out, mlp=mlp:
+                                               margin(mlp, args, out)) for mlp in moe]
     seq = Sequence("probe", ids, SamplingParams(max_tokens=1), 1)
     assert engine.block_manager.allocate(seq, len(ids))
     try:
         hidden, _ = engine.runner.hidden_states(ScheduledBatch([seq], [len(ids)]))
         routing = (torch.stack(routed, 1) if routed  # a dense family routes nothing
                    else torch.zeros(len(ids), 0, 0, dtype=torch.long))
-        return engine.runner.model.logits(hidden), routing
+        gaps = torch.stack(margins, 1) if margins else torch.zeros(len(ids), 0)
+        return engine.runner.model.logits(hidden), routing, gaps
     finally:
         engine.block_manager.free(seq)
         for hook in hooks:
             hook.remove()
 
 
+ROUTER_TIE = 0.02  # a router margin below this share of the logits' scale is a near-tie
+
+
 def assert_logits_track(got: tuple[torch.Tensor, torch.Tensor],
-                        ref: tuple[torch.Tensor, torch.Tensor]) -> None:
+                        ref: tuple[torch.Tensor, ...]) -> None:
     """``prompt_pass`` results of a bf16 kernel and of the fp32 reference: every token routed to
-    the same experts has logits within 2% of their scale. A token whose top-k choice sits at a
-    near-tie may be routed to another expert in one of the two (measured: 2 tokens of 264 on an
-    AVX512-BF16 CPU), which moves its logits by more; those rows are exempt, and rare."""
-    (got_logits, got_routing), (ref_logits, ref_routing) = got, ref
-    same = (got_routing == ref_routing).flatten(1).all(1)
-    assert same.float().mean() >= 0.95, f"routing differs for {int((~same).sum())} tokens"
+    the same experts as every token before it has logits within 2% of their scale. A token
+    whose top-k choice sits at a near-tie may be routed to another expert in one of the two,
+    which moves its logits and the later tokens' by more; those rows are exempt. With the reference's router margins (``routed_pass``), each such
+    token must be at a near-tie in every layer it was routed differently; without, they must be
+    rare (measured: 2 tokens of 264 on an AVX512-BF16 CPU, 2 of 29 on an AVX2 one)."""
+    (got_logits, got_routing), (ref_logits, ref_routing) = got, ref[:2]
+    differs = (got_routing != ref_routing).any(-1)  # [tokens, layers]
+    same = ~differs.any(1)
+    if len(ref) > 2:
+        gaps = ref[2][differs]
+        assert (gaps < ROUTER_TIE).all(), f"routed elsewhere past a near-tie: margins {gaps}"
+    else:
+        assert same.float().mean() >= 0.95, f"routing differs for {int((~same).sum())} tokens"
+    # a token routed elsewhere also changes the keys and values the tokens after it attend to
+    # (measured: 2.4% of the scale two tokens later), so only those before it are compared
+    before = same.long().cumprod(0).bool()
     scale = ref_logits.abs().max()
-    assert (got_logits - ref_logits)[same].abs().max() < 0.02 * scale
+    diff = (got_logits - ref_logits)[before]
+    assert diff.numel() == 0 or diff.abs().max() < 0.02 * scale
 
 
 def assert_tracks_reference(llm: LLM, prompts: list[list[int]], fast: list[list[int]],
@@ -77,7 +111,7 @@ def assert_tracks_reference(llm: LLM, prompts: list[list[int]], fast: list[list[
     reference): logits as ``assert_logits_track`` says, each chosen token the best or within 1%
     of it (a near-tie may flip between bf16 kernels and the fp32 reference)."""
     for prompt, tokens, got in zip(prompts, fast, fast_passes, strict=True):
-        ref = prompt_pass(llm, prompt + tokens)
+        ref = routed_pass(llm, prompt + tokens)
         assert_logits_track(got, ref)
         steps = ref[0][len(prompt) - 1: -1]  # the logits that chose each generated token
         assert_chosen_near_best(steps, tokens, 0.01 * ref[0].abs().max())
