@@ -275,8 +275,10 @@ def test_dense_matmul_rows_do_not_depend_on_the_batch(wdtype, bf16_values, k, am
 @pytest.mark.parametrize("bf16_values", [False, True])  # True: AMX or vdpbf16ps where there
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k", [(1, 37, 1024), (1, 6, 1000), (3, 64, 1000), (16, 130, 96),
-                                   (40, 48, 64)])
+                                   (40, 48, 64), (1, 1031, 128), (5, 1031, 136)])
 def test_dense_matmul_matches_torch(wdtype, m, n, k, bf16_values, amx):
+    """Small matrices on one thread; 1,031 rows split over the threads (each thread's rows in
+    streams, one last group of the rest)."""
     x, w = torch.randn(m, k), torch.randn(n, k).to(wdtype)
     if bf16_values:
         x = x.to(torch.bfloat16).float()
