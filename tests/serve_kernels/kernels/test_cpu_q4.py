@@ -64,12 +64,14 @@ def _reference(x, q, s, z, g):
 
 
 @pytest.mark.parametrize(("k", "n", "g"), [(64, 5, 64), (256, 80, 32), (256, 83, 128),
-                                           (512, 40, 512), (1024, 33, 256), (384, 16, 64)])
+                                           (512, 40, 512), (1024, 33, 256), (384, 16, 64),
+                                           (1024, 531, 128)])
 @pytest.mark.parametrize("m", [1, 3, 20])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_the_rounded_reference(lib, k, n, g, m, dtype):
     """Every group layout the kernel takes, row counts that leave a partial block of 4 rows,
-    one and several activation rows, fp32 and bf16 in and out."""
+    one and several activation rows, fp32 and bf16 in and out; 531 rows split over the threads
+    even for one activation row (each thread's rows in groups, one last group of the rest)."""
     q, s, z = _weight(k, n, g)
     x = torch.randn(m, k).to(dtype)
     y = _run(lib, x, cpu_q4.pack_codes(q), cpu_q4.scales_zeros(s, z), g)
@@ -82,8 +84,8 @@ def test_matches_the_rounded_reference(lib, k, n, g, m, dtype):
 @pytest.mark.parametrize("g", [32, 64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_output_does_not_depend_on_the_batch(lib, g, dtype):
-    """A row alone, in a few rows (the direct path for groups of 128k) and in many (weights
-    unpacked first) gets the same bits: a speculative verify chunk's tokens, batched, compute
+    """A row alone, in a few rows (the direct path for groups of 128k) and in many (AVX-512:
+    weights unpacked first) gets the same bits: a speculative verify chunk's tokens, batched, compute
     what their single decode steps would."""
     q, s, z = _weight(512, 40, g)
     w, sz = cpu_q4.pack_codes(q), cpu_q4.scales_zeros(s, z)
@@ -114,7 +116,7 @@ def _weight8(k: int, n: int, g: int):
 
 
 @pytest.mark.parametrize(("k", "n", "g"), [(64, 5, 64), (256, 80, 32), (256, 83, 128),
-                                           (512, 40, 512), (1024, 33, 256)])
+                                           (512, 40, 512), (1024, 33, 256), (1024, 531, 128)])
 @pytest.mark.parametrize("m", [1, 3, 20])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_8bit_matches_the_rounded_reference(lib, k, n, g, m, dtype):

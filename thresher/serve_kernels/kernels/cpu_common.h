@@ -1,5 +1,5 @@
 /* What thresher's C kernels share: bf16 <-> fp32, an 8-lane horizontal sum, when to open a
- * parallel region. */
+ * parallel region, how a thread groups its weight rows. */
 #ifndef THRESHER_CPU_COMMON_H
 #define THRESHER_CPU_COMMON_H
 
@@ -13,6 +13,23 @@
  * with new threads for each inner region, 100+ microseconds each, where at the outermost level
  * it reuses its pool. */
 static inline int outermost(void) { return omp_get_level() == 0; }
+
+/* Group q of the weight rows [lo, hi) a thread reads `nr` at a time: its first row (*r0), the
+ * distance between its rows (*step) and its row count, 0 past the last group. spread 0: groups
+ * of neighbouring rows. spread 1: `nr` streams, equal runs of rows each read front to back, a
+ * group taking the next row of each (the rest, fewer than nr rows, one last group). Where a
+ * core's hardware prefetchers keep few misses in flight within a page (AMD Zen 3), four
+ * neighbouring rows of 2-4 KB fill one or two pages at a time and read at half the speed of
+ * four streams (cpu_gemv.py). A row's sum does not depend on the rows sharing its group. */
+static inline int row_group(int64_t lo, int64_t hi, int nr, int spread, int64_t q, int64_t *r0,
+                            int64_t *step) {
+    int64_t len = spread ? (hi - lo) / nr : 0;
+    *step = q < len ? len : 1;
+    *r0 = q < len ? lo + q : lo + nr * len + (spread ? 0 : q * nr);
+    if (q < len) return nr;
+    if (spread && q > len) return 0;
+    return *r0 >= hi ? 0 : (hi - *r0 < nr ? (int)(hi - *r0) : nr);
+}
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;

@@ -235,11 +235,12 @@ static inline __attribute__((always_inline)) void rows_dot_packed(
     for (int r = 0; r < nr; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
-/* 8-bit codes, a byte each in order, read straight from the weight rows (``stride`` k): as
- * rows_dot, with a prefetch ahead of each row; groups of 32 scale each block's lanes (pair) */
+/* 8-bit codes, a byte each in order, read straight from the weight rows (``stride`` bytes
+ * apart): as rows_dot, with a prefetch ahead of each row; groups of 32 scale each block's lanes
+ * (pair) */
 static inline __attribute__((always_inline)) void rows_dot8(
-    const uint8_t *w, const float *sz, int64_t sz_stride, int64_t k, int64_t g, int nr,
-    const int8_t *xq, const float *d, float *out) {
+    const uint8_t *w, int64_t stride, const float *sz, int64_t sz_stride, int64_t k, int64_t g,
+    int nr, const int8_t *xq, const float *d, float *out) {
     __m512 acc[ROWS];
     for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
     int64_t per_group = g == 32 ? 1 : g / 64; /* 64-byte chunks per scale step */
@@ -250,7 +251,7 @@ static inline __attribute__((always_inline)) void rows_dot8(
             __m512i xv = _mm512_loadu_si512((const void *)(xq + 64 * c));
             __m512 dv = pair(d[2 * c], d[2 * c + 1]);
             for (int r = 0; r < nr; r++) {
-                const uint8_t *p = w + r * k + 64 * c;
+                const uint8_t *p = w + r * stride + 64 * c;
                 _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);
                 __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(),
                                                   _mm512_loadu_si512((const void *)p), xv);
@@ -265,8 +266,10 @@ static inline __attribute__((always_inline)) void rows_dot8(
     }
     for (int r = 0; r < nr; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
+#define SPREAD 0 /* a thread's rows in groups of neighbours (row_group) */
 #elif defined(__AVX2__) && defined(__FMA__)
 #define Q4_ISA "avx2"
+#define SPREAD 1 /* a thread's rows as ROWS streams (row_group) */
 static inline float zdot(const float *a, const float *b, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
@@ -277,26 +280,55 @@ static inline float zdot(const float *a, const float *b, int64_t n) {
     return v;
 }
 
-/* 32 codes (unsigned) times 32 int8 activations as 8 int32 partial sums; no saturation since
- * two products are at most 2 * 15 * 127 */
-static inline __m256 dot32(const uint8_t *w, const int8_t *x) {
-    __m256i p = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)w),
-                                     _mm256_loadu_si256((const __m256i *)x));
+/* 32 codes (unsigned, a register) times 32 int8 activations as 8 fp32 partial sums; no
+ * saturation since two products are at most 2 * 15 * 127 */
+static inline __m256 dot32(__m256i w, const int8_t *x) {
+    __m256i p = _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)x));
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 
-static inline __attribute__((always_inline)) void rows_dot(
-    const uint8_t *wb, const float *ws, const float *sz, int64_t sz_stride, int64_t k, int64_t g,
-    int nr, const int8_t *xq, const float *d, float *out) {
-    __m256 acc[ROWS];
-    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < k / 32; b++) {
-        int64_t gi = (b * 32) / g;
-        for (int r = 0; r < nr; r++)
-            acc[r] = _mm256_fmadd_ps(dot32(wb + r * k + 32 * b, xq + 32 * b),
-                                     _mm256_set1_ps(d[b] * sz[r * sz_stride + gi]), acc[r]);
+/* Every size of batch reads the packed bytes directly: a 32-byte load holds a chunk's 64 codes,
+ * its low nibbles the first block of 32 and its high nibbles the second, in the activations'
+ * order. dv: each activation block's scale as 8 lanes (block_scales), loaded beside the FMA.
+ * Per group, the low and the high blocks' sums apart, then times the group's scale (each block
+ * its own scale for groups of 32); the row sums live in memory, which leaves the registers to
+ * the inner loop (with them held there it spilled and ran a third slower). */
+#define Q4_DIRECT_ALL 1
+static void block_scales(const float *d, int64_t blocks, float *dv) {
+    for (int64_t b = 0; b < blocks; b++) _mm256_storeu_ps(dv + 8 * b, _mm256_set1_ps(d[b]));
+}
+
+static inline __attribute__((always_inline)) void rows_dot_packed(
+    const uint8_t *w, int64_t stride, const float *sz, int64_t sz_stride, int64_t k, int64_t g,
+    int nr, const int8_t *xq, const float *dv, float *out) {
+    float acc[ROWS][8] __attribute__((aligned(32)));
+    for (int r = 0; r < nr; r++) _mm256_store_ps(acc[r], _mm256_setzero_ps());
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    int64_t per_group = g == 32 ? 1 : g / 64; /* chunks per scale step */
+    for (int64_t c0 = 0; c0 < k / 64; c0 += per_group) {
+        __m256 glo[ROWS], ghi[ROWS];
+        for (int r = 0; r < nr; r++) glo[r] = ghi[r] = _mm256_setzero_ps();
+        for (int64_t c = c0; c < c0 + per_group; c++)
+            for (int r = 0; r < nr; r++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(w + r * stride + 32 * c));
+                __m256 lo = dot32(_mm256_and_si256(v, mask), xq + 64 * c);
+                __m256 hi = dot32(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask), xq + 64 * c + 32);
+                glo[r] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(dv + 16 * c), glo[r]);
+                ghi[r] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(dv + 16 * c + 8), ghi[r]);
+            }
+        for (int r = 0; r < nr; r++) {
+            const float *s = sz + r * sz_stride;
+            __m256 a = _mm256_load_ps(acc[r]);
+            if (g == 32)
+                a = _mm256_fmadd_ps(ghi[r], _mm256_set1_ps(s[2 * c0 + 1]),
+                                    _mm256_fmadd_ps(glo[r], _mm256_set1_ps(s[2 * c0]), a));
+            else
+                a = _mm256_fmadd_ps(_mm256_add_ps(glo[r], ghi[r]), _mm256_set1_ps(s[c0 / per_group]),
+                                    a);
+            _mm256_store_ps(acc[r], a);
+        }
     }
-    for (int r = 0; r < nr; r++) out[r] = hsum8(acc[r]);
+    for (int r = 0; r < nr; r++) out[r] = hsum8(_mm256_load_ps(acc[r]));
 }
 
 /* 32 8-bit codes times 32 int8 activations as 8 int32 sums, widened to 16 bits first: the
@@ -311,15 +343,14 @@ static inline __m256 dot32_wide(const uint8_t *w, const int8_t *x) {
 }
 
 static inline __attribute__((always_inline)) void rows_dot8(
-    const uint8_t *w, const float *sz, int64_t sz_stride, int64_t k, int64_t g, int nr,
-    const int8_t *xq, const float *d, float *out) {
+    const uint8_t *w, int64_t stride, const float *sz, int64_t sz_stride, int64_t k, int64_t g,
+    int nr, const int8_t *xq, const float *d, float *out) {
     __m256 acc[ROWS];
     for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < k / 32; b++) {
         int64_t gi = (b * 32) / g;
         for (int r = 0; r < nr; r++) {
-            _mm_prefetch((const char *)(w + r * k + 32 * b) + PREFETCH, _MM_HINT_T0);
-            acc[r] = _mm256_fmadd_ps(dot32_wide(w + r * k + 32 * b, xq + 32 * b),
+            acc[r] = _mm256_fmadd_ps(dot32_wide(w + r * stride + 32 * b, xq + 32 * b),
                                      _mm256_set1_ps(d[b] * sz[r * sz_stride + gi]), acc[r]);
         }
     }
@@ -364,38 +395,41 @@ static inline void store_row_out(void *y, int y_bf16, int64_t at, float acc, con
         ((float *)y)[at] = v;
 }
 
-/* y [m, n] from the weight rows a quad (ROWS rows, the last quad nr) at a time, each quad against
- * every activation row: 8-bit codes (k bytes a row) on rows_dot8, else packed 4-bit codes (k / 2)
- * on rows_dot_packed; xa [m, k] and its scales (ds_stride floats a row) as that kernel takes
- * them. Inlined with `dot8` constant and nr == ROWS apart, so each kernel keeps its shape. */
+/* y [m, n] from the weight rows ROWS at a time (row_group: neighbours, or streams where SPREAD),
+ * each group against every activation row: 8-bit codes (k bytes a row) on rows_dot8, else packed
+ * 4-bit codes (k / 2) on rows_dot_packed; xa [m, k] and its scales (ds_stride floats a row) as
+ * that kernel takes them. Inlined with `dot8` constant and nr == ROWS apart, so each kernel keeps
+ * its shape. */
 static inline __attribute__((always_inline)) void quad_rows(
     int dot8, const uint8_t *w, const float *sz, int64_t n, int64_t k, int64_t g, int64_t m,
     const int8_t *xa, const float *ds, int64_t ds_stride, const float *gsum, void *y,
     int y_bf16) {
-    int64_t groups = k / g, quads = (n + ROWS - 1) / ROWS, row = dot8 ? k : k / 2;
-#pragma omp parallel for schedule(static) if (m * n * k > 262144 && outermost())
-    for (int64_t qi = 0; qi < quads; qi++) {
-        int64_t r0 = qi * ROWS;
-        int nr = n - r0 < ROWS ? (int)(n - r0) : ROWS;
-        const uint8_t *wq = w + r0 * row;
-        const float *szr = sz + r0 * 2 * groups;
-        for (int64_t i = 0; i < m; i++) {
-            const int8_t *xi = xa + i * k;
-            const float *di = ds + i * ds_stride;
-            float acc[ROWS];
-            if (dot8 && nr == ROWS)
-                rows_dot8(wq, szr, 2 * groups, k, g, ROWS, xi, di, acc);
-            else if (dot8)
-                rows_dot8(wq, szr, 2 * groups, k, g, nr, xi, di, acc);
-#if defined(Q4_DIRECT) && !defined(Q4_NO_DIRECT)
-            else if (nr == ROWS)
-                rows_dot_packed(wq, row, szr, 2 * groups, k, g, ROWS, xi, di, acc);
-            else
-                rows_dot_packed(wq, row, szr, 2 * groups, k, g, nr, xi, di, acc);
-#endif
-            for (int r = 0; r < nr; r++)
-                store_row_out(y, y_bf16, i * n + r0 + r, acc[r], szr + r * 2 * groups,
-                              gsum + i * groups, groups);
+    int64_t groups = k / g, row = dot8 ? k : k / 2;
+#pragma omp parallel if (m * n * k > 262144 && outermost())
+    {
+        int64_t threads = omp_get_num_threads(), id = omp_get_thread_num(), r0, step;
+        int64_t lo = n * id / threads, hi = n * (id + 1) / threads;
+        int nr;
+        for (int64_t q = 0; (nr = row_group(lo, hi, ROWS, SPREAD, q, &r0, &step)); q++) {
+            const uint8_t *wq = w + r0 * row;
+            const float *szr = sz + r0 * 2 * groups;
+            int64_t ws = step * row, ss = step * 2 * groups; /* between the group's rows */
+            for (int64_t i = 0; i < m; i++) {
+                const int8_t *xi = xa + i * k;
+                const float *di = ds + i * ds_stride;
+                float acc[ROWS];
+                if (dot8 && nr == ROWS)
+                    rows_dot8(wq, ws, szr, ss, k, g, ROWS, xi, di, acc);
+                else if (dot8)
+                    rows_dot8(wq, ws, szr, ss, k, g, nr, xi, di, acc);
+                else if (nr == ROWS)
+                    rows_dot_packed(wq, ws, szr, ss, k, g, ROWS, xi, di, acc);
+                else
+                    rows_dot_packed(wq, ws, szr, ss, k, g, nr, xi, di, acc);
+                for (int r = 0; r < nr; r++)
+                    store_row_out(y, y_bf16, i * n + r0 + r * step, acc[r], szr + r * ss,
+                                  gsum + i * groups, groups);
+            }
         }
     }
 }
@@ -403,11 +437,22 @@ static inline __attribute__((always_inline)) void quad_rows(
 /* y [M, N] = x [M, K] @ W.T; x and y in fp32 or bf16 (flags). Returns 0, or -1 when out of memory. */
 int thr_q4_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *w,
                   const float *sz, int64_t n, int64_t g, void *y, int y_bf16) {
-    int64_t blocks = k / QBLOCK, groups = k / g;
+    int64_t blocks = k / QBLOCK;
     int8_t *xq;
     float *d, *gsum;
     if (quantize_rows(x, x_bf16, m, k, g, &xq, &d, &gsum)) return -1;
-    int64_t quads = (n + ROWS - 1) / ROWS;
+#ifdef Q4_DIRECT_ALL
+    float *dv = malloc(sizeof(float) * (size_t)(m * k / 4));
+    if (!dv) {
+        free(xq), free(d), free(gsum);
+        return -1;
+    }
+    block_scales(d, m * blocks, dv);
+    quad_rows(0, w, sz, n, k, g, m, xq, dv, k / 4, gsum, y, y_bf16);
+    free(dv), free(xq), free(d), free(gsum);
+    return 0;
+#else
+    int64_t groups = k / g, quads = (n + ROWS - 1) / ROWS;
     int failed = 0;
 #if defined(Q4_DIRECT) && !defined(Q4_NO_DIRECT)
     if (g % 128 == 0 && m <= DIRECT_ROWS) {
@@ -483,6 +528,7 @@ int thr_q4_matmul(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t
     }
     free(xq), free(d), free(gsum);
     return 0;
+#endif
 }
 
 /* One token through its top-k experts (a decode step at batch 1), in one call instead of a

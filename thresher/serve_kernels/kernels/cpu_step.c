@@ -352,12 +352,8 @@ static int dense_rows(const float *x, int64_t m, int64_t k, const void *w, int w
     return 0;
 }
 #else
-/* The AVX2 path: each thread's rows as DROWS streams, a quarter of its rows apart, each read
- * front to back; a group takes one row from each. Rows next to each other (a 2-4 KB row
- * each) put the group's loads in one or two pages, where one core's hardware prefetchers
- * then keep too few misses in flight: on an AMD EPYC (Zen 3) four contiguous rows read
- * 11-12 GB/s per core with a 2 KB software prefetch, four streams 20-24 (cpu_gemv.py). A
- * row's sum does not depend on which rows share its group. */
+/* The AVX2 path: each thread's rows as DROWS streams (row_group): on an AMD EPYC (Zen 3) four
+ * neighbouring rows read 11-12 GB/s per core with a 2 KB software prefetch, four streams 20-24. */
 static int dense_rows(const float *x, int64_t m, int64_t k, const void *w, int wbf16, int64_t n,
                       float *y, int64_t ystride) {
     float *xs = NULL; /* bf16 weights: x's even and odd elements, per row */
@@ -371,13 +367,10 @@ static int dense_rows(const float *x, int64_t m, int64_t k, const void *w, int w
     }
 #pragma omp parallel if (n * k >= 65536 && outermost())
     {
-        int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+        int64_t threads = omp_get_num_threads(), id = omp_get_thread_num(), r0, stride;
         int64_t lo = n * id / threads, hi = n * (id + 1) / threads;
-        int64_t len = (hi - lo) / DROWS; /* each stream's rows; the rest in one last group */
-        for (int64_t g = 0; g < len + 1; g++) {
-            int64_t r0 = g < len ? lo + g : lo + DROWS * len, stride = g < len ? len : 1;
-            int nr = g < len ? DROWS : (int)(hi - r0);
-            if (nr == 0) break;
+        int nr;
+        for (int64_t g = 0; (nr = row_group(lo, hi, DROWS, 1, g, &r0, &stride)); g++) {
             const char *wr = (const char *)w + r0 * k * size;
             for (int64_t i = 0; i < m; i++) {
                 float acc[DROWS];
