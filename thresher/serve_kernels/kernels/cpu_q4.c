@@ -14,8 +14,10 @@
  * Weight layout, per row: K / 64 chunks of 32 bytes; byte j of chunk c holds code 64c + j in
  * its low nibble and code 64c + 32 + j in its high nibble, so one load and two masks give the
  * 64 codes in order. Scales: float [N, 2, K / G], per row the group scales s, then s * z.
- * Groups of a multiple of 128 read the packed bytes directly for up to DIRECT_ROWS activation
- * rows (rows_dot_packed); other layouts unpack 4 rows at a time into a buffer first.
+ * With AVX512-VNNI, groups of a multiple of 128 read the packed bytes directly for up to
+ * DIRECT_ROWS activation rows (rows_dot_packed); other layouts unpack 4 rows at a time into a
+ * buffer first. With AVX2 every layout and batch reads them directly, a thread's rows as four
+ * streams (row_group).
  * Requires K % 64 == 0 and G % 32 == 0 (G divides K). Built by cpu_q4.py with the host's
  * -march; threads are torch's (its libgomp is the one loaded in the process).
  */
