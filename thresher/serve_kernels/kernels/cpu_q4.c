@@ -294,8 +294,11 @@ static inline __m256 dot32(__m256i w, const int8_t *x) {
  * order. dv: each activation block's scale as 8 lanes (block_scales), loaded beside the FMA.
  * Per group, the low and the high blocks' sums apart, then times the group's scale (each block
  * its own scale for groups of 32); the row sums live in memory, which leaves the registers to
- * the inner loop (with them held there it spilled and ran a third slower). */
+ * the inner loop (with them held there it spilled and ran a third slower). A prefetch 1 KB
+ * ahead in each stream: 7-12% faster from memory than none or 4 KB on a Zen 3 (medians of 15
+ * interleaved passes, one and two threads). */
 #define Q4_DIRECT_ALL 1
+#define STREAM_PREFETCH 1024
 static void block_scales(const float *d, int64_t blocks, float *dv) {
     for (int64_t b = 0; b < blocks; b++) _mm256_storeu_ps(dv + 8 * b, _mm256_set1_ps(d[b]));
 }
@@ -312,7 +315,9 @@ static inline __attribute__((always_inline)) void rows_dot_packed(
         for (int r = 0; r < nr; r++) glo[r] = ghi[r] = _mm256_setzero_ps();
         for (int64_t c = c0; c < c0 + per_group; c++)
             for (int r = 0; r < nr; r++) {
-                __m256i v = _mm256_loadu_si256((const __m256i *)(w + r * stride + 32 * c));
+                const uint8_t *p = w + r * stride + 32 * c;
+                _mm_prefetch((const char *)p + STREAM_PREFETCH, _MM_HINT_T0);
+                __m256i v = _mm256_loadu_si256((const __m256i *)p);
                 __m256 lo = dot32(_mm256_and_si256(v, mask), xq + 64 * c);
                 __m256 hi = dot32(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask), xq + 64 * c + 32);
                 glo[r] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(dv + 16 * c), glo[r]);
