@@ -126,11 +126,12 @@ def bytes_per_token(llm: LLM) -> int | None:
     a layer runs a dequantizing reference, whose traffic is not its weight bytes."""
     model = llm.engine.runner.model
     top_k = next(layer.mlp.top_k for layer in model.layers if hasattr(layer.mlp, "top_k"))
-    return module_bytes(model, top_k)
+    return module_bytes(model, top_k, native=bool(model.native_step))
 
 
-def module_bytes(module: torch.nn.Module, top_k: int) -> int | None:
-    """Bytes the linears under ``module`` read per token, top_k of each layer's experts."""
+def module_bytes(module: torch.nn.Module, top_k: int, native: bool = False) -> int | None:
+    """Bytes the linears under ``module`` read per token, top_k of each layer's experts; with
+    ``native`` (the C step) NF4 weights read their codes and a bf16 absmax per block."""
     dense = getattr(module, "cpu_dense", None)  # small matrices dequantized at load
     if isinstance(dense, tuple):  # experts: [E, N, K] gate|up and down
         return sum(t[0].numel() * t.element_size() for t in dense) * top_k
@@ -147,17 +148,20 @@ def module_bytes(module: torch.nn.Module, top_k: int) -> int | None:
     if isinstance(module, ExpertLoop) and module.cpu_packs:
         return sum(p.nbytes for p in module.cpu_packs) * top_k // len(module.gate)
     if isinstance(module, ExpertLoop | GptOssMoE):
-        full = [module_bytes(m, top_k) for m in (*module.gate, *module.up, *module.down)]
-        router = module_bytes(module.router, top_k) if isinstance(module, GptOssMoE) else 0
+        full = [module_bytes(m, top_k, native) for m in (*module.gate, *module.up, *module.down)]
+        router = module_bytes(module.router, top_k, native) if isinstance(module, GptOssMoE) else 0
         return None if None in (*full, router) else sum(full) * top_k // len(module.gate) + router
     if isinstance(module, DenseLinear):
         w = module.cpu_blocked.weight if module.cpu_blocked is not None else module.weight
         return w.numel() * w.element_size()
     if getattr(module, "cpu_packs", None):
         return sum(p.nbytes for p in module.cpu_packs)
+    if native and hasattr(module, "nf4"):  # cpu_nf4.c on the published codes
+        codes = module.nf4.packed.numel()
+        return codes + 2 * (2 * codes // module.nf4.blocksize)
     if hasattr(module, "qweight") or hasattr(module, "nf4"):
         return None
-    parts = [module_bytes(m, top_k) for m in module.children()]
+    parts = [module_bytes(m, top_k, native) for m in module.children()]
     if isinstance(module, LatentAttention):  # kv_b, absorbed per head: dense buffers
         parts.append(module.w_kb.nbytes + module.w_vb.nbytes)
     return None if None in parts else sum(parts)
