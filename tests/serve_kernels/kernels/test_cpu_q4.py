@@ -85,8 +85,8 @@ def test_matches_the_rounded_reference(lib, k, n, g, m, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_output_does_not_depend_on_the_batch(lib, g, dtype):
     """A row alone, in a few rows (the direct path for groups of 128k) and in many (AVX-512:
-    weights unpacked first) gets the same bits: a speculative verify chunk's tokens, batched, compute
-    what their single decode steps would."""
+    weights unpacked first) gets the same bits: a speculative verify chunk's tokens, batched,
+    compute what their single decode steps would."""
     q, s, z = _weight(512, 40, g)
     w, sz = cpu_q4.pack_codes(q), cpu_q4.scales_zeros(s, z)
     rows = torch.randn(33, 512).to(dtype)

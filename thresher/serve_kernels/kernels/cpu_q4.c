@@ -319,7 +319,8 @@ static inline __attribute__((always_inline)) void rows_dot_packed(
                 _mm_prefetch((const char *)p + STREAM_PREFETCH, _MM_HINT_T0);
                 __m256i v = _mm256_loadu_si256((const __m256i *)p);
                 __m256 lo = dot32(_mm256_and_si256(v, mask), xq + 64 * c);
-                __m256 hi = dot32(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask), xq + 64 * c + 32);
+                __m256 hi = dot32(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask),
+                                  xq + 64 * c + 32);
                 glo[r] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(dv + 16 * c), glo[r]);
                 ghi[r] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(dv + 16 * c + 8), ghi[r]);
             }
@@ -330,8 +331,8 @@ static inline __attribute__((always_inline)) void rows_dot_packed(
                 a = _mm256_fmadd_ps(ghi[r], _mm256_set1_ps(s[2 * c0 + 1]),
                                     _mm256_fmadd_ps(glo[r], _mm256_set1_ps(s[2 * c0]), a));
             else
-                a = _mm256_fmadd_ps(_mm256_add_ps(glo[r], ghi[r]), _mm256_set1_ps(s[c0 / per_group]),
-                                    a);
+                a = _mm256_fmadd_ps(_mm256_add_ps(glo[r], ghi[r]),
+                                    _mm256_set1_ps(s[c0 / per_group]), a);
             _mm256_store_ps(acc[r], a);
         }
     }
