@@ -94,6 +94,9 @@ static void quantize_row(const void *x, int x_bf16, int64_t k, int64_t g, int8_t
 #define PREFETCH 4096
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define Q4_ISA "avx512vnni"
+
 /* Codes of `nr` rows (each k/2 bytes, `stride` apart) as one byte each, in order; with groups of
  * 32, also each row's block scales as 16 floats per chunk (8 of block 2c, 8 of block 2c + 1).
  * `seg`: in the direct path's order instead, each 128-code segment's blocks 0, 2, 1, 3 (its 64
@@ -119,9 +122,6 @@ static inline void unpack_rows(const uint8_t *w, int64_t stride, int64_t k, int 
                                 _mm256_and_si256(_mm256_srli_epi16(p, 4), mask));
         }
 }
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define Q4_ISA "avx512vnni"
 
 /* sum_i a[i] * b[i]: the zero points' share, sum over groups of s * z * sum(x) */
 static inline float zdot(const float *a, const float *b, int64_t n) {

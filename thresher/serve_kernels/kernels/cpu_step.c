@@ -312,19 +312,24 @@ static int dense_dp(const float *x, int64_t k, const uint16_t *w, int64_t n, flo
 }
 #endif
 
+/* Each row of x [m, k] as its even elements, then its odd ones ((k + 1) / 2 floats each), as a
+ * bf16 matrix's widened halves meet them; NULL when out of memory. */
+static float *split_even_odd(const float *x, int64_t m, int64_t k) {
+    int64_t half = (k + 1) / 2;
+    float *xs = malloc(sizeof(float) * (size_t)(m * 2 * half));
+    if (xs)
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t j = 0; j < k; j++)
+                xs[i * 2 * half + (j % 2) * half + j / 2] = x[i * k + j];
+    return xs;
+}
+
 /* y [m, n] (rows ystride apart) = x [m, k] @ W.T on the vector units */
 #ifdef HAVE_TILE
 static int dense_rows(const float *x, int64_t m, int64_t k, const void *w, int wbf16, int64_t n,
                       float *y, int64_t ystride) {
     float *xs = NULL; /* bf16 weights: x's even and odd elements, per row */
-    if (wbf16) {
-        xs = malloc(sizeof(float) * (size_t)(m * (k + 1)));
-        if (!xs) return -1;
-        int64_t half = (k + 1) / 2;
-        for (int64_t i = 0; i < m; i++)
-            for (int64_t j = 0; j < k; j++)
-                xs[i * 2 * half + (j % 2) * half + j / 2] = x[i * k + j];
-    }
+    if (wbf16 && !(xs = split_even_odd(x, m, k))) return -1;
     int64_t blocks = (n + DROWS - 1) / DROWS, half = (k + 1) / 2;
 #pragma omp parallel for schedule(static) if (n * k >= 65536 && outermost())
     for (int64_t b = 0; b < blocks; b++) {
@@ -358,13 +363,7 @@ static int dense_rows(const float *x, int64_t m, int64_t k, const void *w, int w
                       float *y, int64_t ystride) {
     float *xs = NULL; /* bf16 weights: x's even and odd elements, per row */
     int64_t half = (k + 1) / 2, size = wbf16 ? 2 : 4;
-    if (wbf16) {
-        xs = malloc(sizeof(float) * (size_t)(m * (k + 1)));
-        if (!xs) return -1;
-        for (int64_t i = 0; i < m; i++)
-            for (int64_t j = 0; j < k; j++)
-                xs[i * 2 * half + (j % 2) * half + j / 2] = x[i * k + j];
-    }
+    if (wbf16 && !(xs = split_even_odd(x, m, k))) return -1;
 #pragma omp parallel if (n * k >= 65536 && outermost())
     {
         int64_t threads = omp_get_num_threads(), id = omp_get_thread_num(), r0, stride;
